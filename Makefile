@@ -1,0 +1,45 @@
+# hybridrl: the two commands a fresh machine needs are `make demo` and `make test`.
+# Both create .venv and install what they need; `make install` is idempotent and fast.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.hybridrl-installed
+
+# CPU machines take the CPU build of torch (torch==2.13.0 is on local disk here).
+# On a machine with an NVIDIA driver the torch already in the venv is kept; set TORCH_SPEC
+# to choose another (e.g. TORCH_SPEC= to let pip pick, or TORCH_SPEC=torch==2.9.1).
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_GPU),1)
+TORCH_SPEC ?=
+else
+TORCH_SPEC ?= torch==2.13.0
+endif
+
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-slow test-gpu clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	@if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
+	$(BIN)/python -m pip install -q -e ".[test]"
+	@touch $(STAMP)
+
+# The main job: the CPU embedded default, end to end.
+demo: install
+	$(BIN)/hybridrl doctor
+
+# The CPU test suite (slow and GPU tests skip with a reason).
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-slow: install
+	HYBRIDRL_SLOW=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache runs

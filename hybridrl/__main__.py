@@ -1,0 +1,5 @@
+import sys
+
+from hybridrl.cli import main
+
+sys.exit(main())

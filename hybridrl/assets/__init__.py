@@ -1,0 +1,1 @@
+"""Assets made locally (nothing is downloaded): tiny HF models and their tokenizer."""

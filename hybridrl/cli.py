@@ -1,0 +1,127 @@
+"""The `hybridrl` command. Each subcommand's module is imported only when it runs.
+
+    hybridrl train RECIPE [key=value ...]      start torchrun on this node with the recipe's ranks
+    hybridrl config show --config RECIPE [k=v] print the resolved config
+    hybridrl config defaults [--write DIR]     the documented defaults of every section
+    hybridrl assets tiny-model --arch A --out D
+    hybridrl doctor [--json]                   versions, devices, a 2-rank self-test
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from hybridrl import __version__
+from hybridrl.config import ConfigError, load_config, to_yaml
+
+EXIT_CONFIG = 2
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except ConfigError as err:
+        print(f"hybridrl: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    nproc = args.nproc_per_node or cfg.distributed.nproc_per_node
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "hybridrl.train", "--config", args.recipe, *args.overrides]
+    print(f"hybridrl: launching {nproc} rank(s): {' '.join(cmd[1:])}", file=sys.stderr)
+    sys.stderr.flush()
+    os.execv(sys.executable, cmd)
+    return 1  # not reached
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    recipe, overrides = args.config, list(args.overrides)
+    if args.recipe is not None:
+        if recipe is None and "=" not in args.recipe:
+            recipe = args.recipe              # `config show RECIPE k=v`
+        else:
+            overrides.insert(0, args.recipe)  # the first positional was an override
+    try:
+        cfg = load_config(recipe, overrides)
+    except ConfigError as err:
+        print(f"hybridrl: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    sys.stdout.write(to_yaml(cfg))
+    return 0
+
+
+def _cmd_config_defaults(args: argparse.Namespace) -> int:
+    from hybridrl.config.loader import defaults_yaml
+
+    texts = defaults_yaml()
+    if args.write:
+        out = Path(args.write)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in texts.items():
+            (out / f"{name}.yaml").write_text(text)
+        print(f"wrote {len(texts)} files to {out}")
+    else:
+        sys.stdout.write("\n".join(texts.values()))
+    return 0
+
+
+def _cmd_assets_tiny_model(args: argparse.Namespace) -> int:
+    from hybridrl.assets.tiny_model import main
+
+    return main(args)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from hybridrl.doctor import main
+
+    return main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridrl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"hybridrl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="run a recipe on this node (starts torchrun)")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="section.key=value")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="default: distributed.nproc_per_node")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("config", help="inspect configuration")
+    csub = p.add_subparsers(dest="config_command", required=True)
+    c = csub.add_parser("show", help="print the resolved config")
+    c.add_argument("recipe", nargs="?", default=None)
+    c.add_argument("--config", default=None, help="recipe YAML")
+    c.add_argument("overrides", nargs="*", help="section.key=value")
+    c.set_defaults(func=_cmd_config_show)
+    c = csub.add_parser("defaults", help="the documented defaults (what configs/ holds)")
+    c.add_argument("--write", default=None, metavar="DIR")
+    c.set_defaults(func=_cmd_config_defaults)
+
+    p = sub.add_parser("assets", help="make local assets (nothing is downloaded)")
+    asub = p.add_subparsers(dest="assets_command", required=True)
+    a = asub.add_parser("tiny-model", help="a tiny HF model directory (config, weights, tokenizer)")
+    from hybridrl.assets.tiny_model import add_arguments
+
+    add_arguments(a)
+    a.set_defaults(func=_cmd_assets_tiny_model)
+
+    p = sub.add_parser("doctor", help="versions, devices and a 2-rank self-test")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--no-selftest", action="store_true")
+    p.set_defaults(func=_cmd_doctor)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The root configuration: one section per component, each a keyword-only dataclass.
+
+A component's config lives beside the component (import-light: no torch, no megatron), and is
+mounted here under its section name. `configs/<section>.yaml` mirrors each section's defaults
+(written by `hybridrl config defaults --write configs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridrl.config.fields import ConfigValueError, check_choice, knob, section
+from hybridrl.distributed.config import DistributedConfig
+
+# Jobs shipped with hybridrl; `run.job` may also name any "package.module:JOB" attribute.
+JOBS = ("selfcheck",)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """What this run is and where it writes."""
+
+    name: str = knob("run", "run name; also the default run directory's leaf")
+    dir: str = knob("runs/${run.name}", "run directory: logs, metrics.jsonl, checkpoints")
+    job: str = knob("selfcheck", f"what the ranks run: one of {list(JOBS)} or 'package.module:JOB'")
+    seed: int = knob(0, "global seed: data order, sampling, init")
+    log_level: str = knob("info", "debug | info | warning | error")
+
+    def __post_init__(self) -> None:
+        if ":" not in self.job:
+            check_choice("job", self.job, JOBS)
+        check_choice("log_level", self.log_level, ("debug", "info", "warning", "error"))
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The policy model: a Hugging Face model directory on local disk."""
+
+    path: str = knob("", "HF model directory (config.json, *.safetensors, tokenizer files)")
+    dtype: str = knob("float32", "parameter dtype for training and rollout: float32 | bfloat16 | float16")
+
+    def __post_init__(self) -> None:
+        check_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+
+
+@dataclass(kw_only=True)
+class SelfCheckConfig:
+    """The self-check job: exercises dispatch, collect and error propagation on every rank."""
+
+    batch_size: int = knob(7, "samples in the self-check batch (uneven on purpose)")
+    fail_rank: int = knob(-1, "rank that raises in the error-propagation step; -1 = no injected failure")
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigValueError("batch_size", f"must be >= 1, got {self.batch_size}")
+
+
+@dataclass(kw_only=True)
+class Config:
+    """The whole run."""
+
+    run: RunConfig = section(RunConfig, "the run: name, directory, job, seed")
+    distributed: DistributedConfig = section(DistributedConfig, "processes, devices, control plane")
+    model: ModelConfig = section(ModelConfig, "the policy model")
+    selfcheck: SelfCheckConfig = section(SelfCheckConfig, "the self-check job")

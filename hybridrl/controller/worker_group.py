@@ -1,0 +1,226 @@
+"""`WorkerGroup`: the controller's handle on every rank's worker (single controller, SPMD workers).
+
+`call(method, data, dispatch=...)` posts one command to every rank, ships each rank its share of
+the data over the data plane, runs the method on rank 0 too, then collects the outputs of the
+ranks that own them. A failure anywhere (a rank raising, a rank dying, a call past its timeout)
+becomes one `WorkerGroupError` naming the rank, the method and the remote traceback; the group
+then aborts, and every rank exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import traceback
+from typing import Any, Callable
+
+from hybridrl.controller.dispatch import Dispatch, Plan
+from hybridrl.controller.messages import SHUTDOWN, Command, Status
+from hybridrl.data.batch import Batch
+from hybridrl.distributed.bootstrap import DistContext
+from hybridrl.distributed.control import ErrorReport, encode
+from hybridrl.distributed.mesh import Mesh
+from hybridrl.distributed.transport import BatchHeader, PendingSends, broadcast_batch, recv_batch, send_batch
+from hybridrl.distributed.watchdog import Watchdog
+from hybridrl.workers.base import Worker
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.005
+
+
+class WorkerGroupError(RuntimeError):
+    """A call failed on some rank. `str()` names the rank, the method and the remote traceback."""
+
+    def __init__(self, report: ErrorReport):
+        self.report = report
+        self.rank = report.rank
+        self.method = report.method
+        self.remote_traceback = report.traceback
+        super().__init__(format_report(report))
+
+
+def format_report(report: ErrorReport) -> str:
+    if report.kind == "timeout":
+        head = report.message
+    else:
+        head = f"rank {report.rank} failed in '{report.method}': {report.message}"
+    if report.traceback:
+        return f"{head}\n--- traceback from rank {report.rank} ---\n{report.traceback.rstrip()}"
+    return head
+
+
+class WorkerGroup:
+    def __init__(self, worker: Worker, ctx: DistContext, watchdog: Watchdog):
+        if not ctx.is_controller:
+            raise RuntimeError("a WorkerGroup lives on rank 0; other ranks run serve()")
+        self.worker = worker
+        self.ctx = ctx
+        self.watchdog = watchdog
+        self._seq = 0
+        self._broken: WorkerGroupError | None = None
+        self._closed = False
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    def mesh(self, name: str) -> Mesh:
+        meshes = self.worker.meshes()
+        if name not in meshes:
+            raise KeyError(f"{type(self.worker).__name__} has no mesh '{name}' (has: {sorted(meshes)})")
+        return meshes[name]
+
+    # ------------------------------------------------------------------ calls
+
+    def call(self, method: Callable[..., Any], data: Batch | None = None, *, dispatch: Dispatch | None = None,
+             timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """Run a registered worker method on the ranks its dispatch mode names; see module doc."""
+        if self._broken is not None:
+            raise WorkerGroupError(self._broken.report)
+        if self._closed:
+            raise RuntimeError("the worker group is shut down")
+        spec = type(self.worker).method_spec(method)
+        dispatch = dispatch or spec.dispatch
+        timeout = timeout_s or spec.timeout_s or self.ctx.cfg.call_timeout_s
+        plan = dispatch.plan(data, self)
+        if not dispatch.runs_everywhere:
+            return plan.gather({0: self._run_local(spec.name, plan.same, kwargs, peers=False)})
+
+        seq = self._seq + 1
+        cmd = Command(seq, spec.name, dict(kwargs),
+                      same=BatchHeader.of(plan.same) if plan.same is not None else None,
+                      per_rank={r: BatchHeader.of(b) for r, b in plan.per_rank.items() if r != 0},
+                      owners=tuple(plan.owners))
+        message = encode(cmd)   # a tensor in kwargs fails here, before anything is sent
+        self._seq = seq
+        self.ctx.control.post_command(seq, message)
+        self.watchdog.method = spec.name
+        self.watchdog.deadline = time.time() + timeout
+        self.watchdog.timeout_s = timeout
+        try:
+            with self._blocked():
+                data0 = self._send(plan)
+                output0 = self._run_local(spec.name, data0, kwargs)
+            statuses = self._wait_statuses(seq, spec.name, timeout)
+            with self._blocked():
+                outputs = self._receive(statuses, plan.owners)
+            if 0 in plan.owners:
+                outputs[0] = output0
+            self.ctx.control.forget(seq, range(self.world_size))
+            return plan.gather(outputs)
+        except WorkerGroupError as err:
+            self._fail(err)
+            raise
+        except BaseException as err:
+            report = self._root_cause() or ErrorReport(0, spec.name, "exception", _describe(err),
+                                                       traceback.format_exc())
+            failure = WorkerGroupError(report)
+            self._fail(failure)
+            raise failure from err
+        finally:
+            self.watchdog.deadline = None
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Tell every worker to return from serve(); wait for them to acknowledge."""
+        if self._closed or self._broken is not None:
+            return
+        self._closed = True
+        self._seq += 1
+        self.ctx.control.post_command(self._seq, Command(self._seq, SHUTDOWN))
+        deadline = time.monotonic() + timeout_s
+        workers = list(range(1, self.world_size))
+        while len(self.ctx.control.ready_statuses(self._seq, workers)) < len(workers):
+            if time.monotonic() > deadline or self.watchdog.poll_failure() is not None:
+                log.warning("workers did not acknowledge shutdown within %.0fs", timeout_s)
+                break
+            time.sleep(_POLL_S)
+
+    def abort(self, reason: str) -> None:
+        self._closed = True
+        self.ctx.control.abort(reason)
+
+    # ------------------------------------------------------------------ internals
+
+    @contextlib.contextmanager
+    def _blocked(self):
+        self.watchdog.blocked = True
+        try:
+            yield
+        finally:
+            self.watchdog.blocked = False
+
+    def _send(self, plan: Plan) -> Batch | None:
+        ctx = self.ctx
+        if plan.same is not None:
+            return broadcast_batch(plan.same, BatchHeader.of(plan.same), 0, ctx.data_group, ctx.device)
+        pending = PendingSends()
+        for rank, batch in plan.per_rank.items():
+            if rank != 0:
+                send_batch(batch, rank, ctx.data_group, ctx.device, pending)
+        pending.wait()
+        return plan.per_rank.get(0)
+
+    def _run_local(self, name: str, data: Batch | None, kwargs: dict[str, Any], peers: bool = True) -> Any:
+        try:
+            return self.worker.invoke(name, data, kwargs)
+        except Exception as err:
+            report = ErrorReport(0, name, "exception", _describe(err), traceback.format_exc(), time.time())
+            # With peers in the call, rank 0's error may be the echo of another rank's failure
+            # (a collective broken by a dead peer): prefer the root cause the watchdog finds.
+            root = self._root_cause() if peers else None
+            raise WorkerGroupError(root or report) from err
+
+    def _wait_statuses(self, seq: int, method: str, timeout: float) -> dict[int, Status]:
+        control = self.ctx.control
+        pending = list(range(1, self.world_size))
+        statuses: dict[int, Status] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            for rank in control.ready_statuses(seq, pending):
+                statuses[rank] = control.status(seq, rank)
+                pending.remove(rank)
+                if not statuses[rank].ok:
+                    raise WorkerGroupError(statuses[rank].error)
+            failure = self.watchdog.poll_failure()
+            if failure is not None:
+                raise WorkerGroupError(failure)
+            if time.monotonic() > deadline:
+                raise WorkerGroupError(ErrorReport(
+                    pending[0], method, "timeout",
+                    f"call '{method}' exceeded its {timeout:g}s timeout; ranks still running: {pending}"))
+            if pending:
+                time.sleep(_POLL_S)
+        return statuses
+
+    def _receive(self, statuses: dict[int, Status], owners: list[int]) -> dict[int, Any]:
+        outputs: dict[int, Any] = {}
+        for rank in owners:
+            if rank == 0:
+                continue
+            status = statuses[rank]
+            if status.output_kind == "batch":
+                outputs[rank] = recv_batch(status.header, rank, self.ctx.data_group, self.ctx.device)
+            else:
+                outputs[rank] = status.value
+        return outputs
+
+    def _root_cause(self, wait_s: float | None = None) -> ErrorReport | None:
+        """A failure the watchdog found on another rank (e.g. the peer that broke a collective)."""
+        wait_s = self.ctx.cfg.heartbeat_interval_s * 3 if wait_s is None else wait_s
+        end = time.monotonic() + wait_s
+        while True:
+            failure = self.watchdog.poll_failure()
+            if failure is not None or time.monotonic() > end:
+                return failure
+            time.sleep(0.02)
+
+    def _fail(self, err: WorkerGroupError) -> None:
+        if self._broken is None:
+            self._broken = err
+            self.abort(str(err))
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"

@@ -1,0 +1,157 @@
+"""`Trajectory`: the one typed record that crosses from rollout to the trainer.
+
+Sequences are token-in-token-out: `prompt_ids` is the rendered prompt exactly as the engine saw
+it; `response_ids` is everything after it, in order: the engine's sampled ids (mask 1, with
+their behaviour logprobs and the policy version that produced each) and the observation /
+template ids appended between turns (mask 0, logprob 0.0, version -1).
+
+`to_batch` lays trajectories out token-aligned for the trainer: for the full sequence
+x = prompt + response, position t of every [B, T] tensor describes token x[t] (its logprob is
+log p(x[t] | x[<t]); position 0 has none). So `loss_mask[b, t] = 1` exactly where x[t] is a
+policy-sampled token.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from hybridrl.data.batch import Batch
+
+
+class TrajectoryStatus(str, enum.Enum):
+    COMPLETED = "completed"          # the episode ended on its own (answer / env done)
+    TRUNCATED = "truncated"          # a budget ended it; `truncation` says which
+    ABORTED = "aborted"              # cancelled (e.g. deadline of the collection window)
+    FAILED = "failed"                # the policy's fault (e.g. unparseable end state)
+    INFRA_INVALID = "infra_invalid"  # not the policy's fault (tool crash, engine error): never trained on
+
+
+class Truncation(str, enum.Enum):
+    MAX_TURNS = "max_turns"
+    MAX_NEW_TOKENS = "max_new_tokens"          # one turn hit its token budget
+    MAX_RESPONSE_TOKENS = "max_response_tokens"
+    WALL_CLOCK = "wall_clock"
+    CONTEXT = "context"                        # the model's context length
+
+
+@dataclass(kw_only=True)
+class ToolCallRecord:
+    turn: int
+    name: str
+    ok: bool
+    error: str | None = None       # parse / authorization / execution error shown to the model
+    latency_s: float = 0.0
+
+
+@dataclass(kw_only=True)
+class Trajectory:
+    run_id: str
+    task_id: str
+    group_id: str                  # samples of one prompt share it (GRPO/RLOO groups)
+    attempt: int                   # index within the group
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    behavior_logprobs: list[float] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
+    status: TrajectoryStatus = TrajectoryStatus.COMPLETED
+    truncation: Truncation | None = None
+    turns: int = 0
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    rewards: dict[str, float] = field(default_factory=dict)           # component -> value
+    reward_evaluators: dict[str, str] = field(default_factory=dict)   # component -> evaluator@version
+    reward: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+    sampler_contract: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def trajectory_id(self) -> str:
+        """Deterministic from run / task / group / attempt."""
+        return f"{self.run_id}/{self.task_id}/{self.group_id}/{self.attempt}"
+
+    @property
+    def trace_id(self) -> str:
+        return hashlib.sha256(self.trajectory_id.encode()).hexdigest()[:16]
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return sum(self.response_mask)
+
+    @property
+    def versions(self) -> set[int]:
+        return {v for v, m in zip(self.policy_versions, self.response_mask) if m}
+
+    def append(self, ids: Sequence[int], *, policy: bool, logprobs: Sequence[float] | None = None,
+               version: int = -1) -> None:
+        """Append a segment: policy tokens (with logprobs, version) or observation tokens."""
+        ids = list(ids)
+        if policy:
+            if logprobs is None or len(logprobs) != len(ids):
+                raise ValueError(f"policy segment of {len(ids)} ids needs as many logprobs, got "
+                                 f"{None if logprobs is None else len(logprobs)}")
+            if version < 0:
+                raise ValueError("policy segment needs the policy version that produced it")
+        self.response_ids += ids
+        self.response_mask += [1 if policy else 0] * len(ids)
+        self.behavior_logprobs += [float(x) for x in logprobs] if policy else [0.0] * len(ids)
+        self.policy_versions += [version if policy else -1] * len(ids)
+
+    def validate(self) -> None:
+        n = len(self.response_ids)
+        for name in ("response_mask", "behavior_logprobs", "policy_versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"trajectory {self.trajectory_id}: {name} has {len(getattr(self, name))} "
+                                 f"entries for {n} response ids")
+        if any(m not in (0, 1) for m in self.response_mask):
+            raise ValueError(f"trajectory {self.trajectory_id}: response_mask must be 0/1")
+        if any(v < 0 for v, m in zip(self.policy_versions, self.response_mask) if m):
+            raise ValueError(f"trajectory {self.trajectory_id}: a policy token has no version")
+        if self.status == TrajectoryStatus.TRUNCATED and self.truncation is None:
+            raise ValueError(f"trajectory {self.trajectory_id}: TRUNCATED needs the budget that ended it")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["status"] = self.status.value
+        d["truncation"] = self.truncation.value if self.truncation else None
+        d["trajectory_id"] = self.trajectory_id
+        return d
+
+
+def to_batch(trajectories: Sequence[Trajectory], *, pad_id: int = 0, length: int | None = None) -> Batch:
+    """Token-aligned [B, T] tensors (right-padded) + per-sample metadata; see the module doc."""
+    if not trajectories:
+        raise ValueError("to_batch needs at least one trajectory")
+    for t in trajectories:
+        t.validate()
+    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+    width = max(lengths) if length is None else length
+    if max(lengths) > width:
+        raise ValueError(f"a trajectory has {max(lengths)} tokens, more than length={width}")
+    b = len(trajectories)
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(b, width, dtype=torch.long)
+    loss_mask = torch.zeros(b, width, dtype=torch.float32)
+    behavior = torch.zeros(b, width, dtype=torch.float32)
+    versions = torch.full((b, width), -1, dtype=torch.long)
+    for i, t in enumerate(trajectories):
+        p, n = len(t.prompt_ids), lengths[i]
+        input_ids[i, :n] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
+        attention_mask[i, :n] = 1
+        loss_mask[i, p:n] = torch.tensor(t.response_mask, dtype=torch.float32)
+        behavior[i, p:n] = torch.tensor(t.behavior_logprobs, dtype=torch.float32)
+        versions[i, p:n] = torch.tensor(t.policy_versions, dtype=torch.long)
+    return Batch(
+        {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+         "behavior_logprobs": behavior, "policy_version": versions,
+         "prompt_len": torch.tensor([len(t.prompt_ids) for t in trajectories]),
+         "reward": torch.tensor([t.reward for t in trajectories], dtype=torch.float32)},
+        {"trajectory_id": [t.trajectory_id for t in trajectories],
+         "group_id": [t.group_id for t in trajectories],
+         "status": [t.status.value for t in trajectories]},
+    )

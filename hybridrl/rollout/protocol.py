@@ -1,0 +1,112 @@
+"""The rollout-engine protocol: token ids in, token ids + exact logprobs + policy version out.
+
+Every backend (`backends/native`, `backends/sglang`) implements `RolloutEngine`; the agent
+loop and the hybrid worker only ever see this. Text never crosses this boundary: callers
+render prompts to ids once and decode ids only to parse or display.
+
+The meaning of the returned logprobs is fixed by the sampler contract (`SAMPLER_CONTRACT`),
+versioned so that a trainer can check it recomputes the same quantity.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+
+import torch
+
+SAMPLER_CONTRACT_VERSION = 1
+
+SAMPLER_CONTRACT = """\
+Sampler contract v1 (what a returned logprob means)
+1. logits = model(prefix)[-1] in float32, over the model's full vocabulary (config.vocab_size).
+2. Greedy (temperature == 0): token = argmax(logits), ties to the lowest id;
+   logprob = log_softmax(logits)[token] (temperature 1, no filtering).
+3. Sampling: scaled = logits / temperature; logprob = log_softmax(scaled)[token], over the FULL
+   vocabulary, before top-k / top-p filtering (the same quantity SGLang returns). top-k keeps
+   the k largest scaled logits, then top-p keeps the smallest prefix of those, sorted by
+   probability, whose mass reaches top_p (always at least one token); the token is drawn from
+   the renormalised filtered distribution with the request's own generator (seeded when a seed
+   is given). No repetition penalties, logit bias or grammar masks are applied in v1.
+4. A trainer that recomputes behaviour logprobs must therefore compute
+   log_softmax(logits / temperature) at the sampled token (temperature 1 for greedy) and must
+   treat top-k/top-p as a truncation of the behaviour policy it does not model.
+"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0          # 0 = greedy
+    top_k: int = -1                   # -1 = off
+    top_p: float = 1.0                # 1.0 = off
+    seed: int | None = None           # per-request generator; None = engine's generator
+    stop_token_ids: tuple[int, ...] = ()   # in addition to the model's EOS ids; the stop token is kept
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"                  # EOS or a stop token was generated (it is the last output token)
+    LENGTH = "length"              # max_new_tokens reached
+    CONTEXT = "context"            # the model's context length reached
+    ABORT = "abort"                # abort(request_id), or the engine was put to sleep
+    WEIGHTS_UPDATED = "weights_updated"   # aborted because new weights arrived mid-request
+
+
+@dataclass(frozen=True)
+class GenerationTimings:
+    queued_s: float = 0.0          # submit -> first scheduled
+    first_token_s: float = 0.0     # submit -> first output token
+    total_s: float = 0.0           # submit -> finished
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    request_id: str
+    token_ids: list[int]           # generated ids only (not the prompt)
+    logprobs: list[float]          # one per generated id, per the sampler contract
+    finish_reason: FinishReason
+    policy_version: int            # the weights every token of this output was generated with
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    timings: GenerationTimings = field(default_factory=GenerationTimings)
+    sampler_contract: int = SAMPLER_CONTRACT_VERSION
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the agent loop and the hybrid worker use. All coroutines run on one event loop."""
+
+    @property
+    def policy_version(self) -> int: ...
+
+    async def generate(self, token_ids: Sequence[int], sampling: SamplingParams,
+                       request_id: str) -> GenerationOutput: ...
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort one request; it finishes with FinishReason.ABORT. False if unknown/finished."""
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy HF-named tensors into the live weights; the version changes only when all arrived."""
+
+    async def sleep(self) -> None:
+        """Release the KV cache and generation buffers (weights stay unless the backend says so)."""
+
+    async def wake_up(self) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...

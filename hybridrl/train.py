@@ -1,0 +1,110 @@
+"""The torchrun entry point: bootstrap every rank, then rank 0 drives and the others serve.
+
+    torchrun --nproc-per-node N -m hybridrl.train --config recipes/X.yaml [key=value ...]
+
+The config is loaded and validated before any process group starts: a bad recipe exits with
+code 2 and one line naming the key. Exit codes: 0 done, 1 the run failed (every rank exits),
+2 bad configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import sys
+import time
+import traceback
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from hybridrl.config import ConfigError, load_config
+from hybridrl.telemetry.logs import setup_logging
+
+log = logging.getLogger("hybridrl.train")
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hybridrl.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="recipe YAML")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    return parser.parse_args(argv)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def run(cfg) -> int:
+    """Run `cfg.run.job` on this rank; returns the process exit code."""
+    from hybridrl.controller.worker_group import WorkerGroup, WorkerGroupError, format_report
+    from hybridrl.distributed.bootstrap import init_distributed, shutdown_distributed
+    from hybridrl.distributed.control import ErrorReport
+    from hybridrl.distributed.watchdog import Watchdog
+    from hybridrl.jobs import resolve_job
+    from hybridrl.workers.serve import serve
+
+    job = resolve_job(cfg.run.job)
+    ctx = init_distributed(cfg.distributed)
+    setup_logging(cfg.run.log_level, ctx.rank)
+    watchdog = Watchdog(ctx.control, cfg.distributed, format_failure=format_report)
+    watchdog.start()
+    seed_everything(cfg.run.seed)
+    code = EXIT_OK
+    try:
+        worker = job.make_worker(cfg, ctx)
+    except Exception as err:
+        report = ErrorReport(ctx.rank, f"{job.name}: worker start-up", "exception",
+                             f"{type(err).__name__}: {err}", traceback.format_exc(), time.time())
+        ctx.control.report_error(report)
+        if ctx.is_controller:
+            ctx.control.abort(format_report(report))
+        print(f"hybridrl: {format_report(report)}", file=sys.stderr)
+        _exit_now(EXIT_FAILED)
+    if ctx.is_controller:
+        group = WorkerGroup(worker, ctx, watchdog)
+        try:
+            job.controller(cfg, group)
+            group.shutdown()
+        except WorkerGroupError as err:
+            print(f"hybridrl: run failed: {err}", file=sys.stderr)
+            code = EXIT_FAILED
+        except BaseException as err:  # the controller's own bug, or Ctrl-C
+            group.abort(f"the controller failed: {type(err).__name__}: {err}")
+            traceback.print_exc()
+            code = EXIT_FAILED
+    else:
+        code = serve(worker, ctx, watchdog)
+    watchdog.stop()
+    if code != EXIT_OK:
+        _exit_now(code)   # peers may be gone: tearing down process groups could block
+    shutdown_distributed()
+    return code
+
+
+def _exit_now(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"hybridrl: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

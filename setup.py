@@ -1,0 +1,54 @@
+"""hybridrl: a colocated single-controller hybrid-engine RL trainer for LLM agents."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+
+
+def read_version() -> str:
+    for line in (ROOT / "hybridrl" / "__init__.py").read_text().splitlines():
+        if line.startswith("__version__"):
+            return line.split("=")[1].strip().strip('"')
+    raise RuntimeError("hybridrl/__init__.py has no __version__")
+
+
+setup(
+    name="hybridrl",
+    version=read_version(),
+    description="Colocated single-controller hybrid-engine RL for LLM agents (Megatron-core + SGLang/native)",
+    long_description=(ROOT / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["hybridrl", "hybridrl.*"]),
+    include_package_data=True,
+    package_data={"hybridrl": ["py.typed"]},
+    install_requires=[
+        # CPU installs take torch==2.13.0 first (see Makefile); GPU users keep their own build.
+        "torch>=2.4",
+        # The Megatron backend is tested against 0.16.1; the CPU compatibility patches in
+        # hybridrl/backends/megatron/cpu_compat.py name the call sites they cover in that range.
+        "megatron-core>=0.16.1,<0.17",
+        "transformers>=5.0,<6",
+        "tokenizers>=0.21",
+        "safetensors>=0.4",
+        "omegaconf>=2.3",
+        "numpy>=1.26",
+        "tensorboard>=2.15",
+        "psutil>=5.9",
+        "tqdm>=4.66",
+        "pyyaml>=6",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        # GPU rollout backend; never needed on CPU.
+        "sglang": ["sglang>=0.5.4,<0.6"],
+    },
+    entry_points={"console_scripts": ["hybridrl=hybridrl.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

@@ -1,0 +1,142 @@
+"""Config loading: layers, overrides, one-line errors that name the key and the file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from dataclasses import dataclass
+
+import pytest
+from omegaconf import MISSING
+
+from hybridrl.config import Config, ConfigError, knob, load_config, section
+from hybridrl.config.loader import CONFIGS_DIR, defaults_yaml
+from tests.launch import ROOT
+
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+
+
+def write(tmp_path, text, name="recipe.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_layers_and_overrides(tmp_path):
+    recipe = write(tmp_path, "run:\n  name: exp1\n  seed: 3\ndistributed:\n  nproc_per_node: 2\n")
+    cfg = load_config(recipe, ["run.seed=7", "distributed.call_timeout_s=12.5"])
+    assert isinstance(cfg, Config)
+    assert cfg.run.name == "exp1" and cfg.run.seed == 7
+    assert cfg.run.dir == "runs/exp1"           # interpolation resolved after the override layer
+    assert cfg.distributed.nproc_per_node == 2 and cfg.distributed.call_timeout_s == 12.5
+
+
+@pytest.mark.parametrize("text, key, words", [
+    ("run:\n  nmae: x\n", "run.nmae", ["unknown key", "did you mean 'name'"]),
+    ("distributed:\n  nproc_per_node: two\n", "distributed.nproc_per_node", ["expected int", "'two'"]),
+    ("distributed:\n  nproc_per_node: 0\n", "distributed.nproc_per_node", ["must be > 0"]),
+    ("runn:\n  name: x\n", "runn", ["unknown key", "did you mean 'run'"]),
+    ("run: 3\n", "run", ["is a section", "expected a mapping"]),
+    ("run:\n  job: nosuchjob\n", "run.job", ["expected one of"]),
+])
+def test_bad_recipe_is_one_line_naming_key_and_file(tmp_path, text, key, words):
+    recipe = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(recipe)
+    message = str(info.value)
+    assert "\n" not in message
+    assert info.value.key == key and f"key '{key}'" in message
+    assert "recipe.yaml" in message
+    for w in words:
+        assert w in message
+
+
+def test_bad_override_names_the_command_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"command line: key 'run.seed': expected int"):
+        load_config(None, ["run.seed=abc"])
+    with pytest.raises(ConfigError, match="not of the form section.key=value"):
+        load_config(None, ["run.seed"])
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml: no such file"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=r"invalid YAML: line \d+: expected"):
+        load_config(write(tmp_path, "run:\n  name: [x\n"))
+
+
+@dataclass(kw_only=True)
+class _Need:
+    path: str = knob(MISSING, "a required path")
+
+
+@dataclass(kw_only=True)
+class _Root:
+    need: _Need = section(_Need)
+
+
+def test_required_value_missing(tmp_path):
+    Root = _Root
+    with pytest.raises(ConfigError, match="key 'need.path': required value missing"):
+        load_config(None, [], schema=Root, configs_dir=None)
+    assert load_config(None, ["need.path=/x"], schema=Root, configs_dir=None).need.path == "/x"
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
+def test_every_shipped_recipe_loads(recipe):
+    load_config(recipe)
+
+
+def test_configs_dir_mirrors_the_schema():
+    """configs/<section>.yaml is generated from the dataclasses: it documents every key."""
+    texts = defaults_yaml()
+    on_disk = {p.stem: p.read_text() for p in CONFIGS_DIR.glob("*.yaml")}
+    assert on_disk == texts, "configs/ is stale: run `hybridrl config defaults --write configs`"
+
+
+def test_config_keys_are_pinned():
+    """Adding or renaming a key is a deliberate change: update this list with it."""
+    from hybridrl.config.loader import to_dict
+
+    def keys(d, prefix=""):
+        for k, v in d.items():
+            yield from keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+
+    got = sorted(keys(to_dict(load_config())))
+    assert got == sorted(PINNED_KEYS), f"config keys changed: {sorted(set(got) ^ set(PINNED_KEYS))}"
+
+
+PINNED_KEYS = [
+    "run.name", "run.dir", "run.job", "run.seed", "run.log_level",
+    "distributed.nproc_per_node", "distributed.device", "distributed.call_timeout_s",
+    "distributed.heartbeat_interval_s", "distributed.heartbeat_timeout_s", "distributed.init_timeout_s",
+    "distributed.error_grace_s",
+    "model.path", "model.dtype",
+    "selfcheck.batch_size", "selfcheck.fail_rank",
+]
+
+
+def _cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "hybridrl", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_config_show_resolves():
+    proc = _cli("config", "show", "--config", "recipes/selfcheck.yaml", "run.seed=5")
+    assert proc.returncode == 0, proc.stderr
+    assert "seed: 5" in proc.stdout and "nproc_per_node: 2" in proc.stdout
+
+
+def test_cli_bad_config_exits_2_before_any_process_group(tmp_path):
+    recipe = write(tmp_path, "run:\n  sede: 1\n")
+    started = time.monotonic()
+    proc = _cli("train", str(recipe))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "key 'run.sede'" in lines[0] and "recipe.yaml" in lines[0], proc.stderr
+    assert "launching" not in proc.stderr      # torchrun was never started
+    assert time.monotonic() - started < 30
+    proc = _cli("config", "show", "--config", str(tmp_path / "missing.yaml"))
+    assert proc.returncode == 2 and "missing.yaml: no such file" in proc.stderr

@@ -1,0 +1,63 @@
+"""Shared test setup: markers that skip with a reason, and cached tiny-model assets."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    run_slow = config.getoption("--run-slow") or os.environ.get("HYBRIDRL_SLOW") == "1"
+    try:
+        import torch
+
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001
+        num_gpus = 0
+    try:
+        import sglang  # noqa: F401
+
+        has_sglang = True
+    except Exception:  # noqa: BLE001
+        has_sglang = False
+    for item in items:
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(pytest.mark.skip(reason="slow: set HYBRIDRL_SLOW=1 or pass --run-slow"))
+        gpu = item.get_closest_marker("gpu")
+        if gpu is not None:
+            need = gpu.args[0] if gpu.args else 1
+            if num_gpus < need:
+                item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), found {num_gpus}"))
+        if "sglang" in item.keywords and not (has_sglang and num_gpus):
+            item.add_marker(pytest.mark.skip(reason="needs sglang and a CUDA GPU"))
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return ROOT
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Build-once factory: tiny_models(arch="qwen2", **spec) -> HF model directory."""
+    from hybridrl.assets.tiny_model import TinyModelSpec, build_tiny_model
+
+    cache: dict[tuple, Path] = {}
+    base = tmp_path_factory.mktemp("tiny_models")
+
+    def make(arch: str = "qwen2", **kwargs) -> Path:
+        key = (arch, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            name = f"{arch}-" + "-".join(f"{k}{v}" for k, v in sorted(kwargs.items())) if kwargs else arch
+            cache[key] = build_tiny_model(base / name, TinyModelSpec(arch=arch, **kwargs))
+        return cache[key]
+
+    return make
