@@ -1,0 +1,1 @@
+"""Algorithms as small pure functions: advantage estimators, policy losses, KL, aggregation, filters."""
