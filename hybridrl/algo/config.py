@@ -1,0 +1,54 @@
+"""The `algo` config section: which estimator, loss, KL and filters an RL run uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, knob
+
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "gae")
+POLICY_LOSSES = ("ppo_clip",)
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    """Advantage estimator, policy loss, KL penalty, entropy bonus, mismatch correction, filters."""
+
+    advantage: str = knob("grpo", f"advantage estimator: {' | '.join(ADVANTAGE_ESTIMATORS)} (gae needs a critic)")
+    norm_adv_by_std: bool = knob(True, "grpo: divide by the group's reward std")
+    reinforce_baseline: str = knob("group", "reinforce_pp: baseline 'group' (group mean reward) or 'none'")
+    gamma: float = knob(1.0, "gae: discount")
+    lam: float = knob(0.95, "gae: lambda")
+    policy_loss: str = knob("ppo_clip", f"policy loss: {' | '.join(POLICY_LOSSES)}")
+    clip_low: float = knob(0.2, "PPO clip range below 1 (ratio >= 1 - clip_low)")
+    clip_high: float = knob(0.2, "PPO clip range above 1 (ratio <= 1 + clip_high); > clip_low is 'clip-higher'")
+    dual_clip: float = knob(3.0, "dual-clip constant c > 1 for negative advantages; 0 disables")
+    kl_estimator: str = knob("k3", f"KL(policy || reference) estimator: {' | '.join(KL_ESTIMATORS)}")
+    kl_coef: float = knob(0.0, "KL penalty coefficient; 0 disables it (and the reference model)")
+    kl_in: str = knob("loss", "where the KL penalty goes: 'loss' (per token) or 'reward' (token rewards)")
+    entropy_coef: float = knob(0.0, "entropy bonus coefficient")
+    tis_cap: float = knob(2.0, "truncated importance sampling cap for rollout/trainer mismatch; 0 disables")
+    drop_truncated: bool = knob(True, "drop TRUNCATED (overlong) trajectories from updates")
+    drop_all_equal_groups: bool = knob(True, "drop groups whose rewards are all equal (no signal)")
+    max_policy_lag: int = knob(-1, "drop trajectories with tokens older than this many versions; -1 = off")
+
+    def __post_init__(self) -> None:
+        check_choice("advantage", self.advantage, ADVANTAGE_ESTIMATORS)
+        check_choice("reinforce_baseline", self.reinforce_baseline, ("group", "none"))
+        check_choice("policy_loss", self.policy_loss, POLICY_LOSSES)
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_choice("kl_in", self.kl_in, ("loss", "reward"))
+        for name in ("clip_low", "clip_high"):
+            check_positive(name, getattr(self, name))
+        if self.dual_clip != 0 and self.dual_clip <= 1:
+            raise ConfigValueError("dual_clip", f"must be > 1 or 0 (off), got {self.dual_clip}")
+        for name in ("kl_coef", "entropy_coef", "tis_cap"):
+            check_positive(name, getattr(self, name), allow_zero=True)
+        if self.advantage == "gae":
+            raise ConfigValueError("advantage", "gae needs a critic model, which hybridrl does not build yet; "
+                                               "use grpo, rloo or reinforce_pp")
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.kl_coef > 0
