@@ -40,6 +40,7 @@ setup(
         "psutil>=5.9",
         "tqdm>=4.66",
         "pyyaml>=6",
+        "xxhash>=3.4",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3"],

@@ -1,0 +1,1 @@
+"""Moving trained weights into rollout engines: plans, buckets, transports, manifests, parity."""
