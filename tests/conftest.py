@@ -29,14 +29,14 @@ def pytest_collection_modifyitems(config, items):
     except Exception:  # noqa: BLE001
         has_sglang = False
     for item in items:
-        if "slow" in item.keywords and not run_slow:
+        if item.get_closest_marker("slow") and not run_slow:
             item.add_marker(pytest.mark.skip(reason="slow: set HYBRIDRL_SLOW=1 or pass --run-slow"))
         gpu = item.get_closest_marker("gpu")
         if gpu is not None:
             need = gpu.args[0] if gpu.args else 1
             if num_gpus < need:
                 item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), found {num_gpus}"))
-        if "sglang" in item.keywords and not (has_sglang and num_gpus):
+        if item.get_closest_marker("sglang") and not (has_sglang and num_gpus):
             item.add_marker(pytest.mark.skip(reason="needs sglang and a CUDA GPU"))
 
 

@@ -1,0 +1,29 @@
+"""The `sglang` knobs of the rollout section. Engine flags we do not model pass through `engine_args`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hybridrl.config.fields import ConfigValueError, check_choice, knob
+
+
+@dataclass(kw_only=True)
+class SGLangConfig:
+    """SGLang in-process engine, one per rollout TP group, colocated with the trainer."""
+
+    mem_fraction_static: float = knob(0.6, "fraction of TOTAL GPU memory for weights + KV cache "
+                                           "(memory the trainer still holds at start shrinks the KV pool)")
+    dtype: str = knob("bfloat16", "engine dtype: bfloat16 | float16 | float32")
+    enable_memory_saver: bool = knob(True, "needed to release/resume weights and KV cache between modes")
+    load_format: str = knob("dummy", "'dummy': start without weights, they arrive with the first publication")
+    base_port: int = knob(31000, "first of the ports the engines use (each rank offsets it; pass unique ports)")
+    context_length: int = knob(0, "max context; 0 = the model's")
+    cuda_graph: bool = knob(True, "capture CUDA graphs (released with the KV cache when the memory saver allows)")
+    engine_args: dict[str, Any] = knob(factory=dict, help="extra sglang.Engine(**kwargs), passed through unchecked")
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigValueError("mem_fraction_static", f"must be in (0, 1), got {self.mem_fraction_static}")
+        check_choice("dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        check_choice("load_format", self.load_format, ("dummy", "auto"))
