@@ -1,0 +1,68 @@
+"""Per-step metrics: TensorBoard scalars + `metrics.jsonl` in the run directory + a console line.
+
+One call per step, `log(step, metrics)`, writes the same keys to all sinks; validation keys use
+the `val/` prefix. Values must be numbers (NaN is written as null in JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Mapping
+
+PROGRESS_KEYS = ("reward/mean", "val/accuracy", "loss", "kl", "time/step_s")
+
+
+def _clean(value) -> float | None:
+    value = float(value)
+    return None if math.isnan(value) or math.isinf(value) else value
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, resume_from_step: int | None = None):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        if resume_from_step is not None:
+            self._truncate_after(resume_from_step)
+        self._writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.dir / "tensorboard"),
+                                         purge_step=resume_from_step + 1 if resume_from_step is not None else None)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        row = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._writer is not None:
+            for key, value in row.items():
+                if key != "step" and value is not None:
+                    self._writer.add_scalar(key, value, step)
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop rows of steps after the checkpoint (they will be recomputed)."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def progress_postfix(metrics: Mapping[str, float]) -> str:
+    parts = []
+    for key in PROGRESS_KEYS:
+        if key in metrics and metrics[key] is not None:
+            parts.append(f"{key.split('/')[-1] if key != 'val/accuracy' else 'val_acc'}={metrics[key]:.3g}")
+    return " ".join(parts)
