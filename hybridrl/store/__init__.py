@@ -1,0 +1,1 @@
+"""State that must survive: run checkpoints (and the trajectory log)."""
