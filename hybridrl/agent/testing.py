@@ -1,0 +1,194 @@
+"""Deterministic, real implementations of the engine protocol and of slow tools, for tests and
+benchmarks of the agent layer (no model needed).
+
+`ScriptedEngine` batches like a serving engine: every `step_latency_s` all active requests
+advance by one token (up to `max_batch` of them), so concurrent episodes share decode steps.
+What a request generates comes from a `responder(context_ids, turn) -> text | ids` (the
+turn is the number of assistant headers after the prompt); each token's logprob is a fixed
+function of (position, token), so tests can check exactly what reached the trajectory. Every
+request is recorded (`engine.requests`) with the ids it saw and returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from hybridrl.agent.actions import ToolSpec
+from hybridrl.agent.tools.base import ToolResult
+from hybridrl.rollout.protocol import (
+    SAMPLER_CONTRACT_VERSION,
+    FinishReason,
+    GenerationOutput,
+    GenerationTimings,
+    SamplingParams,
+)
+
+Responder = Callable[[list[int], int], "str | list[int]"]
+
+
+def scripted_logprob(position: int, token: int) -> float:
+    """The logprob the scripted engine reports for `token` at absolute `position`."""
+    return -(((token * 2654435761) ^ (position * 40503)) % 997 + 1) / 1000.0
+
+
+@dataclass
+class RecordedRequest:
+    request_id: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    output: GenerationOutput | None = None
+
+
+@dataclass
+class _Active:
+    rec: RecordedRequest
+    script: list[int]
+    future: asyncio.Future
+    version: int
+    submitted: float
+    produced: list[int] = field(default_factory=list)
+    first_token: float = 0.0
+    abort_reason: FinishReason | None = None
+
+
+class ScriptedEngine:
+    """A `RolloutEngine` that replays scripted turns with batched, timed decode steps."""
+
+    def __init__(self, tokenizer: Any, responder: Responder, *, step_latency_s: float = 0.0, max_batch: int = 256,
+                 max_model_len: int = 4096, version: int = 0, assistant_header: str = "<|im_start|>assistant"):
+        self.tokenizer = tokenizer
+        self.responder = responder
+        self.step_latency_s = step_latency_s
+        self.max_batch = max_batch
+        self.max_model_len = max_model_len
+        self.eos_token_ids = [int(tokenizer.eos_token_id)]
+        self._version = version
+        self._header = list(tokenizer.encode(assistant_header, add_special_tokens=False))
+        self._active: dict[str, _Active] = {}
+        self._runner: asyncio.Task | None = None
+        self.requests: list[RecordedRequest] = []
+        self.abort_on_update = True
+        self._stats = {"steps": 0, "busy_s": 0.0, "tokens": 0, "max_batch_seen": 0}
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    # ------------------------------------------------------------------ protocol
+
+    async def generate(self, token_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> GenerationOutput:
+        ids = list(token_ids)
+        if request_id in self._active:
+            raise ValueError(f"request id {request_id!r} is already running")
+        reply = self.responder(ids, self._count_turns(ids))
+        script = list(self.tokenizer.encode(reply, add_special_tokens=False)) + self.eos_token_ids \
+            if isinstance(reply, str) else list(reply)
+        rec = RecordedRequest(request_id, ids, sampling)
+        self.requests.append(rec)
+        active = _Active(rec, script, asyncio.get_running_loop().create_future(), self._version, time.monotonic())
+        self._active[request_id] = active
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.ensure_future(self._run())
+        return await active.future
+
+    async def abort(self, request_id: str) -> bool:
+        active = self._active.get(request_id)
+        if active is None:
+            return False
+        active.abort_reason = FinishReason.ABORT
+        self._finish(active, FinishReason.ABORT)
+        return True
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        for _ in named_tensors:
+            pass
+        if self.abort_on_update:
+            for active in list(self._active.values()):
+                self._finish(active, FinishReason.WEIGHTS_UPDATED)
+        self._version = version
+
+    async def sleep(self) -> None:
+        for active in list(self._active.values()):
+            self._finish(active, FinishReason.ABORT)
+
+    async def wake_up(self) -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {**self._stats, "requests": len(self.requests), "running": len(self._active)}
+
+    # ------------------------------------------------------------------ internals
+
+    def _count_turns(self, ids: list[int]) -> int:
+        h, n = self._header, 0
+        for i in range(len(ids) - len(h) + 1):
+            if ids[i:i + len(h)] == h:
+                n += 1
+        return n - 1          # the prompt ends with the first assistant header
+
+    async def _run(self) -> None:
+        while self._active:
+            started = time.monotonic()
+            if self.step_latency_s:
+                await asyncio.sleep(self.step_latency_s)
+            else:
+                await asyncio.sleep(0)
+            batch = list(self._active.values())[: self.max_batch]
+            self._stats["max_batch_seen"] = max(self._stats["max_batch_seen"], len(batch))
+            self._stats["steps"] += 1
+            for active in batch:
+                if active.future.done():
+                    continue
+                self._advance(active)
+            self._stats["busy_s"] += time.monotonic() - started
+
+    def _advance(self, active: _Active) -> None:
+        rec, sp = active.rec, active.rec.sampling
+        position = len(rec.input_ids) + len(active.produced)
+        if position >= self.max_model_len:
+            self._finish(active, FinishReason.CONTEXT)
+            return
+        if not active.produced:
+            active.first_token = time.monotonic()
+        if len(active.produced) >= len(active.script):    # the script ran out without EOS: keep
+            token = active.script[-1] if active.script else self.eos_token_ids[0]
+        else:
+            token = active.script[len(active.produced)]
+        active.produced.append(token)
+        self._stats["tokens"] += 1
+        if token in self.eos_token_ids or token in sp.stop_token_ids:
+            self._finish(active, FinishReason.STOP)
+        elif len(active.produced) >= sp.max_new_tokens:
+            self._finish(active, FinishReason.LENGTH)
+
+    def _finish(self, active: _Active, reason: FinishReason) -> None:
+        self._active.pop(active.rec.request_id, None)
+        if active.future.done():
+            return
+        start = len(active.rec.input_ids)
+        now = time.monotonic()
+        out = GenerationOutput(
+            request_id=active.rec.request_id, token_ids=list(active.produced),
+            logprobs=[scripted_logprob(start + i, t) for i, t in enumerate(active.produced)],
+            finish_reason=reason, policy_version=active.version, prompt_tokens=start,
+            timings=GenerationTimings(first_token_s=(active.first_token or now) - active.submitted,
+                                      total_s=now - active.submitted),
+            sampler_contract=SAMPLER_CONTRACT_VERSION)
+        active.rec.output = out
+        active.future.set_result(out)
+
+
+class SleepTool:
+    """A tool that waits `latency_s` (an API call, a slow environment) and echoes its argument."""
+
+    def __init__(self, latency_s: float = 0.2, name: str = "sleep"):
+        self.latency_s = latency_s
+        self.spec = ToolSpec(name, f"wait {latency_s}s and echo", {
+            "type": "object", "properties": {"text": {"type": "string", "maxLength": 200}}})
+
+    async def __call__(self, arguments: dict[str, Any]) -> ToolResult:
+        await asyncio.sleep(self.latency_s)
+        return ToolResult(str(arguments.get("text", "done")), True)

@@ -1,0 +1,1 @@
+"""Environments: the protocol, the leased environment service, and the tasks (`tasks/`)."""
