@@ -4,7 +4,8 @@ benchmarks of the agent layer (no model needed).
 `ScriptedEngine` batches like a serving engine: every `step_latency_s` all active requests
 advance by one token (up to `max_batch` of them), so concurrent episodes share decode steps.
 What a request generates comes from a `responder(context_ids, turn) -> text | ids` (the
-turn is the number of assistant headers after the prompt); each token's logprob is a fixed
+turn is the number of assistant headers after the prompt; a turn re-requested after an
+interruption continues its script where it stopped); each token's logprob is a fixed
 function of (position, token), so tests can check exactly what reached the trajectory. Every
 request is recorded (`engine.requests`) with the ids it saw and returned.
 """
@@ -83,9 +84,13 @@ class ScriptedEngine:
         ids = list(token_ids)
         if request_id in self._active:
             raise ValueError(f"request id {request_id!r} is already running")
-        reply = self.responder(ids, self._count_turns(ids))
+        turn, started_at = self._turn_of(ids)
+        reply = self.responder(ids, turn)
         script = list(self.tokenizer.encode(reply, add_special_tokens=False)) + self.eos_token_ids \
             if isinstance(reply, str) else list(reply)
+        so_far = ids[started_at:]                  # a turn continued after an interruption
+        if so_far and script[:len(so_far)] == so_far:
+            script = script[len(so_far):]
         rec = RecordedRequest(request_id, ids, sampling)
         self.requests.append(rec)
         active = _Active(rec, script, asyncio.get_running_loop().create_future(), self._version, time.monotonic())
@@ -122,12 +127,17 @@ class ScriptedEngine:
 
     # ------------------------------------------------------------------ internals
 
-    def _count_turns(self, ids: list[int]) -> int:
-        h, n = self._header, 0
+    def _turn_of(self, ids: list[int]) -> tuple[int, int]:
+        """(assistant headers after the prompt's, index where the current turn's text starts)."""
+        h, n, start = self._header, 0, len(ids)
         for i in range(len(ids) - len(h) + 1):
             if ids[i:i + len(h)] == h:
                 n += 1
-        return n - 1          # the prompt ends with the first assistant header
+                start = i + len(h)
+        nl = self.tokenizer.encode("\n", add_special_tokens=False)
+        if ids[start:start + len(nl)] == nl:
+            start += len(nl)
+        return n - 1, start          # the prompt ends with the first assistant header
 
     async def _run(self) -> None:
         while self._active:

@@ -1,0 +1,59 @@
+"""Shared pieces of the agent-layer tests: scripted responders and small tools."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from hybridrl.agent.actions import ToolSpec
+from hybridrl.agent.tools.base import ToolResult
+
+
+def conversation(tokenizer, ids) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def calculator_oracle(tokenizer, *, calls: int = 1):
+    """A perfect calculator agent: `calls` tool calls on the question, then the last result."""
+
+    def respond(ids, turn):
+        text = conversation(tokenizer, ids)
+        question = re.findall(r"What is (.*)\?", text)[-1]
+        results = re.findall(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", text, flags=re.S)
+        if len(results) < calls:
+            return f"<calc>{question}</calc>"
+        return f"<answer>{results[-1]}</answer>"
+
+    return respond
+
+
+def script(*turns):
+    """Respond with the given turns in order (the last one repeats)."""
+
+    def respond(ids, turn):
+        return turns[min(turn, len(turns) - 1)]
+
+    return respond
+
+
+def json_call(name: str, **arguments) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+class FailingTool:
+    """A tool whose implementation raises (an infrastructure fault, not the policy's)."""
+
+    def __init__(self, name: str = "broken"):
+        self.spec = ToolSpec(name, "always raises", {"type": "object", "properties": {}})
+
+    async def __call__(self, arguments):
+        raise RuntimeError("tool backend is down")
+
+
+class EchoTool:
+    def __init__(self, name: str = "echo"):
+        self.spec = ToolSpec(name, "echo text", {"type": "object", "properties": {"text": {"type": "string"}},
+                                                 "required": ["text"]})
+
+    async def __call__(self, arguments):
+        return ToolResult(arguments["text"], True)
