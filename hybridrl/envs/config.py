@@ -12,7 +12,7 @@ from hybridrl.config.fields import ConfigValueError, check_choice, check_positiv
 class TaskConfig:
     """Which task the agent trains on, its splits, reward shaping and the task's own options."""
 
-    name: str = knob("calculator", "registered task name (hybridrl/envs/tasks/<name>.py)")
+    name: str = knob("calculator", "a task in hybridrl/envs/tasks/ (calculator, guess_number) or 'module:Class'")
     seed: int = knob(0, "seed of the generated train / validation splits")
     train_size: int = knob(4096, "instances in the train split")
     validation_size: int = knob(256, "instances in the validation split (disjoint from train)")
@@ -32,7 +32,7 @@ class TaskConfig:
         check_range("sft_guess_correct_fraction", self.sft_guess_correct_fraction, 0.0, 1.0)
         from hybridrl.envs.tasks import registry
 
-        if self.name not in registry.task_names():
+        if ":" not in self.name:                    # "package.module:Class" tasks are resolved on use
             check_choice("name", self.name, registry.task_names())
         try:
             registry.task_options(self.name, self.options)
