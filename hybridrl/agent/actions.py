@@ -34,6 +34,7 @@ class ActionError:
     message: str        # shown to the model, prefixed with "error: "
     raw: str
     kind: str           # "malformed" | "unauthorized" | "invalid_arguments" | "too_many_calls"
+    tool: str = "?"     # the tool it named, when it named one
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,8 @@ class ToolAuthorizer:
         if call.name not in self.allowed:
             offer = ", ".join(self.allowed) or "none"
             return ActionError(f"tool '{call.name}' is not available here; available: {offer}", call.raw,
-                               "unauthorized")
+                               "unauthorized", call.name)
         problem = validate_arguments(self.specs[call.name].parameters, call.arguments)
         if problem:
-            return ActionError(f"{call.name}: {problem}", call.raw, "invalid_arguments")
+            return ActionError(f"{call.name}: {problem}", call.raw, "invalid_arguments", call.name)
         return None

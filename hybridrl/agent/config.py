@@ -15,6 +15,9 @@ class AgentConfig:
 
     max_turns: int = knob(4, "assistant turns per episode; one more would end it TRUNCATED(max_turns)")
     max_new_tokens_per_turn: int = knob(64, "tokens one assistant turn may generate (TRUNCATED(max_new_tokens))")
+    on_turn_limit: str = knob(
+        "truncate", "a turn that hits max_new_tokens_per_turn: truncate (end the episode TRUNCATED(max_new_tokens)) "
+                    "| close_turn (close it as the template would, parse it, go on)")
     max_response_tokens: int = knob(
         256, "all response tokens of an episode, policy + observations (TRUNCATED(max_response_tokens))")
     max_episode_s: float = knob(120.0, "wall-clock budget of one episode (TRUNCATED(wall_clock))")
@@ -40,6 +43,7 @@ class AgentConfig:
         if self.top_k == 0 or self.top_k < -1:
             raise ConfigValueError("top_k", f"must be -1 (off) or >= 1, got {self.top_k!r}")
         check_choice("on_weights_updated", self.on_weights_updated, ("continue", "abort"))
+        check_choice("on_turn_limit", self.on_turn_limit, ("truncate", "close_turn"))
         check_positive("abort_grace_s", self.abort_grace_s, allow_zero=True)
 
 

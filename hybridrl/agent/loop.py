@@ -10,7 +10,9 @@ One episode (`AgentRunner.run_episode`):
     until an answer / env done (COMPLETED), no action (FAILED), a budget (TRUNCATED, with
     which), a stop request (ABORTED), or an infrastructure fault (INFRA_INVALID).
 
-Budgets: `max_turns` assistant turns; `max_new_tokens_per_turn`; `max_response_tokens` for
+Budgets: `max_turns` assistant turns; `max_new_tokens_per_turn` (ends the episode, or with
+`on_turn_limit=close_turn` closes the turn the way the template would, with mask 0, and goes
+on); `max_response_tokens` for
 everything after the prompt (an observation that would not fit ends the episode before it is
 appended); `max_episode_s` of wall clock (the in-flight request is aborted and its partial
 tokens are kept); the engine's context length. A turn interrupted by new weights continues
@@ -234,6 +236,9 @@ class AgentRunner:
             if finish == FinishReason.STOP:
                 return ids, finish
             if finish == FinishReason.LENGTH:
+                if limit == Truncation.MAX_NEW_TOKENS and cfg.on_turn_limit == "close_turn":
+                    traj.metadata["turns_cut"] = traj.metadata.get("turns_cut", 0) + 1
+                    return ids, finish
                 raise _End(TrajectoryStatus.TRUNCATED, limit)
             if finish == FinishReason.CONTEXT:
                 raise _End(TrajectoryStatus.TRUNCATED, Truncation.CONTEXT)
@@ -285,7 +290,7 @@ class AgentRunner:
         for i, call in enumerate(calls):
             if i >= cfg.max_tool_calls_per_turn:
                 plan.append((None, ActionError(f"at most {cfg.max_tool_calls_per_turn} tool calls per turn; "
-                                               f"'{call.name}' was not run", call.raw, "too_many_calls")))
+                                               f"'{call.name}' was not run", call.raw, "too_many_calls", call.name)))
                 continue
             problem = authorizer.check(call)
             plan.append((call, None) if problem is None else (None, problem))
@@ -306,7 +311,7 @@ class AgentRunner:
                 self.counts[{"malformed": "malformed_actions", "unauthorized": "unauthorized_actions"}
                             .get(problem.kind, problem.kind)] += 1
                 traj.metadata[f"num_{problem.kind}"] = traj.metadata.get(f"num_{problem.kind}", 0) + 1
-                traj.tool_calls.append(ToolCallRecord(turn=turn, name=_name_of(problem), ok=False,
+                traj.tool_calls.append(ToolCallRecord(turn=turn, name=problem.tool, ok=False,
                                                       error=f"{problem.kind}: {problem.message}"))
                 messages.append({"role": "tool", "content": f"error: {problem.message}"})
                 continue
@@ -382,10 +387,6 @@ class AgentRunner:
             out["engine_busy_fraction"] = self.meter.busy() / wall_s
         out["tools"] = self.tools.stats()
         return out
-
-
-def _name_of(problem: ActionError) -> str:
-    return "?" if problem.kind == "malformed" else problem.raw[:40]
 
 
 async def _race(fut: asyncio.Future, deadline: float, stop: asyncio.Event | None) -> str:

@@ -1,5 +1,8 @@
 """Deterministic, real implementations of the engine protocol and of slow tools, for tests and
-benchmarks of the agent layer (no model needed).
+benchmarks of the agent layer.
+
+`TorchReferenceEngine` runs a transformers model one request at a time, without a KV cache,
+following sampler contract v1 (a slow, obviously-correct engine to test against).
 
 `ScriptedEngine` batches like a serving engine: every `step_latency_s` all active requests
 advance by one token (up to `max_batch` of them), so concurrent episodes share decode steps.
@@ -13,6 +16,7 @@ request is recorded (`engine.requests`) with the ids it saw and returned.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -202,3 +206,105 @@ class SleepTool:
     async def __call__(self, arguments: dict[str, Any]) -> ToolResult:
         await asyncio.sleep(self.latency_s)
         return ToolResult(str(arguments.get("text", "done")), True)
+
+
+def calculator_oracle(tokenizer: Any, *, calls: int = 1, call_format: str = "calc") -> Responder:
+    """A perfect calculator agent: `calls` tool calls on the question, then the last tool result
+    as the answer (or the evaluator's value when `calls` is 0)."""
+    from hybridrl.agent.tools.arithmetic import evaluate, format_value
+
+    def respond(ids: list[int], turn: int) -> str:
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        question = re.findall(r"What is (.*)\?", text)[-1]
+        results = re.findall(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", text, flags=re.S)
+        if turn < calls:
+            if call_format == "json":
+                return '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % question
+            return f"<calc>{question}</calc>"
+        return f"<answer>{results[-1] if results else format_value(evaluate(question))}</answer>"
+
+    return respond
+
+
+class TorchReferenceEngine:
+    """A `RolloutEngine` over a transformers causal LM: full forward per token (no cache), one
+    request at a time in a worker thread, sampled per the sampler contract v1."""
+
+    def __init__(self, model: Any, *, eos_token_ids: Sequence[int], max_model_len: int = 2048, version: int = 0):
+        self.model = model.eval()
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_model_len = max_model_len
+        self._version = version
+        self._lock = asyncio.Lock()
+        self._aborted: set[str] = set()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, **kwargs: Any) -> "TorchReferenceEngine":
+        import torch
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        return cls(model, eos_token_ids=eos if isinstance(eos, list) else [eos], **kwargs)
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    async def generate(self, token_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> GenerationOutput:
+        async with self._lock:
+            ids, logprobs, reason = await asyncio.to_thread(self._sample, list(token_ids), sampling, request_id)
+        return GenerationOutput(request_id=request_id, token_ids=ids, logprobs=logprobs, finish_reason=reason,
+                                policy_version=self._version, prompt_tokens=len(token_ids))
+
+    def _sample(self, context: list[int], sp: SamplingParams, request_id: str):
+        import torch
+
+        gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
+        out: list[int] = []
+        logprobs: list[float] = []
+        while True:
+            if request_id in self._aborted:
+                return out, logprobs, FinishReason.ABORT
+            if len(context) + len(out) >= self.max_model_len:
+                return out, logprobs, FinishReason.CONTEXT
+            with torch.no_grad():
+                logits = self.model(torch.tensor([context + out])).logits[0, -1].float()
+            if sp.greedy:
+                token = int(torch.argmax(logits))
+                logprob = torch.log_softmax(logits, -1)[token]
+            else:
+                scaled = logits / sp.temperature
+                full = torch.log_softmax(scaled, -1)
+                keep = torch.ones_like(scaled, dtype=torch.bool)
+                if sp.top_k > 0:
+                    keep &= scaled >= torch.topk(scaled, min(sp.top_k, scaled.numel())).values[-1]
+                probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), -1)
+                if sp.top_p < 1.0:
+                    sorted_p, order = torch.sort(probs, descending=True)
+                    drop = torch.cumsum(sorted_p, 0) - sorted_p >= sp.top_p
+                    probs[order[drop]] = 0.0
+                token = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+                logprob = full[token]
+            out.append(token)
+            logprobs.append(float(logprob))
+            if token in self.eos_token_ids or token in sp.stop_token_ids:
+                return out, logprobs, FinishReason.STOP
+            if len(out) >= sp.max_new_tokens:
+                return out, logprobs, FinishReason.LENGTH
+
+    async def abort(self, request_id: str) -> bool:
+        self._aborted.add(request_id)
+        return True
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        raise NotImplementedError("the reference engine has fixed weights")
+
+    async def sleep(self) -> None:
+        return None
+
+    async def wake_up(self) -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {}

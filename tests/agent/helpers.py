@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 
 from hybridrl.agent.actions import ToolSpec
 from hybridrl.agent.tools.base import ToolResult
@@ -14,17 +13,9 @@ def conversation(tokenizer, ids) -> str:
 
 
 def calculator_oracle(tokenizer, *, calls: int = 1):
-    """A perfect calculator agent: `calls` tool calls on the question, then the last result."""
+    from hybridrl.agent.testing import calculator_oracle as oracle
 
-    def respond(ids, turn):
-        text = conversation(tokenizer, ids)
-        question = re.findall(r"What is (.*)\?", text)[-1]
-        results = re.findall(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", text, flags=re.S)
-        if len(results) < calls:
-            return f"<calc>{question}</calc>"
-        return f"<answer>{results[-1]}</answer>"
-
-    return respond
+    return oracle(tokenizer, calls=calls)
 
 
 def script(*turns):

@@ -274,3 +274,23 @@ def test_echo_tool_round_trip_and_env_free_task_shapes(tokenizer):
     assert {"generate_s", "tool_s", "reward_s", "queue_s", "total_s"} <= traj.timings.keys()
     assert traj.sampler_contract == 1 and traj.reward_evaluators == {"correct": "exact_number@1",
                                                                      "format": "answer_format@1"}
+
+
+def test_close_turn_continues_past_a_cut_turn(tokenizer):
+    engine, runner = make(tokenizer, script(ALWAYS_CALC + " and some more words" * 20, "<answer>5</answer>"),
+                          max_new_tokens_per_turn=24, on_turn_limit="close_turn")
+    traj = run_one(runner)
+    assert traj.status == S.COMPLETED and traj.reward == 1.0 and traj.metadata["turns_cut"] == 1
+    cut = len(engine.requests[0].output.token_ids)
+    assert cut == 24 and engine.requests[0].output.finish_reason.value == "length"
+    # the template's closing EOS follows the cut turn as an observation token (mask 0), not as policy
+    assert traj.response_ids[cut] == tokenizer.eos_token_id and traj.response_mask[cut] == 0
+
+
+def test_calls_beyond_the_per_turn_limit_are_refused_and_counted(tokenizer):
+    engine, runner = make(tokenizer, script(ALWAYS_CALC * 3, "<answer>5</answer>"), max_tool_calls_per_turn=2)
+    traj = run_one(runner)
+    assert traj.status == S.COMPLETED and runner.counts["too_many_calls"] == 1 and runner.counts["tool_calls"] == 2
+    assert [(c.name, c.ok) for c in traj.tool_calls] == [("calculator", True), ("calculator", True),
+                                                         ("calculator", False)]
+    assert "at most 2 tool calls per turn" in tokenizer.decode(engine.requests[1].input_ids)

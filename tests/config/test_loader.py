@@ -115,7 +115,7 @@ PINNED_KEYS = [
     "distributed.error_grace_s",
     "model.path", "model.dtype",
     "selfcheck.batch_size", "selfcheck.fail_rank",
-    "agent.max_turns", "agent.max_new_tokens_per_turn", "agent.max_response_tokens", "agent.max_episode_s",
+    "agent.max_turns", "agent.max_new_tokens_per_turn", "agent.on_turn_limit", "agent.max_response_tokens", "agent.max_episode_s",
     "agent.max_concurrent_episodes", "agent.temperature", "agent.top_p", "agent.top_k",
     "agent.max_tool_calls_per_turn", "agent.max_observation_chars", "agent.on_weights_updated", "agent.abort_grace_s",
     "tools.pool_size", "tools.warm", "tools.isolation", "tools.require_isolation", "tools.timeout_s", "tools.cpu_s",
