@@ -342,3 +342,46 @@ def test_required_isolation_fails_loudly_and_auto_falls_back_with_a_warning(monk
     with caplog.at_level(logging.WARNING, logger="hybridrl.agent.sandbox.pool"):
         assert run(go(config())) == "none"
     assert "NO network or filesystem isolation" in caplog.text
+
+
+USERNS_PROBE = """
+import asyncio, os, sys
+from hybridrl.agent.config import ToolsConfig
+from hybridrl.agent.sandbox.pool import SandboxPool
+
+async def main():
+    async with SandboxPool(ToolsConfig(python=sys.executable, cpu_s=1, max_processes=8)) as pool:
+        out = [pool.mode]
+        for code in ("import socket\\nsocket.create_connection(('127.0.0.1', 9), 1)", "open('/tmp/x', 'w')",
+                     "while True:\\n    pass"):
+            r = await pool.run(code, timeout_s=3)
+            out.append(r.limit_hit or r.stderr.strip().splitlines()[-1])
+        print(out)
+
+asyncio.run(main())
+"""
+
+
+def test_userns_mode_for_unprivileged_users():
+    """Run the pool as an unprivileged user: it must pick user namespaces and still isolate."""
+    import subprocess
+    import sys
+
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or not python or not setpriv:
+        pytest.skip("needs root (to become an unprivileged user), setpriv and a system python3")
+    version = subprocess.run([python, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
+                             text=True).stdout.strip()
+    if version != str(tuple(sys.version_info[:2])):
+        pytest.skip(f"system python {version} cannot load this venv's packages")
+    site = [p for p in sys.path if p.endswith("site-packages") and ".venv" in p]
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/", "PYTHONPATH": os.pathsep.join([str(ROOT), *site])}
+    proc = subprocess.run([setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups", python, "-c",
+                           USERNS_PROBE], env=env, cwd="/", capture_output=True, text=True, timeout=120)
+    if "Operation not permitted" in proc.stderr + proc.stdout and "userns" not in proc.stdout:
+        pytest.skip("unprivileged user namespaces are disabled here")
+    assert proc.returncode == 0, proc.stderr
+    mode, network, write, spin = eval(proc.stdout.strip().splitlines()[-1])  # noqa: S307 - our own repr
+    assert mode == "userns", proc.stderr
+    assert "Network is unreachable" in network and "Read-only file system" in write and spin == "cpu"
