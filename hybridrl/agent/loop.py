@@ -113,6 +113,7 @@ class AgentRunner:
                                        "invalid_arguments": 0, "too_many_calls": 0, "tool_calls": 0,
                                        "tool_errors": 0}
         self._slots: asyncio.Semaphore | None = None
+        self._slots_loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ many episodes
 
@@ -121,7 +122,9 @@ class AgentRunner:
         """`group_size` episodes per instance; returns them in (instance, attempt) order."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
-        self._slots = self._slots or asyncio.Semaphore(self.cfg.max_concurrent_episodes)
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots_loop is not loop:    # one limit per event loop
+            self._slots, self._slots_loop = asyncio.Semaphore(self.cfg.max_concurrent_episodes), loop
         coros = []
         for inst in tasks:
             source = task if isinstance(task, Task) else task[inst.task]

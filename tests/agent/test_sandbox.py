@@ -385,3 +385,17 @@ def test_userns_mode_for_unprivileged_users():
     mode, network, write, spin = eval(proc.stdout.strip().splitlines()[-1])  # noqa: S307 - our own repr
     assert mode == "userns", proc.stderr
     assert "Network is unreachable" in network and "Read-only file system" in write and spin == "cpu"
+
+
+def test_a_pool_survives_one_event_loop_per_step():
+    pool = SandboxPool(config(warm=2))
+
+    async def step(i):
+        await pool.start()
+        r = await pool.run(f"print({i} * 2)")
+        await asyncio.sleep(0.2)                      # warm sandboxes of this loop come up
+        return r.stdout.strip()
+
+    assert [asyncio.run(step(i)) for i in range(3)] == ["0", "2", "4"]
+    asyncio.run(pool.close())
+    assert processes_of(sandbox_uids(pool.cfg)) == []

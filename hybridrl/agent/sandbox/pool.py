@@ -54,6 +54,7 @@ class SandboxPool:
         self.mode: str | None = None
         self._none_drops_uid = os.geteuid() == 0     # isolation=none as root: still a uid per slot
         self._slots = asyncio.Semaphore(cfg.pool_size)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._free_ids = list(range(cfg.pool_size + cfg.warm))
         self._warm: list[SandboxProcess] = []
         self._live: dict[SandboxProcess, int] = {}          # sandbox -> its slot (uid offset)
@@ -65,12 +66,30 @@ class SandboxPool:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> "SandboxPool":
+        self._bind_loop()
         if self.mode is None:
             self.mode = await self._probe()
             self._schedule_refill()
         return self
 
+    def _bind_loop(self) -> None:
+        """A pool outlives event loops (e.g. one `asyncio.run` per training step): sandboxes
+        started on a previous loop cannot be driven from this one, so they are ended here."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None:
+            for sbx in list(self._live):
+                sbx.abandon()
+            self._live.clear()
+            self._warm.clear()
+            self._free_ids = list(range(self.cfg.pool_size + self.cfg.warm))
+            self._refill = None
+            self._slots = asyncio.Semaphore(self.cfg.pool_size)
+        self._loop = loop
+
     async def close(self) -> None:
+        self._bind_loop()
         self._closed = True
         if self._refill is not None:
             self._refill.cancel()

@@ -218,6 +218,26 @@ class SandboxProcess:
         shutil.rmtree(self.host_dir, ignore_errors=True)
 
 
+    def abandon(self) -> None:
+        """End the sandbox without an event loop (its loop is gone): kill, reap, release."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.mode == "none" and self.uid >= 0:
+            kill_uid(self.uid)
+        for transport, _ in self.pipes.values():
+            try:
+                transport.close()
+            except Exception:  # noqa: BLE001 - the loop may be closed; the pipes go with the objects below
+                pass
+        for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
+            if pipe is not None:
+                pipe.close()
+        self.popen.wait()
+        shutil.rmtree(self.host_dir, ignore_errors=True)
+
+
 def kill_uid(uid: int) -> int:
     """SIGKILL every process of `uid` (the last resort behind isolation=none as root)."""
     import psutil
