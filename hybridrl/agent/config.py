@@ -64,7 +64,7 @@ class ToolsConfig:
     max_file_mb: int = knob(8, "largest file a tool may write, MiB (RLIMIT_FSIZE)")
     tmpfs_mb: int = knob(32, "size of the private working directory (a tmpfs under namespaces), MiB")
     max_output_bytes: int = knob(65536, "stdout + stderr bytes kept; more kills the tool (output_truncated)")
-    uid_base: int = knob(61000, "when run as root, sandboxes run as uid/gid uid_base + slot (one uid each)")
+    uid_base: int = knob(61000, "when run as root, each sandbox slot runs as its own uid, leased from uid_base up")
     hidden_paths: list[str] = knob(
         help="directories replaced by an empty read-only tmpfs inside the sandbox (namespaces only)",
         factory=lambda: list(DEFAULT_HIDDEN_PATHS))

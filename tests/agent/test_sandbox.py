@@ -40,11 +40,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def sandbox_uids(cfg: ToolsConfig) -> range:
-    return range(cfg.uid_base, cfg.uid_base + cfg.pool_size + cfg.warm)
-
-
-def processes_of(uids: range) -> list[psutil.Process]:
+def processes_of(uids) -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter(["uids"]):
         if p.info["uids"] and p.info["uids"].real in uids:
@@ -95,13 +91,15 @@ def test_fork_bomb_is_contained_and_leaves_nothing():
     cfg = config(max_processes=4, cpu_s=3)
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     peak = []
+    uids = []
 
     async def go():
         pool = await started(cfg)
+        uids.extend(pool.uids)
         try:
             task = asyncio.ensure_future(pool.run(bomb, timeout_s=1.5))
             while not task.done():
-                peak.append(len([p for p in processes_of(sandbox_uids(cfg)) if _is_running(p)]))
+                peak.append(len([p for p in processes_of(uids) if _is_running(p)]))
                 await asyncio.sleep(0.05)
             return await task
         finally:
@@ -113,7 +111,7 @@ def test_fork_bomb_is_contained_and_leaves_nothing():
     # (a warm sandbox of another uid may also be alive: at most one more process)
     assert 2 <= max(peak) <= cfg.max_processes + 1, peak     # it did fork, and no further than the limit
     time.sleep(0.2)
-    assert processes_of(sandbox_uids(cfg)) == []
+    assert len(uids) == cfg.pool_size + cfg.warm and processes_of(uids) == []
 
 
 def _is_running(p: psutil.Process) -> bool:
@@ -389,13 +387,32 @@ def test_userns_mode_for_unprivileged_users():
 
 def test_a_pool_survives_one_event_loop_per_step():
     pool = SandboxPool(config(warm=2))
+    uids = set()
 
     async def step(i):
         await pool.start()
+        uids.update(pool.uids)
         r = await pool.run(f"print({i} * 2)")
         await asyncio.sleep(0.2)                      # warm sandboxes of this loop come up
         return r.stdout.strip()
 
     assert [asyncio.run(step(i)) for i in range(3)] == ["0", "2", "4"]
     asyncio.run(pool.close())
-    assert processes_of(sandbox_uids(pool.cfg)) == []
+    assert processes_of(uids) == []
+
+
+def test_pools_in_one_host_never_share_a_uid():
+    async def go():
+        first, second = SandboxPool(config()), SandboxPool(config())
+        await first.start()
+        await second.start()
+        try:
+            return first.uids, second.uids
+        finally:
+            await first.close()
+            await second.close()
+
+    if os.geteuid() != 0:
+        pytest.skip("uids are leased only when running as root")
+    a, b = run(go())
+    assert len(a) == len(b) == 3 and not set(a) & set(b)

@@ -7,7 +7,8 @@
   `stats()["isolation"]` and in every `SandboxResult.isolation`; `require_isolation` turns it
   into an error instead.
 - Fork bombs: RLIMIT_NPROC does not bind root, so as root each sandbox runs under its own
-  uid (`uid_base + slot`), where RLIMIT_NPROC does bind, inside its own pid namespace, whose
+  uid (leased from `uid_base` up, exclusive across processes of the host: `uids.py`), where
+  RLIMIT_NPROC does bind, inside its own pid namespace, whose
   processes all die with its pid 1 when the tool exits or is killed. Without namespaces,
   boot is the tool's child subreaper and kills every descendant (setsid cannot escape it);
   as root the uid is still dedicated, so RLIMIT_NPROC binds and a final sweep kills its rest.
@@ -27,6 +28,7 @@ from typing import Any
 
 from hybridrl.agent.config import ToolsConfig
 from hybridrl.agent.sandbox.process import RUNNER, SandboxProcess, SandboxResult
+from hybridrl.agent.sandbox.uids import UidLease
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class SandboxPool:
         self.python, self.expose = tool_interpreter(cfg)
         self.mode: str | None = None
         self._none_drops_uid = os.geteuid() == 0     # isolation=none as root: still a uid per slot
+        self._uids: UidLease | None = None           # leased at start when running as root
         self._slots = asyncio.Semaphore(cfg.pool_size)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._free_ids = list(range(cfg.pool_size + cfg.warm))
@@ -67,6 +70,9 @@ class SandboxPool:
 
     async def start(self) -> "SandboxPool":
         self._bind_loop()
+        self._closed = False
+        if self._uids is None and os.geteuid() == 0:
+            self._uids = UidLease(self.cfg.pool_size + self.cfg.warm, self.cfg.uid_base)
         if self.mode is None:
             self.mode = await self._probe()
             self._schedule_refill()
@@ -92,10 +98,14 @@ class SandboxPool:
         self._bind_loop()
         self._closed = True
         if self._refill is not None:
-            self._refill.cancel()
+            await self._refill                    # stops after the spawn in progress
+            self._refill = None
         self._warm.clear()
         for sbx in list(self._live):
             await self._release(sbx)
+        if self._uids is not None:
+            self._uids.release()
+            self._uids = None
 
     async def __aenter__(self) -> "SandboxPool":
         return await self.start()
@@ -142,7 +152,12 @@ class SandboxPool:
 
     def _uid(self, slot: int, mode: str) -> int:
         drop = mode == "root" or (mode == "none" and self._none_drops_uid)
-        return self.cfg.uid_base + slot if drop else -1
+        return self._uids.uids[slot] if drop and self._uids is not None else -1
+
+    @property
+    def uids(self) -> list[int]:
+        """The uids this pool's sandboxes run as (empty when not root)."""
+        return list(self._uids.uids) if self._uids is not None else []
 
     async def _spawn(self, mode: str) -> SandboxProcess:
         slot = self._free_ids.pop(0)
