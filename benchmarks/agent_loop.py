@@ -51,7 +51,8 @@ class SandboxSleepTool:
 
     async def __call__(self, arguments) -> ToolResult:
         r = await self.pool.run(f"import time\ntime.sleep({self.latency_s})\nprint('done')")
-        return ToolResult(r.stdout, r.ok, None if r.ok else str(r.limit_hit), infra_error=r.setup_error is not None)
+        return ToolResult(r.stdout, r.ok, None if r.ok else str(r.limit_hit),
+                          infra_error=r.setup_error is not None)
 
 
 class _ScheduleParser:
@@ -144,10 +145,12 @@ def main(argv=None) -> int:
     p.add_argument("--tool", choices=["sleep", "sandbox"], default="sleep")
     p.add_argument("--sandbox-pool", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--step-latency", type=float, default=0.002, help="scripted engine: seconds per decode step")
+    p.add_argument("--step-latency", type=float, default=0.002,
+                   help="scripted engine: seconds per decode step")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-sequential", action="store_true", help="skip the sequential run (speedup is then null)")
+    p.add_argument("--no-sequential", action="store_true",
+                   help="skip the sequential run (speedup is then null)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -182,11 +185,13 @@ def main(argv=None) -> int:
         "speedup": round(sequential["wall_s"] / concurrent["wall_s"], 2) if sequential else None,
         "tool_time_floor_s": args.episodes * args.tool_calls * args.tool_latency,
         "engine_busy_fraction": round(concurrent["engine_busy_fraction"], 3),
-        "sequential_engine_busy_fraction": round(sequential["engine_busy_fraction"], 3) if sequential else None,
+        "sequential_engine_busy_fraction": round(sequential["engine_busy_fraction"],
+                                                 3) if sequential else None,
         "tokens": concurrent["engine_tokens"], "tokens_per_s": round(concurrent["engine_tokens"] / concurrent["wall_s"], 1),
         "tool_calls": concurrent["tool_calls"], "statuses": concurrent["statuses"],
         "mean_reward": concurrent["mean_reward"],
-        "episode_s_p50": round(concurrent["episode_s_p50"], 3), "episode_s_p90": round(concurrent["episode_s_p90"], 3),
+        "episode_s_p50": round(concurrent["episode_s_p50"],
+                               3), "episode_s_p90": round(concurrent["episode_s_p90"], 3),
         "sandbox": concurrent["sandbox"],
     }
     print(json.dumps(result, indent=2))

@@ -96,7 +96,8 @@ def _parse_json_call(body: str, raw: str) -> ToolCall | ActionError:
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as err:
-        return ActionError(f"tool call is not valid JSON ({err.msg} at character {err.pos})", raw, "malformed")
+        return ActionError(f"tool call is not valid JSON ({err.msg} at character {err.pos})", raw,
+                           "malformed")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return ActionError('tool call must be a JSON object with a string "name"', raw, "malformed")
     args = obj.get("arguments", {})
@@ -104,7 +105,8 @@ def _parse_json_call(body: str, raw: str) -> ToolCall | ActionError:
         try:
             args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError as err:
-            return ActionError(f'"arguments" is a string that is not valid JSON ({err.msg})', raw, "malformed")
+            return ActionError(f'"arguments" is a string that is not valid JSON ({err.msg})', raw,
+                               "malformed")
     if not isinstance(args, dict):
         return ActionError('"arguments" must be a JSON object', raw, "malformed")
     extra = set(obj) - {"name", "arguments"}

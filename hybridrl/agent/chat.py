@@ -45,7 +45,8 @@ class ChatFormat:
 
     def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool,
                tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-        return self.tokenizer.apply_chat_template([dict(m) for m in messages], tools=list(tools) if tools else None,
+        return self.tokenizer.apply_chat_template([dict(m) for m in messages],
+                                                  tools=list(tools) if tools else None,
                                                   tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def prompt_ids(self, messages: Sequence[Mapping[str, str]], *,
@@ -71,7 +72,8 @@ class ChatFormat:
         text = _CONTROL.sub("", text)
         for token in self._specials:
             if token in text:
-                text = text.replace(token, "&lt;" + token[1:] if token.startswith("<") else token[:1] + "\u200b" + token[1:])
+                text = text.replace(token,
+                                    "&lt;" + token[1:] if token.startswith("<") else token[:1] + "\u200b" + token[1:])
         if len(text) > max_chars:
             text = text[:max_chars] + f"... [{len(text) - max_chars} more characters cut]"
         return text

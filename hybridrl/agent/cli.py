@@ -62,12 +62,14 @@ _PROBES = {
     "write_outside": ("import os\nbad = []\nfor p in ('/tmp/hybridrl-probe', '/var/tmp/hybridrl-probe', "
                       "'/hybridrl-probe'):\n    try:\n        open(p, 'w').close(); os.unlink(p); bad.append(p)\n"
                       "    except OSError:\n        pass\nprint(bad)", lambda r: r.stdout.strip() == "[]"),
-    "environment": ("import os\nprint('HYBRIDRL_PROBE_SECRET' in os.environ)", lambda r: r.stdout.strip() == "False"),
+    "environment": ("import os\nprint('HYBRIDRL_PROBE_SECRET' in os.environ)",
+                    lambda r: r.stdout.strip() == "False"),
     "fork_bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
                   lambda r: r.timed_out),
     "memory": ("x = bytearray(8 << 30)", lambda r: r.limit_hit == "memory"),
     "cpu": ("while True:\n    pass", lambda r: r.limit_hit in ("cpu", "wall_clock")),
-    "output_flood": ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", lambda r: r.output_truncated),
+    "output_flood": ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)",
+                     lambda r: r.output_truncated),
 }
 
 

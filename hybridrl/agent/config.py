@@ -14,7 +14,8 @@ class AgentConfig:
     """Episode budgets, concurrency and sampling of the async agent loop."""
 
     max_turns: int = knob(4, "assistant turns per episode; one more would end it TRUNCATED(max_turns)")
-    max_new_tokens_per_turn: int = knob(64, "tokens one assistant turn may generate (TRUNCATED(max_new_tokens))")
+    max_new_tokens_per_turn: int = knob(
+        64, "tokens one assistant turn may generate (TRUNCATED(max_new_tokens))")
     on_turn_limit: str = knob(
         "truncate", "a turn that hits max_new_tokens_per_turn: truncate (end the episode TRUNCATED(max_new_tokens)) "
                     "| close_turn (close it as the template would, parse it, go on)")
@@ -26,8 +27,10 @@ class AgentConfig:
     temperature: float = knob(1.0, "sampling temperature (0 = greedy)")
     top_p: float = knob(1.0, "nucleus sampling mass (1.0 = off)")
     top_k: int = knob(-1, "top-k sampling (-1 = off)")
-    max_tool_calls_per_turn: int = knob(2, "tool calls executed from one assistant turn; extra ones get an error")
-    max_observation_chars: int = knob(2000, "tool / env output shown to the model is cut to this many characters")
+    max_tool_calls_per_turn: int = knob(
+        2, "tool calls executed from one assistant turn; extra ones get an error")
+    max_observation_chars: int = knob(
+        2000, "tool / env output shown to the model is cut to this many characters")
     on_weights_updated: str = knob(
         "continue", "a turn interrupted by new weights: continue it under the new version | abort the episode")
     abort_grace_s: float = knob(2.0, "after aborting a request, how long to wait for its partial output")
@@ -64,7 +67,8 @@ class ToolsConfig:
     max_file_mb: int = knob(8, "largest file a tool may write, MiB (RLIMIT_FSIZE)")
     tmpfs_mb: int = knob(32, "size of the private working directory (a tmpfs under namespaces), MiB")
     max_output_bytes: int = knob(65536, "stdout + stderr bytes kept; more kills the tool (output_truncated)")
-    uid_base: int = knob(61000, "when run as root, each sandbox slot runs as its own uid, leased from uid_base up")
+    uid_base: int = knob(61000,
+                         "when run as root, each sandbox slot runs as its own uid, leased from uid_base up")
     hidden_paths: list[str] = knob(
         help="directories replaced by an empty read-only tmpfs inside the sandbox (namespaces only)",
         factory=lambda: list(DEFAULT_HIDDEN_PATHS))

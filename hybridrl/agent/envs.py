@@ -24,7 +24,8 @@ class EnvSession(Protocol):
 
 
 class EnvProvider(Protocol):
-    def session(self, task: Task, instance: TaskInstance, *, seed: int, episode_key: str) -> EnvSession | None: ...
+    def session(self, task: Task, instance: TaskInstance, *, seed: int,
+                episode_key: str) -> EnvSession | None: ...
 
 
 class LocalEnvSession:
@@ -44,6 +45,7 @@ class LocalEnvSession:
 class LocalEnvProvider:
     """The task's environment, stepped in this process (cheap, pure environments)."""
 
-    def session(self, task: Task, instance: TaskInstance, *, seed: int, episode_key: str) -> LocalEnvSession | None:
+    def session(self, task: Task, instance: TaskInstance, *, seed: int,
+                episode_key: str) -> LocalEnvSession | None:
         env = task.make_env(instance)
         return None if env is None else LocalEnvSession(env, instance, seed)

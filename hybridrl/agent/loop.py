@@ -92,7 +92,8 @@ class _Episode:
     final_text: str = ""
     env_return: float = 0.0
     session: EnvSession | None = None
-    timings: dict[str, float] = field(default_factory=lambda: {"generate_s": 0.0, "tool_s": 0.0, "env_s": 0.0})
+    timings: dict[str, float] = field(default_factory=lambda: {"generate_s": 0.0, "tool_s": 0.0,
+                                                               "env_s": 0.0})
 
 
 class AgentRunner:
@@ -142,13 +143,15 @@ class AgentRunner:
 
     # ------------------------------------------------------------------ one episode
 
-    async def run_episode(self, instance: TaskInstance, *, task: Task, attempt: int = 0, group_id: str | None = None,
+    async def run_episode(self, instance: TaskInstance, *, task: Task, attempt: int = 0,
+                          group_id: str | None = None,
                           stop: asyncio.Event | None = None, queue_s: float = 0.0) -> Trajectory:
         """One episode; never raises for the episode's own problems (they become its status)."""
         started = time.monotonic()
         traj = Trajectory(run_id=self.run_id, task_id=instance.task_id, group_id=group_id or instance.task_id,
                           attempt=attempt, prompt_ids=[])
-        seed = int.from_bytes(hashlib.sha256(f"{self.seed}/{traj.trajectory_id}".encode()).digest()[:4], "little")
+        seed = int.from_bytes(hashlib.sha256(f"{self.seed}/{traj.trajectory_id}".encode()).digest()[:4],
+                              "little")
         ep = _Episode(instance, task, traj, started + self.cfg.max_episode_s, seed)
         self.counts["episodes"] += 1
         try:
@@ -196,7 +199,8 @@ class AgentRunner:
             if parsed.answer is not None or not parsed.has_action:
                 if ep.session is None:
                     if parsed.answer is None:
-                        raise _End(TrajectoryStatus.FAILED, reason="the turn has neither an action nor an answer")
+                        raise _End(TrajectoryStatus.FAILED,
+                                   reason="the turn has neither an action nor an answer")
                     raise _End(TrajectoryStatus.COMPLETED)
                 obs_messages = await self._env_step(ep, text, parsed.answer, stop)
             else:
@@ -209,7 +213,8 @@ class AgentRunner:
 
     # ------------------------------------------------------------------ generation
 
-    async def _turn(self, ep: _Episode, turn: int, stop: asyncio.Event | None) -> tuple[list[int], FinishReason]:
+    async def _turn(self, ep: _Episode, turn: int,
+                    stop: asyncio.Event | None) -> tuple[list[int], FinishReason]:
         """One assistant turn (several requests if new weights interrupt it); appends its tokens."""
         cfg, traj = self.cfg, ep.traj
         ids: list[int] = []
@@ -350,7 +355,8 @@ class AgentRunner:
     def _append_observation(self, ep: _Episode, messages: list[dict[str, str]], after_eos: bool,
                             finish: FinishReason) -> None:
         traj = ep.traj
-        clean = [{"role": m["role"], "content": self.chat.sanitize(m["content"], self.cfg.max_observation_chars)}
+        clean = [{"role": m["role"], "content": self.chat.sanitize(m["content"],
+                                                                   self.cfg.max_observation_chars)}
                  for m in messages]
         ids = self.chat.observation_ids(clean, after_eos=after_eos)
         if len(traj.response_ids) + len(ids) > self.cfg.max_response_tokens:
@@ -410,10 +416,12 @@ async def _race(fut: asyncio.Future, deadline: float, stop: asyncio.Event | None
     return "stop" if stopper is not None and stopper in done else "deadline"
 
 
-async def run_episodes(engine: Any, tokenizer: Any, tasks: Sequence[TaskInstance], *, task: Task | dict[str, Task],
+async def run_episodes(engine: Any, tokenizer: Any, tasks: Sequence[TaskInstance], *,
+                       task: Task | dict[str, Task],
                        group_size: int, agent_cfg: AgentConfig, tools: ToolBox, run_id: str, seed: int = 0,
                        step: int = 0, envs: EnvProvider | None = None,
                        stop: asyncio.Event | None = None) -> list[Trajectory]:
     """`group_size` episodes per instance of `tasks` on `engine`; see `AgentRunner.run`."""
-    runner = AgentRunner(engine, tokenizer, agent_cfg=agent_cfg, tools=tools, run_id=run_id, envs=envs, seed=seed)
+    runner = AgentRunner(engine, tokenizer, agent_cfg=agent_cfg, tools=tools, run_id=run_id, envs=envs,
+                         seed=seed)
     return await runner.run(tasks, task=task, group_size=group_size, step=step, stop=stop)

@@ -62,7 +62,8 @@ class _Active:
 class ScriptedEngine:
     """A `RolloutEngine` that replays scripted turns with batched, timed decode steps."""
 
-    def __init__(self, tokenizer: Any, responder: Responder, *, step_latency_s: float = 0.0, max_batch: int = 256,
+    def __init__(self, tokenizer: Any, responder: Responder, *, step_latency_s: float = 0.0,
+                 max_batch: int = 256,
                  max_model_len: int = 4096, version: int = 0, assistant_header: str = "<|im_start|>assistant"):
         self.tokenizer = tokenizer
         self.responder = responder
@@ -84,7 +85,8 @@ class ScriptedEngine:
 
     # ------------------------------------------------------------------ protocol
 
-    async def generate(self, token_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> GenerationOutput:
+    async def generate(self, token_ids: Sequence[int], sampling: SamplingParams,
+                       request_id: str) -> GenerationOutput:
         ids = list(token_ids)
         if request_id in self._active:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -97,7 +99,8 @@ class ScriptedEngine:
             script = script[len(so_far):]
         rec = RecordedRequest(request_id, ids, sampling)
         self.requests.append(rec)
-        active = _Active(rec, script, asyncio.get_running_loop().create_future(), self._version, time.monotonic())
+        active = _Active(rec, script, asyncio.get_running_loop().create_future(), self._version,
+                         time.monotonic())
         self._active[request_id] = active
         if self._runner is None or self._runner.done():
             self._runner = asyncio.ensure_future(self._run())
@@ -230,7 +233,8 @@ class TorchReferenceEngine:
     """A `RolloutEngine` over a transformers causal LM: full forward per token (no cache), one
     request at a time in a worker thread, sampled per the sampler contract v1."""
 
-    def __init__(self, model: Any, *, eos_token_ids: Sequence[int], max_model_len: int = 2048, version: int = 0):
+    def __init__(self, model: Any, *, eos_token_ids: Sequence[int], max_model_len: int = 2048,
+                 version: int = 0):
         self.model = model.eval()
         self.eos_token_ids = list(eos_token_ids)
         self.max_model_len = max_model_len
@@ -251,9 +255,11 @@ class TorchReferenceEngine:
     def policy_version(self) -> int:
         return self._version
 
-    async def generate(self, token_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> GenerationOutput:
+    async def generate(self, token_ids: Sequence[int], sampling: SamplingParams,
+                       request_id: str) -> GenerationOutput:
         async with self._lock:
-            ids, logprobs, reason = await asyncio.to_thread(self._sample, list(token_ids), sampling, request_id)
+            ids, logprobs, reason = await asyncio.to_thread(self._sample, list(token_ids), sampling,
+                                                            request_id)
         return GenerationOutput(request_id=request_id, token_ids=ids, logprobs=logprobs, finish_reason=reason,
                                 policy_version=self._version, prompt_tokens=len(token_ids))
 

@@ -56,14 +56,16 @@ class LeasedEnvSession:
             except asyncio.TimeoutError:
                 self.retries += 1
                 log.warning("env step %s timed out (attempt %d): querying its status", key, attempt + 1)
-                reply = await asyncio.to_thread(self.service.action_status, self.lease.episode_id, self.lease.token,
+                reply = await asyncio.to_thread(self.service.action_status, self.lease.episode_id,
+                                                self.lease.token,
                                                 key)
                 if reply is not None:
                     break
         if reply is None:
             raise EnvServiceError(f"env step {key}: no answer after {self.cfg.max_retries + 1} attempts")
         self.seq = seq
-        if time.monotonic() - self._renewed > self.cfg.lease_ttl_s / 2:   # a step renews; keep it explicit too
+        # a step renews; keep it explicit too
+        if time.monotonic() - self._renewed > self.cfg.lease_ttl_s / 2:
             await asyncio.to_thread(self.service.renew, self.lease.episode_id, self.lease.token)
         self._renewed = time.monotonic()
         return reply.transition
@@ -83,7 +85,8 @@ class LeasedEnvProvider:
         self.service = service
         self.cfg = cfg or EnvServiceConfig(db_path=str(service.db_path))
 
-    def session(self, task: Task, instance: TaskInstance, *, seed: int, episode_key: str) -> LeasedEnvSession | None:
+    def session(self, task: Task, instance: TaskInstance, *, seed: int,
+                episode_key: str) -> LeasedEnvSession | None:
         if type(task).make_env is Task.make_env:
             return None
         return LeasedEnvSession(self.service, task.name, instance, seed, episode_key, self.cfg)

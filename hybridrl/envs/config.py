@@ -12,7 +12,8 @@ from hybridrl.config.fields import ConfigValueError, check_choice, check_positiv
 class TaskConfig:
     """Which task the agent trains on, its splits, reward shaping and the task's own options."""
 
-    name: str = knob("calculator", "a task in hybridrl/envs/tasks/ (calculator, guess_number) or 'module:Class'")
+    name: str = knob("calculator",
+                     "a task in hybridrl/envs/tasks/ (calculator, guess_number) or 'module:Class'")
     seed: int = knob(0, "seed of the generated train / validation splits")
     train_size: int = knob(4096, "instances in the train split")
     validation_size: int = knob(256, "instances in the validation split (disjoint from train)")

@@ -140,7 +140,8 @@ class EnvService:
 
     def __init__(self, db_path: str | Path, *, lease_ttl_s: float = 300.0, synchronous: str = "full",
                  make_env: Callable[[str, TaskInstance], Environment] = default_make_env,
-                 clock: Callable[[], float] = time.time, on_persisted: Callable[[str, int], None] | None = None):
+                 clock: Callable[[], float] = time.time,
+                 on_persisted: Callable[[str, int], None] | None = None):
         self.db_path = Path(db_path)
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
         self.lease_ttl_s = lease_ttl_s
@@ -189,7 +190,8 @@ class EnvService:
             self._tx([("INSERT INTO episodes (episode_id, episode_key, task, instance, seed, token_hash, "
                        "lease_expires, status, last_seq, state, observation, created, updated) "
                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?)",
-                       (episode_id, episode_key, task, _canonical(instance.to_dict()), seed, _hash(token), expires,
+                       (episode_id, episode_key, task, _canonical(instance.to_dict()), seed, _hash(token),
+                        expires,
                         ACTIVE, _canonical(env.state_dict()), observation, now, now))],
                      episode_id, "reset", task)
             self._envs[episode_id] = env
@@ -221,7 +223,8 @@ class EnvService:
             status = DONE if transition.done else ACTIVE
             self._tx([("INSERT INTO transitions (episode_id, seq_no, idempotency_key, action, result, created) "
                        "VALUES (?, ?, ?, ?, ?, ?)",
-                       (episode_id, seq_no, idempotency_key, _canonical(action), _canonical(transition.to_dict()),
+                       (episode_id, seq_no, idempotency_key, _canonical(action),
+                        _canonical(transition.to_dict()),
                         now)),
                       ("UPDATE episodes SET last_seq = ?, state = ?, status = ?, lease_expires = ?, updated = ? "
                        "WHERE episode_id = ?",
@@ -253,7 +256,8 @@ class EnvService:
         now = self.clock()
         with self._lock:
             self._authorize(episode_id, token, now)
-            self._tx([("UPDATE episodes SET status = ?, updated = ? WHERE episode_id = ?", (CLOSED, now, episode_id))],
+            self._tx([("UPDATE episodes SET status = ?, updated = ? WHERE episode_id = ?",
+                       (CLOSED, now, episode_id))],
                      episode_id, "close", None)
             self._scrub(episode_id)
 
@@ -298,7 +302,8 @@ class EnvService:
         cur.row_factory = sqlite3.Row
         return cur.fetchone()
 
-    def _tx(self, statements: list[tuple[str, tuple]], episode_id: str | None, kind: str, detail: str | None) -> None:
+    def _tx(self, statements: list[tuple[str, tuple]], episode_id: str | None, kind: str,
+            detail: str | None) -> None:
         """Run statements + an audit event in one committed transaction."""
         self.db.execute("BEGIN IMMEDIATE")
         try:

@@ -66,7 +66,8 @@ def test_authorizer_checks_allow_list_and_schema():
 
 @pytest.mark.parametrize("args, words", [
     ({}, None), ({"q": 1}, "must be of type string"), ({"k": True}, "must be of type integer"),
-    ({"k": 0}, ">= 1"), ({"k": 9}, "<= 5"), ({"mode": "c"}, "one of ['a', 'b']"), ({"z": 1}, "unknown argument 'z'"),
+    ({"k": 0}, ">= 1"), ({"k": 9}, "<= 5"), ({"mode": "c"},
+                                             "one of ['a', 'b']"), ({"z": 1}, "unknown argument 'z'"),
 ])
 def test_schema_subset(args, words):
     problem = validate_arguments(SEARCH.parameters, args)

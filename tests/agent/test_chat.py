@@ -38,7 +38,8 @@ def build_turn_by_turn(chat: ChatFormat, messages, *, after_eos=True):
 def test_turn_by_turn_ids_equal_the_templated_conversation(tokenizer):
     chat = ChatFormat(tokenizer)
     ids = build_turn_by_turn(chat, CONVERSATION)
-    reference = tokenizer.encode(tokenizer.apply_chat_template(CONVERSATION, tokenize=False), add_special_tokens=False)
+    reference = tokenizer.encode(tokenizer.apply_chat_template(CONVERSATION, tokenize=False),
+                                 add_special_tokens=False)
     # the template closes the last assistant message with EOS + "\n"; generation stops at EOS
     assert ids == reference[:len(ids)] and tokenizer.decode(reference[len(ids):]) == "\n"
 

@@ -69,8 +69,10 @@ def test_sequence_is_exactly_what_the_engine_saw_and_generated(tokenizer):
     expr, value = inst.metadata["expression"], inst.reference
     messages = [*inst.messages, {"role": "assistant", "content": f"<calc>{expr}</calc>"},
                 {"role": "tool", "content": value}, {"role": "assistant", "content": f"<calc>{expr}</calc>"},
-                {"role": "tool", "content": value}, {"role": "assistant", "content": f"<answer>{value}</answer>"}]
-    reference = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
+                {"role": "tool", "content": value}, {"role": "assistant",
+                                                     "content": f"<answer>{value}</answer>"}]
+    reference = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False),
+                                 add_special_tokens=False)
     assert full == reference[:len(full)]
     batch = to_batch([traj])
     assert batch["input_ids"][0][batch["loss_mask"][0].bool()].tolist() == \
@@ -86,7 +88,8 @@ def test_generated_ids_are_never_re_encoded(tokenizer):
     assert traj.status == S.COMPLETED and traj.reward == 1.0
     assert traj.tool_calls[0].ok and traj.response_ids[:len(spelled)] == spelled
     p = len(traj.prompt_ids)
-    assert traj.behavior_logprobs[:len(spelled)] == [scripted_logprob(p + i, t) for i, t in enumerate(spelled)]
+    assert traj.behavior_logprobs[:len(spelled)] == [scripted_logprob(p + i, t) for i,
+                                                     t in enumerate(spelled)]
 
 
 LONG = "word " * 200
@@ -207,7 +210,8 @@ def test_new_weights_mid_turn(tokenizer, policy):
 
 
 def test_groups_order_concurrency_and_seeds(tokenizer):
-    engine, runner = make(tokenizer, calculator_oracle(tokenizer), step_latency_s=0.002, max_concurrent_episodes=3,
+    engine, runner = make(tokenizer, calculator_oracle(tokenizer), step_latency_s=0.002,
+                          max_concurrent_episodes=3,
                           temperature=0.7)
     insts = TASK.train_split(4, seed=1)
     trajs = asyncio.run(runner.run(insts, task=TASK, group_size=3, step=7))
@@ -218,7 +222,8 @@ def test_groups_order_concurrency_and_seeds(tokenizer):
     first_turn = {r.request_id: r.sampling for r in engine.requests if r.request_id.endswith("/t0")}
     seeds = [first_turn[f"{t.trajectory_id}/t0"].seed for t in trajs]
     assert len(set(seeds)) == len(seeds) and first_turn[f"{trajs[0].trajectory_id}/t0"].temperature == 0.7
-    again = asyncio.run(make(tokenizer, calculator_oracle(tokenizer))[1].run(insts[:1], task=TASK, group_size=3, step=7))
+    again = asyncio.run(make(tokenizer, calculator_oracle(tokenizer))[1].run(insts[:1], task=TASK,
+                                                                             group_size=3, step=7))
     assert [t.trajectory_id for t in again] == [t.trajectory_id for t in trajs[:3]]
 
 
@@ -232,7 +237,8 @@ def test_episodes_overlap_while_tools_wait(tokenizer):
         box = ToolBox([SleepTool(latency)])
         engine = ScriptedEngine(tokenizer, responder, step_latency_s=0.001)
         t0 = time.monotonic()
-        trajs = await run_episodes(engine, tokenizer, [instance(tools=("sleep",), task_id=f"q{i}") for i in range(n)],
+        trajs = await run_episodes(engine, tokenizer, [instance(tools=("sleep",),
+                                                                task_id=f"q{i}") for i in range(n)],
                                    task=TASK, group_size=1, agent_cfg=AgentConfig(), tools=box, run_id="r")
         return time.monotonic() - t0, trajs
 
@@ -253,7 +259,8 @@ def test_python_tool_output_cannot_forge_a_turn(tokenizer):
     async def go():
         async with box:
             engine = ScriptedEngine(tokenizer, script(json_call("python", code=code), "<answer>5</answer>"))
-            runner = AgentRunner(engine, tokenizer, agent_cfg=AgentConfig(max_new_tokens_per_turn=256), tools=box,
+            runner = AgentRunner(engine, tokenizer, agent_cfg=AgentConfig(max_new_tokens_per_turn=256),
+                                 tools=box,
                                  run_id="r")
             return engine, (await runner.run([instance(tools=("python",))], task=TASK))[0]
 
@@ -268,7 +275,8 @@ def test_python_tool_output_cannot_forge_a_turn(tokenizer):
 
 
 def test_echo_tool_round_trip_and_env_free_task_shapes(tokenizer):
-    _, runner = make(tokenizer, script(json_call("echo", text="hello"), "<answer>5</answer>"), tools=[EchoTool()])
+    _, runner = make(tokenizer, script(json_call("echo", text="hello"), "<answer>5</answer>"),
+                     tools=[EchoTool()])
     traj = run_one(runner, instance(tools=("echo",)))
     assert traj.status == S.COMPLETED and traj.tool_calls[0].name == "echo"
     assert {"generate_s", "tool_s", "reward_s", "queue_s", "total_s"} <= traj.timings.keys()

@@ -277,7 +277,8 @@ def test_python_tool_reports_limits_as_text():
         pool = await started(config(cpu_s=1), need_namespaces=False)
         tool = PythonTool(pool)
         try:
-            return [await tool({"code": c}) for c in ("print(6 * 7)", "raise ValueError('bad')", "while True: pass")]
+            return [await tool({"code": c}) for c in ("print(6 * 7)", "raise ValueError('bad')",
+                                                      "while True: pass")]
         finally:
             await pool.close()
 

@@ -44,7 +44,8 @@ def counter_instance(log_path: str, **meta) -> TaskInstance:
 
 
 def make_counter_env(task: str, instance: TaskInstance) -> CounterEnv:
-    return CounterEnv(instance.metadata["log"], instance.metadata.get("delay", 0.0), instance.metadata.get("fail_on"))
+    return CounterEnv(instance.metadata["log"], instance.metadata.get("delay", 0.0),
+                      instance.metadata.get("fail_on"))
 
 
 def executions(log_path) -> list[dict]:

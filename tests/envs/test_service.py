@@ -75,7 +75,8 @@ def test_capability_token_and_reset_retry(paths):
     assert retry.episode_id == lease.episode_id and retry.last_seq == 1 and retry.token != lease.token
     with pytest.raises(LeaseError):                         # the old token stopped working
         svc.step(lease.episode_id, lease.token, {"n": 2}, seq_no=2, idempotency_key="b")
-    assert svc.step(retry.episode_id, retry.token, {"n": 2}, seq_no=2, idempotency_key="b").transition.observation \
+    assert svc.step(retry.episode_id, retry.token, {"n": 2}, seq_no=2,
+                    idempotency_key="b").transition.observation \
         == "total 4"
 
 
@@ -138,7 +139,8 @@ CRASHING_SERVICE = textwrap.dedent("""
 
 def test_killed_after_persisting_before_acknowledging_replays_on_restart(paths):
     db, log = paths
-    proc = subprocess.run([sys.executable, "-c", CRASHING_SERVICE, str(db), log], cwd=ROOT, env=env_with_repo(),
+    proc = subprocess.run([sys.executable, "-c", CRASHING_SERVICE, str(db), log], cwd=ROOT,
+                          env=env_with_repo(),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 17, proc.stderr
     lease = json.loads(proc.stdout.splitlines()[0])
@@ -154,7 +156,8 @@ def test_killed_after_persisting_before_acknowledging_replays_on_restart(paths):
     assert retry.replayed and retry.transition.observation == "total 7"
     assert executions(log) == [{"n": 3}, {"n": 4}]           # not executed again
     final = restarted.step(eid, tok, {"n": 5}, seq_no=3, idempotency_key="ep#3")
-    assert final.transition.observation == "total 12" and final.transition.done   # state restored, not replayed
+    # state restored, not replayed
+    assert final.transition.observation == "total 12" and final.transition.done
     assert executions(log) == [{"n": 3}, {"n": 4}, {"n": 5}]
     with pytest.raises(EpisodeDone):
         restarted.step(eid, tok, {"n": 1}, seq_no=4, idempotency_key="ep#4")
@@ -168,7 +171,8 @@ def test_a_crashing_environment_persists_nothing(paths):
     with pytest.raises(EnvStepError, match="environment crashed"):
         svc.step(lease.episode_id, lease.token, {"n": 99}, seq_no=2, idempotency_key="b")
     assert svc.episode(lease.episode_id)["last_seq"] == 1
-    assert svc.step(lease.episode_id, lease.token, {"n": 3}, seq_no=2, idempotency_key="c").transition.observation \
+    assert svc.step(lease.episode_id, lease.token, {"n": 3}, seq_no=2,
+                    idempotency_key="c").transition.observation \
         == "total 5"
 
 

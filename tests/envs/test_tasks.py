@@ -38,7 +38,8 @@ def test_calculator_splits_are_seeded_disjoint_and_correct():
     for inst in train + val:
         expr = inst.metadata["expression"]
         assert inst.messages[-1]["content"] == f"What is {expr}?" and inst.tools == ("calculator",)
-        assert Fraction(inst.reference) == Fraction(eval(expr))  # noqa: S307 - reference on our own expression
+        # noqa: S307 - reference on our own expression
+        assert Fraction(inst.reference) == Fraction(eval(expr))
         numbers = re.findall(r"\d+", expr)
         assert 2 <= len(numbers) <= 3 and all(2 <= len(n) <= 4 and not n.startswith("0") for n in numbers)
         ops_seen |= set(re.findall(r" ([-+*]) ", expr))
@@ -81,9 +82,11 @@ def test_sft_demonstrations_have_the_requested_quality(tokenizer):
     assert 35 <= sum(tokens) / len(tokens) <= 70, sum(tokens) / len(tokens)
     assert all(lengths)
     right = task.sft_demonstrations(20, seed=0, tool_use_fraction=0.0, guess_correct_fraction=1.0)
-    assert all(d[-1]["content"] == f"<answer>{eval(d[0]['content'][8:-1])}</answer>" for d in right)  # noqa: S307
+    # noqa: S307
+    assert all(d[-1]["content"] == f"<answer>{eval(d[0]['content'][8:-1])}</answer>" for d in right)
     json_task = get_task("calculator", TaskConfig(options={"action_format": "json"}))
-    assert json_task.sft_demonstrations(1, seed=0)[0][1]["content"].startswith('<tool_call>{"name": "calculator"')
+    assert json_task.sft_demonstrations(1,
+                                        seed=0)[0][1]["content"].startswith('<tool_call>{"name": "calculator"')
 
 
 def test_stateful_task_through_the_agent_loop_and_the_leased_service(tokenizer, tmp_path):

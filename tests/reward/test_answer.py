@@ -8,7 +8,8 @@ from hybridrl.reward import AnswerFormat, ExactNumber, RewardResult, parse_numbe
 
 
 @pytest.mark.parametrize("text, value", [
-    ("408", 408), (" 00408 ", 408), ("+7", 7), ("-0", 0), ("1,234", 1234), ("−5", -5), ("3.50", Fraction(7, 2)),
+    ("408", 408), (" 00408 ", 408), ("+7", 7), ("-0", 0), ("1,234", 1234), ("−5",
+                                                                            -5), ("3.50", Fraction(7, 2)),
     ("12*34", None), ("1,23", None), ("", None), (None, None), ("4 08", None), ("0x10", None), ("1e3", None),
 ])
 def test_parse_number(text, value):

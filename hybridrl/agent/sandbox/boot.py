@@ -120,7 +120,8 @@ def exec_tool(spec, status_fd):
     try:
         os.close(status_fd)
         limits = spec["limits"]
-        for res, value in ((resource.RLIMIT_AS, limits["as_bytes"]), (resource.RLIMIT_NOFILE, limits["nofile"]),
+        for res, value in ((resource.RLIMIT_AS, limits["as_bytes"]), (resource.RLIMIT_NOFILE,
+                                                                      limits["nofile"]),
                            (resource.RLIMIT_FSIZE, limits["fsize_bytes"]), (resource.RLIMIT_CORE, 0),
                            (resource.RLIMIT_NPROC, limits["nproc"])):
             resource.setrlimit(res, (value, value))

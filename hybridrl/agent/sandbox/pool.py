@@ -115,7 +115,8 @@ class SandboxPool:
 
     def stats(self) -> dict[str, Any]:
         runs = self._stats["runs"]
-        return {"isolation": self.mode, **self._stats, "mean_wall_s": self._stats["wall_s"] / runs if runs else 0.0}
+        return {"isolation": self.mode, **self._stats,
+                "mean_wall_s": self._stats["wall_s"] / runs if runs else 0.0}
 
     # ------------------------------------------------------------------ running code
 

@@ -97,7 +97,8 @@ class Task:
         return self._split("train", n or self.cfg.train_size, self.cfg.seed if seed is None else seed)
 
     def validation_split(self, n: int | None = None, seed: int | None = None) -> list[TaskInstance]:
-        return self._split("validation", n or self.cfg.validation_size, self.cfg.seed if seed is None else seed)
+        return self._split("validation", n or self.cfg.validation_size,
+                           self.cfg.seed if seed is None else seed)
 
     def _split(self, split: str, n: int, seed: int) -> list[TaskInstance]:
         rng = random.Random(f"{self.name}/{split}/{seed}")

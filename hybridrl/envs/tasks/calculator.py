@@ -83,10 +83,12 @@ class CalculatorTask(Task):
 
     def instance(self, expression: str) -> TaskInstance:
         value = format_value(evaluate(expression))
-        messages = ([{"role": "system", "content": self.options.system_prompt}] if self.options.system_prompt else [])
+        messages = ([{"role": "system",
+                      "content": self.options.system_prompt}] if self.options.system_prompt else [])
         messages.append({"role": "user", "content": f"What is {expression}?"})
         digest = hashlib.sha1(expression.encode()).hexdigest()[:12]
-        return TaskInstance(task=self.name, task_id=f"calc-{digest}", messages=tuple(messages), reference=value,
+        return TaskInstance(task=self.name, task_id=f"calc-{digest}", messages=tuple(messages),
+                            reference=value,
                             tools=("calculator",), metadata={"expression": expression})
 
     def demonstration(self, instance, rng, *, use_tool, guess_correct):
@@ -108,7 +110,8 @@ class CalculatorTask(Task):
     def score(self, instance: TaskInstance, outcome: EpisodeOutcome) -> RewardResult:
         result = RewardResult()
         result.add("correct", self.correct(outcome.answer, instance.reference), self.correct.id)
-        result.add("format", self.format(outcome.answer, outcome.num_answers, outcome.completed), self.format.id,
+        result.add("format", self.format(outcome.answer, outcome.num_answers, outcome.completed),
+                   self.format.id,
                    weight=self.cfg.format_weight)
         return result
 

@@ -72,7 +72,8 @@ class GuessNumberTask(Task):
             if split_of(key, 4) != split:
                 return None
             prompt = f"I am thinking of a whole number from 1 to {top}. Guess it: <answer>N</answer>."
-            return TaskInstance(task=self.name, task_id=f"guess-{hashlib.sha1(key.encode()).hexdigest()[:10]}",
+            return TaskInstance(task=self.name,
+                                task_id=f"guess-{hashlib.sha1(key.encode()).hexdigest()[:10]}",
                                 messages=({"role": "user", "content": prompt},), reference=str(secret))
 
         return unique_instances(one, min(n, top // (2 if split == "train" else 8)), rng)
