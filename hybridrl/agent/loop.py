@@ -173,7 +173,12 @@ class AgentRunner:
                     log.warning("closing the environment of %s failed: %s", traj.trajectory_id, err)
         self._score(ep)
         traj.timings.update(ep.timings, queue_s=queue_s, total_s=time.monotonic() - started)
-        traj.validate()
+        try:
+            traj.validate()
+        except ValueError as err:            # a bug, not the policy's fault: keep it out of training
+            log.error("episode %s produced an inconsistent trajectory: %s", traj.trajectory_id, err)
+            traj.status, traj.truncation = TrajectoryStatus.INFRA_INVALID, None
+            traj.metadata["end_reason"] = f"invalid trajectory: {err}"
         return traj
 
     async def _episode(self, ep: _Episode, stop: asyncio.Event | None) -> None:

@@ -95,6 +95,9 @@ def test_fork_bomb_is_contained_and_leaves_nothing():
 
     async def go():
         pool = await started(cfg)
+        if pool.mode != "root":
+            await pool.close()
+            pytest.skip("counting the bomb's processes by uid needs isolation=root")
         uids.extend(pool.uids)
         try:
             task = asyncio.ensure_future(pool.run(bomb, timeout_s=1.5))
