@@ -420,3 +420,45 @@ def test_pools_in_one_host_never_share_a_uid():
         pytest.skip("uids are leased only when running as root")
     a, b = run(go())
     assert len(a) == len(b) == 3 and not set(a) & set(b)
+
+
+KILLED_PARENT = """
+import asyncio, json, sys
+from hybridrl.agent.config import ToolsConfig
+from hybridrl.agent.sandbox.pool import SandboxPool
+
+async def main():
+    pool = await SandboxPool(ToolsConfig(pool_size=2, warm=2, timeout_s=600)).start()
+    await asyncio.sleep(0.5)
+    print(json.dumps({"mode": pool.mode, "uids": pool.uids}), flush=True)
+    await pool.run("import time\\ntime.sleep(600)")
+
+asyncio.run(main())
+"""
+
+
+def test_a_killed_parent_leaves_no_sandbox_behind():
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from tests.launch import env_with_repo
+
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "hybridrl-sbx-*")))
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_PARENT], cwd=ROOT, env=env_with_repo(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    info = json.loads(proc.stdout.readline())
+    if info["mode"] != "root":
+        proc.kill()
+        pytest.skip("uid accounting of the sandboxes needs isolation=root")
+    time.sleep(0.5)                                     # the long tool is running
+    assert processes_of(info["uids"]), "the sandboxes should be alive before the kill"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and processes_of(info["uids"]):
+        time.sleep(0.1)
+    assert processes_of(info["uids"]) == []
+    time.sleep(0.3)
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "hybridrl-sbx-*"))) <= before

@@ -2,9 +2,11 @@
 
 Process tree (mode "root" or "userns"):
 
-    boot        host pid namespace; unshare(mount, net, pid, ipc, uts [, user]); waits for pid1
-     └ pid1     pid 1 of a new pid namespace: private mounts, then forks the tool and reaps;
-        │       when it exits the kernel kills everything left in the namespace
+    boot        host namespaces; unshare(pid [, user]); waits for pid1, then removes the host
+     │          directory (so nothing is left even if the parent died)
+     └ pid1     pid 1 of a new pid namespace; unshare(mount, net, ipc, uts); private mounts,
+        │       then forks the tool and reaps; when it exits the kernel kills everything left
+        │       in the namespace
         └ tool  rlimits, own uid (root mode), clean env, cwd = private tmpfs; execs the runner
 
 Mounts inside (never visible outside): every existing mount is remounted read-only; each
@@ -21,7 +23,8 @@ private working directory (a host directory the parent removes) and, when run as
 dedicated uid still apply; there is no network or filesystem isolation.
 
 SIGTERM to boot ends the sandbox: it kills pid 1 (namespaces) or the tool and all its
-descendants (mode none), then exits.
+descendants (mode none), then cleans up and exits. Boot gets SIGTERM when its parent dies
+(PR_SET_PDEATHSIG), so a killed trainer leaves no sandbox behind.
 
 Events go to the parent as JSON lines on `status_fd`: ready, setup_error, exit.
 """
@@ -30,6 +33,7 @@ import ctypes
 import json
 import os
 import resource
+import shutil
 import signal
 import sys
 
@@ -152,6 +156,7 @@ def run_pid1(spec, status_fd):
     """pid 1 of the namespace: mounts, fork the tool, reap until it exits."""
     try:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
         setup_mounts(spec)
     except BaseException as err:  # noqa: BLE001
         _emit(status_fd, {"event": "setup_error", "error": f"{type(err).__name__}: {err}"})
@@ -223,35 +228,40 @@ def main():
     spec = json.loads(sys.argv[1])
     status_fd = spec["status_fd"]
     mode = spec["mode"]
+    parent = os.getppid()
     signal.signal(signal.SIGTERM, _on_sigterm)
-    if mode == "none":
-        _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        _emit(status_fd, {"event": "ready", "mode": mode})
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:                 # the parent died before the line above
+        return 1
+    try:
+        if mode == "none":
+            _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+            _emit(status_fd, {"event": "ready", "mode": mode})
+            _child = os.fork()
+            if _child == 0:
+                exec_tool(spec, status_fd)
+            _, status = os.waitpid(_child, 0)
+            _child = 0
+            reap_orphans()
+            _emit(status_fd, _exit_event(status))
+            return 0
+        try:
+            uid, gid = os.getuid(), os.getgid()
+            _check(_libc.unshare(CLONE_NEWPID | (CLONE_NEWUSER if mode == "userns" else 0)), "unshare")
+            if mode == "userns":
+                _map_user(uid, gid)
+        except BaseException as err:  # noqa: BLE001
+            _emit(status_fd, {"event": "setup_error", "error": f"{type(err).__name__}: {err}"})
+            return 125
         _child = os.fork()
         if _child == 0:
-            exec_tool(spec, status_fd)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            run_pid1(spec, status_fd)
         _, status = os.waitpid(_child, 0)
         _child = 0
-        reap_orphans()
-        _emit(status_fd, _exit_event(status))
-        return 0
-    try:
-        flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
-        uid, gid = os.getuid(), os.getgid()
-        if mode == "userns":
-            flags |= CLONE_NEWUSER
-        _check(_libc.unshare(flags), "unshare")
-        if mode == "userns":
-            _map_user(uid, gid)
-    except BaseException as err:  # noqa: BLE001
-        _emit(status_fd, {"event": "setup_error", "error": f"{type(err).__name__}: {err}"})
-        return 125
-    _child = os.fork()
-    if _child == 0:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        run_pid1(spec, status_fd)
-    _, status = os.waitpid(_child, 0)
-    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+        return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+    finally:
+        shutil.rmtree(spec["stage_dir"], ignore_errors=True)
 
 
 if __name__ == "__main__":
