@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridrl.agent.config import AgentConfig, ToolsConfig
 from hybridrl.config.fields import ConfigValueError, check_choice, knob, section
 from hybridrl.distributed.config import DistributedConfig
+from hybridrl.envs.config import EnvServiceConfig, TaskConfig
 
 # Jobs shipped with hybridrl; `run.job` may also name any "package.module:JOB" attribute.
 JOBS = ("selfcheck",)
@@ -63,3 +65,7 @@ class Config:
     distributed: DistributedConfig = section(DistributedConfig, "processes, devices, control plane")
     model: ModelConfig = section(ModelConfig, "the policy model")
     selfcheck: SelfCheckConfig = section(SelfCheckConfig, "the self-check job")
+    agent: AgentConfig = section(AgentConfig, "the async agent loop: episode budgets, concurrency, sampling")
+    tools: ToolsConfig = section(ToolsConfig, "the tool sandbox pool and its limits")
+    task: TaskConfig = section(TaskConfig, "the task: splits, reward weights, SFT demonstrations, options")
+    env: EnvServiceConfig = section(EnvServiceConfig, "the leased environment service")

@@ -1,0 +1,200 @@
+"""`hybridrl agent ...`: check the tool sandbox, dump task data, run episodes.
+
+    hybridrl agent sandbox-check [--config RECIPE] [k=v ...] [--json]
+    hybridrl agent tasks [--config RECIPE] [k=v ...] [--split train|validation|sft] [-n N] [--out FILE]
+    hybridrl agent rollout [--config RECIPE] [k=v ...] [--engine scripted|native] [-n N] [--group-size G]
+                           [--split train|validation] [--json OUT]
+
+Only argparse is imported here; each handler imports what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="agent_command", required=True)
+
+    def common(p):
+        p.add_argument("--config", default=None, help="recipe YAML")
+        p.add_argument("overrides", nargs="*", help="section.key=value")
+
+    p = sub.add_parser("sandbox-check", help="probe the tool sandbox's isolation and limits on this machine")
+    common(p)
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("tasks", help="print task instances or SFT demonstrations as JSON lines")
+    common(p)
+    p.add_argument("--split", choices=["train", "validation", "sft"], default="train")
+    p.add_argument("-n", type=int, default=5)
+    p.add_argument("--out", default=None, help="write JSON lines here instead of stdout")
+    p = sub.add_parser("rollout", help="run episodes of the configured task and report statuses and rewards")
+    common(p)
+    p.add_argument("--engine", choices=["scripted", "native"], default="native",
+                   help="native: model.path (or a tiny random model); scripted: a perfect calculator agent")
+    p.add_argument("--split", choices=["train", "validation"], default="validation")
+    p.add_argument("-n", type=int, default=16, help="instances")
+    p.add_argument("--group-size", type=int, default=1)
+    p.add_argument("--show", type=int, default=2, help="print this many trajectories as text")
+    p.add_argument("--json", default=None, help="write a summary here")
+
+
+def main(args: argparse.Namespace) -> int:
+    from hybridrl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"hybridrl: {err}", file=sys.stderr)
+        return 2
+    handler = {"sandbox-check": _sandbox_check, "tasks": _tasks, "rollout": _rollout}[args.agent_command]
+    return handler(cfg, args)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+_PROBES = {
+    "network": ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), 2)\n    print('open')\n"
+                "except OSError as e:\n    print('closed', e.errno)", lambda r: r.stdout.startswith("closed")),
+    "write_outside": ("import os\nbad = []\nfor p in ('/tmp/hybridrl-probe', '/var/tmp/hybridrl-probe', "
+                      "'/hybridrl-probe'):\n    try:\n        open(p, 'w').close(); os.unlink(p); bad.append(p)\n"
+                      "    except OSError:\n        pass\nprint(bad)", lambda r: r.stdout.strip() == "[]"),
+    "environment": ("import os\nprint('HYBRIDRL_PROBE_SECRET' in os.environ)",
+                    lambda r: r.stdout.strip() == "False"),
+    "fork_bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+                  lambda r: r.timed_out),
+    "memory": ("x = bytearray(8 << 30)", lambda r: r.limit_hit == "memory"),
+    "cpu": ("while True:\n    pass", lambda r: r.limit_hit in ("cpu", "wall_clock")),
+    "output_flood": ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)",
+                     lambda r: r.output_truncated),
+}
+
+
+def _sandbox_check(cfg, args) -> int:
+    import asyncio
+    import dataclasses
+    import os
+    import socket
+
+    from hybridrl.agent.sandbox.pool import SandboxPool
+
+    os.environ["HYBRIDRL_PROBE_SECRET"] = "visible-only-to-the-parent"
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    tools = dataclasses.replace(cfg.tools, cpu_s=min(cfg.tools.cpu_s, 2))
+
+    async def go():
+        async with SandboxPool(tools) as pool:
+            out = {}
+            for name, (code, passed) in _PROBES.items():
+                r = await pool.run(code.format(port=port), timeout_s=3.0)
+                out[name] = {"ok": bool(passed(r)), "limit": r.limit_hit, "stdout": r.stdout[-200:].strip()}
+            return pool.mode, out
+
+    mode, results = asyncio.run(go())
+    listener.close()
+    expected_weak = {"network", "write_outside"} if mode == "none" else set()
+    failed = [n for n, r in results.items() if not r["ok"] and n not in expected_weak]
+    if args.json:
+        print(json.dumps({"isolation": mode, "probes": results, "failed": failed}, indent=2))
+    else:
+        print(f"tool sandbox isolation: {mode}")
+        for name, r in results.items():
+            verdict = "ok" if r["ok"] else ("NOT ISOLATED (isolation=none)" if name in expected_weak else "FAILED")
+            print(f"  {name:14s} {verdict}" + (f"  [{r['limit']}]" if r["limit"] else ""))
+    return 1 if failed else 0
+
+
+def _tasks(cfg, args) -> int:
+    from hybridrl.envs.tasks import get_task
+
+    task = get_task(cfg.task.name, cfg.task)
+    if args.split == "sft":
+        rows = [{"messages": m} for m in task.sft_demonstrations(args.n)]
+    elif args.split == "train":
+        rows = [i.to_dict() for i in task.train_split(args.n)]
+    else:
+        rows = [i.to_dict() for i in task.validation_split(args.n)]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        print(f"wrote {len(rows)} {args.split} rows of task {task.name} to {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _rollout(cfg, args) -> int:
+    import asyncio
+    import time
+    from collections import Counter
+
+    from transformers import AutoTokenizer
+
+    from hybridrl.agent.loop import AgentRunner
+    from hybridrl.agent.tools.base import ToolBox
+    from hybridrl.envs.tasks import Task, get_task
+
+    task = get_task(cfg.task.name, cfg.task)
+    instances = (task.validation_split if args.split == "validation" else task.train_split)(args.n)
+    model = cfg.model.path
+    if not model:
+        from pathlib import Path
+
+        from hybridrl.assets.tiny_model import TinyModelSpec, build_tiny_model
+
+        model = str(Path(cfg.run.dir) / "tiny-qwen2")
+        if not Path(model, "config.json").exists():
+            build_tiny_model(model, TinyModelSpec())
+        print(f"model.path is empty: using a tiny random model at {model}", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if args.engine == "scripted":
+        if task.name != "calculator":
+            print("hybridrl: --engine scripted plays the calculator task only", file=sys.stderr)
+            return 2
+        from hybridrl.agent.testing import ScriptedEngine, calculator_oracle
+
+        engine = ScriptedEngine(tokenizer, calculator_oracle(tokenizer, calls=1), step_latency_s=0.001)
+    else:
+        from hybridrl.backends.native import NativeEngine, NativeEngineConfig
+
+        engine = NativeEngine.from_pretrained(model, NativeEngineConfig(), device="cpu")
+    names = sorted({t for i in instances for t in i.tools})
+
+    envs = None
+    if type(task).make_env is not Task.make_env:         # a stateful task: through the leased service
+        from hybridrl.envs.client import LeasedEnvProvider
+        from hybridrl.envs.service import EnvService
+
+        envs = LeasedEnvProvider(EnvService.from_config(cfg.env), cfg.env)
+
+    async def go():
+        async with ToolBox.from_config(cfg.tools, names=names) as tools:
+            runner = AgentRunner(engine, tokenizer, agent_cfg=cfg.agent, tools=tools, run_id=cfg.run.name,
+                                 seed=cfg.run.seed, envs=envs)
+            t0 = time.perf_counter()
+            trajs = await runner.run(instances, task=task, group_size=args.group_size)
+            wall = time.perf_counter() - t0
+            return trajs, runner.stats(wall), wall
+
+    trajs, stats, wall = asyncio.run(go())
+    statuses = Counter(t.status.value + (f"/{t.truncation.value}" if t.truncation else "") for t in trajs)
+    summary = {"task": task.name, "engine": args.engine, "episodes": len(trajs), "wall_s": round(wall, 3),
+               "mean_reward": sum(t.reward for t in trajs) / len(trajs), "statuses": dict(statuses),
+               "mean_turns": sum(t.turns for t in trajs) / len(trajs),
+               "mean_response_tokens": sum(len(t.response_ids) for t in trajs) / len(trajs),
+               **{k: v for k, v in stats.items() if k != "tools"}, "tools": stats["tools"]}
+    for t in trajs[: args.show]:
+        print(f"--- {t.trajectory_id} [{t.status.value}] reward {t.reward}")
+        print(tokenizer.decode(t.prompt_ids + t.response_ids))
+    print(json.dumps(summary, indent=2, default=str))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    return 0

@@ -1,0 +1,89 @@
+"""Configs of the agent loop (`agent`) and the tool sandbox pool (`tools`). Import-light."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, check_range, knob
+
+DEFAULT_HIDDEN_PATHS = ["/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run"]
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    """Episode budgets, concurrency and sampling of the async agent loop."""
+
+    max_turns: int = knob(4, "assistant turns per episode; one more would end it TRUNCATED(max_turns)")
+    max_new_tokens_per_turn: int = knob(
+        64, "tokens one assistant turn may generate (TRUNCATED(max_new_tokens))")
+    on_turn_limit: str = knob(
+        "truncate", "a turn that hits max_new_tokens_per_turn: truncate (end the episode TRUNCATED(max_new_tokens)) "
+                    "| close_turn (close it as the template would, parse it, go on)")
+    max_response_tokens: int = knob(
+        256, "all response tokens of an episode, policy + observations (TRUNCATED(max_response_tokens))")
+    max_episode_s: float = knob(120.0, "wall-clock budget of one episode (TRUNCATED(wall_clock))")
+    max_concurrent_episodes: int = knob(
+        64, "episodes in flight at once; admission blocks (never drops) while this many run")
+    temperature: float = knob(1.0, "sampling temperature (0 = greedy)")
+    top_p: float = knob(1.0, "nucleus sampling mass (1.0 = off)")
+    top_k: int = knob(-1, "top-k sampling (-1 = off)")
+    max_tool_calls_per_turn: int = knob(
+        2, "tool calls executed from one assistant turn; extra ones get an error")
+    max_observation_chars: int = knob(
+        2000, "tool / env output shown to the model is cut to this many characters")
+    on_weights_updated: str = knob(
+        "continue", "a turn interrupted by new weights: continue it under the new version | abort the episode")
+    abort_grace_s: float = knob(2.0, "after aborting a request, how long to wait for its partial output")
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_new_tokens_per_turn", "max_response_tokens", "max_concurrent_episodes",
+                     "max_tool_calls_per_turn", "max_observation_chars"):
+            check_positive(name, getattr(self, name))
+        check_positive("max_episode_s", self.max_episode_s)
+        check_positive("temperature", self.temperature, allow_zero=True)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigValueError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ConfigValueError("top_k", f"must be -1 (off) or >= 1, got {self.top_k!r}")
+        check_choice("on_weights_updated", self.on_weights_updated, ("continue", "abort"))
+        check_choice("on_turn_limit", self.on_turn_limit, ("truncate", "close_turn"))
+        check_positive("abort_grace_s", self.abort_grace_s, allow_zero=True)
+
+
+@dataclass(kw_only=True)
+class ToolsConfig:
+    """The sandbox pool that runs tool processes, and its limits."""
+
+    pool_size: int = knob(4, "tool processes running at once; further calls wait for a slot")
+    warm: int = knob(2, "sandboxes started ahead of need (each is used once, then discarded)")
+    isolation: str = knob(
+        "auto", "auto (namespaces where the OS allows, else none with a warning) | namespaces | none")
+    require_isolation: bool = knob(False, "fail at start instead of falling back to isolation=none")
+    timeout_s: float = knob(10.0, "wall-clock limit of one tool call; the process group is killed after it")
+    cpu_s: int = knob(5, "CPU-seconds per process (RLIMIT_CPU)")
+    memory_mb: int = knob(512, "address space per process, MiB (RLIMIT_AS)")
+    max_processes: int = knob(16, "processes per sandbox (RLIMIT_NPROC of its own uid)")
+    max_open_files: int = knob(64, "open files per process (RLIMIT_NOFILE)")
+    max_file_mb: int = knob(8, "largest file a tool may write, MiB (RLIMIT_FSIZE)")
+    tmpfs_mb: int = knob(32, "size of the private working directory (a tmpfs under namespaces), MiB")
+    max_output_bytes: int = knob(65536, "stdout + stderr bytes kept; more kills the tool (output_truncated)")
+    uid_base: int = knob(61000,
+                         "when run as root, each sandbox slot runs as its own uid, leased from uid_base up")
+    hidden_paths: list[str] = knob(
+        help="directories replaced by an empty read-only tmpfs inside the sandbox (namespaces only)",
+        factory=lambda: list(DEFAULT_HIDDEN_PATHS))
+    python: str = knob("", "interpreter for tools (empty: the base interpreter of this Python)")
+    calculator_max_chars: int = knob(256, "longest expression the calculator accepts")
+
+    def __post_init__(self) -> None:
+        for name in ("pool_size", "cpu_s", "memory_mb", "max_processes", "max_open_files", "max_file_mb",
+                     "tmpfs_mb", "max_output_bytes", "calculator_max_chars"):
+            check_positive(name, getattr(self, name))
+        check_positive("warm", self.warm, allow_zero=True)
+        check_positive("timeout_s", self.timeout_s)
+        check_choice("isolation", self.isolation, ("auto", "namespaces", "none"))
+        check_range("uid_base", self.uid_base, 1000, 2**31 - 1 - 4096)
+        for path in self.hidden_paths:
+            if not path.startswith("/") or path == "/":
+                raise ConfigValueError("hidden_paths", f"entries must be absolute directories other than /, "
+                                                       f"got {path!r}")

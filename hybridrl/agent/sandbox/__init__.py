@@ -1,0 +1,1 @@
+"""Sandboxed tool processes: `pool.SandboxPool` (asyncio side) and `boot.py` (inside the sandbox)."""

@@ -1,0 +1,268 @@
+"""Sandbox bootstrap: runs as `python -I -S boot.py SPEC_JSON`, standard library only.
+
+Process tree (mode "root" or "userns"):
+
+    boot        host namespaces; unshare(pid [, user]); waits for pid1, then removes the host
+     │          directory (so nothing is left even if the parent died)
+     └ pid1     pid 1 of a new pid namespace; unshare(mount, net, ipc, uts); private mounts,
+        │       then forks the tool and reaps; when it exits the kernel kills everything left
+        │       in the namespace
+        └ tool  rlimits, own uid (root mode), clean env, cwd = private tmpfs; execs the runner
+
+Mounts inside (never visible outside): every existing mount is remounted read-only; each
+`hidden` directory is covered by an empty read-only tmpfs (paths in `expose` are bind-mounted
+back, read-only, e.g. the interpreter when it lives under /root); the tool's working directory
+is a fresh size-limited tmpfs owned by the tool's uid; /proc shows only the sandbox's pids.
+The network namespace has only a loopback device that is down: no connection can be made,
+not even to 127.0.0.1.
+
+Mode "none" (the OS refused namespaces): boot forks the tool directly and is its child
+subreaper, so every process the tool leaves behind (even one that called setsid) becomes
+boot's child and is killed and reaped before boot exits. Rlimits, the clean environment, the
+private working directory (a host directory the parent removes) and, when run as root, the
+dedicated uid still apply; there is no network or filesystem isolation.
+
+SIGTERM to boot ends the sandbox: it kills pid 1 (namespaces) or the tool and all its
+descendants (mode none), then cleans up and exits. Boot gets SIGTERM when its parent dies
+(PR_SET_PDEATHSIG), so a killed trainer leaves no sandbox behind.
+
+Events go to the parent as JSON lines on `status_fd`: ready, setup_error, exit.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import shutil
+import signal
+import sys
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_MOVE, MS_REC = 32, 1024, 2048, 4096, 8192, 16384
+MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+_FLAG_OPTIONS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
+                 "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.unshare.argtypes = [ctypes.c_int]
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+
+def _check(ret, what):
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _b(s):
+    return None if s is None else s.encode()
+
+
+def mount(source, target, fstype, flags, data=None):
+    _check(_libc.mount(_b(source), _b(target), _b(fstype), flags, _b(data)),
+           f"mount {source or ''} on {target} ({fstype or 'flags'} {flags:#x})")
+
+
+def _mount_points():
+    """(mount point, per-mount flags) from /proc/self/mountinfo, in mount order."""
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            point = fields[4].encode().decode("unicode_escape")    # "\040" escapes
+            flags = 0
+            for opt in fields[5].split(","):
+                flags |= _FLAG_OPTIONS.get(opt, 0)
+            points.append((point, flags))
+    return points
+
+
+def _under(path, roots):
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def setup_mounts(spec):
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    hidden = [p for p in spec["hidden"] if os.path.isdir(p)]
+    exposed = [p for p in spec["expose"] if _under(p, hidden) and os.path.isdir(p)]
+    staged = []
+    for i, path in enumerate(exposed):
+        # bind what a mask will cover onto a stage and hold it by an O_PATH fd: the stage
+        # itself may lie under a mask (it is in the host's /tmp)
+        stage = os.path.join(spec["stage_dir"], f"expose{i}")
+        os.mkdir(stage, 0o700)
+        mount(path, stage, None, MS_BIND | MS_REC)
+        staged.append((os.open(stage, os.O_PATH), path))
+    for path in hidden:
+        if os.path.isdir(path):                 # a hidden path under another one is gone already
+            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
+    for fd, path in staged:
+        os.makedirs(path, 0o755, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}", path, None, MS_MOVE)
+        os.close(fd)
+    os.makedirs(spec["workdir"], 0o755, exist_ok=True)
+    for point, flags in _mount_points():
+        if _under(point, ["/proc"]):
+            continue
+        try:
+            mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
+        except OSError:
+            if point == "/":
+                raise
+    owner = f",uid={spec['uid']},gid={spec['gid']}" if spec["uid"] >= 0 else ""
+    mount("tmpfs", spec["workdir"], "tmpfs", MS_NOSUID | MS_NODEV,
+          f"size={spec['tmpfs_bytes']},mode=700{owner}")
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
+def exec_tool(spec, status_fd):
+    """In the tool process: limits, identity, environment, exec. Never returns."""
+    try:
+        os.close(status_fd)
+        limits = spec["limits"]
+        for res, value in ((resource.RLIMIT_AS, limits["as_bytes"]), (resource.RLIMIT_NOFILE,
+                                                                      limits["nofile"]),
+                           (resource.RLIMIT_FSIZE, limits["fsize_bytes"]), (resource.RLIMIT_CORE, 0),
+                           (resource.RLIMIT_NPROC, limits["nproc"])):
+            resource.setrlimit(res, (value, value))
+        resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
+        if spec["uid"] >= 0 and spec["mode"] != "userns":
+            os.setgroups([])
+            os.setgid(spec["gid"])
+            os.setuid(spec["uid"])
+        os.chdir(spec["workdir"])
+        os.umask(0o077)
+        os.execve(spec["argv"][0], spec["argv"], spec["env"])
+    except BaseException as err:  # noqa: BLE001 - report anything, then die
+        os.write(2, f"sandbox: cannot start the tool: {err}\n".encode())
+    os._exit(126)
+
+
+def _exit_event(status):
+    if os.WIFSIGNALED(status):
+        return {"event": "exit", "code": None, "signal": os.WTERMSIG(status)}
+    return {"event": "exit", "code": os.WEXITSTATUS(status), "signal": None}
+
+
+def _emit(fd, event):
+    os.write(fd, (json.dumps(event) + "\n").encode())
+
+
+def run_pid1(spec, status_fd):
+    """pid 1 of the namespace: mounts, fork the tool, reap until it exits."""
+    try:
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
+        setup_mounts(spec)
+    except BaseException as err:  # noqa: BLE001
+        _emit(status_fd, {"event": "setup_error", "error": f"{type(err).__name__}: {err}"})
+        os._exit(125)
+    _emit(status_fd, {"event": "ready", "mode": spec["mode"]})
+    tool = os.fork()
+    if tool == 0:
+        exec_tool(spec, status_fd)
+    while True:
+        pid, status = os.wait()
+        if pid == tool:
+            event = _exit_event(status)
+            _emit(status_fd, event)
+            os._exit(0)
+
+
+def _map_user(uid, gid):
+    with open("/proc/self/setgroups", "w") as f:
+        f.write("deny")
+    with open("/proc/self/uid_map", "w") as f:
+        f.write(f"0 {uid} 1")
+    with open("/proc/self/gid_map", "w") as f:
+        f.write(f"0 {gid} 1")
+
+
+def _children(pid):
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def reap_orphans():
+    """Kill and reap every remaining descendant (they are re-parented to us, the subreaper)."""
+    me = os.getpid()
+    while True:
+        for kid in _children(me):
+            try:
+                os.kill(kid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] != 0:
+                pass
+        except ChildProcessError:
+            return
+
+
+_child = 0
+
+
+def _on_sigterm(signum, frame):
+    if _child:
+        try:
+            os.kill(_child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def main():
+    global _child
+    spec = json.loads(sys.argv[1])
+    status_fd = spec["status_fd"]
+    mode = spec["mode"]
+    parent = os.getppid()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:                 # the parent died before the line above
+        return 1
+    try:
+        if mode == "none":
+            _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+            _emit(status_fd, {"event": "ready", "mode": mode})
+            _child = os.fork()
+            if _child == 0:
+                exec_tool(spec, status_fd)
+            _, status = os.waitpid(_child, 0)
+            _child = 0
+            reap_orphans()
+            _emit(status_fd, _exit_event(status))
+            return 0
+        try:
+            uid, gid = os.getuid(), os.getgid()
+            _check(_libc.unshare(CLONE_NEWPID | (CLONE_NEWUSER if mode == "userns" else 0)), "unshare")
+            if mode == "userns":
+                _map_user(uid, gid)
+        except BaseException as err:  # noqa: BLE001
+            _emit(status_fd, {"event": "setup_error", "error": f"{type(err).__name__}: {err}"})
+            return 125
+        _child = os.fork()
+        if _child == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            run_pid1(spec, status_fd)
+        _, status = os.waitpid(_child, 0)
+        _child = 0
+        return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+    finally:
+        shutil.rmtree(spec["stage_dir"], ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

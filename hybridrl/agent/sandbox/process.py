@@ -1,0 +1,256 @@
+"""One single-use sandbox process (boot -> [pid1 ->] tool) driven from asyncio.
+
+All three pipes (stdout, stderr, the status channel) are read through event-loop transports,
+so a tool that floods its output or leaves a process holding a pipe never blocks the loop.
+The end of the status channel means boot (and pid 1) have exited: that, not the pipes, is
+how the end of a run is detected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BOOT = str(Path(__file__).with_name("boot.py"))
+
+# Runs inside the sandbox: read the program from stdin, run it as __main__, print a traceback
+# without the runner's own frame on error.
+RUNNER = """\
+import sys
+src = sys.stdin.buffer.read()
+sys.stdin.close()
+try:
+    code = compile(src, "<tool>", "exec")
+    del src
+    exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+except SystemExit:
+    raise
+except BaseException as err:
+    import traceback
+    traceback.print_exception(type(err), err, err.__traceback__.tb_next)
+    sys.exit(1)
+"""
+
+
+@dataclass
+class SandboxResult:
+    stdout: str
+    stderr: str
+    exit_code: int | None              # None when killed by a signal
+    signal: int | None = None
+    timed_out: bool = False            # wall-clock limit: the sandbox was killed
+    output_truncated: bool = False     # more than max_output_bytes: the sandbox was killed
+    setup_error: str | None = None     # the sandbox could not be built (not the tool's fault)
+    wall_s: float = 0.0
+    isolation: str = "none"
+
+    @property
+    def ok(self) -> bool:
+        return (self.setup_error is None and not self.timed_out and not self.output_truncated
+                and self.exit_code == 0)
+
+    @property
+    def limit_hit(self) -> str | None:
+        """Which limit stopped the tool, if one did: wall_clock | output | cpu | memory | file_size."""
+        if self.timed_out:
+            return "wall_clock"
+        if self.output_truncated:
+            return "output"
+        if self.signal in (signal.SIGXCPU, signal.SIGKILL):
+            return "cpu"
+        if "MemoryError" in self.stderr:
+            return "memory"
+        if "File too large" in self.stderr or self.signal == signal.SIGXFSZ:
+            return "file_size"
+        return None
+
+
+class _Budget:
+    def __init__(self, max_bytes: int):
+        self.room = max_bytes
+        self.overflow = asyncio.Event()
+
+
+class _Capture(asyncio.Protocol):
+    """Collect a pipe into `buf`, within a shared byte budget (None = unlimited)."""
+
+    def __init__(self, budget: _Budget | None):
+        self.buf = bytearray()
+        self.budget = budget
+        self.closed = asyncio.get_running_loop().create_future()
+        self.transport: asyncio.ReadTransport | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.budget is None:
+            self.buf += data
+            return
+        keep = min(len(data), self.budget.room)
+        self.buf += data[:keep]
+        self.budget.room -= keep
+        if keep < len(data):
+            self.budget.overflow.set()
+            self.transport.pause_reading()       # the writer now blocks until it is killed
+
+    def connection_lost(self, exc) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
+class SandboxProcess:
+    """Spawned by `spawn`, used once by `execute`, always ended by `close`."""
+
+    def __init__(self, popen: subprocess.Popen, mode: str, host_dir: str, uid: int,
+                 pipes: dict[str, Any], stdin: asyncio.WriteTransport):
+        self.popen, self.mode, self.host_dir, self.uid = popen, mode, host_dir, uid
+        self.pipes = pipes                      # name -> (transport, _Capture)
+        self.stdin = stdin
+        self.budget: _Budget = pipes["stdout"][1].budget
+
+    @classmethod
+    async def spawn(cls, python: str, spec: dict[str, Any], *, max_output_bytes: int) -> "SandboxProcess":
+        """Start boot with `spec` (its "status_fd" is filled in here); the tool then waits for code."""
+        loop = asyncio.get_running_loop()
+        status_r, status_w = os.pipe()
+        try:
+            popen = subprocess.Popen(
+                [python, "-I", "-S", BOOT, json.dumps({**spec, "status_fd": status_w})],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env={"PATH": "/usr/bin:/bin"}, cwd="/", pass_fds=(status_w,), start_new_session=True)
+        except BaseException:
+            os.close(status_r)
+            raise
+        finally:
+            os.close(status_w)                  # only the sandbox holds the write end now
+        budget = _Budget(max_output_bytes)
+        pipes = {}
+        for name, fileobj, cap in (("stdout", popen.stdout, budget), ("stderr", popen.stderr, budget),
+                                   ("status", os.fdopen(status_r, "rb", 0), None)):
+            pipes[name] = await loop.connect_read_pipe(lambda cap=cap: _Capture(cap), fileobj)
+        stdin, _ = await loop.connect_write_pipe(asyncio.Protocol, popen.stdin)
+        return cls(popen, spec["mode"], spec["stage_dir"], spec["uid"], pipes, stdin)
+
+    @property
+    def alive(self) -> bool:
+        return not self.pipes["status"][1].closed.done()
+
+    async def execute(self, code: str, timeout_s: float) -> SandboxResult:
+        started = time.monotonic()
+        self.stdin.write(code.encode())
+        self.stdin.close()
+        ended = self.pipes["status"][1].closed
+        overflow = asyncio.ensure_future(self.budget.overflow.wait())
+        await asyncio.wait({ended, overflow}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        overflow.cancel()
+        timed_out = truncated = False
+        if not ended.done():
+            truncated = self.budget.overflow.is_set()
+            timed_out = not truncated
+        await self.close()
+        truncated = truncated or self.budget.overflow.is_set()
+        events = []
+        for line in self.pipes["status"][1].buf.decode("utf-8", "replace").splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        exit_event = next((e for e in events if e.get("event") == "exit"), None)
+        setup = next((e["error"] for e in events if e.get("event") == "setup_error"), None)
+        if exit_event is None and setup is None and not (timed_out or truncated):
+            setup = f"sandbox ended without a status (boot exit code {self.popen.returncode})"
+        killed = timed_out or truncated
+        return SandboxResult(
+            stdout=self.pipes["stdout"][1].buf.decode("utf-8", "replace"),
+            stderr=self.pipes["stderr"][1].buf.decode("utf-8", "replace"),
+            exit_code=None if killed or exit_event is None else exit_event["code"],
+            signal=signal.SIGKILL if killed else (exit_event or {}).get("signal"),
+            timed_out=timed_out, output_truncated=truncated, setup_error=setup,
+            wall_s=time.monotonic() - started, isolation=self.mode)
+
+    def kill(self) -> None:
+        """Namespaces: SIGKILL the group (pid 1 dies, so does its namespace). Mode none: SIGTERM
+        boot, which kills and reaps every descendant; `close` escalates if it does not finish."""
+        sig = signal.SIGTERM if self.mode == "none" else signal.SIGKILL
+        try:
+            os.killpg(self.popen.pid, sig) if sig == signal.SIGKILL else self.popen.send_signal(sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    async def close(self) -> None:
+        """End the sandbox if still running, reap it, release pipes and the host directory."""
+        ended = self.pipes["status"][1].closed
+        if not ended.done():
+            self.kill()
+            try:
+                await asyncio.wait_for(asyncio.shield(ended), timeout=2.0)
+            except asyncio.TimeoutError:
+                try:
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                if self.mode == "none" and self.uid >= 0:
+                    kill_uid(self.uid)
+        for name in ("stdout", "stderr"):               # normally closed with the last process
+            transport, capture = self.pipes[name]
+            try:
+                await asyncio.wait_for(asyncio.shield(capture.closed), timeout=0.5)
+            except asyncio.TimeoutError:
+                transport.close()
+        self.pipes["status"][0].close()
+        self.stdin.close()
+        for _ in range(2000):                            # boot exits right after its last write
+            if self.popen.poll() is not None:
+                break
+            await asyncio.sleep(0.001)
+        else:
+            self.popen.kill()
+            self.popen.wait()
+        shutil.rmtree(self.host_dir, ignore_errors=True)
+
+
+    def abandon(self) -> None:
+        """End the sandbox without an event loop (its loop is gone): kill, reap, release."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.mode == "none" and self.uid >= 0:
+            kill_uid(self.uid)
+        for transport, _ in self.pipes.values():
+            try:
+                transport.close()
+            except Exception:  # noqa: BLE001 - the loop may be closed; the pipes go with the objects below
+                pass
+        for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
+            if pipe is not None:
+                pipe.close()
+        self.popen.wait()
+        shutil.rmtree(self.host_dir, ignore_errors=True)
+
+
+def kill_uid(uid: int) -> int:
+    """SIGKILL every process of `uid` (the last resort behind isolation=none as root)."""
+    import psutil
+
+    killed = 0
+    for _ in range(3):                      # a fork bomb may be forking while we sweep
+        victims = [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == uid]
+        if not victims:
+            break
+        for p in victims:
+            try:
+                p.send_signal(signal.SIGKILL)
+                killed += 1
+            except psutil.Error:
+                pass
+    return killed

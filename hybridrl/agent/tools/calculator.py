@@ -1,0 +1,22 @@
+"""The calculator tool: the safe evaluator of `arithmetic.py`, in process (it cannot run code)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridrl.agent.actions import ToolSpec
+from hybridrl.agent.tools.arithmetic import calculate
+from hybridrl.agent.tools.base import ToolResult
+
+
+class CalculatorTool:
+    def __init__(self, *, max_chars: int = 256):
+        self.max_chars = max_chars
+        self.spec = ToolSpec(
+            "calculator", "Evaluate an arithmetic expression with + - * / // % ^ and parentheses.",
+            {"type": "object", "properties": {"expression": {"type": "string", "maxLength": max_chars}},
+             "required": ["expression"]})
+
+    async def __call__(self, arguments: dict[str, Any]) -> ToolResult:
+        text, ok = calculate(arguments["expression"], max_chars=self.max_chars)
+        return ToolResult(text, ok, None if ok else text[len("error: "):])

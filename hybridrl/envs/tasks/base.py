@@ -1,0 +1,151 @@
+"""The `Task` interface: instances (prompts + references), splits, SFT demonstrations, the
+action formats the agent parses, the reward, and optionally a stateful environment.
+
+A task is one small file: subclass `Task`, give it `name`, an `Options` dataclass, and
+implement `make_instances`, `demonstration`, `score` (and `make_env` for stateful tasks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+
+from hybridrl.agent.actions import ActionParser
+from hybridrl.reward.base import RewardResult
+
+if TYPE_CHECKING:
+    from hybridrl.envs.config import TaskConfig
+    from hybridrl.envs.protocol import Environment
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskInstance:
+    """One prompt of a task: immutable, serialisable (`to_dict`/`from_dict`)."""
+
+    task: str                                   # registry name of the task that made it
+    task_id: str                                # stable id (a hash of the content)
+    messages: tuple[Mapping[str, str], ...]     # the prompt: system / user messages
+    reference: str                              # the expected answer (never shown to tools)
+    tools: tuple[str, ...] = ()                 # tools this instance may call
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["messages"] = [dict(m) for m in self.messages]
+        d["tools"] = list(self.tools)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TaskInstance":
+        return cls(task=d["task"], task_id=d["task_id"], messages=tuple(dict(m) for m in d["messages"]),
+                   reference=d["reference"], tools=tuple(d.get("tools", ())),
+                   metadata=dict(d.get("metadata", {})))
+
+
+@dataclass
+class EpisodeOutcome:
+    """What the agent loop hands to `Task.score` at the end of an episode."""
+
+    answer: str | None              # content of the first <answer> of the final turn
+    num_answers: int                # <answer> tags in the final turn
+    final_text: str                 # decoded final assistant turn
+    completed: bool                 # ended on its own (not by a budget / failure)
+    env_return: float = 0.0         # sum of environment rewards (stateful tasks)
+    num_turns: int = 0
+    num_tool_calls: int = 0
+
+
+class Task:
+    name: ClassVar[str] = ""
+    version: ClassVar[int] = 1
+    Options: ClassVar[type] = type(None)
+    action_formats: ClassVar[tuple[str, ...]] = ("json",)
+    render_tools: ClassVar[bool] = False       # list the tools' JSON schemas in the system turn
+
+    def __init__(self, cfg: "TaskConfig"):
+        from hybridrl.envs.tasks.registry import task_options
+
+        self.cfg = cfg
+        self.options = task_options(self.name, cfg.options)
+
+    # ------------------------------------------------------------------ to implement
+
+    def make_instances(self, n: int, rng: random.Random, split: str) -> list[TaskInstance]:
+        """`n` instances of `split` ("train" | "validation"); the two must be disjoint."""
+        raise NotImplementedError
+
+    def demonstration(self, instance: TaskInstance, rng: random.Random, *, use_tool: bool,
+                      guess_correct: bool) -> list[dict[str, str]]:
+        """A full chat (prompt + assistant/tool turns) solving `instance`, for SFT."""
+        raise NotImplementedError
+
+    def score(self, instance: TaskInstance, outcome: EpisodeOutcome) -> RewardResult:
+        raise NotImplementedError
+
+    def make_env(self, instance: TaskInstance) -> "Environment | None":
+        """A stateful environment for the episode, or None for tool-only tasks."""
+        return None
+
+    # ------------------------------------------------------------------ provided
+
+    def parser(self) -> ActionParser:
+        return ActionParser(self.action_formats)
+
+    def train_split(self, n: int | None = None, seed: int | None = None) -> list[TaskInstance]:
+        return self._split("train", n or self.cfg.train_size, self.cfg.seed if seed is None else seed)
+
+    def validation_split(self, n: int | None = None, seed: int | None = None) -> list[TaskInstance]:
+        return self._split("validation", n or self.cfg.validation_size,
+                           self.cfg.seed if seed is None else seed)
+
+    def _split(self, split: str, n: int, seed: int) -> list[TaskInstance]:
+        rng = random.Random(f"{self.name}/{split}/{seed}")
+        return self.make_instances(n, rng, split)
+
+    def sft_demonstrations(self, n: int, seed: int | None = None, *, tool_use_fraction: float | None = None,
+                           guess_correct_fraction: float | None = None) -> list[list[dict[str, str]]]:
+        """`n` chats from the train distribution: a `tool_use_fraction` of them use the tool, the
+        rest guess (right in a `guess_correct_fraction` of cases). Seeded and deterministic."""
+        tool_use = self.cfg.sft_tool_use_fraction if tool_use_fraction is None else tool_use_fraction
+        correct = self.cfg.sft_guess_correct_fraction if guess_correct_fraction is None else guess_correct_fraction
+        for name, value in (("tool_use_fraction", tool_use), ("guess_correct_fraction", correct)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        seed = self.cfg.seed if seed is None else seed
+        instances = self._split("train", n, seed + 1_000_003)
+        rng = random.Random(f"{self.name}/sft/{seed}")
+        num_tool = round(tool_use * n)
+        use_tool = [True] * num_tool + [False] * (n - num_tool)
+        rng.shuffle(use_tool)
+        return [self.demonstration(inst, rng, use_tool=u, guess_correct=rng.random() < correct)
+                for inst, u in zip(instances, use_tool)]
+
+
+def unique_instances(make_one, n: int, rng: random.Random, *, max_tries: int = 100) -> list[TaskInstance]:
+    """Draw `n` instances with distinct task ids from `make_one(rng) -> TaskInstance | None`."""
+    seen: set[str] = set()
+    out: list[TaskInstance] = []
+    tries = 0
+    while len(out) < n:
+        inst = make_one(rng)
+        tries += 1
+        if tries > max_tries * n + 1000:
+            raise ValueError(f"could not draw {n} distinct instances (got {len(out)}): widen the task options")
+        if inst is None or inst.task_id in seen:
+            continue
+        seen.add(inst.task_id)
+        out.append(inst)
+    return out
+
+
+def split_of(key: str, validation_share: int = 8) -> str:
+    """A fixed partition of the instance space: 1 in `validation_share` keys is validation."""
+    import hashlib
+
+    return "validation" if hashlib.sha256(key.encode()).digest()[0] % validation_share == 0 else "train"
+
+
+def chat(messages: Sequence[tuple[str, str]]) -> list[dict[str, str]]:
+    return [{"role": role, "content": content} for role, content in messages]

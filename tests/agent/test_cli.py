@@ -1,0 +1,44 @@
+"""`hybridrl agent ...` end to end, in process."""
+
+from __future__ import annotations
+
+import json
+
+from hybridrl.cli import main
+
+
+def test_tasks_writes_instances_and_demonstrations(tmp_path, capsys):
+    assert main(["agent", "tasks", "--config", "recipes/calculator.yaml", "-n", "3"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 3 and all(r["task"] == "calculator" and r["tools"] == ["calculator"] for r in rows)
+    out = tmp_path / "sft.jsonl"
+    assert main(["agent", "tasks", "--config", "recipes/calculator.yaml", "--split", "sft", "-n", "4",
+                 "--out", str(out), "task.sft_tool_use_fraction=0.5"]) == 0
+    demos = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
+    assert sum(any(m["role"] == "tool" for m in d) for d in demos) == 2
+
+
+def test_rollout_with_the_scripted_agent(tmp_path, tiny_models, capsys):
+    summary = tmp_path / "summary.json"
+    code = main(["agent", "rollout", "--config", "recipes/calculator.yaml", "--engine", "scripted", "-n", "4",
+                 "--group-size", "2", "--show", "1", "--json", str(summary), f"model.path={tiny_models('qwen2')}",
+                 f"run.dir={tmp_path}"])
+    assert code == 0
+    result = json.loads(summary.read_text())
+    assert result["episodes"] == 8 and result["statuses"] == {"completed": 8} and result["mean_reward"] == 1.0
+    assert "<calc>" in capsys.readouterr().out
+
+
+def test_bad_override_is_a_config_error(capsys):
+    assert main(["agent", "tasks", "task.options={min_digits: 9, max_digits: 2}"]) == 2
+    assert "task.options.max_digits" in capsys.readouterr().err
+
+
+def test_sandbox_check_reports_every_probe(capsys):
+    code = main(["agent", "sandbox-check", "--json", "tools.cpu_s=1"])
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["probes"]) == {"network", "write_outside", "environment", "fork_bomb", "memory", "cpu",
+                                     "output_flood"}
+    assert code == (1 if report["failed"] else 0)
+    if report["isolation"] != "none":
+        assert report["failed"] == [] and all(p["ok"] for p in report["probes"].values())
