@@ -5,6 +5,7 @@
     hybridrl config defaults [--write DIR]     the documented defaults of every section
     hybridrl assets tiny-model --arch A --out D
     hybridrl doctor [--json]                   versions, devices, a 2-rank self-test
+    hybridrl score --model D --input I --output O [--tp T --pp P]   per-token logprobs (parity checks)
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_score(args: argparse.Namespace) -> int:
+    from hybridrl.backends.megatron.score import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridrl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--no-selftest", action="store_true")
     p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser("score", help="per-token logprobs of given token ids (starts torchrun)")
+    from hybridrl.backends.megatron.score import add_arguments as add_score_arguments
+
+    add_score_arguments(p)
+    p.set_defaults(func=_cmd_score)
     return parser
 
 
