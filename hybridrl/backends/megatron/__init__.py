@@ -12,6 +12,9 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
+# hybridrl.config's package import loads the root schema, which mounts MegatronConfig: load it
+# first, so that importing this package before hybridrl.config does not cycle.
+import hybridrl.config  # noqa: F401  isort: skip
 from hybridrl.backends.megatron.config import MegatronConfig
 
 # megatron-core announces at import that Transformer Engine / Apex are absent and it uses its

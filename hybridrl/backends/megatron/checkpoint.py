@@ -11,7 +11,9 @@ Launched scripts that save must guard their entry point with `if __name__ == "__
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,9 +61,31 @@ def save_checkpoint(engine: "MegatronEngine", path: Path, extra: dict) -> None:
             raise FileExistsError(f"checkpoint directory {path} exists and is not empty")
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(engine, is_loading=False, extra=extra), str(path),
-                            content_metadata=_OPTIM_METADATA)
+    with _writer_results_queue():
+        dist_checkpointing.save(_sharded_state(engine, is_loading=False, extra=extra), str(path),
+                                content_metadata=_OPTIM_METADATA)
     dist.barrier()
+
+
+@contextlib.contextmanager
+def _writer_results_queue():
+    """A results queue for megatron's checkpoint writer that lives only for one save.
+
+    megatron-core 0.16 (dist_checkpointing/strategies/filesystem_async.py:
+    _get_write_results_queue) creates on first save a process-global `spawn` Manager queue that
+    lives until the process exits cleanly: a spawn re-imports the main module (seconds), and if
+    the trainer is later killed, the manager process is orphaned. We install a `fork` Manager
+    queue for the duration of the save and shut it down afterwards."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    manager = multiprocessing.get_context("fork").Manager()
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = manager.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous
+        manager.shutdown()
 
 
 def load_checkpoint(engine: "MegatronEngine", path: Path) -> dict:

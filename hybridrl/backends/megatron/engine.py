@@ -172,6 +172,38 @@ class MegatronEngine:
             out["entropy"] = _assemble([r[1] for r in results], num_rows, length)
         return Batch(out, num_padding=batch.num_padding)
 
+    def compute_logits(self, batch: Batch) -> torch.Tensor | None:
+        """Full logits [B, T, V] float32 (gathered over TP, vocabulary padding cut, padded positions
+        0) on the output ranks, None elsewhere. For parity checks: it materialises the whole
+        vocabulary per rank, which compute_logprobs never does."""
+        from megatron.core import parallel_state as ps
+
+        from hybridrl.backends.megatron.schedule import check_sequence_batch, micro_batches, run_schedule
+
+        check_sequence_batch(batch)
+        num_rows, length = batch["input_ids"].shape
+        vocab = self.adapter.spec.vocab_size
+        out = torch.zeros(num_rows, length, vocab, dtype=torch.float32)
+        row = 0
+
+        def on_output(mb, logits):
+            nonlocal row
+            group = ps.get_tensor_model_parallel_group()
+            parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, logits.contiguous(), group=group)
+            full = torch.cat(parts, dim=-1)[..., :vocab].float()          # [b, T_mb, V]
+            full = full * mb.attention_mask.unsqueeze(-1).to(full.dtype)
+            b, t = mb.shape
+            out[row: row + b, :t] = full.cpu()
+            row += b
+            return logits.sum() * 0.0
+
+        self.model.eval()
+        with self._scope(), torch.no_grad():
+            run_schedule(self._schedule_model(), micro_batches(batch, self.cfg.micro_batch_size, self.device),
+                         on_output, forward_only=True, pp=self.cfg.pp)
+        return out if self.is_output_rank else None
+
     def _token_logprobs(self, mb, logits, temperature, with_entropy):
         from megatron.core import parallel_state as ps
 
