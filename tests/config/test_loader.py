@@ -118,7 +118,7 @@ PINNED_KEYS = [
     "train.tp", "train.pp", "train.micro_batch_size", "train.dtype", "train.lr", "train.min_lr",
     "train.lr_warmup_steps", "train.lr_decay_steps", "train.lr_schedule", "train.weight_decay",
     "train.adam_beta1", "train.adam_beta2", "train.adam_eps", "train.clip_grad",
-    "train.use_distributed_optimizer", "train.loss_aggregation", "train.recompute_activations",
+    "train.use_distributed_optimizer", "train.loss_aggregation", "train.attention", "train.recompute_activations",
     "train.make_vocab_size_divisible_by", "train.seed",
 ]
 

@@ -33,6 +33,7 @@ class MegatronConfig:
     clip_grad: float = knob(1.0, "clip gradients to this global L2 norm (0 = no clipping)")
     use_distributed_optimizer: bool = knob(True, "shard optimizer state over data-parallel ranks (ZeRO-1)")
     loss_aggregation: str = knob("token-mean", f"loss reduction, one of {list(AGGREGATIONS)}")
+    attention: str = knob("sdpa", "core attention: sdpa (torch fused kernels) | megatron (its local DotProductAttention)")
     recompute_activations: bool = knob(False, "recompute each layer's activations in backward (saves memory)")
     make_vocab_size_divisible_by: int = knob(128, "pad the vocabulary to a multiple of this times tp")
     seed: int = knob(1234, "seed of Megatron's RNG trackers (dropout); weights come from the HF checkpoint")
@@ -41,6 +42,7 @@ class MegatronConfig:
         for name in ("tp", "pp", "micro_batch_size", "make_vocab_size_divisible_by"):
             check_positive(name, getattr(self, name))
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("attention", self.attention, ("sdpa", "megatron"))
         check_positive("lr", self.lr, allow_zero=True)
         check_positive("min_lr", self.min_lr, allow_zero=True)
         if self.min_lr > self.lr:

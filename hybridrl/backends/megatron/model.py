@@ -19,6 +19,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.enums import AttnBackend
 
 from hybridrl.backends.megatron.adapters import DecoderSpec, Slot, Split
+from hybridrl.backends.megatron.attention import SDPAttention
 from hybridrl.backends.megatron.config import MegatronConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,12 +78,20 @@ def transformer_config(spec: DecoderSpec, cfg: MegatronConfig, *, device: torch.
     )
 
 
+def layer_spec(cfg: MegatronConfig):
+    """Megatron's local (pure torch) layer spec with RMSNorm; core attention per cfg.attention."""
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if cfg.attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
 def build_gpt_model(spec: DecoderSpec, cfg: MegatronConfig, config: TransformerConfig, *,
                     padded_vocab_size: int, device: torch.device) -> GPTModel:
     """This rank's stage of the model, parameters on `device` (values are loaded afterwards)."""
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=layer_spec(cfg),
         vocab_size=padded_vocab_size,
         max_sequence_length=spec.max_position,
         pre_process=ps.is_pipeline_first_stage(),

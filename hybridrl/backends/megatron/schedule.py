@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from hybridrl.backends.megatron import cpu_compat
 from hybridrl.data.batch import Batch
 
 
@@ -75,14 +76,16 @@ def run_schedule(model: torch.nn.Module, mbs: list[MicroBatch],
     logits [b, T_mb, V/tp] and returns the micro-batch's share of the loss (a scalar tensor)."""
 
     def loss_func(mb: MicroBatch, logits: torch.Tensor):
-        loss = on_output(mb, logits)
+        with cpu_compat.native_ops():
+            loss = on_output(mb, logits)
         # (loss, num_tokens, logged): with calculate_per_token_loss Megatron neither divides the
         # loss by the micro-batch count nor averages over DP; our losses are globally normalised.
         return loss, torch.tensor(0, dtype=torch.int), {}
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
-        output = chunk(mb.input_ids, mb.position_ids, mb.causal_mask)
+        with cpu_compat.native_ops():
+            output = chunk(mb.input_ids, mb.position_ids, mb.causal_mask)
         return output, partial(loss_func, mb)
 
     longest = max(mb.shape[1] for mb in mbs)

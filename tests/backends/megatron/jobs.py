@@ -55,7 +55,10 @@ def _checkpoint_tensors(path) -> dict[str, torch.Tensor]:
 
 
 def parity(out: Path, *model_dirs: str) -> None:
-    layouts = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)} if dist.get_world_size() == 2 else {"tp1": (1, 1)}
+    layouts = {"tp1": (1, 1, "sdpa"), "tp2": (2, 1, "sdpa"), "pp2": (1, 2, "sdpa"),
+               "tp2-megatron-attention": (2, 1, "megatron")}
+    if dist.get_world_size() == 1:
+        layouts = {"tp1": (1, 1, "sdpa")}
     results: dict = {}
     for model_dir in model_dirs:
         hf = _hf_model(model_dir)
@@ -64,10 +67,10 @@ def parity(out: Path, *model_dirs: str) -> None:
         ref_lp, ref_ent = token_logprobs(ref_logits, batch["input_ids"], batch["attention_mask"], TEMPERATURE)
         saved = _checkpoint_tensors(model_dir)
         family = hf.config.model_type
-        for name, (tp, pp) in layouts.items():
+        for name, (tp, pp, attention) in layouts.items():
             destroy_model_parallel()
-            engine = MegatronEngine.from_hf(model_dir, MegatronConfig(tp=tp, pp=pp, micro_batch_size=2,
-                                                                      dtype=DTYPE), training=False)
+            engine = MegatronEngine.from_hf(model_dir, MegatronConfig(tp=tp, pp=pp, micro_batch_size=2, dtype=DTYPE,
+                                                                      attention=attention), training=False)
             rec: dict = {"is_output_rank": engine.is_output_rank}
             logits = engine.compute_logits(batch)
             lp = engine.compute_logprobs(batch, temperature=TEMPERATURE, with_entropy=True)

@@ -1,6 +1,7 @@
 """Megatron model vs transformers, real ranks over gloo: logits, logprobs, entropy at TP=1, TP=2,
-PP=2 for Qwen2 (tied, qkv bias) and Llama (untied), on a right-padded batch of mixed lengths; and
-HF -> Megatron -> HF bitwise through `iter_hf_tensors` (gathered over TP and PP)."""
+PP=2 for Qwen2 (tied, qkv bias) and Llama (untied), on a right-padded batch of mixed lengths, with
+our SDPA core attention (and once with Megatron's own); and HF -> Megatron -> HF bitwise through
+`iter_hf_tensors` (gathered over TP and PP)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from tests.backends.megatron.conftest import run_job
 
-LAYOUTS = ("tp1", "tp2", "pp2")
+LAYOUTS = ("tp1", "tp2", "pp2", "tp2-megatron-attention")
 FAMILIES = ("qwen2", "llama")
 
 
