@@ -2,8 +2,9 @@
 
 A checkpoint directory holds the model and optimizer as sharded tensors (every rank writes its
 shards in parallel), the LR schedule, step count and caller's `extra` state as common state
-(rank 0), and one RNG record per rank. The distributed optimizer is saved `dp_reshardable`
-(megatron-core 0.16.1's `fully_reshardable` load fails with torch Adam: KeyError 'step').
+(rank 0), and one RNG record per (pp, tp) position. The distributed optimizer is saved
+`dp_reshardable` (megatron-core 0.16.1's `fully_reshardable` load fails with torch Adam:
+KeyError 'step'): a checkpoint loads at another data-parallel size; tp and pp must match.
 
 Launched scripts that save must guard their entry point with `if __name__ == "__main__":`
 (dist_checkpointing's writer starts processes that import the main module).
@@ -118,13 +119,14 @@ def load_checkpoint(engine: "MegatronEngine", path: Path) -> dict:
 
 
 def _rng_object(engine: "MegatronEngine") -> ShardedObject:
+    """One record per (pp, tp) position; data-parallel replicas share it (DP rank 0's is saved),
+    so a checkpoint also loads at another DP size."""
     state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
     if engine.device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state()
-    pp, tp, dp = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
-    shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
-             ps.get_data_parallel_world_size())
-    return ShardedObject("rng_state", state, shape, (pp, tp, dp), replica_id=0)
+    pp, tp = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size())
+    return ShardedObject("rng_state", state, shape, (pp, tp), replica_id=ps.get_data_parallel_rank())
 
 
 def _restore_rng(state: dict) -> None:

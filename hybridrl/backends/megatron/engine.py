@@ -146,8 +146,8 @@ class MegatronEngine:
 
         logprobs[b, t] = log softmax(logits[b, t-1] / temperature)[input_ids[b, t]]; position 0 and
         padded positions are 0. Returns Batch('logprobs' [B, T] float32 (+ 'entropy' [B, T])) on
-        the output ranks, None elsewhere. Trailing padding rows (batch.num_padding) are not
-        computed (their rows are 0)."""
+        the output ranks (on the CPU), None elsewhere. Trailing padding rows (batch.num_padding)
+        are not computed (their rows are 0)."""
         from hybridrl.backends.megatron.schedule import check_sequence_batch, micro_batches, run_schedule
 
         check_sequence_batch(batch)
@@ -241,6 +241,9 @@ class MegatronEngine:
         if not self.training:
             raise RuntimeError("train_step on a frozen engine (built with training=False)")
         check_sequence_batch(batch)
+        if len(batch) == 0:
+            raise ValueError("train_step got an empty batch: every data-parallel rank needs at least one row "
+                             "(the dispatcher pads with zero-loss rows)")
         if "loss_mask" not in batch.tensors:
             raise KeyError(f"train_step needs 'loss_mask' [B, T]; the batch holds {sorted(batch.tensors)}")
         if batch["loss_mask"].shape != batch["input_ids"].shape:

@@ -104,6 +104,8 @@ def _train_variants(world: int) -> list[dict]:
     for layout in base:
         for num_mbs in (1, 4):
             variants.append(dict(layout, num_mbs=num_mbs, mode="token-mean"))
+    if world > 1:
+        variants.append(dict(tp=2, pp=1, num_mbs=4, mode="token-mean", recompute=True))
     layout = dict(tp=1, pp=1)
     for mode in AGGREGATIONS[1:]:
         for num_mbs in (1, 4) if world == 1 else (4,):
@@ -124,13 +126,15 @@ def train(out: Path, model_dir: str, lr: str) -> None:
         dp = world // (variant["tp"] * variant["pp"])
         rows = 8 // dp
         cfg = MegatronConfig(tp=variant["tp"], pp=variant["pp"], micro_batch_size=rows // variant["num_mbs"],
-                             lr=float(lr), weight_decay=0.1, clip_grad=1.0, loss_aggregation=variant["mode"])
+                             lr=float(lr), weight_decay=0.1, clip_grad=1.0, loss_aggregation=variant["mode"],
+                             recompute_activations=variant.get("recompute", False))
         engine = MegatronEngine.from_hf(model_dir, cfg)
         mine: Batch = full.chunk(dp)[engine.mesh.dp_rank(dist.get_rank())]
         first = engine.train_step(mine, pg_loss, with_entropy=True)
         weights = {n: t.detach().cpu().clone() for n, t in engine.iter_hf_tensors()}
         second = engine.train_step(mine, pg_loss, with_entropy=True)
         key = f"w{world}_tp{variant['tp']}_pp{variant['pp']}_dp{dp}_mb{variant['num_mbs']}_{variant['mode']}"
+        key += "_recompute" if variant.get("recompute") else ""
         if dist.get_rank() == 0:
             torch.save(weights, out / f"{key}.pt")
         results.append({"key": key, **variant, "dp": dp, "first": first, "second": second})
@@ -198,7 +202,8 @@ def checkpoint(out: Path, model_dir: str, phase: str) -> None:
     """phase=save: per layout, 2 steps, save, 1 more step; then SIGKILL. phase=load: per layout,
     a fresh engine loads and takes that step."""
     record: dict = {}
-    for name, (tp, pp) in CHECKPOINT_LAYOUTS.items():
+    layouts = CHECKPOINT_LAYOUTS if dist.get_world_size() == 2 else {"dp2": (1, 1)}   # world 1: DP 2 -> 1
+    for name, (tp, pp) in layouts.items():
         destroy_model_parallel()
         cfg = MegatronConfig(tp=tp, pp=pp, micro_batch_size=2, lr=1e-3, lr_warmup_steps=1,
                              lr_schedule="cosine", lr_decay_steps=10)
@@ -214,7 +219,7 @@ def checkpoint(out: Path, model_dir: str, phase: str) -> None:
             rec["extra"] = engine.load_checkpoint(out / f"ckpt_{name}")
             rec["num_steps"] = engine.num_steps
             rec["next"] = engine.train_step(mine, pg_loss)
-    (out / f"{phase}_rank{dist.get_rank()}.json").write_text(json.dumps(record))
+    (out / f"{phase}_w{dist.get_world_size()}_rank{dist.get_rank()}.json").write_text(json.dumps(record))
     dist.barrier()
     if phase == "save":
         os.kill(os.getpid(), signal.SIGKILL)        # no clean shutdown: the checkpoint must suffice
