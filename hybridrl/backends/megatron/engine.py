@@ -109,7 +109,7 @@ class MegatronEngine:
                 model.eval()
         engine = cls(cfg=cfg, model_dir=model_dir, hf_config=hf_config, adapter=adapter, model=model, ddp=ddp,
                      optimizer=optimizer, scheduler=scheduler, device=device, mesh=mesh, training=training)
-        log.info("megatron engine: %s, %d params on this rank, tp=%d pp=%d dp=%d, %s", adapter.family,
+        log.info("megatron engine: %s, %d parameters, tp=%d pp=%d dp=%d, %s", adapter.family,
                  engine.num_parameters(), cfg.tp, cfg.pp, mesh.dp_size, "training" if training else "frozen")
         return engine
 
