@@ -6,6 +6,7 @@
     hybridrl assets tiny-model --arch A --out D
     hybridrl doctor [--json]                   versions, devices, a 2-rank self-test
     hybridrl agent sandbox-check|tasks|rollout the agent layer (see hybridrl/agent/cli.py)
+    hybridrl score --model D --input I --output O [--tp T --pp P]   per-token logprobs (parity checks)
 """
 
 from __future__ import annotations
@@ -86,6 +87,12 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_score(args: argparse.Namespace) -> int:
+    from hybridrl.backends.megatron.score import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridrl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_agent_arguments(p)
     p.set_defaults(func=_cmd_agent)
+    p = sub.add_parser("score", help="per-token logprobs of given token ids (starts torchrun)")
+    from hybridrl.backends.megatron.score import add_arguments as add_score_arguments
+
+    add_score_arguments(p)
+    p.set_defaults(func=_cmd_score)
     return parser
 
 

@@ -8,11 +8,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Load the config package (and with it the root schema, which mounts this package's config)
-# before any submodule: `import hybridrl.X.config` as the first import would otherwise meet the
-# schema importing it back while it is half-initialised.
-import hybridrl.config  # noqa: E402,F401
-
 _EXPORTS = {
     "AgentConfig": "hybridrl.agent.config",
     "ToolsConfig": "hybridrl.agent.config",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridrl.agent.config import AgentConfig, ToolsConfig
+from hybridrl.backends.megatron.config import MegatronConfig
 from hybridrl.config.fields import ConfigValueError, check_choice, knob, section
 from hybridrl.distributed.config import DistributedConfig
 from hybridrl.envs.config import EnvServiceConfig, TaskConfig
@@ -69,3 +70,4 @@ class Config:
     tools: ToolsConfig = section(ToolsConfig, "the tool sandbox pool and its limits")
     task: TaskConfig = section(TaskConfig, "the task: splits, reward weights, SFT demonstrations, options")
     env: EnvServiceConfig = section(EnvServiceConfig, "the leased environment service")
+    train: MegatronConfig = section(MegatronConfig, "the Megatron-core training backend (actor and reference)")

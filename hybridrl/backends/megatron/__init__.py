@@ -1,0 +1,35 @@
+"""The Megatron-core training backend: the only package of hybridrl that imports megatron.
+
+    from hybridrl.backends.megatron import MegatronConfig, MegatronEngine
+    engine = MegatronEngine.from_hf(model_dir, cfg)          # on every rank, after init_distributed
+
+Importing this package (and `config`) stays light: megatron and torch load on first use of the
+engine, so configs and the CLI never pay for them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from hybridrl.backends.megatron.config import MegatronConfig
+
+# megatron-core announces at import that Transformer Engine / Apex are absent and it uses its
+# torch fallbacks (what we want on CPU and with the local layer spec); say it once in our docs, not
+# on every rank of every run.
+warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex|Apex is not installed)",
+                        category=UserWarning)
+warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
+
+if TYPE_CHECKING:
+    from hybridrl.backends.megatron.engine import MegatronEngine
+
+__all__ = ["MegatronConfig", "MegatronEngine"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MegatronEngine":
+        from hybridrl.backends.megatron.engine import MegatronEngine
+
+        return MegatronEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,335 @@
+"""The HF <-> Megatron map for decoder-only transformers (Llama-style blocks), as data.
+
+A model is a list of `Slot`s: one per Megatron parameter, located structurally (a role and a
+global layer index, never a parameter-name substring), each naming the HF tensors it holds and
+how tensor parallelism splits it. `DecoderAdapter.from_hf` builds one TP rank's shard of a slot
+from full HF tensors; `to_hf` rebuilds the full HF tensors from every TP rank's shard. Both are
+pure tensor indexing (no arithmetic), so HF -> Megatron -> HF is bitwise exact.
+
+Layouts (see platform_notes.md, "HF <-> Megatron layout"):
+  linear_qkv   for each KV group in turn: its query heads, its key head, its value head;
+               TP splits dim 0 by whole groups (kv_heads % tp == 0). Biases the same way.
+  linear_fc1   on each TP rank: [that rank's gate slice; that rank's up slice].
+  linear_proj, linear_fc2   row-parallel: split along dim 1.
+  embedding, output_layer   vocab rows, padded with zeros to `padded_vocab_size`, split dim 0.
+  norms        replicated.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+
+class Role(enum.Enum):
+    EMBEDDING = "embedding"
+    INPUT_NORM = "input_norm"
+    QKV_WEIGHT = "qkv_weight"
+    QKV_BIAS = "qkv_bias"
+    PROJ_WEIGHT = "proj_weight"
+    MLP_NORM = "mlp_norm"
+    FC1_WEIGHT = "fc1_weight"
+    FC2_WEIGHT = "fc2_weight"
+    FINAL_NORM = "final_norm"
+    OUTPUT = "output"
+
+
+class Split(enum.Enum):
+    NONE = "none"          # replicated on every TP rank
+    COLUMN = "column"      # dim 0 (plain chunks)
+    ROW = "row"            # dim 1
+    VOCAB = "vocab"        # dim 0, padded to the padded vocabulary first
+    QKV = "qkv"            # dim 0 by whole KV groups, after interleaving q/k/v per group
+    GATE_UP = "gate_up"    # dim 0, each rank [gate_r; up_r]
+
+
+_SPLIT_OF = {
+    Role.EMBEDDING: Split.VOCAB, Role.OUTPUT: Split.VOCAB,
+    Role.INPUT_NORM: Split.NONE, Role.MLP_NORM: Split.NONE, Role.FINAL_NORM: Split.NONE,
+    Role.QKV_WEIGHT: Split.QKV, Role.QKV_BIAS: Split.QKV,
+    Role.PROJ_WEIGHT: Split.ROW, Role.FC2_WEIGHT: Split.ROW, Role.FC1_WEIGHT: Split.GATE_UP,
+}
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Family-agnostic shape of a decoder model, read from its HF config by an adapter."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_embeddings: bool
+    qkv_bias: bool
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def padded_vocab_size(self, tp: int, divisible_by: int) -> int:
+        multiple = divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One Megatron parameter: its role, global layer index (None outside the layers), HF names."""
+
+    role: Role
+    layer: int | None
+    hf_names: tuple[str, ...]
+    exported: bool = True     # False: a copy of another slot's tensor (tied output layer)
+
+    @property
+    def split(self) -> Split:
+        return _SPLIT_OF[self.role]
+
+    def __str__(self) -> str:
+        where = f"layer {self.layer} " if self.layer is not None else ""
+        return f"{where}{self.role.value}"
+
+
+class DecoderAdapter:
+    """HF Llama-style naming and Megatron GPTModel layouts. Families subclass `spec` checks."""
+
+    family = "decoder"
+    model_types: tuple[str, ...] = ()
+
+    def __init__(self, spec: DecoderSpec, *, tp: int = 1, vocab_divisible_by: int = 128):
+        if spec.num_heads % spec.num_kv_heads:
+            raise ValueError(f"{spec.num_heads} attention heads do not divide into {spec.num_kv_heads} KV groups")
+        if spec.num_kv_heads % tp:
+            raise ValueError(f"tp={tp} must divide the number of KV heads ({spec.num_kv_heads}): "
+                             "Megatron splits the fused QKV by whole query groups")
+        if spec.ffn_hidden_size % tp or spec.num_heads % tp:
+            raise ValueError(f"tp={tp} must divide the FFN size ({spec.ffn_hidden_size}) and the heads "
+                             f"({spec.num_heads})")
+        self.spec = spec
+        self.tp = tp
+        self.padded_vocab_size = spec.padded_vocab_size(tp, vocab_divisible_by)
+
+    # ----------------------------------------------------------------- reading HF configs
+
+    @classmethod
+    def spec_from_hf_config(cls, hf_config: Any) -> DecoderSpec:
+        """The `DecoderSpec` of an HF config object (transformers' PretrainedConfig)."""
+        cls.check_hf_config(hf_config)
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        return DecoderSpec(
+            family=cls.family,
+            num_layers=hf_config.num_hidden_layers,
+            hidden_size=hf_config.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            ffn_hidden_size=hf_config.intermediate_size,
+            vocab_size=hf_config.vocab_size,
+            norm_eps=hf_config.rms_norm_eps,
+            rope_theta=_rope_theta(hf_config),
+            max_position=hf_config.max_position_embeddings,
+            tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            qkv_bias=cls.has_qkv_bias(hf_config),
+        )
+
+    @classmethod
+    def check_hf_config(cls, hf_config: Any) -> None:
+        """Raise a clear error for features Megatron's GPTModel (as we build it) cannot express."""
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"{cls.family}: hidden_act={hf_config.hidden_act!r} unsupported (SwiGLU/silu only)")
+        rope = _rope_parameters(hf_config)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"{cls.family}: rope_type={rope_type!r} unsupported (only default RoPE)")
+
+    @classmethod
+    def has_qkv_bias(cls, hf_config: Any) -> bool:
+        return False
+
+    # ----------------------------------------------------------------- slots
+
+    def slots(self) -> list[Slot]:
+        """Every Megatron parameter of the whole model, in model order (embedding, layers, norm, output)."""
+        out = [Slot(Role.EMBEDDING, None, ("model.embed_tokens.weight",))]
+        for i in range(self.spec.num_layers):
+            out += self.layer_slots(i)
+        out.append(Slot(Role.FINAL_NORM, None, ("model.norm.weight",)))
+        if self.spec.tie_embeddings:
+            out.append(Slot(Role.OUTPUT, None, ("model.embed_tokens.weight",), exported=False))
+        else:
+            out.append(Slot(Role.OUTPUT, None, ("lm_head.weight",)))
+        return out
+
+    def layer_slots(self, i: int) -> list[Slot]:
+        p = f"model.layers.{i}."
+        attn = p + "self_attn."
+        slots = [
+            Slot(Role.INPUT_NORM, i, (p + "input_layernorm.weight",)),
+            Slot(Role.QKV_WEIGHT, i, tuple(f"{attn}{x}_proj.weight" for x in "qkv")),
+        ]
+        if self.spec.qkv_bias:
+            slots.append(Slot(Role.QKV_BIAS, i, tuple(f"{attn}{x}_proj.bias" for x in "qkv")))
+        slots += [
+            Slot(Role.PROJ_WEIGHT, i, (attn + "o_proj.weight",)),
+            Slot(Role.MLP_NORM, i, (p + "post_attention_layernorm.weight",)),
+            Slot(Role.FC1_WEIGHT, i, (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+            Slot(Role.FC2_WEIGHT, i, (p + "mlp.down_proj.weight",)),
+        ]
+        return slots
+
+    def hf_names(self) -> list[str]:
+        """The HF state-dict names this model exports, sorted (the canonical order)."""
+        return sorted(n for s in self.slots() if s.exported for n in s.hf_names)
+
+    # ----------------------------------------------------------------- Megatron modules (structural)
+
+    @staticmethod
+    def megatron_param(chunk: Any, slot: Slot, layers: Mapping[int, Any]) -> torch.nn.Parameter | None:
+        """The parameter of `slot` in a GPTModel chunk, or None when this stage does not hold it.
+
+        `layers` maps global layer index -> this chunk's TransformerLayer (local spec modules)."""
+        role = slot.role
+        if role is Role.EMBEDDING:
+            return chunk.embedding.word_embeddings.weight if chunk.pre_process else None
+        if role is Role.FINAL_NORM:
+            return chunk.decoder.final_layernorm.weight if chunk.post_process else None
+        if role is Role.OUTPUT:
+            return chunk.output_layer.weight if chunk.post_process else None   # None when tied on one stage
+        layer = layers.get(slot.layer)
+        if layer is None:
+            return None
+        if role is Role.INPUT_NORM:
+            return layer.input_layernorm.weight
+        if role is Role.QKV_WEIGHT:
+            return layer.self_attention.linear_qkv.weight
+        if role is Role.QKV_BIAS:
+            return layer.self_attention.linear_qkv.bias
+        if role is Role.PROJ_WEIGHT:
+            return layer.self_attention.linear_proj.weight
+        if role is Role.MLP_NORM:
+            return layer.pre_mlp_layernorm.weight
+        if role is Role.FC1_WEIGHT:
+            return layer.mlp.linear_fc1.weight
+        if role is Role.FC2_WEIGHT:
+            return layer.mlp.linear_fc2.weight
+        raise AssertionError(f"unhandled role {role}")
+
+    # ----------------------------------------------------------------- conversions
+
+    def from_hf(self, slot: Slot, hf: Mapping[str, torch.Tensor], tp_rank: int) -> torch.Tensor:
+        """TP rank `tp_rank`'s shard of `slot`, built from full HF tensors (`hf[name]` for its names)."""
+        tensors = [hf[n] for n in slot.hf_names]
+        split, tp = slot.split, self.tp
+        if split is Split.NONE:
+            return tensors[0].clone()
+        if split is Split.VOCAB:
+            full = tensors[0]
+            padded = full.new_zeros((self.padded_vocab_size, *full.shape[1:]))
+            padded[: full.shape[0]] = full
+            return padded.chunk(tp, dim=0)[tp_rank].clone()
+        if split is Split.COLUMN:
+            return tensors[0].chunk(tp, dim=0)[tp_rank].clone()
+        if split is Split.ROW:
+            return tensors[0].chunk(tp, dim=1)[tp_rank].clone()
+        if split is Split.QKV:
+            return self._fuse_qkv(*tensors).chunk(tp, dim=0)[tp_rank].clone()
+        if split is Split.GATE_UP:
+            gate, up = (t.chunk(tp, dim=0)[tp_rank] for t in tensors)
+            return torch.cat([gate, up], dim=0)
+        raise AssertionError(f"unhandled split {split}")
+
+    def to_hf(self, slot: Slot, shards: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The full HF tensors of `slot` from every TP rank's shard (in TP rank order)."""
+        if len(shards) != (1 if slot.split is Split.NONE else self.tp):
+            raise ValueError(f"{slot}: expected {self.tp} TP shards, got {len(shards)}")
+        split, names = slot.split, slot.hf_names
+        if split is Split.NONE:
+            return {names[0]: shards[0]}
+        if split is Split.VOCAB:
+            return {names[0]: torch.cat(list(shards), dim=0)[: self.spec.vocab_size]}
+        if split is Split.COLUMN:
+            return {names[0]: torch.cat(list(shards), dim=0)}
+        if split is Split.ROW:
+            return {names[0]: torch.cat(list(shards), dim=1)}
+        if split is Split.QKV:
+            return dict(zip(names, self._unfuse_qkv(torch.cat(list(shards), dim=0))))
+        if split is Split.GATE_UP:
+            halves = [s.chunk(2, dim=0) for s in shards]
+            return {names[0]: torch.cat([h[0] for h in halves], dim=0),
+                    names[1]: torch.cat([h[1] for h in halves], dim=0)}
+        raise AssertionError(f"unhandled split {split}")
+
+    def _fuse_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        tail = q.shape[1:]                                         # (hidden,) for weights, () for biases
+        q = q.reshape(s.num_kv_heads, s.heads_per_group * s.head_dim, *tail)
+        k = k.reshape(s.num_kv_heads, s.head_dim, *tail)
+        v = v.reshape(s.num_kv_heads, s.head_dim, *tail)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *tail)    # [groups * (qpg + 2) * head_dim, ...]
+
+    def _unfuse_qkv(self, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.spec
+        tail = fused.shape[1:]
+        grouped = fused.reshape(s.num_kv_heads, (s.heads_per_group + 2) * s.head_dim, *tail)
+        q_rows = s.heads_per_group * s.head_dim
+        q = grouped[:, :q_rows].reshape(-1, *tail)
+        k = grouped[:, q_rows: q_rows + s.head_dim].reshape(-1, *tail)
+        v = grouped[:, q_rows + s.head_dim:].reshape(-1, *tail)
+        return q, k, v
+
+    # ----------------------------------------------------------------- whole state dicts (offline)
+
+    def shard_state_dict(self, hf: Mapping[str, torch.Tensor], tp_rank: int) -> dict[Slot, torch.Tensor]:
+        """Every slot's shard for one TP rank (all layers; for tests and offline conversion)."""
+        return {slot: self.from_hf(slot, hf, tp_rank) for slot in self.slots()}
+
+    def merge_state_dicts(self, shards: Sequence[Mapping[Slot, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The HF state dict from every TP rank's `shard_state_dict` (exported names only)."""
+        out: dict[str, torch.Tensor] = {}
+        for slot in self.slots():
+            if slot.exported:
+                parts = [shards[0][slot]] if slot.split is Split.NONE else [s[slot] for s in shards]
+                out.update(self.to_hf(slot, parts))
+        return out
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The full shape of every exported HF tensor."""
+        s = self.spec
+        q, kv, h, f = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.hidden_size, s.ffn_hidden_size
+        by_role = {
+            Role.EMBEDDING: [(s.vocab_size, h)], Role.OUTPUT: [(s.vocab_size, h)],
+            Role.INPUT_NORM: [(h,)], Role.MLP_NORM: [(h,)], Role.FINAL_NORM: [(h,)],
+            Role.QKV_WEIGHT: [(q, h), (kv, h), (kv, h)], Role.QKV_BIAS: [(q,), (kv,), (kv,)],
+            Role.PROJ_WEIGHT: [(h, q)], Role.FC1_WEIGHT: [(f, h), (f, h)], Role.FC2_WEIGHT: [(h, f)],
+        }
+        return {n: shape for slot in self.slots() if slot.exported
+                for n, shape in zip(slot.hf_names, by_role[slot.role])}
+
+    def slot_of_hf_name(self) -> dict[str, Slot]:
+        """HF name -> the exported slot that holds it."""
+        return {n: s for s in self.slots() if s.exported for n in s.hf_names}
+
+
+def _rope_parameters(hf_config: Any) -> dict:
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    return dict(params)
+
+
+def _rope_theta(hf_config: Any) -> float:
+    params = _rope_parameters(hf_config)
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    theta = getattr(hf_config, "rope_theta", None)
+    if theta is None:
+        raise ValueError("HF config has no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
+    return float(theta)

@@ -1,0 +1,160 @@
+"""Run megatron-core 0.16.x on CPU (gloo): every CUDA assumption on our path, covered in one place.
+
+`activate()` is called by the engine only when its device is a CPU; on CUDA nothing here runs.
+It makes process-wide patches of the `torch.cuda` entry points megatron calls unconditionally
+(each listed with the upstream call sites it covers). `device_scope()` is a torch function mode
+that maps `device="cuda"` literals, `.cuda()` and `param.type()` string checks to the CPU; the
+engine enters it around its own work only, so other code in the process (e.g. a rollout engine)
+pays nothing for it.
+
+Upstream call sites (megatron/core/...), by patch:
+
+torch.cuda.current_device -> "cpu"
+    tensor_parallel/layers.py: VocabParallelEmbedding/ColumnParallelLinear/RowParallelLinear
+    __init__ (weight allocation), linear_with_grad_accumulation_and_async_allreduce (buffers);
+    tensor_parallel/mappings.py: _gather_along_first_dim, _reduce_scatter_along_first_dim;
+    tensor_parallel/utils.py: split/gather helpers; transformer/dot_product_attention.py:
+    DotProductAttention.forward (matmul_result buffer); pipeline_parallel/p2p_communication.py:
+    _communicate_shapes, _communicate (receive buffers); distributed/param_and_grad_buffer.py:
+    _ParamAndGradBuffer.__init__ (param/grad buffers); optimizer/distrib_optimizer.py
+    (state gathers); optimizer/optimizer.py: MegatronOptimizer.get_loss_scale.
+torch.cuda.synchronize -> no-op
+    pipeline_parallel/p2p_communication.py: _communicate_shapes, _communicate;
+    distributed/distributed_data_parallel.py: offload_grad_buffers / restore_grad_buffers;
+    dist_checkpointing/strategies/{filesystem_async,fully_parallel,async_utils}.py.
+torch.cuda.get_rng_state / manual_seed, tensor_parallel.random._get_cuda_rng_state /
+_set_cuda_rng_state -> the CPU default generator
+    tensor_parallel/random.py: CudaRNGStatesTracker.add / fork, model_parallel_cuda_manual_seed,
+    _get_all_rng_states / _set_all_rng_states (activation recompute, checkpoint RNG state).
+    (torch.cuda.manual_seed_all is left alone: torch.manual_seed calls it, redirecting recurses.)
+device_scope(): device="cuda"/cuda:N/torch.device("cuda") -> cpu; Tensor.cuda() -> self;
+Tensor.type() -> "torch.cuda.<T>Tensor"
+    pipeline_parallel/schedules.py: forward_backward_no_pipelining /
+    forward_backward_pipelining_without_interleaving (total_num_tokens);
+    optimizer/optimizer.py: MixedPrecisionOptimizer.__init__ (found_inf, _scale_one),
+    Float16OptimizerWithFloat16Params.__init__ and FP32Optimizer (param.type() checks, _scale);
+    optimizer/distrib_optimizer.py: _build_model_and_main_param_groups (param.type() checks);
+    optimizer/clip_grads.py: get_grad_norm_fp32, clip_grad_by_total_norm_fp32 (literals and
+    grad.type() assert); optimizer/grad_scaler.py (literals); utils.py:
+    local_multi_tensor_l2_norm (literal); distributed/param_and_grad_buffer.py:
+    _ParamAndGradBuffer.__init__ (warm-up literal); dist_checkpointing/exchange_utils.py and
+    strategies/state_dict_saver.py (literals, .cuda()).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_lock = threading.Lock()
+_active = False
+
+
+def is_active() -> bool:
+    return _active
+
+
+def activate() -> None:
+    """Install the process-wide patches (idempotent). Call only when no CUDA device is used."""
+    global _active
+    with _lock:
+        if _active:
+            return
+        from megatron.core.tensor_parallel import random as mrandom
+
+        torch.cuda.current_device = _current_device
+        torch.cuda.synchronize = _synchronize
+        torch.cuda.get_rng_state = _get_rng_state
+        torch.cuda.manual_seed = _manual_seed
+        mrandom._get_cuda_rng_state = _get_cuda_rng_state
+        mrandom._set_cuda_rng_state = _set_cuda_rng_state
+        _active = True
+
+
+def _current_device() -> str:
+    return "cpu"
+
+
+def _synchronize(device=None) -> None:
+    return None
+
+
+def _get_rng_state(device="cuda") -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _manual_seed(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _get_cuda_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+# ------------------------------------------------------------------------------------------------
+# device literals
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+_TENSOR_CUDA = {torch.Tensor.cuda}
+_TENSOR_TYPE = {torch.Tensor.type}
+_TENSOR_TO = {torch.Tensor.to}
+
+
+class _CpuDeviceMode(TorchFunctionMode):
+    """Maps CUDA device arguments to the CPU inside megatron code (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _TENSOR_CUDA:
+            return args[0]
+        if func in _TENSOR_TYPE and len(args) == 1 and not kwargs:
+            name = func(*args)                    # e.g. "torch.FloatTensor"
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func in _TENSOR_TO and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def device_scope(device: torch.device):
+    """Inside megatron calls on `device`: on a CPU with the patches active, map CUDA literals."""
+    if device.type != "cpu" or not _active:
+        yield
+        return
+    with _CpuDeviceMode():
+        yield
+
+
+@contextlib.contextmanager
+def native_ops():
+    """Suspend `device_scope`'s mode around code without CUDA literals: the model's forward pass.
+
+    The mode's Python dispatch costs every torch call a few microseconds (~20% of a small model's
+    step on CPU). The backward pass does not pay it: `torch.autograd.backward` is intercepted once
+    and runs with the mode popped."""
+    mode = torch.overrides._get_current_function_mode()
+    if not isinstance(mode, _CpuDeviceMode):
+        yield
+        return
+    mode.__exit__(None, None, None)             # pops it (it is the innermost mode)
+    try:
+        yield
+    finally:
+        mode.__enter__()

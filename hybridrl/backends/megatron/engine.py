@@ -1,0 +1,410 @@
+"""`MegatronEngine`: the actor / reference model on Megatron-core, driven SPMD by every rank.
+
+Every rank of the job builds the engine (after torch.distributed is up) and calls its methods
+together; collectives inside keep the ranks in step. Data-parallel ranks receive different
+batches (the dispatcher splits by `engine.mesh`); TP and PP peers of a DP group receive the same.
+
+    engine = MegatronEngine.from_hf(model_dir, cfg)                 # actor
+    ref = MegatronEngine.from_hf(model_dir, cfg, training=False)    # frozen reference
+    out = ref.compute_logprobs(batch)          # Batch('logprobs' [B, T]) on output ranks
+    metrics = engine.train_step(batch, loss_fn)
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.algo.aggregation import Denominators, aggregate, count
+from hybridrl.backends.megatron import cpu_compat
+from hybridrl.backends.megatron.config import MegatronConfig
+from hybridrl.data.batch import Batch
+from hybridrl.distributed.mesh import Mesh
+
+log = logging.getLogger(__name__)
+
+# loss_fn(logprobs [b, T], entropy [b, T] | None, micro_batch) -> (token_loss [b, T], {name: [b, T]})
+LossFn = Callable[[torch.Tensor, "torch.Tensor | None", Batch], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+
+
+def default_device() -> torch.device:
+    """CUDA (the current device) when the default process group runs NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class MegatronEngine:
+    """One model (this rank's TP shard of its PP stage), with optimizer and schedule when training."""
+
+    def __init__(self, *, cfg: MegatronConfig, model_dir: Path, hf_config: Any, adapter, model,
+                 ddp, optimizer, scheduler, device: torch.device, mesh: Mesh, training: bool):
+        self.cfg = cfg
+        self.model_dir = model_dir
+        self.hf_config = hf_config
+        self.adapter = adapter
+        self.model = model                  # the unwrapped GPTModel stage
+        self.ddp = ddp                      # megatron DDP wrapper (training) or None
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.device = device
+        self.mesh = mesh
+        self.training = training
+        self.num_steps = 0
+        from hybridrl.backends.megatron.model import local_layers
+        from hybridrl.backends.megatron.weights import owned_params, slot_owners
+
+        self.params = owned_params(adapter, model, local_layers(model))
+        with self._scope():
+            self._owners = slot_owners(adapter, self.params)
+        self._offloaded: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------------ building
+
+    @classmethod
+    def from_hf(cls, model_path: str | Path, cfg: MegatronConfig, *, training: bool = True,
+                device: torch.device | None = None) -> "MegatronEngine":
+        """Build this rank's part of the model from an HF directory (every rank calls this).
+
+        Initialises Megatron's parallel state for (cfg.tp, cfg.pp, dp = world / (tp * pp)) if it is
+        not yet; `training=False` gives a frozen model without optimizer (the reference), which
+        shares the parallel state of an actor built in the same process."""
+        from transformers import AutoConfig
+
+        from hybridrl.backends.megatron import parallel
+        from hybridrl.backends.megatron.adapters import adapter_for
+        from hybridrl.backends.megatron.model import (
+            build_gpt_model,
+            local_layers,
+            mark_tensor_parallel,
+            transformer_config,
+        )
+        from hybridrl.backends.megatron.weights import load_hf_weights, owned_params
+
+        model_dir = Path(model_path)
+        if not (model_dir / "config.json").exists():
+            raise FileNotFoundError(f"{model_dir}: not an HF model directory (no config.json)")
+        device = device or default_device()
+        if device.type == "cpu":
+            cpu_compat.activate()
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        adapter = adapter_for(hf_config, tp=cfg.tp, vocab_divisible_by=cfg.make_vocab_size_divisible_by)
+        with cpu_compat.device_scope(device):
+            mesh = parallel.ensure_model_parallel(cfg.tp, cfg.pp, cfg.seed)
+            tconfig = transformer_config(adapter.spec, cfg, device=device)
+            model = build_gpt_model(adapter.spec, cfg, tconfig, padded_vocab_size=adapter.padded_vocab_size,
+                                    device=device)
+            params = owned_params(adapter, model, local_layers(model))
+            mark_tensor_parallel(params)
+            load_hf_weights(adapter, params, model_dir)
+            ddp = optimizer = scheduler = None
+            if training:
+                ddp, optimizer, scheduler = _training_state(model, tconfig, cfg)
+            else:
+                model.requires_grad_(False)
+                model.eval()
+        engine = cls(cfg=cfg, model_dir=model_dir, hf_config=hf_config, adapter=adapter, model=model, ddp=ddp,
+                     optimizer=optimizer, scheduler=scheduler, device=device, mesh=mesh, training=training)
+        log.info("megatron engine: %s, %d parameters, tp=%d pp=%d dp=%d, %s", adapter.family,
+                 engine.num_parameters(), cfg.tp, cfg.pp, mesh.dp_size, "training" if training else "frozen")
+        return engine
+
+    def _scope(self):
+        return cpu_compat.device_scope(self.device)
+
+    # ------------------------------------------------------------------------------ layout
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def is_output_rank(self) -> bool:
+        """TP rank 0 of the last pipeline stage: where compute_logprobs returns its Batch."""
+        return self.mesh.is_output_rank(self.rank)
+
+    @property
+    def _is_last_stage(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_last_stage()
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole model (all TP shards and PP stages; the vocabulary padding excluded)."""
+        shapes = self.adapter.hf_shapes()
+        return sum(torch.Size(s).numel() for s in shapes.values())
+
+    # ------------------------------------------------------------------------------ logprobs
+
+    def compute_logprobs(self, batch: Batch, *, temperature: float = 1.0,
+                         with_entropy: bool = False) -> Batch | None:
+        """Token-aligned log-probabilities of `batch['input_ids']` under the model.
+
+        logprobs[b, t] = log softmax(logits[b, t-1] / temperature)[input_ids[b, t]]; position 0 and
+        padded positions are 0. Returns Batch('logprobs' [B, T] float32 (+ 'entropy' [B, T])) on
+        the output ranks (on the CPU), None elsewhere. Trailing padding rows (batch.num_padding)
+        are not computed (their rows are 0)."""
+        from hybridrl.backends.megatron.schedule import check_sequence_batch, micro_batches, run_schedule
+
+        check_sequence_batch(batch)
+        num_rows, length = batch["input_ids"].shape
+        real = max(batch.num_valid, 1) if num_rows else 0
+        results: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+        def on_output(mb, logits):
+            logprobs, entropy = self._token_logprobs(mb, logits, temperature, with_entropy)
+            results.append((logprobs.detach(), None if entropy is None else entropy.detach()))
+            return logprobs.sum() * 0.0
+
+        if real:
+            mbs = micro_batches(batch.slice(0, real), self.cfg.micro_batch_size, self.device)
+            self.model.eval()
+            with self._scope(), torch.no_grad():
+                run_schedule(self._schedule_model(), mbs, on_output, forward_only=True, pp=self.cfg.pp)
+        if not self.is_output_rank:
+            return None
+        out = {"logprobs": _assemble([r[0] for r in results], num_rows, length)}
+        if with_entropy:
+            out["entropy"] = _assemble([r[1] for r in results], num_rows, length)
+        return Batch(out, num_padding=batch.num_padding)
+
+    def compute_logits(self, batch: Batch) -> torch.Tensor | None:
+        """Full logits [B, T, V] float32 (gathered over TP, vocabulary padding cut, padded positions
+        0) on the output ranks, None elsewhere. For parity checks: it materialises the whole
+        vocabulary per rank, which compute_logprobs never does."""
+        from megatron.core import parallel_state as ps
+
+        from hybridrl.backends.megatron.schedule import check_sequence_batch, micro_batches, run_schedule
+
+        check_sequence_batch(batch)
+        num_rows, length = batch["input_ids"].shape
+        vocab = self.adapter.spec.vocab_size
+        out = torch.zeros(num_rows, length, vocab, dtype=torch.float32)
+        row = 0
+
+        def on_output(mb, logits):
+            nonlocal row
+            group = ps.get_tensor_model_parallel_group()
+            parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, logits.contiguous(), group=group)
+            full = torch.cat(parts, dim=-1)[..., :vocab].float()          # [b, T_mb, V]
+            full = full * mb.attention_mask.unsqueeze(-1).to(full.dtype)
+            b, t = mb.shape
+            out[row: row + b, :t] = full.cpu()
+            row += b
+            return logits.sum() * 0.0
+
+        self.model.eval()
+        with self._scope(), torch.no_grad():
+            run_schedule(self._schedule_model(), micro_batches(batch, self.cfg.micro_batch_size, self.device),
+                         on_output, forward_only=True, pp=self.cfg.pp)
+        return out if self.is_output_rank else None
+
+    def _token_logprobs(self, mb, logits, temperature, with_entropy):
+        from megatron.core import parallel_state as ps
+
+        from hybridrl.backends.megatron.logprobs import next_token_targets, token_aligned, vocab_parallel_logprobs
+
+        vocab_local = logits.shape[-1]
+        logprobs, entropy = vocab_parallel_logprobs(
+            logits, next_token_targets(mb.input_ids),
+            vocab_start=ps.get_tensor_model_parallel_rank() * vocab_local,
+            vocab_size=self.adapter.spec.vocab_size, group=ps.get_tensor_model_parallel_group(),
+            temperature=temperature, with_entropy=with_entropy)
+        logprobs = token_aligned(logprobs, mb.attention_mask)
+        entropy = token_aligned(entropy, mb.attention_mask) if with_entropy else None
+        return logprobs, entropy
+
+    def _schedule_model(self) -> torch.nn.Module:
+        return self.ddp if self.ddp is not None else self.model
+
+    # ------------------------------------------------------------------------------ training
+
+    def train_step(self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0,
+                   with_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step on this DP rank's share of the global batch.
+
+        `loss_fn(logprobs [b, T], entropy [b, T] | None, micro_batch) -> (token_loss [b, T],
+        metrics {name: [b, T]})` runs per micro-batch; token_loss is reduced with
+        batch['loss_mask'] by cfg.loss_aggregation over denominators counted on the whole global
+        batch (all micro-batches, all DP ranks) before the first backward. Gradients are clipped
+        by their global norm. Returns the same dict on every rank: loss, grad_norm, lr,
+        num_tokens, num_sequences and each metric's masked token mean over the global batch."""
+        from megatron.core import parallel_state as ps
+
+        from hybridrl.backends.megatron.schedule import check_sequence_batch, micro_batches, run_schedule
+
+        if not self.training:
+            raise RuntimeError("train_step on a frozen engine (built with training=False)")
+        check_sequence_batch(batch)
+        if len(batch) == 0:
+            raise ValueError("train_step got an empty batch: every data-parallel rank needs at least one row "
+                             "(the dispatcher pads with zero-loss rows)")
+        if "loss_mask" not in batch.tensors:
+            raise KeyError(f"train_step needs 'loss_mask' [B, T]; the batch holds {sorted(batch.tensors)}")
+        if batch["loss_mask"].shape != batch["input_ids"].shape:
+            raise ValueError(f"loss_mask {tuple(batch['loss_mask'].shape)} and input_ids "
+                             f"{tuple(batch['input_ids'].shape)} differ in shape")
+        # Trailing padding rows carry a zero loss_mask: skip them, but keep one row so that every
+        # DP rank runs the schedule (and joins the gradient reduction).
+        rows = batch.slice(0, max(batch.num_valid, 1))
+        if batch.num_valid == 0:
+            rows.tensors["loss_mask"] = torch.zeros_like(rows["loss_mask"])
+        dp_group = ps.get_data_parallel_group()
+        local = count(rows["loss_mask"])
+        totals = torch.tensor([local.num_tokens, local.num_sequences], dtype=torch.float64)
+        with self._scope():
+            dist.all_reduce(totals, group=dp_group)
+        denominators = Denominators(float(totals[0]), float(totals[1]))
+        sums: dict[str, torch.Tensor] = {}          # loss and sum(metric * mask) over this rank's rows
+
+        def on_output(mb, logits):
+            logprobs, entropy = self._token_logprobs(mb, logits, temperature, with_entropy)
+            mask = mb.batch["loss_mask"].to(self.device).float()
+            token_loss, metrics = loss_fn(logprobs, entropy, mb.batch)
+            token_loss = torch.where(mask > 0, token_loss, torch.zeros_like(token_loss))
+            loss = aggregate(token_loss, mask, self.cfg.loss_aggregation, denominators)
+            _accumulate(sums, "loss", loss.detach().double())
+            for name, value in metrics.items():
+                value = torch.where(mask > 0, value.detach().float(), torch.zeros_like(mask))
+                _accumulate(sums, f"metric/{name}", value.sum().double())
+            return loss
+
+        self.model.train()
+        with self._scope():
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            run_schedule(self.ddp, micro_batches(rows, self.cfg.micro_batch_size, self.device), on_output,
+                         forward_only=False, pp=self.cfg.pp)
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            _, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+            reduced = self._reduce_sums(sums, dp_group)
+        self.num_steps += 1
+        metrics = {"loss": reduced.pop("loss", 0.0), "grad_norm": float(grad_norm or 0.0), "lr": lr,
+                   "num_tokens": denominators.num_tokens, "num_sequences": denominators.num_sequences}
+        for key, total in sorted(reduced.items()):
+            metrics[key.removeprefix("metric/")] = total / max(denominators.num_tokens, 1.0)
+        return metrics
+
+    def _reduce_sums(self, sums: dict[str, torch.Tensor], dp_group) -> dict[str, float]:
+        """Sum over DP on the last stage, then share with every stage: {name: global sum}."""
+        from megatron.core import parallel_state as ps
+
+        names = sorted(sums)
+        if self._is_last_stage:
+            values = torch.stack([sums[n] for n in names]) if names else torch.zeros(0, dtype=torch.float64)
+            dist.all_reduce(values, group=dp_group)
+            payload = [dict(zip(names, values.tolist()))]
+        else:
+            payload = [None]
+        pp_group = ps.get_pipeline_model_parallel_group()
+        if dist.get_world_size(pp_group) > 1:
+            dist.broadcast_object_list(payload, src=ps.get_pipeline_model_parallel_last_rank(), group=pp_group)
+        return payload[0]
+
+    # ------------------------------------------------------------------------------ weights
+
+    def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) for the whole model, names sorted, on every rank of the model-parallel
+        group (gathered over TP and PP one fused group at a time). Tensors may alias parameters:
+        copy before modifying. Every rank of the model-parallel group must consume the iterator."""
+        from hybridrl.backends.megatron.model import DTYPES
+        from hybridrl.backends.megatron.weights import iter_hf_tensors
+
+        with self._scope():
+            yield from iter_hf_tensors(self.adapter, self.params, self._owners, dtype=DTYPES[self.cfg.dtype],
+                                       device=self.device)
+
+    def export_hf(self, out_dir: str | Path) -> None:
+        """Write an HF directory (config.json, model.safetensors, tokenizer and generation files copied
+        from the source directory). Every rank takes part in the gather; rank 0 writes."""
+        from hybridrl.backends.megatron.checkpoint import export_hf
+
+        export_hf(self, Path(out_dir))
+
+    def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> None:
+        """Distributed checkpoint of model, optimizer, LR schedule, RNG states and `extra` (rank 0's)."""
+        from hybridrl.backends.megatron.checkpoint import save_checkpoint
+
+        with self._scope():
+            save_checkpoint(self, Path(path), extra or {})
+
+    def load_checkpoint(self, path: str | Path) -> dict:
+        """Restore what `save_checkpoint` wrote (same tp/pp; dp may differ); returns `extra`."""
+        from hybridrl.backends.megatron.checkpoint import load_checkpoint
+
+        with self._scope(), torch.no_grad():
+            return load_checkpoint(self, Path(path))
+
+    # ------------------------------------------------------------------------------ memory
+
+    def offload(self, *, optimizer: bool = True, grads: bool = True, params: bool = False) -> int:
+        """Release device memory for the rollout phase; returns the bytes moved to (or, for gradients,
+        which hold nothing between steps, freed from) the device. On a CPU device only gradient
+        buffers can be released: optimizer state and parameters already live in host memory."""
+        from hybridrl.backends.megatron.offload import offload
+
+        with self._scope():
+            return offload(self, optimizer=optimizer, grads=grads, params=params)
+
+    def reload(self) -> int:
+        """Undo `offload`; returns the bytes brought back to the device."""
+        from hybridrl.backends.megatron.offload import reload
+
+        with self._scope():
+            return reload(self)
+
+
+def _training_state(model, tconfig, cfg: MegatronConfig):
+    """Megatron DDP, its optimizer (Adam, clipping by the global norm) and the LR schedule."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from hybridrl.backends.megatron.model import DTYPES
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=cfg.use_distributed_optimizer)
+    ddp = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=model)
+    dtype = DTYPES[cfg.dtype]
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+                        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+                        clip_grad=cfg.clip_grad, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
+                        params_dtype=dtype, use_distributed_optimizer=cfg.use_distributed_optimizer),
+        [ddp])
+    # Our losses are already normalised by global denominators: finalize without Megatron's own
+    # 1/num_tokens scaling (it still all-reduces over DP and syncs tied embeddings over PP).
+    tconfig.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: finalize_model_grads(chunks, None, **kw)
+    tconfig.no_sync_func = ddp.no_sync
+    if dtype is torch.float16:
+        tconfig.grad_scale_func = optimizer.scale_loss
+    constant = cfg.lr_schedule == "constant"
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if cfg.lr_warmup_steps else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.lr_warmup_steps,
+        lr_decay_steps=cfg.lr_warmup_steps + 1 if constant else cfg.lr_decay_steps,
+        lr_decay_style=cfg.lr_schedule, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
+        wd_incr_steps=1, wd_incr_style="constant")
+    return ddp, optimizer, scheduler
+
+
+def _accumulate(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+    sums[key] = sums[key] + value if key in sums else value
+
+
+def _assemble(parts: list[torch.Tensor], num_rows: int, length: int) -> torch.Tensor:
+    """Micro-batch results [b_i, T_i] into one [num_rows, length] float32 tensor (zeros elsewhere)."""
+    out = torch.zeros(num_rows, length, dtype=torch.float32)
+    row = 0
+    for part in parts:
+        b, t = part.shape
+        out[row: row + b, :t] = part.float().cpu()
+        row += b
+    return out

@@ -1,0 +1,122 @@
+"""Build a megatron-core `GPTModel` (this rank's pipeline stage and TP shard) from a `DecoderSpec`.
+
+Local (pure-torch) layer spec: RMSNorm, SwiGLU, RoPE with the model's base, grouped-query
+attention, optional qkv bias, tied or untied embeddings. Every fusion is off so the same model
+runs on CPU and GPU; bf16/fp16 are for GPUs (CPU stays fp32).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.enums import AttnBackend
+
+from hybridrl.backends.megatron.adapters import DecoderSpec, Slot, Split
+from hybridrl.backends.megatron.attention import SDPAttention
+from hybridrl.backends.megatron.config import MegatronConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def transformer_config(spec: DecoderSpec, cfg: MegatronConfig, *, device: torch.device) -> TransformerConfig:
+    """Megatron's TransformerConfig for the model `spec` under the layout and precision of `cfg`."""
+    if spec.num_layers % cfg.pp:
+        raise ValueError(f"pp={cfg.pp} must divide the number of layers ({spec.num_layers})")
+    dtype = DTYPES[cfg.dtype]
+    if device.type == "cpu" and dtype is not torch.float32:
+        raise ValueError(f"train.dtype={cfg.dtype} on CPU: use float32 (bf16 matmuls are ~30x slower here)")
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        attention_backend=AttnBackend.local,
+        # parallel layout
+        tensor_model_parallel_size=cfg.tp,
+        pipeline_model_parallel_size=cfg.pp,
+        sequence_parallel=False,
+        variable_seq_lengths=cfg.pp > 1,           # each micro-batch is cut to its own longest sequence
+        moe_token_dispatcher_type="alltoall",      # (dense model; the default rejects variable lengths)
+        # precision
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        # weights come from the HF checkpoint: skip random init (see mark_tensor_parallel)
+        use_cpu_initialization=device.type == "cpu",
+        perform_initialization=False,
+        # no fused kernels (CPU has none; on GPU the local spec does not use TE either)
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        # our loss_func returns globally normalised losses: no per-micro-batch / per-DP averaging
+        calculate_per_token_loss=True,
+        recompute_granularity="full" if cfg.recompute_activations else None,
+        recompute_method="uniform" if cfg.recompute_activations else None,
+        recompute_num_layers=1 if cfg.recompute_activations else None,
+    )
+
+
+def layer_spec(cfg: MegatronConfig):
+    """Megatron's local (pure torch) layer spec with RMSNorm; core attention per cfg.attention."""
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if cfg.attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def build_gpt_model(spec: DecoderSpec, cfg: MegatronConfig, config: TransformerConfig, *,
+                    padded_vocab_size: int, device: torch.device) -> GPTModel:
+    """This rank's stage of the model, parameters on `device` (values are loaded afterwards)."""
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(cfg),
+        vocab_size=padded_vocab_size,
+        max_sequence_length=spec.max_position,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=spec.rope_theta,
+    )
+    return model.to(device)
+
+
+def mark_tensor_parallel(params: Mapping[Slot, torch.nn.Parameter]) -> None:
+    """Tag TP-sharded parameters the way Megatron's initialisers would.
+
+    With perform_initialization=False (we load weights instead of drawing them) megatron-core
+    0.16 never sets `tensor_model_parallel` / `partition_dim` on linear and embedding weights
+    (tensor_parallel/layers.py: only _initialize_affine_weight_{cpu,gpu} do), so the gradient
+    norm would count only TP rank 0's shard. The adapter knows every slot's split."""
+    for slot, param in params.items():
+        if slot.split is not Split.NONE and not hasattr(param, "tensor_model_parallel"):  # biases have it
+            set_tensor_model_parallel_attributes(param, True, 1 if slot.split is Split.ROW else 0, 1)
+
+
+def local_layers(model: GPTModel) -> dict[int, torch.nn.Module]:
+    """Global layer index (0-based) -> this stage's TransformerLayer."""
+    return {layer.layer_number - 1: layer for layer in model.decoder.layers}

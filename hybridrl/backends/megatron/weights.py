@@ -1,0 +1,154 @@
+"""Weights in and out of the Megatron model, through the family adapter.
+
+`load_hf_weights`: every rank reads only the HF tensors of the slots its stage holds (lazily,
+from safetensors) and copies its TP shard into the parameters.
+`iter_hf_tensors`: the whole model as full HF tensors, sorted by name, on every rank of the
+model-parallel group: per fused group, an all-gather over TP on the owning stage, the adapter's
+`to_hf`, then a broadcast over PP. At most one layer's worth of tensors is held at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from hybridrl.backends.megatron.adapters import DecoderAdapter, Slot, Split
+
+
+class HFCheckpoint:
+    """Lazy reader of an HF directory's safetensors (single file or sharded with an index)."""
+
+    def __init__(self, model_dir: str | Path):
+        from safetensors import safe_open
+
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        single = self.dir / "model.safetensors"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif single.exists():
+            files, weight_map = [single.name], None
+        else:
+            raise FileNotFoundError(f"{self.dir}: no model.safetensors or model.safetensors.index.json "
+                                    "(only safetensors checkpoints are supported)")
+        self._handles = {f: safe_open(str(self.dir / f), framework="pt") for f in files}
+        if weight_map is None:
+            weight_map = {k: files[0] for k in self._handles[files[0]].keys()}
+        self._file_of = weight_map
+
+    def names(self) -> list[str]:
+        return sorted(self._file_of)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._file_of:
+            raise KeyError(f"{self.dir}: checkpoint has no tensor '{name}'")
+        return self._handles[self._file_of[name]].get_tensor(name)
+
+
+class _Lazy(Mapping):
+    """A Mapping view of a checkpoint that reads tensors on access."""
+
+    def __init__(self, ckpt: HFCheckpoint):
+        self.ckpt = ckpt
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.ckpt.get(name)
+
+    def __iter__(self):
+        return iter(self.ckpt.names())
+
+    def __len__(self) -> int:
+        return len(self.ckpt.names())
+
+
+def owned_params(adapter: DecoderAdapter, model, layers) -> dict[Slot, torch.nn.Parameter]:
+    """The slots this stage holds, with their parameters (unwrapped GPTModel)."""
+    out = {}
+    for slot in adapter.slots():
+        param = adapter.megatron_param(model, slot, layers)
+        if param is not None:
+            out[slot] = param
+    return out
+
+
+def load_hf_weights(adapter: DecoderAdapter, params: Mapping[Slot, torch.nn.Parameter],
+                    model_dir: str | Path) -> int:
+    """Copy this rank's shard of every owned slot from the HF checkpoint; returns elements loaded."""
+    ckpt = _Lazy(HFCheckpoint(model_dir))
+    missing = sorted({n for slot in params for n in slot.hf_names} - set(ckpt.ckpt.names()))
+    if missing:
+        raise KeyError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}")
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    loaded = 0
+    with torch.no_grad():
+        for slot, param in params.items():
+            shard = adapter.from_hf(slot, ckpt, tp_rank)
+            if shard.shape != param.shape:
+                raise ValueError(f"{slot}: adapter built {tuple(shard.shape)}, model expects {tuple(param.shape)}")
+            param.copy_(shard)
+            loaded += shard.numel()
+    return loaded
+
+
+def slot_owners(adapter: DecoderAdapter, params: Mapping[Slot, torch.nn.Parameter]) -> dict[Slot, int]:
+    """Exported slot -> the pipeline stage (pp rank) that holds it, agreed by all stages."""
+    index = {slot: i for i, slot in enumerate(adapter.slots())}
+    mine = sorted(index[s] for s in params if s.exported)
+    group = ps.get_pipeline_model_parallel_group()
+    per_stage: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(per_stage, mine, group=group)
+    slots = adapter.slots()
+    owners: dict[Slot, int] = {}
+    for stage, held in enumerate(per_stage):
+        for i in held:
+            owners.setdefault(slots[i], stage)
+    unowned = [str(s) for s in slots if s.exported and s not in owners]
+    if unowned:
+        raise RuntimeError(f"no pipeline stage holds {unowned}")
+    return owners
+
+
+def gather_slot(adapter: DecoderAdapter, slot: Slot, param: torch.Tensor | None, owner: int,
+                shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
+                device: torch.device) -> dict[str, torch.Tensor]:
+    """Full HF tensors of one slot on every rank of this model-parallel group."""
+    pp_group = ps.get_pipeline_model_parallel_group()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    if pp_rank == owner:
+        local = param.detach()
+        if slot.split is Split.NONE or adapter.tp == 1:
+            shards = [local]
+        else:
+            tp_group = ps.get_tensor_model_parallel_group()
+            shards = [torch.empty_like(local) for _ in range(adapter.tp)]
+            dist.all_gather(shards, local.contiguous(), group=tp_group)
+        full = adapter.to_hf(slot, shards[:1] if slot.split is Split.NONE else shards)
+        full = {n: t.contiguous() for n, t in full.items()}
+    else:
+        full = {n: torch.empty(shapes[n], dtype=dtype, device=device) for n in slot.hf_names}
+    if dist.get_world_size(pp_group) > 1:
+        src = dist.get_global_rank(pp_group, owner)
+        for name in slot.hf_names:
+            dist.broadcast(full[name], src=src, group=pp_group)
+    return full
+
+
+def iter_hf_tensors(adapter: DecoderAdapter, params: Mapping[Slot, torch.nn.Parameter],
+                    owners: Mapping[Slot, int], *, dtype: torch.dtype,
+                    device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every exported tensor, names sorted, identical on all MP ranks."""
+    slot_of = adapter.slot_of_hf_name()
+    shapes = adapter.hf_shapes()
+    pending: dict[str, torch.Tensor] = {}      # the other members of a group already gathered
+    for name in adapter.hf_names():
+        if name not in pending:
+            slot = slot_of[name]
+            pending.update(gather_slot(adapter, slot, params.get(slot), owners[slot], shapes, dtype, device))
+        yield name, pending.pop(name)
+    assert not pending, f"ungathered tensors left: {sorted(pending)}"
