@@ -343,14 +343,17 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------------------ memory
 
-    def offload(self, *, optimizer: bool = True, grads: bool = True, params: bool = False) -> int:
+    def offload(self, *, optimizer: bool = True, grads: bool = True, params: bool = False,
+                spill_dir: str | Path | None = None) -> int:
         """Release device memory for the rollout phase; returns the bytes moved to (or, for gradients,
-        which hold nothing between steps, freed from) the device. On a CPU device only gradient
-        buffers can be released: optimizer state and parameters already live in host memory."""
+        which hold nothing between steps, freed from) the device. On a CPU device optimizer state and
+        parameters already live in host memory: only gradient buffers are released, and optimizer
+        state is spilled to a file in `spill_dir` when one is given."""
         from hybridrl.backends.megatron.offload import offload
 
         with self._scope():
-            return offload(self, optimizer=optimizer, grads=grads, params=params)
+            return offload(self, optimizer=optimizer, grads=grads, params=params,
+                           spill_dir=Path(spill_dir) if spill_dir is not None else None)
 
     def reload(self) -> int:
         """Undo `offload`; returns the bytes brought back to the device."""

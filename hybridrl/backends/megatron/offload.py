@@ -6,11 +6,14 @@
   them first) and reallocated, zeroed, on reload.
 - params: the DDP parameter buffer (or, for a frozen model, each parameter) moves to pinned host
   memory. On a CPU device this is impossible by definition (the device *is* host memory) and
-  reports 0 bytes, as do optimizer moves; freeing the gradient buffers works on both.
+  reports 0 bytes; freeing the gradient buffers works on both.
+- On a CPU device, optimizer state can instead be spilled to a file (`spill_dir`): written out
+  and freed, so the rollout phase does not hold it in process memory; reload reads it back.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,10 +56,24 @@ def _optimizer_tensors(engine: "MegatronEngine"):
                         yield inner.state[p], key, value
 
 
-def offload(engine: "MegatronEngine", *, optimizer: bool, grads: bool, params: bool) -> int:
+def offload(engine: "MegatronEngine", *, optimizer: bool, grads: bool, params: bool,
+            spill_dir: Path | None = None) -> int:
     state = engine._offloaded
     on_device = engine.device.type != "cpu"
     moved = 0
+    if optimizer and not on_device and spill_dir is not None and "spilled" not in state:
+        records = list(_optimizer_tensors(engine))
+        path = Path(spill_dir) / "optimizer_state.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save([t for _, _, t in records], path)
+        for holder, key, tensor in records:
+            moved += _nbytes(tensor)
+            placeholder = torch.empty(0, dtype=tensor.dtype)
+            if key == "data":
+                holder.data = placeholder
+            else:
+                holder[key] = placeholder
+        state["spilled"] = (path, [(holder, key) for holder, key, _ in records])
     if optimizer and on_device and "optimizer" not in state:
         records = []
         for holder, key, tensor in list(_optimizer_tensors(engine)):
@@ -105,6 +122,16 @@ def reload(engine: "MegatronEngine") -> int:
     if state.pop("grads", False):
         engine.ddp.restore_grad_buffers(synchronize=device.type != "cpu")
         moved += sum(_nbytes(b.grad_data) for b in _buffers(engine) if b.grad_data is not None)
+    spilled = state.pop("spilled", None)
+    if spilled is not None:
+        path, records = spilled
+        for (holder, key), tensor in zip(records, torch.load(path, weights_only=True)):
+            if key == "data":
+                holder.data = tensor
+            else:
+                holder[key] = tensor
+            moved += _nbytes(tensor)
+        path.unlink()
     for holder, key in state.pop("optimizer", []):
         if key == "data":
             holder.data = holder.data.to(device, non_blocking=True)

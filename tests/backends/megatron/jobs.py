@@ -165,6 +165,17 @@ def _offload_roundtrip(model_dir: str, full, lr: str) -> dict:
             moved["offload_params"] = engine.offload(optimizer=False, grads=False, params=True)
             moved["released_params"] = before - allocated()
             moved["reload_params"] = engine.reload()
+            if not cuda:   # CPU: optimizer state spilled to a file and freed, then read back
+                import tempfile
+
+                from hybridrl.backends.megatron.offload import _optimizer_tensors
+
+                state_bytes = sum(t.numel() * t.element_size() for _, _, t in _optimizer_tensors(engine))
+                with tempfile.TemporaryDirectory() as spill:
+                    moved["spill"] = engine.offload(optimizer=True, grads=False, spill_dir=spill)
+                    moved["held_while_spilled"] = sum(t.numel() for _, _, t in _optimizer_tensors(engine))
+                    moved["unspill"] = engine.reload()
+                moved["optimizer_state_bytes"] = state_bytes
             moved["grad_bytes"] = sum(b.grad_data.numel() * b.grad_data.element_size() for b in engine.ddp.buffers)
             moved["param_bytes"] = sum(b.param_data.numel() * b.param_data.element_size() for b in engine.ddp.buffers)
         losses[offload] = engine.train_step(full, pg_loss)["loss"]

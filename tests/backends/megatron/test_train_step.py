@@ -98,6 +98,9 @@ def test_offload_reload_keeps_training_identical(runs):
     # on CPU only the gradient buffers can be released; optimizer state and params stay in host memory
     assert r["offload"] == r["reload"] == r["grad_bytes"] > 0
     assert r["offload_params"] == r["reload_params"] == 0
+    # ... but optimizer state can be spilled to a file: nothing of it is held until reload
+    assert r["spill"] == r["unspill"] == r["optimizer_state_bytes"] > 0
+    assert r["held_while_spilled"] == 0
 
 
 def test_frozen_reference_shares_the_parallel_state_and_stays_put(runs):
