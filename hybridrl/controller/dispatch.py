@@ -61,6 +61,7 @@ class OneToAll(Dispatch):
 class DPSplit(Dispatch):
     mesh: str = "world"
     zero_on_pad: tuple[str, ...] = ("loss_mask", "response_mask")   # zeroed in padding rows
+    pad_outputs: tuple[tuple[str, float], ...] = ()   # output tensors right-padded on dim 1 to a common length
 
     def plan(self, data: Batch | None, wg: "WorkerGroup") -> Plan:
         if not isinstance(data, Batch):
@@ -87,7 +88,7 @@ class DPSplit(Dispatch):
                         f"rank {owner} returned {len(out)} rows for a chunk of {len(chunk)}: a DPSplit "
                         "method must return one output row per input row")
                 pieces.append(out.slice(0, chunk.num_valid))
-            return Batch.concat(pieces)
+            return Batch.concat(pieces, pad_dim1=dict(self.pad_outputs) or None)
 
         return Plan(per_rank=per_rank, owners=owners, gather=gather)
 

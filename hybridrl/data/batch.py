@@ -191,11 +191,15 @@ class Batch:
             yield self.slice(lo, min(lo + size, len(self)))
 
     @staticmethod
-    def concat(batches: Sequence["Batch"]) -> "Batch":
-        """Rows of all batches in order; they must hold the same names and trailing shapes."""
+    def concat(batches: Sequence["Batch"], *, pad_dim1: Mapping[str, float] | None = None) -> "Batch":
+        """Rows of all batches in order; they must hold the same names and trailing shapes, except
+        that tensors named in `pad_dim1` are first right-padded along dim 1 (sequence length) with
+        the given value to the longest among the batches."""
         batches = list(batches)
         if not batches:
             raise ValueError("concat needs at least one batch")
+        if pad_dim1:
+            batches = _pad_dim1(batches, pad_dim1)
         first = batches[0]
         for i, b in enumerate(batches[1:], start=1):
             if set(b.tensors) != set(first.tensors) or set(b.meta) != set(first.meta):
@@ -211,6 +215,22 @@ class Batch:
         if any(b.num_padding for b in batches[:-1]):
             raise BatchShapeError("concat of padded batches would put padding mid-batch; strip it first")
         return Batch(tensors, meta, num_padding=batches[-1].num_padding)
+
+
+def _pad_dim1(batches: list["Batch"], pad_values: Mapping[str, float]) -> list["Batch"]:
+    width = {name: max(b.tensors[name].shape[1] for b in batches if name in b.tensors) for name in pad_values
+             if any(name in b.tensors for b in batches)}
+    out = []
+    for b in batches:
+        tensors = dict(b.tensors)
+        for name, w in width.items():
+            t = tensors.get(name)
+            if t is not None and t.shape[1] < w:
+                pad = torch.full((t.shape[0], w - t.shape[1], *t.shape[2:]), pad_values[name], dtype=t.dtype,
+                                 device=t.device)
+                tensors[name] = torch.cat([t, pad], dim=1)
+        out.append(Batch(tensors, b.meta, num_padding=b.num_padding))
+    return out
 
 
 def pad_sequences(rows: Sequence[Sequence[int] | torch.Tensor], *, pad_value: int | float = 0,

@@ -115,6 +115,15 @@ class Trajectory:
         if self.status == TrajectoryStatus.TRUNCATED and self.truncation is None:
             raise ValueError(f"trajectory {self.trajectory_id}: TRUNCATED needs the budget that ended it")
 
+    def record(self) -> dict[str, Any]:
+        """Everything but the per-token lists (they travel as tensors): small, picklable."""
+        d = asdict(self)
+        for name in ("prompt_ids", "response_ids", "response_mask", "behavior_logprobs", "policy_versions"):
+            d.pop(name)
+        d["status"] = self.status.value
+        d["truncation"] = self.truncation.value if self.truncation else None
+        return d
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["status"] = self.status.value
@@ -153,5 +162,27 @@ def to_batch(trajectories: Sequence[Trajectory], *, pad_id: int = 0, length: int
          "reward": torch.tensor([t.reward for t in trajectories], dtype=torch.float32)},
         {"trajectory_id": [t.trajectory_id for t in trajectories],
          "group_id": [t.group_id for t in trajectories],
-         "status": [t.status.value for t in trajectories]},
+         "status": [t.status.value for t in trajectories],
+         "record": [t.record() for t in trajectories]},
     )
+
+
+def from_batch(batch: Batch) -> list[Trajectory]:
+    """The inverse of `to_batch` (its padding rows excluded): tokens from the tensors, the rest
+    from the per-row `record` metadata."""
+    out = []
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    for i in range(batch.num_valid):
+        rec = dict(batch["record"][i])
+        p, n = int(batch["prompt_len"][i]), int(lengths[i])
+        ids = batch["input_ids"][i, :n].tolist()
+        rec["tool_calls"] = [ToolCallRecord(**c) for c in rec.get("tool_calls", [])]
+        rec["status"] = TrajectoryStatus(rec["status"])
+        rec["truncation"] = Truncation(rec["truncation"]) if rec.get("truncation") else None
+        t = Trajectory(**rec, prompt_ids=ids[:p], response_ids=ids[p:],
+                       response_mask=[int(x) for x in batch["loss_mask"][i, p:n].tolist()],
+                       behavior_logprobs=batch["behavior_logprobs"][i, p:n].tolist(),
+                       policy_versions=batch["policy_version"][i, p:n].tolist())
+        t.validate()
+        out.append(t)
+    return out

@@ -17,3 +17,6 @@ NamedTensors = Sequence[tuple[str, torch.Tensor]]
 class WeightTransport(Protocol):
     async def send(self, bucket: NamedTensors, version: int) -> None:
         """Deliver one bucket of HF-named full tensors for policy `version`."""
+
+    async def digests(self, bucket: NamedTensors) -> dict[str, str]:
+        """The receiver's digest of every tensor of the bucket, without loading it (verification pass)."""

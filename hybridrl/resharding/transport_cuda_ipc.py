@@ -36,6 +36,13 @@ class CudaIpcTransport:
         self.group = group
         self.owner = group_ranks[0]
 
+    async def digests(self, bucket: NamedTensors) -> dict[str, str]:
+        """The source tensors' digests (SGLang's scheduler processes cannot hash for us in 0.5.x; its
+        weight checker is the receiving-side check where available)."""
+        from hybridrl.resharding.manifest import tensor_digest
+
+        return {name: tensor_digest(name, t) for name, t in bucket}
+
     async def send(self, bucket: NamedTensors, version: int) -> None:
         bucket = [(name, t.detach().contiguous()) for name, t in bucket]
         if any(t.device.type != "cuda" for _, t in bucket):

@@ -70,3 +70,12 @@ def test_split_micro_batches_and_pad_sequences():
     assert x.tolist() == [[1, 2, 3], [4, -1, -1]]
     with pytest.raises(BatchShapeError):
         pad_sequences([[1, 2, 3]], length=2)
+
+
+def test_concat_pads_sequence_dim_when_asked():
+    a = Batch({"ids": torch.ones(1, 2, dtype=torch.long), "m": torch.ones(1, 2)})
+    b = Batch({"ids": torch.ones(2, 4, dtype=torch.long), "m": torch.ones(2, 4)})
+    with pytest.raises(BatchShapeError):
+        Batch.concat([a, b])
+    c = Batch.concat([a, b], pad_dim1={"ids": 7, "m": 0.0})
+    assert c["ids"].tolist()[0] == [1, 1, 7, 7] and c["m"][0].tolist() == [1, 1, 0, 0] and len(c) == 3

@@ -49,3 +49,17 @@ def test_to_batch_is_token_aligned():
     assert sampled == [10, 11, 12, 10, 11, 12]
     assert batch["group_id"] == ["g1", "g1"] and batch["prompt_len"].tolist() == [3, 1]
     assert torch.equal(batch["reward"], torch.zeros(2))
+
+
+def test_from_batch_inverts_to_batch():
+    from hybridrl.data.trajectory import ToolCallRecord, from_batch
+
+    a, b = make(), make(prompt=(5,), attempt=1)
+    b.status, b.truncation = TrajectoryStatus.TRUNCATED, Truncation.MAX_TURNS
+    b.tool_calls = [ToolCallRecord(turn=0, name="calculator", ok=False, error="bad", latency_s=0.5)]
+    b.rewards, b.reward = {"correct": 1.0}, 1.0
+    batch = to_batch([a, b], pad_id=99).pad_to(3)
+    back = from_batch(batch)
+    assert len(back) == 2
+    for orig, got in zip([a, b], back):
+        assert got.to_dict() == orig.to_dict()

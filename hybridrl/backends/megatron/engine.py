@@ -320,6 +320,22 @@ class MegatronEngine:
             yield from iter_hf_tensors(self.adapter, self.params, self._owners, dtype=DTYPES[self.cfg.dtype],
                                        device=self.device)
 
+    def iter_hf_groups(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Like `iter_hf_tensors`, one fused group (e.g. q, k, v of one layer) per item, in model order."""
+        from hybridrl.backends.megatron.model import DTYPES
+        from hybridrl.backends.megatron.weights import iter_hf_groups
+
+        with self._scope():
+            yield from iter_hf_groups(self.adapter, self.params, self._owners, dtype=DTYPES[self.cfg.dtype],
+                                      device=self.device)
+
+    def hf_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of every tensor `iter_hf_tensors` yields, known without gathering."""
+        from hybridrl.backends.megatron.model import DTYPES
+
+        dtype = DTYPES[self.cfg.dtype]
+        return {name: (tuple(shape), dtype) for name, shape in self.adapter.hf_shapes().items()}
+
     def export_hf(self, out_dir: str | Path) -> None:
         """Write an HF directory (config.json, model.safetensors, tokenizer and generation files copied
         from the source directory). Every rank takes part in the gather; rank 0 writes."""

@@ -152,3 +152,15 @@ def iter_hf_tensors(adapter: DecoderAdapter, params: Mapping[Slot, torch.nn.Para
             pending.update(gather_slot(adapter, slot, params.get(slot), owners[slot], shapes, dtype, device))
         yield name, pending.pop(name)
     assert not pending, f"ungathered tensors left: {sorted(pending)}"
+
+
+def iter_hf_groups(adapter: DecoderAdapter, params: Mapping[Slot, torch.nn.Parameter],
+                   owners: Mapping[Slot, int], *, dtype: torch.dtype,
+                   device: torch.device) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """One fused group (a training slot's HF tensors, e.g. q/k/v) at a time, in slot order,
+    identical on all MP ranks: what weight publication buckets without splitting a group."""
+    shapes = adapter.hf_shapes()
+    for slot in adapter.slots():
+        if slot.exported:
+            full = gather_slot(adapter, slot, params.get(slot), owners[slot], shapes, dtype, device)
+            yield [(name, full[name]) for name in slot.hf_names]
