@@ -1,0 +1,86 @@
+"""The Qwen2 / Llama forward pass over a flat batch of tokens with a paged KV cache.
+
+A step's tokens from every scheduled sequence are concatenated ("flat": [N, hidden]), so the
+linear layers run once for decodes and prefill chunks together with no padding. Only attention
+looks at sequences: decode tokens first (one query each), then the prefill chunks (see
+`attention.py`). Numerics follow transformers: fp32 RMSNorm, rotate-half RoPE with float32
+cos/sin, softmax(q k^T / sqrt(head_dim)), SiLU-gated MLP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridrl.backends.native.attention import AttentionMetadata, paged_attention, write_kv
+from hybridrl.backends.native.spec import ModelSpec
+from hybridrl.backends.native.weights import ModelWeights
+
+
+class RotaryTable:
+    """cos/sin of every position, [max_len, head_dim // 2] each, float32 as transformers computes them."""
+
+    def __init__(self, spec: ModelSpec, max_len: int, device: torch.device):
+        inv_freq = spec.inv_freq()
+        freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        self.cos = freqs.cos().to(device)
+        self.sin = freqs.sin().to(device)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)  # [N, 1, head_dim // 2]
+        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)), the statistics in float32 (transformers' Qwen2RMSNorm / LlamaRMSNorm)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half RoPE in place on qk [N, heads, head_dim]; cos/sin [N, 1, head_dim // 2]."""
+    half = qk.shape[-1] // 2
+    x1, x2 = qk[..., :half], qk[..., half:]
+    out1 = x1 * cos - x2 * sin
+    out2 = x2 * cos + x1 * sin
+    x1.copy_(out1)
+    x2.copy_(out2)
+
+
+class CausalLM:
+    """Inference-only Qwen2 / Llama. `forward` returns float32 logits of the selected rows."""
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, rotary: RotaryTable):
+        self.spec = spec
+        self.weights = weights
+        self.rotary = rotary
+        self.scale = spec.head_dim ** -0.5
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, logits_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [N]; kv_cache [layers, blocks, block_size, 2, kv_heads, head_dim];
+        logits_rows [S] (flat rows whose next-token logits are needed) -> logits [S, vocab] float32."""
+        spec, w = self.spec, self.weights
+        n = input_ids.shape[0]
+        q_size, kv_size, hd = spec.q_size, spec.kv_size, spec.head_dim
+        cos, sin = self.rotary.lookup(positions, w.embed.dtype)
+        x = F.embedding(input_ids, w.embed)                                    # [N, hidden]
+        for i, layer in enumerate(w.layers):
+            h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)                       # [N, q + 2 kv]
+            apply_rotary_(qkv[:, : q_size + kv_size].view(n, spec.num_heads + spec.num_kv_heads, hd), cos, sin)
+            q = qkv[:, :q_size].view(n, spec.num_heads, hd)
+            kv = qkv[:, q_size:].view(n, 2, spec.num_kv_heads, hd)
+            write_kv(kv_cache[i], kv, meta.slot_mapping)
+            attn = paged_attention(q, kv, kv_cache[i], meta, self.scale)          # [N, q_size]
+            x = x + F.linear(attn, layer.o, layer.o_bias)
+            h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        h = x.index_select(0, logits_rows)
+        h = rms_norm(h, w.norm, spec.rms_norm_eps)
+        return F.linear(h, w.lm_head).float()
