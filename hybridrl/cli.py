@@ -5,6 +5,7 @@
     hybridrl config defaults [--write DIR]     the documented defaults of every section
     hybridrl assets tiny-model --arch A --out D
     hybridrl doctor [--json]                   versions, devices, a 2-rank self-test
+    hybridrl generate --model D --input I --output O --max-new-tokens N   token ids in, samples out
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from hybridrl.backends.native.cli import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridrl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--no-selftest", action="store_true")
     p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser("generate", help="sample from an HF model with a rollout engine (token ids in/out, JSONL)")
+    from hybridrl.backends.native.cli import add_arguments as add_generate_arguments
+
+    add_generate_arguments(p)
+    p.set_defaults(func=_cmd_generate)
     return parser
 
 

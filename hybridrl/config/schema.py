@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.config.fields import ConfigValueError, check_choice, knob, section
 from hybridrl.distributed.config import DistributedConfig
 
@@ -63,3 +64,4 @@ class Config:
     distributed: DistributedConfig = section(DistributedConfig, "processes, devices, control plane")
     model: ModelConfig = section(ModelConfig, "the policy model")
     selfcheck: SelfCheckConfig = section(SelfCheckConfig, "the self-check job")
+    rollout: NativeEngineConfig = section(NativeEngineConfig, "the native rollout engine (KV cache, batching)")

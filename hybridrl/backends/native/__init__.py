@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import hybridrl.config  # noqa: F401  (first: its schema mounts our config, so it must not find us half-imported)
 from hybridrl.backends.native.config import NativeEngineConfig
 
 if TYPE_CHECKING:

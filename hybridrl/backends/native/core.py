@@ -20,10 +20,11 @@ from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.backends.native.kv_cache import BlockPool
 from hybridrl.backends.native.model import CausalLM, RotaryTable
 from hybridrl.backends.native.runner import ModelRunner
+from hybridrl.backends.native.sampler import request_seed
 from hybridrl.backends.native.scheduler import Scheduler, Sequence, SeqStatus
 from hybridrl.backends.native.spec import ModelSpec
 from hybridrl.backends.native.weights import ModelWeights, hf_views, load_checkpoint
-from hybridrl.rollout.protocol import FinishReason, GenerationOutput, GenerationTimings
+from hybridrl.rollout.protocol import FinishReason, GenerationOutput, GenerationTimings, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,14 @@ class EngineCore:
         return num_blocks, max_len
 
     # -- requests -----------------------------------------------------------------------------
+
+    def make_sequence(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> Sequence:
+        stop = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop.update(self.spec.eos_token_ids)
+        seed = sampling.seed if sampling.seed is not None else request_seed(self.cfg.seed, request_id)
+        return Sequence(request_id=request_id, tokens=list(prompt), prompt_len=len(prompt), params=sampling,
+                        seed=seed, stop_ids=frozenset(stop), max_len=self.max_model_len)
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq

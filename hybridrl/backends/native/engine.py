@@ -30,7 +30,6 @@ import torch
 
 from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.backends.native.core import EngineCore
-from hybridrl.backends.native.sampler import request_seed
 from hybridrl.backends.native.scheduler import Sequence
 from hybridrl.backends.native.weights import validate_named_tensors
 from hybridrl.rollout.protocol import FinishReason, GenerationOutput, SamplingParams
@@ -152,12 +151,7 @@ class NativeEngine:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
             self._inflight.add(request_id)
         try:
-            stop = set(sampling.stop_token_ids)
-            if not sampling.ignore_eos:
-                stop.update(core.spec.eos_token_ids)
-            seq = Sequence(request_id=request_id, tokens=prompt, prompt_len=len(prompt), params=sampling,
-                           seed=sampling.seed if sampling.seed is not None else request_seed(core.cfg.seed, request_id),
-                           stop_ids=frozenset(stop), max_len=core.max_model_len)
+            seq = core.make_sequence(prompt, sampling, request_id)
             waiter = _Waiter()
             self._submit(("add", seq, waiter))
             try:
@@ -263,6 +257,7 @@ class NativeEngine:
             self._apply_ready_updates()
             if core.has_work():
                 self._step()
+                self._apply_ready_updates()          # the step may have drained the last started request
 
     def _handle(self, command: tuple) -> None:
         kind, *args = command

@@ -81,6 +81,8 @@ class CausalLM:
             h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
             gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        if logits_rows.numel() == 0:
+            return x.new_empty((0, spec.vocab_size), dtype=torch.float32)
         h = x.index_select(0, logits_rows)
         h = rms_norm(h, w.norm, spec.rms_norm_eps)
         return F.linear(h, w.lm_head).float()

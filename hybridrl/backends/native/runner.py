@@ -102,10 +102,11 @@ class ModelRunner:
                     sampled.append(seq)
                     logits_rows.append(row - 1)
 
-        input_ids = torch.tensor(ids, device=dev)
-        meta.slot_mapping = torch.tensor(slots, device=dev)
-        logits = self.model.forward(input_ids, torch.tensor(positions, device=dev), meta, self.kv_cache,
-                                    torch.tensor(logits_rows, device=dev))
+        long = torch.long
+        meta.slot_mapping = torch.tensor(slots, dtype=long, device=dev)
+        logits = self.model.forward(torch.tensor(ids, dtype=long, device=dev),
+                                    torch.tensor(positions, dtype=long, device=dev), meta, self.kv_cache,
+                                    torch.tensor(logits_rows, dtype=long, device=dev))
         if not sampled:
             return StepResult([], [], [])
         batch = SamplingBatch.build(
