@@ -7,8 +7,10 @@ uniformly from --prompt-len (default 16:128) and output budgets from --output-le
 16:128), sampling at --temperature (default 0.7), EOS on. transformers gets the batch as one
 left-padded `generate` call with a per-row stopping criterion enforcing each row's budget (it
 cannot do per-row budgets otherwise); the engine gets every request at once through its async
-API. Output tokens counted are the real ones of each row (up to its budget or its EOS). Runs
-alternate HF / engine --repeats times; medians are reported, with the ratio of medians.
+API. Output tokens counted are the real ones of each row (up to its budget or its EOS). Each
+repeat runs both back to back (the order alternates), giving one paired ratio; the machine is
+shared, so the headline `ratio` is the median of the paired ratios (robust to load that drifts
+between repeats), reported with the medians of each side's tokens/s.
 Models are seeded random Qwen2-architecture models built offline (hybridrl.assets.tiny_model),
 so their size is stated exactly (parameters in the JSON).
 """
@@ -110,22 +112,34 @@ def bench_size(name: str, model_dir: Path, args) -> dict:
     # warm-up both (allocator, first-call paths), not timed
     run_hf(hf, prompts[:4], [4] * 4, eos, args.temperature, args.top_p, 0)
     run_engine(engine, prompts[:4], [4] * 4, args.temperature, args.top_p, 0, "warm")
-    hf_rates, engine_rates, rows = [], [], []
+    hf_rates, engine_rates, ratios, rows = [], [], [], []
     for r in range(args.repeats):
-        n_hf, s_hf = run_hf(hf, prompts, olens, eos, args.temperature, args.top_p, args.seed + r)
-        n_en, s_en = run_engine(engine, prompts, olens, args.temperature, args.top_p, args.seed + 1000 * r, f"r{r}")
+        def hf_run():
+            return run_hf(hf, prompts, olens, eos, args.temperature, args.top_p, args.seed + r)
+
+        def engine_run():
+            return run_engine(engine, prompts, olens, args.temperature, args.top_p, args.seed + 1000 * r, f"r{r}")
+
+        if r % 2 == 0:
+            (n_hf, s_hf), (n_en, s_en) = hf_run(), engine_run()
+        else:
+            (n_en, s_en), (n_hf, s_hf) = engine_run(), hf_run()
         hf_rates.append(n_hf / s_hf)
         engine_rates.append(n_en / s_en)
-        rows.append({"hf_tokens": n_hf, "hf_s": round(s_hf, 3), "engine_tokens": n_en, "engine_s": round(s_en, 3)})
+        ratios.append(engine_rates[-1] / hf_rates[-1])
+        rows.append({"hf_tokens": n_hf, "hf_s": round(s_hf, 3), "engine_tokens": n_en, "engine_s": round(s_en, 3),
+                     "ratio": round(ratios[-1], 3)})
         print(f"  [{name}] repeat {r}: hf {n_hf} tok in {s_hf:.2f}s ({n_hf / s_hf:.0f}/s) | engine {n_en} tok in "
-              f"{s_en:.2f}s ({n_en / s_en:.0f}/s)", file=sys.stderr)
+              f"{s_en:.2f}s ({n_en / s_en:.0f}/s) | ratio {ratios[-1]:.2f}", file=sys.stderr)
     stats = engine.stats()
     engine.close()
-    hf_med, en_med = statistics.median(hf_rates), statistics.median(engine_rates)
     return {
         "size": name, "params": params, "model_spec": SIZES.get(name, {}),
-        "engine_tokens_per_s": round(en_med, 1), "hf_tokens_per_s": round(hf_med, 1),
-        "ratio": round(en_med / hf_med, 3), "runs": rows,
+        "engine_tokens_per_s": round(statistics.median(engine_rates), 1),
+        "hf_tokens_per_s": round(statistics.median(hf_rates), 1),
+        "ratio": round(statistics.median(ratios), 3),
+        "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3),
+        "runs": rows, "engine_driver": engine.driver,
         "engine_steps": stats["steps"], "engine_preemptions": stats["preemptions"],
     }
 
@@ -140,7 +154,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output-len", default="16:128")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both")
     parser.add_argument("--kv-cache-mb", type=int, default=256)
@@ -160,7 +174,8 @@ def main(argv=None) -> int:
     head = results[0]
     out = {
         "engine_tokens_per_s": head["engine_tokens_per_s"], "hf_tokens_per_s": head["hf_tokens_per_s"],
-        "ratio": head["ratio"], "headline_size": head["size"], "params": head["params"],
+        "ratio": head["ratio"], "ratio_definition": "median over repeats of the paired ratio engine/hf tokens per s",
+        "headline_size": head["size"], "params": head["params"],
         "workload": {"batch": args.batch, "prompt_len": args.prompt_len, "output_len": args.output_len,
                      "temperature": args.temperature, "top_p": args.top_p, "repeats": args.repeats,
                      "threads": args.threads, "dtype": "float32", "device": "cpu"},

@@ -117,7 +117,7 @@ PINNED_KEYS = [
     "selfcheck.batch_size", "selfcheck.fail_rank",
     "rollout.block_size", "rollout.kv_cache_mb", "rollout.num_blocks", "rollout.max_num_seqs",
     "rollout.max_num_batched_tokens", "rollout.max_model_len", "rollout.enable_prefix_caching", "rollout.dtype",
-    "rollout.seed", "rollout.on_weight_update", "rollout.watermark_blocks",
+    "rollout.seed", "rollout.on_weight_update", "rollout.watermark_blocks", "rollout.driver",
 ]
 
 

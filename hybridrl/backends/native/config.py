@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, knob
 
 IN_FLIGHT_POLICIES = ("drain", "abort")
+DRIVERS = ("auto", "loop", "thread")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -35,6 +36,10 @@ class NativeEngineConfig:
         "drain", "requests in flight when new weights arrive: drain (they finish on the version they started "
                  "with, then the copy happens) | abort (they end now with finish_reason weights_updated)")
     watermark_blocks: int = knob(1, "free blocks kept in reserve when admitting a request (fewer preemptions)")
+    driver: str = knob(
+        "auto", "where steps run: loop (a task on the caller's event loop, which regains control between "
+                "steps) | thread (a dedicated thread: the loop never waits on a forward pass) | auto (loop on "
+                "CPU, where OpenMP kernels launched from a second thread are slower; thread on CUDA)")
 
     def __post_init__(self) -> None:
         check_positive("block_size", self.block_size)
@@ -46,6 +51,7 @@ class NativeEngineConfig:
         check_positive("watermark_blocks", self.watermark_blocks, allow_zero=True)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("on_weight_update", self.on_weight_update, IN_FLIGHT_POLICIES)
+        check_choice("driver", self.driver, DRIVERS)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigValueError(
                 "max_num_batched_tokens",

@@ -1,13 +1,19 @@
-"""`NativeEngine`: the async `RolloutEngine` over `EngineCore`, stepping on its own thread.
+"""`NativeEngine`: the async `RolloutEngine` over `EngineCore`.
 
-Threading model: one daemon thread owns the `EngineCore` and runs steps back to back while
-there is work; every call (generate, abort, update_weights, sleep, wake_up) is a command put on
-its queue and answered through the caller's event loop (`call_soon_threadsafe`). So:
-- the event loop is never blocked by a forward pass: agent code and tool I/O run while the
-  engine computes (torch releases the GIL inside its kernels);
-- nothing of the engine lives on the event loop: it may stop and restart between rollout
-  phases (`loop.run_until_complete` per phase), and a new loop may be used each time;
-- each request records the loop it came from, so many loops (or threads) can share one engine.
+Where steps run (`rollout.driver`):
+- "thread": one daemon thread owns the `EngineCore` and runs steps back to back while there is
+  work; every call (generate, abort, update_weights, sleep, wake_up) is a command put on its
+  queue and answered through the caller's event loop (`call_soon_threadsafe`). The loop never
+  waits on a forward pass, so agent code and tool I/O overlap the engine's compute (torch
+  releases the GIL inside its kernels); several loops or threads may share one engine.
+- "loop": a driver task on the caller's event loop runs one step at a time and yields to the
+  loop between steps (`await asyncio.sleep(0)`), so other coroutines run between steps; commands
+  are applied at once. It exists because on CPU, OpenMP kernels launched from a second thread
+  pay a thread wake-up per parallel region (measured: ~2x slower steps on small models), which
+  the loop's own (main) thread does not. "auto" = loop on CPU, thread on CUDA.
+Either way nothing depends on the loop staying up: a loop may stop and restart between rollout
+phases (`loop.run_until_complete` per phase; the loop driver resumes with it), and a new loop
+may be used each time.
 
 Weight updates (`update_weights`): each call is validated whole (names, shapes, dtypes) in
 the caller before anything is queued; a bad call raises ValueError naming the tensor and
@@ -76,16 +82,23 @@ class NativeEngine:
 
     def __init__(self, core: EngineCore):
         self._core = core
+        driver = core.cfg.driver
+        if driver == "auto":
+            driver = "thread" if core.device.type == "cuda" else "loop"
+        self.driver = driver
         self._cv = threading.Condition()
         self._commands: list[tuple] = []
         self._pending_updates: list[tuple[list, int, _Waiter]] = []
-        self._waiters: dict[str, _Waiter] = {}          # engine thread only
+        self._waiters: dict[str, _Waiter] = {}          # touched by whoever runs the core
         self._inflight: set[str] = set()                # request ids between generate() and its answer
         self._inflight_lock = threading.Lock()
         self._asleep = False
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="hybridrl-native-engine", daemon=True)
-        self._thread.start()
+        self._task: asyncio.Task | None = None          # the loop driver
+        self._thread: threading.Thread | None = None
+        if driver == "thread":
+            self._thread = threading.Thread(target=self._run, name="hybridrl-native-engine", daemon=True)
+            self._thread.start()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, cfg: NativeEngineConfig | None = None,
@@ -157,7 +170,7 @@ class NativeEngine:
             try:
                 return await waiter.future
             except asyncio.CancelledError:
-                self._submit(("abort", request_id, FinishReason.ABORT, None))
+                self._submit(("abort", request_id, FinishReason.ABORT, None), drive=False)
                 raise
         finally:
             with self._inflight_lock:
@@ -191,10 +204,13 @@ class NativeEngine:
         return await self._call("call", fn, args)
 
     def close(self) -> None:
-        """Stop the engine thread and free the KV cache. Requests still in flight are aborted."""
+        """Stop the engine (thread or driver task) and free the KV cache. Requests in flight are aborted."""
         if self._closed:
             return
         self._closed = True
+        if self._thread is None:
+            self._shutdown()
+            return
         with self._cv:
             self._commands.append(("stop",))
             self._cv.notify()
@@ -228,10 +244,33 @@ class NativeEngine:
                              f"vocabulary [0, {vocab})")
         return prompt
 
-    def _submit(self, command: tuple) -> None:
-        with self._cv:
-            self._commands.append(command)
-            self._cv.notify()
+    def _submit(self, command: tuple, *, drive: bool = True) -> None:
+        if self._thread is not None:
+            with self._cv:
+                self._commands.append(command)
+                self._cv.notify()
+            return
+        # loop driver: the core belongs to this thread; apply now, then make sure steps will run
+        self._handle(command)
+        self._apply_ready_updates()
+        if drive and self._core.has_work():
+            loop = asyncio.get_running_loop()
+            task = self._task
+            # a driver on another loop that is not running (stopped or closed) cannot serve this caller
+            if task is None or task.done() or (task.get_loop() is not loop and not task.get_loop().is_running()):
+                self._task = loop.create_task(self._drive())
+
+    async def _drive(self) -> None:
+        """The loop driver: one step, then let the loop run everything else that is ready."""
+        core = self._core
+        try:
+            while not self._closed and core.has_work():
+                self._step()
+                self._apply_ready_updates()
+                await asyncio.sleep(0)
+        finally:
+            if self._task is asyncio.current_task():
+                self._task = None
 
     async def _call(self, *command: Any) -> Any:
         self._check_open()

@@ -14,6 +14,8 @@ from tests.backends.native.conftest import PARITY, generate_all, hf_greedy, hf_l
 
 pytestmark = pytest.mark.timeout(120)
 
+DRIVERS = pytest.mark.parametrize("driver", ["loop", "thread"])
+
 
 def test_engine_satisfies_the_protocol(tiny_models, make_engine):
     engine = make_engine(tiny_models("qwen2"))
@@ -21,11 +23,12 @@ def test_engine_satisfies_the_protocol(tiny_models, make_engine):
     assert engine.eos_token_ids == (2, 0) and engine.max_model_len == 2048 and engine.policy_version == 0
 
 
-def test_n_samples_compute_the_prompt_once(tiny_models, make_engine):
+@DRIVERS
+def test_n_samples_compute_the_prompt_once(driver, tiny_models, make_engine):
     model_dir = tiny_models("llama", **PARITY)
     prompt = prompts_of([50], seed=1)[0]
     n = 8
-    shared = make_engine(model_dir)
+    shared = make_engine(model_dir, driver=driver)
     outs = generate_all(shared, [prompt] * n, [SamplingParams(max_new_tokens=10, seed=s) for s in range(n)])
     stats = shared.stats()
     naive = n * len(prompt)
@@ -54,9 +57,10 @@ def test_a_follow_up_turn_reuses_the_previous_turn(tiny_models, make_engine):
     assert second.cached_prompt_tokens == len(prompt) + len(first.token_ids) - 1
 
 
-def test_64_concurrent_requests_with_arrivals_and_a_live_event_loop(tiny_models, hf_model, make_engine):
+@DRIVERS
+def test_64_concurrent_requests_with_arrivals_and_a_live_event_loop(driver, tiny_models, hf_model, make_engine):
     model_dir = tiny_models("llama", **PARITY)
-    engine = make_engine(model_dir, max_num_seqs=16, max_num_batched_tokens=64, block_size=8)
+    engine = make_engine(model_dir, max_num_seqs=16, max_num_batched_tokens=64, block_size=8, driver=driver)
     lengths = [1 + (7 * i) % 45 for i in range(64)]
     prompts = prompts_of(lengths, seed=3)
     budgets = [4 + (5 * i) % 17 for i in range(64)]
@@ -104,8 +108,9 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def test_sleep_frees_the_kv_cache_and_wake_up_serves_again(tiny_models, make_engine):
-    engine = make_engine(tiny_models("qwen2"), kv_cache_mb=96)
+@DRIVERS
+def test_sleep_frees_the_kv_cache_and_wake_up_serves_again(driver, tiny_models, make_engine):
+    engine = make_engine(tiny_models("qwen2"), kv_cache_mb=96, driver=driver)
     prompt = prompts_of([12])[0]
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     before = generate_all(engine, [prompt], greedy)[0]
@@ -132,8 +137,9 @@ def test_sleep_frees_the_kv_cache_and_wake_up_serves_again(tiny_models, make_eng
     assert after.token_ids == before.token_ids and after.cached_prompt_tokens == 0
 
 
-def test_abort_and_cancellation(tiny_models, make_engine):
-    engine = make_engine(tiny_models("qwen2"))
+@DRIVERS
+def test_abort_and_cancellation(driver, tiny_models, make_engine):
+    engine = make_engine(tiny_models("qwen2"), driver=driver)
     long = SamplingParams(max_new_tokens=100000 // 100, ignore_eos=True)
 
     async def main():
@@ -161,9 +167,10 @@ def test_abort_and_cancellation(tiny_models, make_engine):
     assert stats["requests_aborted"] == 2 and stats["requests_running"] == 0 and stats["kv_blocks_used"] == 0
 
 
-def test_one_persistent_loop_stopped_between_phases(tiny_models, make_engine):
+@DRIVERS
+def test_one_persistent_loop_stopped_between_phases(driver, tiny_models, make_engine):
     """The hybrid worker's pattern: loop.run_until_complete per rollout phase, the loop idle in between."""
-    engine = make_engine(tiny_models("qwen2"))
+    engine = make_engine(tiny_models("qwen2"), driver=driver)
     loop = asyncio.new_event_loop()
     try:
         sp = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
@@ -179,8 +186,9 @@ def test_one_persistent_loop_stopped_between_phases(tiny_models, make_engine):
     assert again.token_ids == first.token_ids
 
 
-def test_bad_requests_are_refused_with_clear_errors(tiny_models, make_engine):
-    engine = make_engine(tiny_models("qwen2"), max_model_len=16)
+@DRIVERS
+def test_bad_requests_are_refused_with_clear_errors(driver, tiny_models, make_engine):
+    engine = make_engine(tiny_models("qwen2"), max_model_len=16, driver=driver)
     sp = SamplingParams(max_new_tokens=4)
 
     async def main():

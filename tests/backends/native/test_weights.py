@@ -70,9 +70,10 @@ def test_a_bad_call_names_the_tensor_and_changes_nothing(tiny_models, make_engin
     assert engine.policy_version == 3 and engine.stats()["pending_version"] is None
 
 
-def test_bucketed_update_switches_version_only_when_complete(tiny_models, hf_model, make_engine):
+@pytest.mark.parametrize("driver", ["loop", "thread"])
+def test_bucketed_update_switches_version_only_when_complete(driver, tiny_models, hf_model, make_engine):
     model_dir = tiny_models("llama", **PARITY)
-    engine = make_engine(model_dir)
+    engine = make_engine(model_dir, driver=driver)
     hf_old = hf_model(model_dir)
     prompt = prompts_of([20], seed=1)[0]
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
@@ -102,10 +103,11 @@ def test_bucketed_update_switches_version_only_when_complete(tiny_models, hf_mod
     assert stats["weight_updates"] == 1 and stats["prefix_cache_invalidations"] == 2
 
 
+@pytest.mark.parametrize("driver", ["loop", "thread"])
 @pytest.mark.parametrize("policy", ["drain", "abort"])
-def test_requests_in_flight_during_an_update(policy, tiny_models, hf_model, make_engine):
+def test_requests_in_flight_during_an_update(policy, driver, tiny_models, hf_model, make_engine):
     model_dir = tiny_models("llama", **PARITY)
-    engine = make_engine(model_dir, on_weight_update=policy)
+    engine = make_engine(model_dir, on_weight_update=policy, driver=driver)
     hf_old = hf_model(model_dir)
     prompt = prompts_of([10], seed=2)[0]
     new = perturbed(engine, seed=2, scale=0.2)
