@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 SIZES = {
-    # name: TinyModelSpec overrides
+    # name: TinyModelSpec overrides. "demo" is the architecture of the CPU calculator demo model.
+    "demo": dict(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384),
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128),
     "small": dict(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768),
     "medium": dict(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536),
@@ -147,7 +148,8 @@ def bench_size(name: str, model_dir: Path, args) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--sizes", default="tiny,small", help=f"comma list of {sorted(SIZES)}; the first is the headline")
+    parser.add_argument("--sizes", default="demo,tiny,small",
+                        help=f"comma list of {sorted(SIZES)}; the first is the headline")
     parser.add_argument("--model", default=None, help="benchmark this HF directory instead of built sizes")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", default="16:128")

@@ -122,6 +122,7 @@ class EngineCore:
     def has_work(self) -> bool:
         return not self.asleep and self.scheduler.has_work()
 
+    @torch.no_grad()
     def step(self) -> list[Sequence]:
         """Schedule and run one step; returns the sequences that finished in it."""
         t0 = time.perf_counter()

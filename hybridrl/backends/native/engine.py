@@ -141,7 +141,7 @@ class NativeEngine:
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges (see EngineCore.stats); a snapshot, read without stopping the engine."""
-        return self._core.stats()
+        return {**self._core.stats(), "driver": self.driver}
 
     # -- the protocol -------------------------------------------------------------------------
 
@@ -215,6 +215,8 @@ class NativeEngine:
             self._commands.append(("stop",))
             self._cv.notify()
         self._thread.join(timeout=60)
+
+    shutdown = close       # the name the SGLang backend uses
 
     def __enter__(self) -> "NativeEngine":
         return self

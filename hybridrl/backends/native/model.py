@@ -18,18 +18,21 @@ from hybridrl.backends.native.weights import ModelWeights
 
 
 class RotaryTable:
-    """cos/sin of every position, [max_len, head_dim // 2] each, float32 as transformers computes them."""
+    """cos and sin of every position side by side, [max_len, 2, head_dim // 2], float32 as transformers
+    computes them (float32 position * inv_freq, then cos / sin)."""
 
     def __init__(self, spec: ModelSpec, max_len: int, device: torch.device):
         inv_freq = spec.inv_freq()
         freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-        self.cos = freqs.cos().to(device)
-        self.sin = freqs.sin().to(device)
+        self.table = torch.stack([freqs.cos(), freqs.sin()], dim=1).to(device)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)  # [N, 1, head_dim // 2]
-        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, sin
+        """(cos, sin) at positions [N], each [N, 1, head_dim // 2]."""
+        rows = self.table.index_select(0, positions)
+        if rows.dtype != dtype:
+            rows = rows.to(dtype)
+        rows = rows.unsqueeze(2)                                             # [N, 2, 1, head_dim // 2]
+        return rows[:, 0], rows[:, 1]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,13 +45,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate-half RoPE in place on qk [N, heads, head_dim]; cos/sin [N, 1, head_dim // 2]."""
+    """Rotate-half RoPE in place on qk [N, heads, head_dim]; cos/sin [N, 1, head_dim // 2].
+
+    x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin (transformers' q * cos + rotate_half(q) * sin)."""
     half = qk.shape[-1] // 2
     x1, x2 = qk[..., :half], qk[..., half:]
-    out1 = x1 * cos - x2 * sin
-    out2 = x2 * cos + x1 * sin
-    x1.copy_(out1)
-    x2.copy_(out2)
+    x1_sin = x1 * sin
+    x1.mul_(cos).sub_(x2 * sin)
+    x2.mul_(cos).add_(x1_sin)
 
 
 class CausalLM:
