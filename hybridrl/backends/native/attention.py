@@ -3,8 +3,10 @@ blocks through its block table, and run `scaled_dot_product_attention` with a po
 
 Layout of one layer's cache: [num_blocks, block_size, 2, kv_heads, head_dim] (K and V of a
 token side by side, so one `index_copy_` writes both and one `index_select` gathers both).
-The flat token batch is ordered decodes first, then prefill chunks; decodes are one query per
-sequence, prefill chunks are padded to the longest chunk (or used as is when there is one).
+The flat token batch is ordered decodes first, then prefill chunks. Decodes are one query per
+sequence, sorted by context length and split into a few groups so that short sequences are not
+gathered to the longest one's length (`split_by_width`); prefill chunks are padded to the
+longest chunk (or used as is when there is one).
 """
 
 from __future__ import annotations
@@ -29,12 +31,40 @@ class PrefillGroup:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows [start, end) of the flat batch, gathered to the same number of blocks."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor            # [end - start, blocks]
+    mask: torch.Tensor                    # [end - start, 1, 1, blocks * block_size] bool (key visible)
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor                   # [N] cache slot (block * block_size + offset) of each token
     num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None   # [D, blocks]
-    decode_mask: torch.Tensor | None = None           # [D, 1, 1, blocks * block_size] bool (key visible)
+    decode_groups: list[DecodeGroup] | None = None
     prefill: PrefillGroup | None = None
+
+
+def split_by_width(widths: list[int], penalty: int, max_depth: int = 2) -> list[tuple[int, int]]:
+    """Cut rows sorted by width (descending) into at most 2**max_depth contiguous groups, where a cut
+    pays off: cost = rows x widest row of the group, + `penalty` per extra group."""
+    def split(lo: int, hi: int, depth: int) -> list[tuple[int, int]]:
+        best, cut = (hi - lo) * widths[lo], None
+        if depth > 0:
+            for i in range(lo + 1, hi):
+                if widths[i] == widths[i - 1]:
+                    continue
+                cost = (i - lo) * widths[lo] + (hi - i) * widths[i] + penalty
+                if cost < best:
+                    best, cut = cost, i
+        if cut is None:
+            return [(lo, hi)]
+        return split(lo, cut, depth - 1) + split(cut, hi, depth - 1)
+
+    return split(0, len(widths), max_depth) if widths else []
 
 
 def write_kv(kv_layer: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -58,11 +88,11 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_layer: torch.Tenso
     n, heads, hd = q.shape
     outs = []
     d = meta.num_decodes
-    if d:
-        k, v = gather_kv(kv_layer, meta.decode_block_tables)
-        o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale,
-                                           enable_gqa=True)                  # [D, heads, 1, hd]
-        outs.append(o.view(d, heads * hd))
+    for group in meta.decode_groups or ():
+        k, v = gather_kv(kv_layer, group.block_tables)
+        o = F.scaled_dot_product_attention(q[group.start:group.end].unsqueeze(2), k, v, attn_mask=group.mask,
+                                           scale=scale, enable_gqa=True)    # [rows, heads, 1, hd]
+        outs.append(o.view(group.end - group.start, heads * hd))
     pre = meta.prefill
     if pre is not None:
         qp = q[d:]

@@ -272,6 +272,7 @@ class EngineCore:
             "kv_blocks_cached": len(self.pool.evictable),
             "kv_block_size": self.cfg.block_size,
             "kv_cache_bytes": self.runner.kv_cache_bytes,
+            "decode_attention_groups": self.runner.num_decode_groups,
             "weight_bytes": self.weights.num_bytes(),
             "max_model_len": self.max_model_len,
             "asleep": self.asleep,

@@ -36,9 +36,11 @@ class RotaryTable:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x / rms(x)), the statistics in float32 (transformers' Qwen2RMSNorm / LlamaRMSNorm)."""
+    """weight * (x / rms(x)), the statistics in float32 (transformers' Qwen2RMSNorm / LlamaRMSNorm).
+
+    Written out rather than `F.rms_norm`, whose CPU path in torch 2.13 copies its input twice."""
     if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

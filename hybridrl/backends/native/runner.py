@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrl.backends.native.attention import AttentionMetadata, PrefillGroup
+from hybridrl.backends.native.attention import AttentionMetadata, DecodeGroup, PrefillGroup, split_by_width
 from hybridrl.backends.native.model import CausalLM
 from hybridrl.backends.native.sampler import SamplingBatch, sample
 from hybridrl.backends.native.scheduler import Sequence, StepPlan
@@ -37,6 +37,10 @@ class ModelRunner:
         self.kv_shape = (spec.num_layers, num_blocks, block_size, 2, spec.num_kv_heads, spec.head_dim)
         self.kv_cache: torch.Tensor | None = None
         self._arange_cache = torch.arange(0, device=device)
+        # a decode group costs a few fixed op launches per layer: worth about 256 KiB of gathered KV
+        block_bytes = block_size * 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=dtype).element_size()
+        self.group_penalty_blocks = max(4, (256 * 1024) // block_bytes)
+        self.num_decode_groups = 0                 # counter: decode attention groups run (per layer)
 
     # -- memory -------------------------------------------------------------------------------
 
@@ -76,19 +80,26 @@ class ModelRunner:
         logits_rows: list[int] = []
         meta = AttentionMetadata(slot_mapping=None)  # type: ignore[arg-type]
 
-        decodes = plan.decodes
+        # decode rows longest context first, so that groups of similar length are contiguous
+        decodes = sorted(plan.decodes, key=lambda seq: len(seq.blocks), reverse=True)
         if decodes:
-            for row, seq in enumerate(decodes):
+            for seq in decodes:
                 p = seq.num_computed
                 ids.append(seq.tokens[p])
                 positions.append(p)
                 slots.append(seq.blocks[p // bs] * bs + p % bs)
-            width = max(len(s.blocks) for s in decodes)
-            tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decodes], device=dev)
-            pos = torch.tensor(positions, device=dev)
+            widths = [len(seq.blocks) for seq in decodes]
+            pos = torch.tensor(positions, dtype=torch.long, device=dev)
+            groups = []
+            for start, end in split_by_width(widths, self.group_penalty_blocks):
+                width = widths[start]
+                tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decodes[start:end]],
+                                      dtype=torch.long, device=dev)
+                mask = self._arange(width * bs).unsqueeze(0) <= pos[start:end].unsqueeze(1)
+                groups.append(DecodeGroup(start, end, tables, mask[:, None, None, :]))
             meta.num_decodes = len(decodes)
-            meta.decode_block_tables = tables
-            meta.decode_mask = (self._arange(width * bs).unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
+            meta.decode_groups = groups
+            self.num_decode_groups += len(groups)
             sampled.extend(decodes)
             logits_rows.extend(range(len(decodes)))
 

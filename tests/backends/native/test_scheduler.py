@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hybridrl.backends.native import NativeEngineConfig
+from hybridrl.backends.native.attention import split_by_width
 from hybridrl.backends.native.core import EngineCore
 from hybridrl.rollout.protocol import FinishReason, SamplingParams
 from tests.backends.native.conftest import PARITY, prompts_of
@@ -71,6 +72,32 @@ def test_preemption_under_a_small_cache_keeps_outputs_exact(tiny_models, caching
     for seq, ref in zip(seqs, reference):
         assert seq.output_ids == ref.output_ids and seq.finish_reason == FinishReason.LENGTH
         torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(ref.logprobs), atol=1e-5, rtol=0)
+
+
+def test_decode_length_groups_keep_outputs_exact(tiny_models):
+    """Splitting the decode batch by context length (to gather less padding) changes no number."""
+    model_dir = tiny_models("llama", **PARITY)
+    prompts = prompts_of([3, 60, 7, 41, 1, 90, 15, 33], seed=6)
+    params = [SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.0 if i % 2 else 1.0, seed=i)
+              for i in range(len(prompts))]
+    one = make_core(model_dir, block_size=4)
+    one.runner.group_penalty_blocks = 10**9                 # never split
+    split = make_core(model_dir, block_size=4)
+    split.runner.group_penalty_blocks = 0                   # split wherever widths differ
+    ref, seqs = run(one, prompts, params), run(split, prompts, params)
+    assert one.stats()["decode_attention_groups"] == one.stats()["steps"] - 1   # the first step only prefills
+    assert split.stats()["decode_attention_groups"] > 2 * split.stats()["steps"]
+    for seq, r in zip(seqs, ref):
+        assert seq.output_ids == r.output_ids
+        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+
+
+def test_split_by_width():
+    assert split_by_width([], 5) == []
+    assert split_by_width([9, 9, 9], 0) == [(0, 3)]
+    assert split_by_width([20, 20, 2, 2, 2, 2], 4) == [(0, 2), (2, 6)]           # 40 + 8 + 4 < 120
+    assert split_by_width([20, 20, 2, 2, 2, 2], 100) == [(0, 6)]
+    assert split_by_width([40, 30, 20, 10], 0, max_depth=2) == [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
 def test_admission_respects_max_num_seqs(tiny_models):
