@@ -110,9 +110,9 @@ def bench_size(name: str, model_dir: Path, args) -> dict:
     eos = set(engine.eos_token_ids)
     prompts, olens = make_workload(args.batch, parse_range(args.prompt_len), parse_range(args.output_len),
                                    min(engine.vocab_size, 500), args.seed)
-    # warm-up both (allocator, first-call paths), not timed
-    run_hf(hf, prompts[:4], [4] * 4, eos, args.temperature, args.top_p, 0)
-    run_engine(engine, prompts[:4], [4] * 4, args.temperature, args.top_p, 0, "warm")
+    # warm-up both on the full batch with short outputs (allocator, kernel selection for these shapes)
+    run_hf(hf, prompts, [8] * len(prompts), eos, args.temperature, args.top_p, 0)
+    run_engine(engine, prompts, [8] * len(prompts), args.temperature, args.top_p, 0, "warm")
     hf_rates, engine_rates, ratios, rows = [], [], [], []
     for r in range(args.repeats):
         def hf_run():
