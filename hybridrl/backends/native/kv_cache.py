@@ -154,15 +154,28 @@ class BlockPool:
         self.by_hash.clear()
         self.children.clear()
 
-    def lookup(self, tokens: Sequence[int], limit: int) -> PrefixHit:
+    def chain(self, tokens: Sequence[int], num_blocks: int, cache: list | None = None) -> list[bytes]:
+        """Chain hashes of the first num_blocks full blocks of tokens. `cache` ([salt, hashes], kept by
+        the caller across steps) saves rehashing a waiting request's prompt every step."""
+        if cache is None:
+            cache = [self.salt, []]
+        if cache[0] != self.salt:
+            cache[0], cache[1] = self.salt, []
+        hashes = cache[1]
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            j = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else self.salt, tokens[j * bs:(j + 1) * bs]))
+        return hashes[:num_blocks]
+
+    def lookup(self, tokens: Sequence[int], limit: int, cache: list | None = None) -> PrefixHit:
         """The cached KV usable for tokens[:limit]: shared full blocks, then rows to copy."""
         hit = PrefixHit()
         if not self.caching or limit <= 0:
             return hit
         bs = self.block_size
         parent = self.salt
-        for j in range(limit // bs):
-            h = chain_hash(parent, tokens[j * bs:(j + 1) * bs])
+        for h in self.chain(tokens, limit // bs, cache):
             b = self.by_hash.get(h)
             if b is None:
                 break

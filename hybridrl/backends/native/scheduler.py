@@ -48,6 +48,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     chain: list[bytes] = field(default_factory=list)   # chain hashes of the full blocks, in order
+    hash_cache: list = field(default_factory=list)      # [salt, hashes] of tokens' full blocks (lookups)
     num_computed: int = 0
     high_water: int = 0                              # most tokens ever computed (recompute accounting)
     status: SeqStatus = SeqStatus.WAITING
@@ -117,6 +118,7 @@ class Scheduler:
     # -- queue --------------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        seq.hash_cache = [self.pool.salt, []]
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -209,7 +211,7 @@ class Scheduler:
             if not (self.admit_new or seq.started):
                 kept.append(seq)
                 continue
-            hit = pool.lookup(seq.tokens, len(seq.tokens) - 1)
+            hit = pool.lookup(seq.tokens, len(seq.tokens) - 1, seq.hash_cache or None)
             hit_tokens = hit.num_tokens(bs)
             if self._prefix_pending(seq, hit_tokens):
                 self.counters.deferred_admissions += 1

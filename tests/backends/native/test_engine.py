@@ -88,7 +88,9 @@ def test_64_concurrent_requests_with_arrivals_and_a_live_event_loop(driver, tiny
         await tick
         return outs
 
+    started = time.perf_counter()
     outs = asyncio.run(main())
+    elapsed = time.perf_counter() - started
     model = hf_model(model_dir)
     eos = set(engine.eos_token_ids)
     by_budget: dict[int, list[int]] = {}
@@ -101,7 +103,8 @@ def test_64_concurrent_requests_with_arrivals_and_a_live_event_loop(driver, tiny
     stats = engine.stats()
     assert stats["requests_finished"] == 64 and stats["kv_blocks_used"] == 0
     assert stats["requests_running"] == 0 and stats["requests_waiting"] == 0
-    assert len(gaps) > 20 and max(gaps) < 0.5        # the loop kept running while the engine computed
+    # the loop kept running while the engine computed (bounds relative: the machine is shared)
+    assert len(gaps) > 20 and max(gaps) < 0.3 * elapsed
 
 
 def _rss() -> int:
