@@ -223,3 +223,26 @@ def test_logprobs_of_concurrent_mixed_sampling(tiny_models, hf_model, make_engin
     for prompt, out, sp in zip(prompts, outs, params):
         ref = hf_logprobs(hf_model(model_dir), prompt, out.token_ids, sp.temperature or 1.0)
         torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+
+
+@DRIVERS
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(driver, tiny_models, make_engine):
+    engine = make_engine(tiny_models("qwen2"), driver=driver)
+    runner = engine.core.runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def flaky(plan):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected kernel failure")
+        return real(plan)
+
+    runner.execute = flaky
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="native engine step failed.*injected kernel failure"):
+        generate_all(engine, [[3, 4, 5], [6, 7]], sp)
+    stats = engine.stats()
+    assert stats["requests_running"] == 0 and stats["kv_blocks_used"] == 0
+    outs = generate_all(engine, [[3, 4, 5]], sp, tag="after")
+    assert len(outs[0].token_ids) == 8

@@ -130,3 +130,22 @@ def test_requests_in_flight_during_an_update(policy, driver, tiny_models, hf_mod
     # every token of the old request was generated with the old weights
     ref = hf_logprobs(hf_old, prompt, old.token_ids, 0.7)
     torch.testing.assert_close(torch.tensor(old.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_a_newer_version_supersedes_an_incomplete_one_and_updates_work_asleep(tiny_models, make_engine):
+    engine = make_engine(tiny_models("qwen2"))
+    v1, v2 = perturbed(engine, seed=3), perturbed(engine, seed=4)
+    asyncio.run(engine.sleep())
+    asyncio.run(engine.update_weights(v1[:3], 1))
+    asyncio.run(engine.update_weights(v1[:3], 1))              # a bucket sent twice: still incomplete
+    assert engine.policy_version == 0 and engine.stats()["pending_version"] == 1
+    with pytest.raises(ValueError, match="older than an update in progress"):
+        asyncio.run(engine.update_weights(v1[3:], 0))
+    asyncio.run(engine.update_weights(v2[:4], 2))              # supersedes the rest of version 1
+    asyncio.run(engine.update_weights(v2[4:], 2))
+    assert engine.policy_version == 2 and engine.stats()["pending_version"] is None
+    after = snapshot(engine)
+    assert all(torch.equal(after[n], t) for n, t in v2)
+    asyncio.run(engine.wake_up())
+    out = generate_all(engine, [[3, 4, 5]], SamplingParams(max_new_tokens=3))[0]
+    assert out.policy_version == 2 and len(out.token_ids) > 0
