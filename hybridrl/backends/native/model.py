@@ -57,6 +57,13 @@ def apply_rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Non
     x2.mul_(cos).add_(x1_sin)
 
 
+def residual_linear(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x + h @ weight.T (+ bias), the residual add done by the matmul itself (one op instead of two)."""
+    if bias is not None:
+        return x + F.linear(h, weight, bias)
+    return torch.addmm(x, h, weight.t())
+
+
 class CausalLM:
     """Inference-only Qwen2 / Llama. `forward` returns float32 logits of the selected rows."""
 
@@ -83,10 +90,10 @@ class CausalLM:
             kv = qkv[:, q_size:].view(n, 2, spec.num_kv_heads, hd)
             write_kv(kv_cache[i], kv, meta.slot_mapping)
             attn = paged_attention(q, kv, kv_cache[i], meta, self.scale)          # [N, q_size]
-            x = x + F.linear(attn, layer.o, layer.o_bias)
+            x = residual_linear(x, attn, layer.o, layer.o_bias)
             h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
             gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            x = residual_linear(x, F.silu(gate) * up, layer.down, layer.down_bias)
         if logits_rows.numel() == 0:
             return x.new_empty((0, spec.vocab_size), dtype=torch.float32)
         h = x.index_select(0, logits_rows)
