@@ -93,3 +93,38 @@ def test_batch_composition_does_not_change_a_seeded_sample(tiny_models, make_eng
     outs = generate_all(crowded, others + [prompt], [SamplingParams(max_new_tokens=20, temperature=0.9)] * 4 + [sp])
     assert outs[-1].token_ids == ref.token_ids
     torch.testing.assert_close(torch.tensor(outs[-1].logprobs), torch.tensor(ref.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["llama-biases-llama3-rope", "qwen2-untied-head-dim"])
+def test_config_variants_match_transformers(variant, tmp_path, make_engine):
+    """Llama with attention/MLP biases and llama3 RoPE scaling; Qwen2 with an untied head and an explicit
+    head_dim: the engine reads each from config.json and matches transformers' logprobs."""
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+
+    from hybridrl.assets.tiny_model import TinyModelSpec, randomize_
+
+    common = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=96, max_position_embeddings=512, eos_token_id=2, pad_token_id=0)
+    if variant.startswith("llama"):
+        config = LlamaConfig(**common, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 64})
+    else:
+        config = Qwen2Config(**common, head_dim=24, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize_(model, TinyModelSpec(init_std=0.1, seed=1))
+    model.generation_config = GenerationConfig(eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(tmp_path)
+    engine = make_engine(tmp_path)
+    spec = engine.core.spec
+    if variant.startswith("llama"):
+        assert spec.rope_type == "llama3" and spec.qkv_bias and spec.o_bias and spec.mlp_bias
+    else:
+        assert spec.head_dim == 24 and not spec.tie_word_embeddings
+    prompt = prompts_of([150], vocab=300, seed=8)[0]                 # past original_max_position_embeddings
+    out = generate_all(engine, [prompt], SamplingParams(max_new_tokens=12, temperature=0.9, seed=2,
+                                                        ignore_eos=True))[0]
+    ref = hf_logprobs(model, prompt, out.token_ids, 0.9)
+    torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
