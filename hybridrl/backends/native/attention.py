@@ -37,7 +37,7 @@ class DecodeGroup:
     start: int
     end: int
     block_tables: torch.Tensor            # [end - start, blocks]
-    mask: torch.Tensor                    # [end - start, 1, 1, blocks * block_size] bool (key visible)
+    mask: torch.Tensor                    # [end - start, 1, 1, blocks * block_size] additive: 0 or -inf
 
 
 @dataclass
@@ -88,11 +88,15 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_layer: torch.Tenso
     n, heads, hd = q.shape
     outs = []
     d = meta.num_decodes
+    kv_heads = kv_layer.shape[3]
     for group in meta.decode_groups or ():
+        rows = group.end - group.start
         k, v = gather_kv(kv_layer, group.block_tables)
-        o = F.scaled_dot_product_attention(q[group.start:group.end].unsqueeze(2), k, v, attn_mask=group.mask,
-                                           scale=scale, enable_gqa=True)    # [rows, heads, 1, hd]
-        outs.append(o.view(group.end - group.start, heads * hd))
+        # GQA as rows: the query heads sharing a KV head are that head's "queries" (one pass over K/V,
+        # about 2x faster on CPU than enable_gqa); query head h uses KV head h // (heads / kv_heads)
+        qg = q[group.start:group.end].view(rows, kv_heads, heads // kv_heads, hd)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scale)  # [rows, kv, g, hd]
+        outs.append(o.reshape(rows, heads * hd))
     pre = meta.prefill
     if pre is not None:
         qp = q[d:]

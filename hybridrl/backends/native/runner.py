@@ -95,7 +95,8 @@ class ModelRunner:
                 width = widths[start]
                 tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decodes[start:end]],
                                       dtype=torch.long, device=dev)
-                mask = self._arange(width * bs).unsqueeze(0) <= pos[start:end].unsqueeze(1)
+                visible = self._arange(width * bs).unsqueeze(0) <= pos[start:end].unsqueeze(1)
+                mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
                 groups.append(DecodeGroup(start, end, tables, mask[:, None, None, :]))
             meta.num_decodes = len(decodes)
             meta.decode_groups = groups
