@@ -132,7 +132,8 @@ class NativeEngine:
 
     @property
     def core(self) -> EngineCore:
-        """The synchronous engine. Only touch it from the engine thread (see `run_in_engine`)."""
+        """The synchronous engine. Touch it only where it runs: the engine thread, or the event loop's
+        thread with the loop driver (`run_in_engine` does that for you)."""
         return self._core
 
     def weight_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
