@@ -203,9 +203,11 @@ class Scheduler:
     def _admit(self, plan: StepPlan, budget: int) -> int:
         pool, bs = self.pool, self.pool.block_size
         kept: deque[Sequence] = deque()
+        scan = 4 * self.max_num_seqs            # bound the per-step work when many requests are held back
         while self.waiting:
             seq = self.waiting.popleft()
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            scan -= 1
+            if budget <= 0 or len(self.running) >= self.max_num_seqs or scan < 0:
                 kept.append(seq)
                 break
             if not (self.admit_new or seq.started):
