@@ -101,6 +101,7 @@ class SchedulerCounters:
     decode_tokens: int = 0
     preemptions: int = 0
     deferred_admissions: int = 0     # waited a step to share a prefix being prefilled
+    prefix_copied_tokens: int = 0    # rows copied from a partly matching block (copy on write)
 
 
 class Scheduler:
@@ -253,6 +254,7 @@ class Scheduler:
             if h is not None:
                 seq.chain.append(h)
             seq.num_computed += hit.copy_rows
+            self.counters.prefix_copied_tokens += hit.copy_rows
             pool.release([hit.copy_from])
         hit_tokens = seq.num_computed
         c = self.counters
