@@ -17,7 +17,7 @@ def test_generation_benchmark_writes_its_json(tmp_path):
     out = tmp_path / "gen.json"
     proc = subprocess.run(
         [sys.executable, "benchmarks/generation.py", "--json", str(out), "--sizes", "tiny", "--batch", "4",
-         "--repeats", "2", "--prompt-len", "4:12", "--output-len", "4:8", "--kv-cache-mb", "8"],
+         "--repeats", "2", "--prompt-len", "4:12", "--output-len", "4:8", "--kv-cache-mb", "8", "--threads", "1"],
         cwd=ROOT, env=env_with_repo(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
