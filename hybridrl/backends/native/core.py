@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -130,6 +131,10 @@ class EngineCore:
         if plan.empty:
             return []
         result = self.runner.execute(plan)
+        bad = next((i for i, lp in enumerate(result.logprobs) if not math.isfinite(lp)), None)
+        if bad is not None:      # NaN/inf logits: broken weights or numerics; never hand such tokens out
+            raise FloatingPointError(f"non-finite logits (logprob {result.logprobs[bad]}) for request "
+                                     f"{result.sampled[bad].request_id!r} at policy version {self.policy_version}")
         sched = self.scheduler
         for seq in plan.decodes:
             sched.advance(seq, 1)

@@ -149,3 +149,14 @@ def test_a_newer_version_supersedes_an_incomplete_one_and_updates_work_asleep(ti
     asyncio.run(engine.wake_up())
     out = generate_all(engine, [[3, 4, 5]], SamplingParams(max_new_tokens=3))[0]
     assert out.policy_version == 2 and len(out.token_ids) > 0
+
+
+def test_non_finite_weights_fail_requests_instead_of_returning_garbage(tiny_models, make_engine):
+    engine = make_engine(tiny_models("qwen2"))
+    name = "model.norm.weight"
+    shape, dtype = engine.weight_spec()[name]
+    rest = [(n, t) for n, t in perturbed(engine, scale=0.0) if n != name]
+    asyncio.run(engine.update_weights(rest + [(name, torch.full(shape, float("nan"), dtype=dtype))], 1))
+    with pytest.raises(RuntimeError, match="non-finite logits"):
+        generate_all(engine, [[3, 4, 5]], SamplingParams(max_new_tokens=4))
+    assert engine.stats()["kv_blocks_used"] == 0
