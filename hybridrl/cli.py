@@ -7,6 +7,7 @@
     hybridrl doctor [--json]                   versions, devices, a 2-rank self-test
     hybridrl agent sandbox-check|tasks|rollout the agent layer (see hybridrl/agent/cli.py)
     hybridrl score --model D --input I --output O [--tp T --pp P]   per-token logprobs (parity checks)
+    hybridrl generate --model D --input I --output O --max-new-tokens N   token ids in, samples out
 """
 
 from __future__ import annotations
@@ -93,6 +94,12 @@ def _cmd_score(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from hybridrl.backends.native.cli import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridrl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -140,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_score_arguments(p)
     p.set_defaults(func=_cmd_score)
+    p = sub.add_parser("generate", help="sample from an HF model with a rollout engine (token ids in/out, JSONL)")
+    from hybridrl.backends.native.cli import add_arguments as add_generate_arguments
+
+    add_generate_arguments(p)
+    p.set_defaults(func=_cmd_generate)
     return parser
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from hybridrl.agent.config import AgentConfig, ToolsConfig
 from hybridrl.backends.megatron.config import MegatronConfig
+from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.config.fields import ConfigValueError, check_choice, knob, section
 from hybridrl.distributed.config import DistributedConfig
 from hybridrl.envs.config import EnvServiceConfig, TaskConfig
@@ -71,3 +72,4 @@ class Config:
     task: TaskConfig = section(TaskConfig, "the task: splits, reward weights, SFT demonstrations, options")
     env: EnvServiceConfig = section(EnvServiceConfig, "the leased environment service")
     train: MegatronConfig = section(MegatronConfig, "the Megatron-core training backend (actor and reference)")
+    rollout: NativeEngineConfig = section(NativeEngineConfig, "the native rollout engine (KV cache, batching)")

@@ -1,5 +1,6 @@
 """The rollout side's protocol (engines) and request routing; backends live in hybridrl/backends."""
 
+from hybridrl.rollout.gateway import RolloutGateway
 from hybridrl.rollout.protocol import (
     SAMPLER_CONTRACT,
     SAMPLER_CONTRACT_VERSION,
@@ -11,4 +12,4 @@ from hybridrl.rollout.protocol import (
 )
 
 __all__ = ["SAMPLER_CONTRACT", "SAMPLER_CONTRACT_VERSION", "FinishReason", "GenerationOutput",
-           "GenerationTimings", "RolloutEngine", "SamplingParams"]
+           "GenerationTimings", "RolloutEngine", "RolloutGateway", "SamplingParams"]

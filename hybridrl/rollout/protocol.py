@@ -90,7 +90,18 @@ class GenerationOutput:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the agent loop and the hybrid worker use. All coroutines run on one event loop."""
+    """What the agent loop and the hybrid worker use. All coroutines run on one event loop.
+
+    Semantics every backend keeps (refined from the first draft, names unchanged):
+    - `generate`: cancelling the awaiting task aborts the request inside the engine.
+    - `update_weights`: each call is validated whole (names, shapes, dtypes) before any copy, so a
+      bad call changes nothing; the policy version changes only when every tensor of the
+      backend's weight set has arrived for that version (one version may come in several calls);
+      requests in flight either finish on the version they started with or end with
+      FinishReason.WEIGHTS_UPDATED (the backend says which); no token is ever generated from a
+      partly updated model.
+    - `sleep`: requests in flight end with FinishReason.ABORT.
+    """
 
     @property
     def policy_version(self) -> int: ...

@@ -129,6 +129,9 @@ PINNED_KEYS = [
     "train.adam_beta1", "train.adam_beta2", "train.adam_eps", "train.clip_grad",
     "train.use_distributed_optimizer", "train.loss_aggregation", "train.attention", "train.recompute_activations",
     "train.make_vocab_size_divisible_by", "train.seed",
+    "rollout.block_size", "rollout.kv_cache_mb", "rollout.num_blocks", "rollout.max_num_seqs",
+    "rollout.max_num_batched_tokens", "rollout.max_model_len", "rollout.enable_prefix_caching", "rollout.dtype",
+    "rollout.seed", "rollout.on_weight_update", "rollout.watermark_blocks", "rollout.driver",
 ]
 
 

@@ -1,0 +1,196 @@
+"""Generation throughput: the native engine against transformers `generate`, side by side.
+
+    python benchmarks/generation.py --json out.json [--sizes tiny,small,medium] [--batch 32]
+
+Workload (the same for both, per model size): `--batch` requests with prompt lengths drawn
+uniformly from --prompt-len (default 16:128) and output budgets from --output-len (default
+16:128), sampling at --temperature (default 0.7), EOS on. transformers gets the batch as one
+left-padded `generate` call with a per-row stopping criterion enforcing each row's budget (it
+cannot do per-row budgets otherwise); the engine gets every request at once through its async
+API. Output tokens counted are the real ones of each row (up to its budget or its EOS). Each
+repeat runs both back to back (the order alternates), giving one paired ratio; the machine is
+shared, so the headline `ratio` is the median of the paired ratios (robust to load that drifts
+between repeats), reported with the medians of each side's tokens/s.
+Models are seeded random Qwen2-architecture models built offline (hybridrl.assets.tiny_model),
+so their size is stated exactly (parameters in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SIZES = {
+    # name: TinyModelSpec overrides. "demo" is the architecture of the CPU calculator demo model.
+    "demo": dict(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384),
+    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128),
+    "small": dict(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768),
+    "medium": dict(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536),
+}
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def make_workload(batch: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    plens = torch.randint(prompt_len[0], prompt_len[1] + 1, (batch,), generator=g).tolist()
+    olens = torch.randint(output_len[0], output_len[1] + 1, (batch,), generator=g).tolist()
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in plens]
+    return prompts, olens
+
+
+def count_tokens(row: list[int], budget: int, eos: set[int]) -> int:
+    for i, t in enumerate(row[:budget]):
+        if t in eos:
+            return i + 1
+    return min(len(row), budget)
+
+
+def run_hf(model, prompts, olens, eos, temperature, top_p, seed) -> tuple[int, float]:
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    budgets = torch.tensor(olens)
+
+    class PerRowBudget(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return (input_ids.shape[1] - width) >= budgets
+
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature,
+                             top_p=top_p, top_k=0, max_new_tokens=max(olens), pad_token_id=0,
+                             stopping_criteria=StoppingCriteriaList([PerRowBudget()]))
+    seconds = time.perf_counter() - t0
+    gen = out[:, width:].tolist()
+    return sum(count_tokens(row, b, eos) for row, b in zip(gen, olens)), seconds
+
+
+def run_engine(engine, prompts, olens, temperature, top_p, seed, tag) -> tuple[int, float]:
+    from hybridrl.rollout.protocol import SamplingParams
+
+    async def go():
+        return await asyncio.gather(*[
+            engine.generate(p, SamplingParams(max_new_tokens=n, temperature=temperature, top_p=top_p, seed=seed + i),
+                            f"{tag}-{i}")
+            for i, (p, n) in enumerate(zip(prompts, olens))])
+
+    t0 = time.perf_counter()
+    outs = asyncio.run(go())
+    return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0
+
+
+def bench_size(name: str, model_dir: Path, args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.backends.native import NativeEngine, NativeEngineConfig
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    params = sum(p.numel() for p in hf.parameters())
+    cfg = NativeEngineConfig(kv_cache_mb=args.kv_cache_mb, max_num_seqs=max(64, args.batch),
+                             max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = NativeEngine.from_pretrained(model_dir, cfg, device="cpu")
+    eos = set(engine.eos_token_ids)
+    prompts, olens = make_workload(args.batch, parse_range(args.prompt_len), parse_range(args.output_len),
+                                   min(engine.vocab_size, 500), args.seed)
+    # warm-up both on the full batch with short outputs (allocator, kernel selection for these shapes)
+    run_hf(hf, prompts, [8] * len(prompts), eos, args.temperature, args.top_p, 0)
+    run_engine(engine, prompts, [8] * len(prompts), args.temperature, args.top_p, 0, "warm")
+    hf_rates, engine_rates, ratios, rows = [], [], [], []
+    for r in range(args.repeats):
+        def hf_run():
+            return run_hf(hf, prompts, olens, eos, args.temperature, args.top_p, args.seed + r)
+
+        def engine_run():
+            return run_engine(engine, prompts, olens, args.temperature, args.top_p, args.seed + 1000 * r, f"r{r}")
+
+        if r % 2 == 0:
+            (n_hf, s_hf), (n_en, s_en) = hf_run(), engine_run()
+        else:
+            (n_en, s_en), (n_hf, s_hf) = engine_run(), hf_run()
+        hf_rates.append(n_hf / s_hf)
+        engine_rates.append(n_en / s_en)
+        ratios.append(engine_rates[-1] / hf_rates[-1])
+        rows.append({"hf_tokens": n_hf, "hf_s": round(s_hf, 3), "engine_tokens": n_en, "engine_s": round(s_en, 3),
+                     "ratio": round(ratios[-1], 3)})
+        print(f"  [{name}] repeat {r}: hf {n_hf} tok in {s_hf:.2f}s ({n_hf / s_hf:.0f}/s) | engine {n_en} tok in "
+              f"{s_en:.2f}s ({n_en / s_en:.0f}/s) | ratio {ratios[-1]:.2f}", file=sys.stderr)
+    stats = engine.stats()
+    engine.close()
+    return {
+        "size": name, "params": params, "model_spec": SIZES.get(name, {}),
+        "engine_tokens_per_s": round(statistics.median(engine_rates), 1),
+        "hf_tokens_per_s": round(statistics.median(hf_rates), 1),
+        "ratio": round(statistics.median(ratios), 3),
+        "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3),
+        # best run of each side: the least disturbed by other jobs on a shared machine
+        "ratio_of_best": round(max(engine_rates) / max(hf_rates), 3),
+        "runs": rows, "engine_driver": engine.driver,
+        "engine_steps": stats["steps"], "engine_preemptions": stats["preemptions"],
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--sizes", default="demo,tiny,small",
+                        help=f"comma list of {sorted(SIZES)}; the first is the headline")
+    parser.add_argument("--model", default=None, help="benchmark this HF directory instead of built sizes")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", default="16:128")
+    parser.add_argument("--output-len", default="16:128")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both")
+    parser.add_argument("--kv-cache-mb", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from hybridrl.assets.tiny_model import TinyModelSpec, build_tiny_model
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        targets = [("model", Path(args.model))] if args.model else [
+            (name, build_tiny_model(Path(tmp) / name, TinyModelSpec(arch="qwen2", init_std=0.05, **SIZES[name])))
+            for name in args.sizes.split(",")]
+        for name, model_dir in targets:
+            print(f"benchmarking {name} ({model_dir})", file=sys.stderr)
+            results.append(bench_size(name, model_dir, args))
+    head = results[0]
+    out = {
+        "engine_tokens_per_s": head["engine_tokens_per_s"], "hf_tokens_per_s": head["hf_tokens_per_s"],
+        "ratio": head["ratio"], "ratio_definition": "median over repeats of the paired ratio engine/hf tokens per s",
+        "headline_size": head["size"], "params": head["params"],
+        "workload": {"batch": args.batch, "prompt_len": args.prompt_len, "output_len": args.output_len,
+                     "temperature": args.temperature, "top_p": args.top_p, "repeats": args.repeats,
+                     "threads": args.threads, "dtype": "float32", "device": "cpu"},
+        "sizes": results,
+    }
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""`NativeEngineConfig`: the knobs of the native rollout engine (config section `rollout`).
+
+Import-light on purpose (no torch): the config schema imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, knob
+
+IN_FLIGHT_POLICIES = ("drain", "abort")
+DRIVERS = ("auto", "loop", "thread")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True)
+class NativeEngineConfig:
+    """The native torch engine: paged KV cache, continuous batching, prefix reuse."""
+
+    block_size: int = knob(16, "tokens per KV-cache block (the unit of paging and of prefix reuse)")
+    kv_cache_mb: int = knob(256, "KV-cache budget in MiB, allocated (zeroed) at start and at wake_up; "
+                                 "the number of blocks is derived from it")
+    num_blocks: int = knob(0, "number of KV blocks; > 0 overrides kv_cache_mb")
+    max_num_seqs: int = knob(64, "most sequences in the running batch (one decode token each per step)")
+    max_num_batched_tokens: int = knob(
+        512, "tokens computed per step (decodes + prefill chunks); longer prompts are prefilled in chunks")
+    max_model_len: int = knob(0, "longest sequence (prompt + output); 0 = the model's max_position_embeddings, "
+                                 "capped by what the KV cache holds")
+    enable_prefix_caching: bool = knob(True, "reuse the KV blocks of shared prefixes (hash chains over full "
+                                             "blocks, copy of the partial last block)")
+    dtype: str = knob("auto", "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA) | float32 | "
+                              "bfloat16 | float16")
+    seed: int = knob(0, "engine seed: requests without SamplingParams.seed get seed = hash(seed, request_id)")
+    on_weight_update: str = knob(
+        "drain", "requests in flight when new weights arrive: drain (they finish on the version they started "
+                 "with, then the copy happens) | abort (they end now with finish_reason weights_updated)")
+    watermark_blocks: int = knob(1, "free blocks kept in reserve when admitting a request (fewer preemptions)")
+    driver: str = knob(
+        "auto", "where steps run: loop (a task on the caller's event loop, which regains control between "
+                "steps) | thread (a dedicated thread: the loop never waits on a forward pass) | auto (loop on "
+                "CPU, where OpenMP kernels launched from a second thread are slower; thread on CUDA)")
+
+    def __post_init__(self) -> None:
+        check_positive("block_size", self.block_size)
+        check_positive("kv_cache_mb", self.kv_cache_mb)
+        check_positive("num_blocks", self.num_blocks, allow_zero=True)
+        check_positive("max_num_seqs", self.max_num_seqs)
+        check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_positive("max_model_len", self.max_model_len, allow_zero=True)
+        check_positive("watermark_blocks", self.watermark_blocks, allow_zero=True)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("on_weight_update", self.on_weight_update, IN_FLIGHT_POLICIES)
+        check_choice("driver", self.driver, DRIVERS)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigValueError(
+                "max_num_batched_tokens",
+                f"must be >= max_num_seqs ({self.max_num_seqs}) so that every running sequence can decode "
+                f"each step, got {self.max_num_batched_tokens}")

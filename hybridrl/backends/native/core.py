@@ -1,0 +1,285 @@
+"""`EngineCore`: the synchronous engine (one thread owns it): requests, steps, weights, memory.
+
+`NativeEngine` (engine.py) runs it on a dedicated thread and gives it the async protocol;
+tests can also drive it directly, step by step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence as Seq
+
+import torch
+
+from hybridrl.backends.native.config import NativeEngineConfig
+from hybridrl.backends.native.kv_cache import BlockPool
+from hybridrl.backends.native.model import CausalLM, RotaryTable
+from hybridrl.backends.native.runner import ModelRunner
+from hybridrl.backends.native.sampler import request_seed
+from hybridrl.backends.native.scheduler import Scheduler, Sequence, SeqStatus
+from hybridrl.backends.native.spec import ModelSpec
+from hybridrl.backends.native.weights import ModelWeights, hf_views, load_checkpoint
+from hybridrl.rollout.protocol import FinishReason, GenerationOutput, GenerationTimings, SamplingParams
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def release_host_memory() -> None:
+    """Return freed heap pages to the OS (glibc keeps them otherwise); a no-op elsewhere."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class EngineCore:
+    def __init__(self, spec: ModelSpec, cfg: NativeEngineConfig, *, device: torch.device,
+                 dtype: torch.dtype, policy_version: int = 0):
+        self.spec = spec
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+        self.weights = ModelWeights.empty(spec, dtype=dtype, device=device)
+        self.views = hf_views(self.weights, spec)
+        self.num_blocks, self.max_model_len = self._size_cache(spec, cfg, dtype)
+        self.model = CausalLM(spec, self.weights, RotaryTable(spec, self.max_model_len, device))
+        self.pool = BlockPool(self.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, max_num_seqs=cfg.max_num_seqs,
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   watermark_blocks=cfg.watermark_blocks)
+        self.runner = ModelRunner(self.model, num_blocks=self.num_blocks, block_size=cfg.block_size, dtype=dtype,
+                                  device=device)
+        self.runner.allocate_kv()
+        self.requests: dict[str, Sequence] = {}
+        self.policy_version = policy_version
+        self.scheduler.version = policy_version
+        self.pending_version: int | None = None      # a weight update in progress (incomplete)
+        self.arrived: set[str] = set()
+        self.asleep = False
+        self.counters = {"steps": 0, "step_time_s": 0.0, "requests_finished": 0, "requests_aborted": 0,
+                         "weight_updates": 0, "weight_tensors_copied": 0, "prefix_cache_invalidations": 0}
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, cfg: NativeEngineConfig, *, device: torch.device,
+                        policy_version: int = 0) -> "EngineCore":
+        spec = ModelSpec.from_dir(model_dir)
+        core = cls(spec, cfg, device=device, dtype=resolve_dtype(cfg.dtype, device), policy_version=policy_version)
+        load_checkpoint(model_dir, core.views, spec)
+        return core
+
+    @staticmethod
+    def _size_cache(spec: ModelSpec, cfg: NativeEngineConfig, dtype: torch.dtype) -> tuple[int, int]:
+        elem = torch.empty((), dtype=dtype).element_size()
+        block_bytes = spec.num_layers * cfg.block_size * 2 * spec.num_kv_heads * spec.head_dim * elem
+        num_blocks = cfg.num_blocks or (cfg.kv_cache_mb * 2**20) // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"rollout.kv_cache_mb={cfg.kv_cache_mb} holds no KV block of this model "
+                             f"({block_bytes / 2**20:.2f} MiB each)")
+        capacity = num_blocks * cfg.block_size
+        model_max = spec.max_position_embeddings
+        if cfg.max_model_len > model_max:
+            raise ValueError(f"rollout.max_model_len={cfg.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={model_max}")
+        if cfg.max_model_len > capacity:
+            raise ValueError(f"rollout.max_model_len={cfg.max_model_len} needs more KV than the cache holds "
+                             f"({num_blocks} blocks x {cfg.block_size} = {capacity} tokens): raise "
+                             f"rollout.kv_cache_mb or lower max_model_len")
+        max_len = cfg.max_model_len or model_max
+        if max_len > capacity:
+            log.warning("max_model_len capped at %d tokens by the KV cache (%d blocks; the model allows %d)",
+                        capacity, num_blocks, model_max)
+            max_len = capacity
+        return num_blocks, max_len
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def make_sequence(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> Sequence:
+        stop = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop.update(self.spec.eos_token_ids)
+        seed = sampling.seed if sampling.seed is not None else request_seed(self.cfg.seed, request_id)
+        return Sequence(request_id=request_id, tokens=list(prompt), prompt_len=len(prompt), params=sampling,
+                        seed=seed, stop_ids=frozenset(stop), max_len=self.max_model_len)
+
+    def add(self, seq: Sequence) -> None:
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def has_work(self) -> bool:
+        return not self.asleep and self.scheduler.has_work()
+
+    @torch.no_grad()
+    def step(self) -> list[Sequence]:
+        """Schedule and run one step; returns the sequences that finished in it."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        result = self.runner.execute(plan)
+        bad = next((i for i, lp in enumerate(result.logprobs) if not math.isfinite(lp)), None)
+        if bad is not None:      # NaN/inf logits: broken weights or numerics; never hand such tokens out
+            raise FloatingPointError(f"non-finite logits (logprob {result.logprobs[bad]}) for request "
+                                     f"{result.sampled[bad].request_id!r} at policy version {self.policy_version}")
+        sched = self.scheduler
+        for seq in plan.decodes:
+            sched.advance(seq, 1)
+        for seq, n in plan.prefills:
+            sched.advance(seq, n)
+        finished = []
+        now = time.monotonic()
+        for seq, token, logprob in zip(result.sampled, result.tokens, result.logprobs):
+            seq.tokens.append(token)
+            seq.logprobs.append(logprob)
+            if seq.t_first_token is None:
+                seq.t_first_token = now
+            reason = None
+            if token in seq.stop_ids:
+                reason = FinishReason.STOP
+            elif seq.num_generated >= seq.params.max_new_tokens:
+                reason = FinishReason.LENGTH
+            elif len(seq.tokens) >= seq.max_len:
+                reason = FinishReason.CONTEXT
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        self.counters["steps"] += 1
+        self.counters["step_time_s"] += time.perf_counter() - t0
+        return finished
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status == SeqStatus.FINISHED:
+            return
+        self.scheduler.remove(seq)
+        seq.finish_reason = reason
+        seq.t_finish = time.monotonic()
+        self.requests.pop(seq.request_id, None)
+        key = "requests_aborted" if reason in (FinishReason.ABORT, FinishReason.WEIGHTS_UPDATED) else "requests_finished"
+        self.counters[key] += 1
+        if seq.on_finish is not None:
+            seq.on_finish(seq)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return False
+        self.finish(seq, reason)
+        return True
+
+    def abort_all(self, reason: FinishReason, *, started_only: bool = False) -> int:
+        victims = [s for s in self.requests.values() if s.started or not started_only]
+        for seq in victims:
+            self.finish(seq, reason)
+        return len(victims)
+
+    def output(self, seq: Sequence) -> GenerationOutput:
+        t0 = seq.t_submit
+        return GenerationOutput(
+            request_id=seq.request_id,
+            token_ids=seq.output_ids,
+            logprobs=list(seq.logprobs),
+            finish_reason=seq.finish_reason,
+            policy_version=seq.version if seq.started else self.policy_version,
+            prompt_tokens=seq.prompt_len,
+            cached_prompt_tokens=seq.cached_prompt_tokens,
+            timings=GenerationTimings(
+                queued_s=(seq.t_scheduled - t0) if seq.t_scheduled else 0.0,
+                first_token_s=(seq.t_first_token - t0) if seq.t_first_token else 0.0,
+                total_s=((seq.t_finish or time.monotonic()) - t0)),
+        )
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {name: (tuple(t.shape), t.dtype) for name, t in self.views.items()}
+
+    def check_update_version(self, version: int) -> None:
+        floor = self.pending_version if self.pending_version is not None else self.policy_version
+        if version < floor:
+            what = "an update in progress" if self.pending_version is not None else "the current policy"
+            raise ValueError(f"update_weights: version {version} is older than {what} (version {floor})")
+
+    def apply_update(self, items: Seq[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy validated tensors in place. Call only when no started request is in the engine."""
+        self.check_update_version(version)
+        if self.pending_version != version:
+            self.pending_version = version
+            self.arrived = set()
+        with torch.no_grad():
+            for name, tensor in items:
+                self.views[name].copy_(tensor)
+        self.counters["weight_tensors_copied"] += len(items)
+        self.pool.invalidate()
+        self.counters["prefix_cache_invalidations"] += 1
+        self.arrived.update(name for name, _ in items)
+        if len(self.arrived) == len(self.views):
+            self.policy_version = version
+            self.pending_version = None
+            self.arrived = set()
+            self.scheduler.version = version
+            self.scheduler.admit_new = True
+            self.counters["weight_updates"] += 1
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def sleep(self) -> int:
+        """Abort everything in flight (ABORT), free the KV cache. Returns the bytes released."""
+        self.abort_all(FinishReason.ABORT)
+        freed = self.runner.kv_cache_bytes
+        self.runner.free_kv()
+        self.pool.invalidate()
+        self.asleep = True
+        release_host_memory()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    def wake_up(self) -> None:
+        self.runner.allocate_kv()
+        self.asleep = False
+
+    def fail_all(self, error: BaseException) -> list[Sequence]:
+        """A step raised: end every request (their callers see the error) and reset the cache."""
+        failed = list(self.requests.values())
+        for seq in failed:
+            self.scheduler.remove(seq)
+        self.requests.clear()
+        self.pool.invalidate()
+        return failed
+
+    # -- observability ------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        sched = self.scheduler
+        out: dict[str, Any] = dict(asdict(sched.counters))
+        out.update(self.counters)
+        out.update({
+            "policy_version": self.policy_version,
+            "pending_version": self.pending_version,
+            "requests_running": len(sched.running),
+            "requests_waiting": len(sched.waiting),
+            "kv_blocks_total": self.num_blocks,
+            "kv_blocks_used": self.pool.num_used,
+            "kv_blocks_cached": len(self.pool.evictable),
+            "kv_block_size": self.cfg.block_size,
+            "kv_cache_bytes": self.runner.kv_cache_bytes,
+            "decode_attention_groups": self.runner.num_decode_groups,
+            "weight_bytes": self.weights.num_bytes(),
+            "max_model_len": self.max_model_len,
+            "asleep": self.asleep,
+        })
+        return out

@@ -1,0 +1,379 @@
+"""`NativeEngine`: the async `RolloutEngine` over `EngineCore`.
+
+Where steps run (`rollout.driver`):
+- "thread": one daemon thread owns the `EngineCore` and runs steps back to back while there is
+  work; every call (generate, abort, update_weights, sleep, wake_up) is a command put on its
+  queue and answered through the caller's event loop (`call_soon_threadsafe`). The loop never
+  waits on a forward pass, so agent code and tool I/O overlap the engine's compute (torch
+  releases the GIL inside its kernels); several loops or threads may share one engine.
+- "loop": a driver task on the caller's event loop runs one step at a time and yields to the
+  loop between steps (`await asyncio.sleep(0)`), so other coroutines run between steps; commands
+  are applied at once. It exists because on CPU, OpenMP kernels launched from a second thread
+  pay a thread wake-up per parallel region (measured: ~2x slower steps on small models), which
+  the loop's own (main) thread does not. "auto" = loop on CPU, thread on CUDA.
+Either way nothing depends on the loop staying up: a loop may stop and restart between rollout
+phases (`loop.run_until_complete` per phase; the loop driver resumes with it), and a new loop
+may be used each time.
+
+Weight updates (`update_weights`): each call is validated whole (names, shapes, dtypes) in
+the caller before anything is queued; a bad call raises ValueError naming the tensor and
+changes nothing. Then new requests stop being admitted; with `on_weight_update="drain"` the
+copy waits until every request already started has finished on its version, with "abort"
+those end at once with FinishReason.WEIGHTS_UPDATED. Requests not yet started wait and run on
+the new version. The version advances only when every tensor of `weight_spec()` has arrived
+for it (several calls may stream one version in buckets); until then nothing is generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Iterable, Sequence as Seq
+
+import torch
+
+from hybridrl.backends.native.config import NativeEngineConfig
+from hybridrl.backends.native.core import EngineCore
+from hybridrl.backends.native.scheduler import Sequence
+from hybridrl.backends.native.weights import validate_named_tensors
+from hybridrl.rollout.protocol import FinishReason, GenerationOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class _Waiter:
+    """An asyncio future on a given loop, settable from the engine thread."""
+
+    __slots__ = ("loop", "future")
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.future = self.loop.create_future()
+
+    def settle(self, result: Any = None, error: BaseException | None = None) -> None:
+        def apply() -> None:
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(result)
+
+        try:
+            self.loop.call_soon_threadsafe(apply)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is waiting any more
+
+    @property
+    def cancelled(self) -> bool:
+        return self.future.cancelled()
+
+
+class NativeEngine:
+    """The native rollout engine: Qwen2 / Llama in torch, paged KV cache, continuous batching."""
+
+    def __init__(self, core: EngineCore):
+        self._core = core
+        driver = core.cfg.driver
+        if driver == "auto":
+            driver = "thread" if core.device.type == "cuda" else "loop"
+        self.driver = driver
+        self._cv = threading.Condition()
+        self._commands: list[tuple] = []
+        self._pending_updates: list[tuple[list, int, _Waiter]] = []
+        self._waiters: dict[str, _Waiter] = {}          # touched by whoever runs the core
+        self._inflight: set[str] = set()                # request ids between generate() and its answer
+        self._inflight_lock = threading.Lock()
+        self._asleep = False
+        self._closed = False
+        self._task: asyncio.Task | None = None          # the loop driver
+        self._thread: threading.Thread | None = None
+        if driver == "thread":
+            self._thread = threading.Thread(target=self._run, name="hybridrl-native-engine", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, cfg: NativeEngineConfig | None = None,
+                        device: str | torch.device = "cpu", *, policy_version: int = 0) -> "NativeEngine":
+        """Load an HF directory (config.json + *.safetensors); the weights are `policy_version`."""
+        core = EngineCore.from_pretrained(model_dir, cfg or NativeEngineConfig(), device=resolve_device(device),
+                                          policy_version=policy_version)
+        return cls(core)
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._core.policy_version
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._core.spec.eos_token_ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self._core.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._core.spec.vocab_size
+
+    @property
+    def config(self) -> NativeEngineConfig:
+        return self._core.cfg
+
+    @property
+    def core(self) -> EngineCore:
+        """The synchronous engine. Touch it only where it runs: the engine thread, or the event loop's
+        thread with the loop driver (`run_in_engine` does that for you)."""
+        return self._core
+
+    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """HF tensor name -> (shape, dtype) that `update_weights` accepts (all of them make a version)."""
+        return self._core.weight_spec()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges (see EngineCore.stats); a snapshot, read without stopping the engine."""
+        return {**self._core.stats(), "driver": self.driver}
+
+    # -- the protocol -------------------------------------------------------------------------
+
+    async def generate(self, token_ids: Seq[int], sampling: SamplingParams, request_id: str) -> GenerationOutput:
+        """Generate from a prompt of token ids; returns the new ids, their logprobs, why it stopped and
+        the policy version of every token. Cancelling the awaiting task aborts the request."""
+        prompt = self._check_prompt(token_ids, request_id)
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        self._check_open()
+        if self._asleep:
+            raise RuntimeError("the native engine is asleep: call wake_up() before generate()")
+        core = self._core
+        if len(prompt) >= core.max_model_len:
+            return GenerationOutput(request_id=request_id, token_ids=[], logprobs=[],
+                                    finish_reason=FinishReason.CONTEXT, policy_version=core.policy_version,
+                                    prompt_tokens=len(prompt))
+        with self._inflight_lock:
+            if request_id in self._inflight:
+                raise ValueError(f"request_id {request_id!r} is already in flight")
+            self._inflight.add(request_id)
+        try:
+            seq = core.make_sequence(prompt, sampling, request_id)
+            waiter = _Waiter()
+            self._submit(("add", seq, waiter))
+            try:
+                return await waiter.future
+            except asyncio.CancelledError:
+                self._submit(("abort", request_id, FinishReason.ABORT, None), drive=False)
+                raise
+        finally:
+            with self._inflight_lock:
+                self._inflight.discard(request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        """End a request now (FinishReason.ABORT, with the tokens it has). False if unknown or finished."""
+        return await self._call("abort", request_id, FinishReason.ABORT)
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy HF-named tensors into the live weights (in place). Validated whole first: a bad call raises
+        ValueError naming the tensor and changes nothing. See the module doc for requests in flight."""
+        items = list(named_tensors)
+        validate_named_tensors(items, self._core.weight_spec())
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"update_weights: version must be an int >= 0, got {version!r}")
+        await self._call("update", items, version)
+
+    async def sleep(self) -> None:
+        """Abort every request in flight (FinishReason.ABORT) and free the KV cache; weights stay."""
+        await self._call("sleep")
+        self._asleep = True
+
+    async def wake_up(self) -> None:
+        """Re-allocate the KV cache and serve again."""
+        await self._call("wake_up")
+        self._asleep = False
+
+    async def run_in_engine(self, fn, *args) -> Any:
+        """Run fn(core, *args) on the engine thread between steps (tests, diagnostics)."""
+        return await self._call("call", fn, args)
+
+    def close(self) -> None:
+        """Stop the engine (thread or driver task) and free the KV cache. Requests in flight are aborted."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is None:
+            self._shutdown()
+            return
+        with self._cv:
+            self._commands.append(("stop",))
+            self._cv.notify()
+        self._thread.join(timeout=60)
+
+    shutdown = close       # the name the SGLang backend uses
+
+    def __enter__(self) -> "NativeEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- helpers (caller side) ----------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the native engine is closed")
+
+    def _check_prompt(self, token_ids: Seq[int], request_id: str) -> list[int]:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.tolist()
+        prompt = [int(t) for t in token_ids]
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab = self._core.spec.vocab_size
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or hi >= vocab:
+            bad = next(i for i, t in enumerate(prompt) if t < 0 or t >= vocab)
+            raise ValueError(f"request {request_id!r}: token id {prompt[bad]} at position {bad} is outside the "
+                             f"vocabulary [0, {vocab})")
+        return prompt
+
+    def _submit(self, command: tuple, *, drive: bool = True) -> None:
+        if self._thread is not None:
+            with self._cv:
+                self._commands.append(command)
+                self._cv.notify()
+            return
+        # loop driver: the core belongs to this thread; apply now, then make sure steps will run
+        self._handle(command)
+        self._apply_ready_updates()
+        if drive and self._core.has_work():
+            loop = asyncio.get_running_loop()
+            task = self._task
+            # a driver on another loop that is not running (stopped or closed) cannot serve this caller
+            if task is None or task.done() or (task.get_loop() is not loop and not task.get_loop().is_running()):
+                self._task = loop.create_task(self._drive())
+
+    async def _drive(self) -> None:
+        """The loop driver: one step, then let the loop run everything else that is ready."""
+        core = self._core
+        try:
+            while not self._closed and core.has_work():
+                self._step()
+                self._apply_ready_updates()
+                await asyncio.sleep(0)
+        finally:
+            if self._task is asyncio.current_task():
+                self._task = None
+
+    async def _call(self, *command: Any) -> Any:
+        self._check_open()
+        waiter = _Waiter()
+        self._submit((*command, waiter))
+        return await waiter.future
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)        # per thread
+        core = self._core
+        while True:
+            with self._cv:
+                while not self._commands and not core.has_work():
+                    self._cv.wait()
+                commands, self._commands = self._commands, []
+            for command in commands:
+                if command[0] == "stop":
+                    self._shutdown()
+                    return
+                self._handle(command)
+            self._apply_ready_updates()
+            if core.has_work():
+                self._step()
+                self._apply_ready_updates()          # the step may have drained the last started request
+
+    def _handle(self, command: tuple) -> None:
+        kind, *args = command
+        core = self._core
+        waiter: _Waiter | None = args[-1]
+        try:
+            if kind == "add":
+                seq = args[0]
+                if waiter.cancelled:
+                    return
+                if core.asleep:
+                    waiter.settle(error=RuntimeError("the native engine is asleep: call wake_up() first"))
+                    return
+                self._waiters[seq.request_id] = waiter
+                seq.on_finish = self._deliver
+                core.add(seq)
+            elif kind == "abort":
+                found = core.abort(args[0], args[1])
+                if waiter is not None:
+                    waiter.settle(found)
+            elif kind == "update":
+                items, version = args[0], args[1]
+                core.check_update_version(version)
+                core.scheduler.admit_new = False
+                if core.cfg.on_weight_update == "abort":
+                    core.abort_all(FinishReason.WEIGHTS_UPDATED, started_only=True)
+                self._pending_updates.append((items, version, waiter))
+            elif kind == "sleep":
+                freed = core.sleep()
+                log.info("native engine asleep: released %.1f MiB of KV cache", freed / 2**20)
+                waiter.settle(freed)
+            elif kind == "wake_up":
+                core.wake_up()
+                waiter.settle(None)
+            elif kind == "call":
+                waiter.settle(args[0](core, *args[1]))
+            else:
+                raise AssertionError(f"unknown command {kind}")
+        except Exception as err:  # noqa: BLE001 - the caller gets it
+            if waiter is not None:
+                waiter.settle(error=err)
+            else:
+                log.exception("native engine: command %s failed", kind)
+
+    def _apply_ready_updates(self) -> None:
+        core = self._core
+        while self._pending_updates and core.scheduler.num_started() == 0:
+            items, version, waiter = self._pending_updates.pop(0)
+            try:
+                core.apply_update(items, version)
+                waiter.settle(None)
+            except Exception as err:  # noqa: BLE001
+                waiter.settle(error=err)
+        if not self._pending_updates and core.pending_version is None:
+            core.scheduler.admit_new = True
+
+    def _step(self) -> None:
+        try:
+            self._core.step()
+        except Exception as err:  # noqa: BLE001 - fail the requests, keep serving
+            log.exception("native engine: a step failed; failing the requests in flight")
+            for seq in self._core.fail_all(err):
+                waiter = self._waiters.pop(seq.request_id, None)
+                if waiter is not None:
+                    waiter.settle(error=RuntimeError(f"native engine step failed: {err!r}"))
+
+    def _deliver(self, seq: Sequence) -> None:
+        waiter = self._waiters.pop(seq.request_id, None)
+        if waiter is not None:
+            waiter.settle(self._core.output(seq))
+
+    def _shutdown(self) -> None:
+        self._core.abort_all(FinishReason.ABORT)
+        for items, version, waiter in self._pending_updates:
+            waiter.settle(error=RuntimeError("the native engine was closed before the update was applied"))
+        self._pending_updates.clear()
+        self._core.runner.free_kv()

@@ -1,0 +1,104 @@
+"""The Qwen2 / Llama forward pass over a flat batch of tokens with a paged KV cache.
+
+A step's tokens from every scheduled sequence are concatenated ("flat": [N, hidden]), so the
+linear layers run once for decodes and prefill chunks together with no padding. Only attention
+looks at sequences: decode tokens first (one query each), then the prefill chunks (see
+`attention.py`). Numerics follow transformers: fp32 RMSNorm, rotate-half RoPE with float32
+cos/sin, softmax(q k^T / sqrt(head_dim)), SiLU-gated MLP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridrl.backends.native.attention import AttentionMetadata, paged_attention, write_kv
+from hybridrl.backends.native.spec import ModelSpec
+from hybridrl.backends.native.weights import ModelWeights
+
+
+class RotaryTable:
+    """cos and sin of every position side by side, [max_len, 2, head_dim // 2], float32 as transformers
+    computes them (float32 position * inv_freq, then cos / sin)."""
+
+    def __init__(self, spec: ModelSpec, max_len: int, device: torch.device):
+        inv_freq = spec.inv_freq()
+        freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        self.table = torch.stack([freqs.cos(), freqs.sin()], dim=1).to(device)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) at positions [N], each [N, 1, head_dim // 2]."""
+        rows = self.table.index_select(0, positions)
+        if rows.dtype != dtype:
+            rows = rows.to(dtype)
+        rows = rows.unsqueeze(2)                                             # [N, 2, 1, head_dim // 2]
+        return rows[:, 0], rows[:, 1]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)), the statistics in float32 (transformers' Qwen2RMSNorm / LlamaRMSNorm).
+
+    `F.rms_norm` (same numbers) is quicker on small inputs, but its CPU path in torch 2.13 copies its
+    input twice, which costs more than the written-out form on large ones (prefill)."""
+    if x.dtype == torch.float32:
+        if x.numel() <= 32768:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half RoPE in place on qk [N, heads, head_dim]; cos/sin [N, 1, head_dim // 2].
+
+    x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin (transformers' q * cos + rotate_half(q) * sin)."""
+    half = qk.shape[-1] // 2
+    x1, x2 = qk[..., :half], qk[..., half:]
+    x1_sin = x1 * sin
+    x1.mul_(cos).sub_(x2 * sin)
+    x2.mul_(cos).add_(x1_sin)
+
+
+def residual_linear(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x + h @ weight.T (+ bias), the residual add done by the matmul itself (one op instead of two)."""
+    if bias is not None:
+        return x + F.linear(h, weight, bias)
+    return torch.addmm(x, h, weight.t())
+
+
+class CausalLM:
+    """Inference-only Qwen2 / Llama. `forward` returns float32 logits of the selected rows."""
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, rotary: RotaryTable):
+        self.spec = spec
+        self.weights = weights
+        self.rotary = rotary
+        self.scale = spec.head_dim ** -0.5
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, logits_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [N]; kv_cache [layers, blocks, block_size, 2, kv_heads, head_dim];
+        logits_rows [S] (flat rows whose next-token logits are needed) -> logits [S, vocab] float32."""
+        spec, w = self.spec, self.weights
+        n = input_ids.shape[0]
+        q_size, kv_size, hd = spec.q_size, spec.kv_size, spec.head_dim
+        cos, sin = self.rotary.lookup(positions, w.embed.dtype)
+        x = F.embedding(input_ids, w.embed)                                    # [N, hidden]
+        for i, layer in enumerate(w.layers):
+            h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)                       # [N, q + 2 kv]
+            apply_rotary_(qkv[:, : q_size + kv_size].view(n, spec.num_heads + spec.num_kv_heads, hd), cos, sin)
+            q = qkv[:, :q_size].view(n, spec.num_heads, hd)
+            kv = qkv[:, q_size:].view(n, 2, spec.num_kv_heads, hd)
+            write_kv(kv_cache[i], kv, meta.slot_mapping)
+            attn = paged_attention(q, kv, kv_cache[i], meta, self.scale)          # [N, q_size]
+            x = residual_linear(x, attn, layer.o, layer.o_bias)
+            h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            x = residual_linear(x, F.silu(gate) * up, layer.down, layer.down_bias)
+        if logits_rows.numel() == 0:
+            return x.new_empty((0, spec.vocab_size), dtype=torch.float32)
+        h = x.index_select(0, logits_rows)
+        h = rms_norm(h, w.norm, spec.rms_norm_eps)
+        return F.linear(h, w.lm_head).float()

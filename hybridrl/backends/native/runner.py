@@ -1,0 +1,167 @@
+"""`ModelRunner`: turns a `StepPlan` into tensors, runs the forward pass and samples.
+
+It owns the KV-cache tensor ([layers, blocks, block_size, 2, kv_heads, head_dim], one
+allocation, zero-initialised so that masked padding reads finite values) and can free and
+re-allocate it (sleep / wake_up). Everything per sequence happens here in a few list
+comprehensions; the per-token work is vectorised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridrl.backends.native.attention import AttentionMetadata, DecodeGroup, PrefillGroup, split_by_width
+from hybridrl.backends.native.model import CausalLM
+from hybridrl.backends.native.sampler import SamplingBatch, sample
+from hybridrl.backends.native.scheduler import Sequence, StepPlan
+
+
+@dataclass
+class StepResult:
+    sampled: list[Sequence]          # sequences that received a token, in row order
+    tokens: list[int]
+    logprobs: list[float]
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.model = model
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        spec = model.spec
+        self.kv_shape = (spec.num_layers, num_blocks, block_size, 2, spec.num_kv_heads, spec.head_dim)
+        self.kv_cache: torch.Tensor | None = None
+        self._arange_cache = torch.arange(0, device=device)
+        # a decode group costs a few fixed op launches per layer: worth about 256 KiB of gathered KV
+        block_bytes = block_size * 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=dtype).element_size()
+        self.group_penalty_blocks = max(4, (256 * 1024) // block_bytes)
+        self.num_decode_groups = 0                 # counter: decode attention groups run (per layer)
+
+    # -- memory -------------------------------------------------------------------------------
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        if self.kv_cache is None:
+            return 0
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def allocate_kv(self) -> None:
+        if self.kv_cache is None:
+            self.kv_cache = torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device)
+
+    def free_kv(self) -> None:
+        self.kv_cache = None
+
+    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy-on-write of partial prefixes: rows [0, n) of block src into block dst, every layer."""
+        for src, dst, rows in copies:
+            self.kv_cache[:, dst, :rows] = self.kv_cache[:, src, :rows]
+
+    # -- a step -------------------------------------------------------------------------------
+
+    def _arange(self, n: int) -> torch.Tensor:
+        if self._arange_cache.numel() < n:
+            self._arange_cache = torch.arange(max(n, 2 * self._arange_cache.numel()), device=self.device)
+        return self._arange_cache[:n]
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if plan.copies:
+            self.copy_blocks(plan.copies)
+        bs, dev = self.block_size, self.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sampled: list[Sequence] = []
+        logits_rows: list[int] = []
+        meta = AttentionMetadata(slot_mapping=None)  # type: ignore[arg-type]
+
+        # decode rows longest context first, so that groups of similar length are contiguous
+        decodes = sorted(plan.decodes, key=lambda seq: len(seq.blocks), reverse=True)
+        if decodes:
+            for seq in decodes:
+                p = seq.num_computed
+                ids.append(seq.tokens[p])
+                positions.append(p)
+                slots.append(seq.blocks[p // bs] * bs + p % bs)
+            widths = [len(seq.blocks) for seq in decodes]
+            pos = torch.tensor(positions, dtype=torch.long, device=dev)
+            groups = []
+            for start, end in split_by_width(widths, self.group_penalty_blocks):
+                width = widths[start]
+                tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decodes[start:end]],
+                                      dtype=torch.long, device=dev)
+                visible = self._arange(width * bs).unsqueeze(0) <= pos[start:end].unsqueeze(1)
+                mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
+                groups.append(DecodeGroup(start, end, tables, mask[:, None, None, :]))
+            meta.num_decodes = len(decodes)
+            meta.decode_groups = groups
+            self.num_decode_groups += len(groups)
+            sampled.extend(decodes)
+            logits_rows.extend(range(len(decodes)))
+
+        prefills = plan.prefills
+        if prefills:
+            meta.prefill = self._prefill_group(prefills, ids, positions, slots)
+            row = len(decodes)
+            for seq, n in prefills:
+                row += n
+                if seq.num_computed + n == len(seq.tokens):
+                    sampled.append(seq)
+                    logits_rows.append(row - 1)
+
+        long = torch.long
+        meta.slot_mapping = torch.tensor(slots, dtype=long, device=dev)
+        logits = self.model.forward(torch.tensor(ids, dtype=long, device=dev),
+                                    torch.tensor(positions, dtype=long, device=dev), meta, self.kv_cache,
+                                    torch.tensor(logits_rows, dtype=long, device=dev))
+        if not sampled:
+            return StepResult([], [], [])
+        batch = SamplingBatch.build(
+            [(s.params.temperature, s.params.top_k, s.params.top_p, s.seed, s.num_generated) for s in sampled],
+            logits.shape[-1], dev)
+        tokens, logprobs = sample(logits, batch)
+        return StepResult(sampled, tokens.tolist(), logprobs.tolist())
+
+    def _prefill_group(self, prefills: list[tuple[Sequence, int]], ids: list[int], positions: list[int],
+                       slots: list[int]) -> PrefillGroup:
+        bs, dev = self.block_size, self.device
+        qmax = max(n for _, n in prefills)
+        width = max(len(s.blocks) for s, _ in prefills)
+        starts = []
+        for seq, n in prefills:
+            start = seq.num_computed
+            starts.append(start)
+            ids.extend(seq.tokens[start:start + n])
+            positions.extend(range(start, start + n))
+            blocks = seq.blocks
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+        tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s, _ in prefills], device=dev)
+        if len(prefills) == 1:
+            seq, n = prefills[0]
+            if starts[0] == 0:
+                return PrefillGroup(num_seqs=1, max_queries=n, block_tables=tables, mask=None, pad_index=None,
+                                    unpad_index=None, fresh=True)
+            q_pos = torch.arange(starts[0], starts[0] + n, device=dev).unsqueeze(0)            # [1, n]
+            mask = (self._arange(width * bs).view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)
+            return PrefillGroup(num_seqs=1, max_queries=n, block_tables=tables, mask=mask, pad_index=None,
+                                unpad_index=None)
+        # several chunks: pad each to qmax queries (padding queries sit at position 0 and are dropped)
+        pad_index, unpad_index, q_pos = [], [], []
+        offset = 0
+        for p, (seq, n) in enumerate(prefills):
+            pad_index.extend(range(offset, offset + n))
+            pad_index.extend([offset] * (qmax - n))
+            unpad_index.extend(range(p * qmax, p * qmax + n))
+            q_pos.extend(range(starts[p], starts[p] + n))
+            q_pos.extend([0] * (qmax - n))
+            offset += n
+        q_pos_t = torch.tensor(q_pos, device=dev).view(len(prefills), qmax)
+        mask = (self._arange(width * bs).view(1, 1, -1) <= q_pos_t.unsqueeze(2)).unsqueeze(1)
+        return PrefillGroup(num_seqs=len(prefills), max_queries=qmax, block_tables=tables, mask=mask,
+                            pad_index=torch.tensor(pad_index, device=dev),
+                            unpad_index=torch.tensor(unpad_index, device=dev))

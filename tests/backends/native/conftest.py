@@ -1,0 +1,85 @@
+"""Fixtures for the native engine tests: engines that are closed afterwards, HF references."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from hybridrl.backends.native import NativeEngine, NativeEngineConfig
+from hybridrl.rollout.protocol import SamplingParams
+
+# Parity models: random weights scaled up so that logits are not flat (near-ties would make
+# greedy comparisons flaky and hide mistakes).
+PARITY = {"init_std": 0.1}
+
+
+@pytest.fixture
+def make_engine():
+    made: list[NativeEngine] = []
+
+    def make(model_dir, **cfg) -> NativeEngine:
+        engine = NativeEngine.from_pretrained(model_dir, NativeEngineConfig(**{"kv_cache_mb": 8, **cfg}), device="cpu")
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def load(model_dir):
+        if model_dir not in cache:
+            cache[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        return cache[model_dir]
+
+    return load
+
+
+def prompts_of(lengths, vocab=500, seed=0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def generate_all(engine, prompts, sampling: SamplingParams | list[SamplingParams], tag="r"):
+    """Run every prompt concurrently on a fresh event loop; outputs in prompt order."""
+    params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+
+    async def go():
+        return await asyncio.gather(*[engine.generate(p, s, f"{tag}{i}") for i, (p, s) in enumerate(zip(prompts, params))])
+
+    return asyncio.run(go())
+
+
+def hf_logprobs(model, prompt, output, temperature=1.0) -> torch.Tensor:
+    """log_softmax(logits / T) of a transformers forward over prompt + output, at the output tokens."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1:-1] / temperature, dim=-1)
+    return lp.gather(1, torch.tensor(output).unsqueeze(1)).squeeze(1)
+
+
+def hf_greedy(model, prompts, max_new_tokens, eos) -> list[list[int]]:
+    """transformers generate(do_sample=False) on the batch (left padded); each row cut after its first EOS."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                             pad_token_id=0, eos_token_id=list(eos))
+    rows = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        rows.append(row[:cut])
+    return rows

@@ -1,0 +1,29 @@
+"""benchmarks/generation.py runs end to end and writes the keys its readers use (tiny settings)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import ROOT, env_with_repo
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_generation_benchmark_writes_its_json(tmp_path):
+    out = tmp_path / "gen.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/generation.py", "--json", str(out), "--sizes", "tiny", "--batch", "4",
+         "--repeats", "2", "--prompt-len", "4:12", "--output-len", "4:8", "--kv-cache-mb", "8", "--threads", "1"],
+        cwd=ROOT, env=env_with_repo(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    for key in ("engine_tokens_per_s", "hf_tokens_per_s", "ratio", "params", "workload", "sizes"):
+        assert key in result
+    size = result["sizes"][0]
+    assert size["size"] == "tiny" and size["params"] > 0 and len(size["runs"]) == 2
+    assert result["engine_tokens_per_s"] > 0 and result["hf_tokens_per_s"] > 0
+    assert all(r["engine_tokens"] > 0 and r["hf_tokens"] > 0 for r in size["runs"])
