@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 from hybridrl.agent.config import AgentConfig, ToolsConfig
 from hybridrl.backends.megatron.config import MegatronConfig
-from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.config.fields import ConfigValueError, check_choice, knob, section
 from hybridrl.distributed.config import DistributedConfig
 from hybridrl.envs.config import EnvServiceConfig, TaskConfig
+from hybridrl.rollout.config import RolloutConfig
 
 # Jobs shipped with hybridrl; `run.job` may also name any "package.module:JOB" attribute.
 JOBS = ("selfcheck",)
@@ -72,4 +72,4 @@ class Config:
     task: TaskConfig = section(TaskConfig, "the task: splits, reward weights, SFT demonstrations, options")
     env: EnvServiceConfig = section(EnvServiceConfig, "the leased environment service")
     train: MegatronConfig = section(MegatronConfig, "the Megatron-core training backend (actor and reference)")
-    rollout: NativeEngineConfig = section(NativeEngineConfig, "the native rollout engine (KV cache, batching)")
+    rollout: RolloutConfig = section(RolloutConfig, "the rollout engine: native or sglang, layout, knobs")

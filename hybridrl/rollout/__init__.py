@@ -1,15 +1,24 @@
-"""The rollout side's protocol (engines) and request routing; backends live in hybridrl/backends."""
+"""The rollout side's protocol (engines), request routing and config; backends live in hybridrl/backends.
 
-from hybridrl.rollout.gateway import RolloutGateway
-from hybridrl.rollout.protocol import (
-    SAMPLER_CONTRACT,
-    SAMPLER_CONTRACT_VERSION,
-    FinishReason,
-    GenerationOutput,
-    GenerationTimings,
-    RolloutEngine,
-    SamplingParams,
-)
+Exports are lazy so that `hybridrl.rollout.config` (mounted by the config schema) stays import-light.
+"""
 
-__all__ = ["SAMPLER_CONTRACT", "SAMPLER_CONTRACT_VERSION", "FinishReason", "GenerationOutput",
-           "GenerationTimings", "RolloutEngine", "RolloutGateway", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "RolloutGateway": "hybridrl.rollout.gateway",
+    **{name: "hybridrl.rollout.protocol" for name in (
+        "SAMPLER_CONTRACT", "SAMPLER_CONTRACT_VERSION", "FinishReason", "GenerationOutput", "GenerationTimings",
+        "RolloutEngine", "SamplingParams")},
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'hybridrl.rollout' has no attribute '{name}'")

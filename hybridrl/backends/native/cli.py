@@ -84,7 +84,7 @@ def main(args: argparse.Namespace) -> int:
     from hybridrl.rollout.protocol import SamplingParams
 
     try:
-        cfg = load_config(args.config, args.overrides).rollout
+        cfg = load_config(args.config, args.overrides).rollout.native
     except ConfigError as err:
         print(f"hybridrl: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -88,17 +88,17 @@ class EngineCore:
         block_bytes = spec.num_layers * cfg.block_size * 2 * spec.num_kv_heads * spec.head_dim * elem
         num_blocks = cfg.num_blocks or (cfg.kv_cache_mb * 2**20) // block_bytes
         if num_blocks < 1:
-            raise ValueError(f"rollout.kv_cache_mb={cfg.kv_cache_mb} holds no KV block of this model "
+            raise ValueError(f"rollout.native.kv_cache_mb={cfg.kv_cache_mb} holds no KV block of this model "
                              f"({block_bytes / 2**20:.2f} MiB each)")
         capacity = num_blocks * cfg.block_size
         model_max = spec.max_position_embeddings
         if cfg.max_model_len > model_max:
-            raise ValueError(f"rollout.max_model_len={cfg.max_model_len} exceeds the model's "
+            raise ValueError(f"rollout.native.max_model_len={cfg.max_model_len} exceeds the model's "
                              f"max_position_embeddings={model_max}")
         if cfg.max_model_len > capacity:
-            raise ValueError(f"rollout.max_model_len={cfg.max_model_len} needs more KV than the cache holds "
+            raise ValueError(f"rollout.native.max_model_len={cfg.max_model_len} needs more KV than the cache holds "
                              f"({num_blocks} blocks x {cfg.block_size} = {capacity} tokens): raise "
-                             f"rollout.kv_cache_mb or lower max_model_len")
+                             f"rollout.native.kv_cache_mb or lower max_model_len")
         max_len = cfg.max_model_len or model_max
         if max_len > capacity:
             log.warning("max_model_len capped at %d tokens by the KV cache (%d blocks; the model allows %d)",

@@ -1,6 +1,6 @@
 """`NativeEngine`: the async `RolloutEngine` over `EngineCore`.
 
-Where steps run (`rollout.driver`):
+Where steps run (`rollout.native.driver`):
 - "thread": one daemon thread owns the `EngineCore` and runs steps back to back while there is
   work; every call (generate, abort, update_weights, sleep, wake_up) is a command put on its
   queue and answered through the caller's event loop (`call_soon_threadsafe`). The loop never

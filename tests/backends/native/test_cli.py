@@ -22,7 +22,7 @@ def test_generate_writes_samples_with_logprobs(tmp_path, tiny_models, hf_model):
     write_prompts(tmp_path / "in.jsonl", prompts)
     args = ["generate", "--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output",
             str(tmp_path / "out.jsonl"), "--temperature", "0.7", "--top-p", "0.9", "--seed", "3",
-            "--max-new-tokens", "6", "--n", "3", "rollout.kv_cache_mb=8", "rollout.block_size=4"]
+            "--max-new-tokens", "6", "--n", "3", "rollout.native.kv_cache_mb=8", "rollout.native.block_size=4"]
     assert main(args) == 0
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [(r["id"], r["sample"]) for r in rows] == [("a", 0), ("a", 1), ("a", 2), (7, 0), (7, 1), (7, 2)]
@@ -41,11 +41,11 @@ def test_generate_greedy_and_bad_input(tmp_path, tiny_models, capsys):
     model_dir = tiny_models("qwen2")
     write_prompts(tmp_path / "in.jsonl", [{"id": 1, "token_ids": [3, 4]}])
     base = ["generate", "--model", str(model_dir), "--output", str(tmp_path / "out.jsonl"), "--max-new-tokens", "3"]
-    assert main(base + ["--input", str(tmp_path / "in.jsonl"), "--greedy", "--n", "2", "rollout.kv_cache_mb=8"]) == 0
+    assert main(base + ["--input", str(tmp_path / "in.jsonl"), "--greedy", "--n", "2", "rollout.native.kv_cache_mb=8"]) == 0
     a, b = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert a["token_ids"] == b["token_ids"]
     (tmp_path / "bad.jsonl").write_text('{"id": 1, "token_ids": [3]}\n{"token_ids": [4]}\n')
-    assert main(base + ["--input", str(tmp_path / "bad.jsonl"), "rollout.kv_cache_mb=8"]) == 2
+    assert main(base + ["--input", str(tmp_path / "bad.jsonl"), "rollout.native.kv_cache_mb=8"]) == 2
     assert 'bad.jsonl:2: expected an object with "id" and "token_ids"' in capsys.readouterr().err
-    assert main(base + ["--input", str(tmp_path / "in.jsonl"), "rollout.kv_cache_mb=8", "rollout.block_sise=4"]) == 2
+    assert main(base + ["--input", str(tmp_path / "in.jsonl"), "rollout.native.kv_cache_mb=8", "rollout.native.block_sise=4"]) == 2
     assert "did you mean 'block_size'" in capsys.readouterr().err
