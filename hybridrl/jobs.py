@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 SHIPPED = {
     "selfcheck": "hybridrl.workers.selfcheck:JOB",
+    "rl": "hybridrl.controller.trainer:JOB",
+    "sft": "hybridrl.controller.sft:JOB",
 }
 
 

@@ -64,6 +64,34 @@ class ChatFormat:
         closing = self._close_ids[1:] if after_eos else self._close_ids
         return list(closing) + full[n:]
 
+    def conversation_ids(self, messages: Sequence[Mapping[str, str]], *,
+                         tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[list[int], list[int]]:
+        """A full conversation laid out exactly as the agent loop builds episodes (token in, token
+        out): the prompt rendered once (up to the first assistant turn), each assistant turn as its
+        content's ids + EOS (mask 1, what the policy emits), each run of other messages as the
+        template's observation delta (mask 0). Returns (ids, mask); what SFT trains on."""
+        roles = [m["role"] for m in messages]
+        if "assistant" not in roles:
+            raise ValueError("a training conversation needs at least one assistant turn")
+        first = roles.index("assistant")
+        ids = self.prompt_ids(messages[:first], tools=tools)
+        mask = [0] * len(ids)
+        eos = self.tokenizer.eos_token_id
+        i = first
+        while i < len(messages):
+            turn = self.encode(messages[i]["content"]) + [eos]
+            ids += turn
+            mask += [1] * len(turn)
+            j = i + 1
+            while j < len(messages) and messages[j]["role"] != "assistant":
+                j += 1
+            if j > i + 1:
+                obs = self.observation_ids(messages[i + 1: j], after_eos=True)
+                ids += obs
+                mask += [0] * len(obs)
+            i = j
+        return ids, mask
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of generated ids for parsing (EOS ids dropped, tags kept)."""
         return self.tokenizer.decode([i for i in ids if i not in self.eos_ids], skip_special_tokens=False)

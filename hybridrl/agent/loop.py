@@ -123,14 +123,20 @@ class AgentRunner:
         """`group_size` episodes per instance; returns them in (instance, attempt) order."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
+        attempts = [(inst, attempt, f"{inst.task_id}@{step}") for inst in tasks for attempt in range(group_size)]
+        return await self.run_attempts(attempts, task=task, stop=stop)
+
+    async def run_attempts(self, attempts: Sequence[tuple[TaskInstance, int, str]], *,
+                           task: Task | dict[str, Task], stop: asyncio.Event | None = None) -> list[Trajectory]:
+        """One episode per (instance, attempt, group_id), in the given order (what a data-parallel
+        shard of a step's episodes holds); same concurrency limit and guarantees as `run`."""
         loop = asyncio.get_running_loop()
         if self._slots is None or self._slots_loop is not loop:    # one limit per event loop
             self._slots, self._slots_loop = asyncio.Semaphore(self.cfg.max_concurrent_episodes), loop
         coros = []
-        for inst in tasks:
+        for inst, attempt, group_id in attempts:
             source = task if isinstance(task, Task) else task[inst.task]
-            for attempt in range(group_size):
-                coros.append(self._admit(inst, source, attempt, f"{inst.task_id}@{step}", stop))
+            coros.append(self._admit(inst, source, attempt, group_id, stop))
         return list(await asyncio.gather(*coros))
 
     async def _admit(self, inst: TaskInstance, task: Task, attempt: int, group_id: str,

@@ -15,9 +15,14 @@ from hybridrl.config.fields import ConfigValueError, check_choice, knob, section
 from hybridrl.distributed.config import DistributedConfig
 from hybridrl.envs.config import EnvServiceConfig, TaskConfig
 from hybridrl.rollout.config import RolloutConfig
+from hybridrl.algo.config import AlgoConfig
+from hybridrl.controller.config import TrainerConfig
+from hybridrl.controller.sft_config import SFTConfig
+from hybridrl.resharding.config import PublishConfig
+from hybridrl.workers.config import HybridConfig
 
 # Jobs shipped with hybridrl; `run.job` may also name any "package.module:JOB" attribute.
-JOBS = ("selfcheck",)
+JOBS = ("selfcheck", "rl", "sft")
 
 
 @dataclass(kw_only=True)
@@ -66,10 +71,20 @@ class Config:
     run: RunConfig = section(RunConfig, "the run: name, directory, job, seed")
     distributed: DistributedConfig = section(DistributedConfig, "processes, devices, control plane")
     model: ModelConfig = section(ModelConfig, "the policy model")
-    selfcheck: SelfCheckConfig = section(SelfCheckConfig, "the self-check job")
+    train: MegatronConfig = section(MegatronConfig, "the Megatron-core training backend (actor and reference)")
+    rollout: RolloutConfig = section(RolloutConfig, "the rollout engine: native or sglang, layout, knobs")
+    publish: PublishConfig = section(PublishConfig, "weight publication: buckets, verification, parity probe")
+    hybrid: HybridConfig = section(HybridConfig, "the colocated worker's mode switches")
     agent: AgentConfig = section(AgentConfig, "the async agent loop: episode budgets, concurrency, sampling")
     tools: ToolsConfig = section(ToolsConfig, "the tool sandbox pool and its limits")
     task: TaskConfig = section(TaskConfig, "the task: splits, reward weights, SFT demonstrations, options")
     env: EnvServiceConfig = section(EnvServiceConfig, "the leased environment service")
-    train: MegatronConfig = section(MegatronConfig, "the Megatron-core training backend (actor and reference)")
-    rollout: RolloutConfig = section(RolloutConfig, "the rollout engine: native or sglang, layout, knobs")
+    algo: AlgoConfig = section(AlgoConfig, "the RL algorithm: advantages, policy loss, KL, filters")
+    trainer: TrainerConfig = section(TrainerConfig, "the RL loop: steps, batch shape, validation, checkpoints")
+    sft: SFTConfig = section(SFTConfig, "supervised warm start on the task's demonstrations")
+    selfcheck: SelfCheckConfig = section(SelfCheckConfig, "the self-check job")
+
+    def __post_init__(self) -> None:
+        if self.run.job in ("rl", "sft") and not self.model.path:
+            raise ConfigValueError("model.path", f"run.job={self.run.job} needs an HF model directory: set "
+                                                 "model.path in the recipe or pass model.path=DIR")

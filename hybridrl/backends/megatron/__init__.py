@@ -20,6 +20,11 @@ from hybridrl.backends.megatron.config import MegatronConfig
 warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex|Apex is not installed)",
                         category=UserWarning)
 warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
+# megatron-core 0.16 calls torch APIs that torch 2.13 deprecates (TypedStorage, the *_into_tensor
+# collectives) and reads .grad of non-leaf views in its optimizer: harmless, and not ours to fix.
+warnings.filterwarnings("ignore", message=r"TypedStorage is deprecated", category=UserWarning)
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf", category=UserWarning)
 
 if TYPE_CHECKING:
     from hybridrl.backends.megatron.engine import MegatronEngine

@@ -1,0 +1,33 @@
+"""The `trainer` section: the RL loop's schedule (steps, batch shape, validation, checkpoints)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridrl.config.fields import ConfigValueError, check_positive, knob
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """What one RL step holds and what happens around it."""
+
+    total_steps: int = knob(20, "RL steps (one rollout + one update each)")
+    prompts_per_step: int = knob(16, "task instances per step (a multiple of the rollout data-parallel size)")
+    group_size: int = knob(8, "samples per instance (the group of GRPO / RLOO)")
+    validate_every: int = knob(5, "validate every k steps (and always before the first and after the last); 0 = only then")
+    validation_size: int = knob(64, "validation instances (from the task's held-out split)")
+    validation_temperature: float = knob(0.0, "sampling temperature of validation episodes (0 = greedy)")
+    checkpoint_every: int = knob(10, "save a checkpoint every k steps; 0 = never")
+    keep_checkpoints: int = knob(2, "complete checkpoints kept")
+    resume: str = knob("auto", "auto (the newest complete checkpoint in run.dir, else start fresh) | never | PATH")
+    export_hf: bool = knob(True, "write the final policy as an HF directory to <run.dir>/hf")
+    log_samples: int = knob(2, "trajectories per step written to <run.dir>/samples.jsonl (decoded)")
+
+    def __post_init__(self) -> None:
+        for name in ("total_steps", "prompts_per_step", "group_size", "validation_size"):
+            check_positive(name, getattr(self, name))
+        for name in ("validate_every", "checkpoint_every", "log_samples"):
+            check_positive(name, getattr(self, name), allow_zero=True)
+        check_positive("keep_checkpoints", self.keep_checkpoints)
+        if self.validation_temperature < 0:
+            raise ConfigValueError("validation_temperature", f"must be >= 0, got {self.validation_temperature}")

@@ -1,0 +1,103 @@
+"""What the RL loop measures each step (reference sections 4 and 15), as flat scalar dicts."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from typing import Any, Sequence
+
+
+from hybridrl.algo.correction import mismatch_metrics
+from hybridrl.algo.filters import FilterResult
+from hybridrl.data.batch import Batch
+from hybridrl.data.trajectory import Trajectory
+
+
+def episode_rows(instances: Sequence[Any], group_size: int, step: int | str) -> Batch:
+    """One row per episode: the instance, its attempt index and its group (samples of one prompt)."""
+    rows = [(inst, a) for inst in instances for a in range(group_size)]
+    return Batch(meta={"instance": [inst.to_dict() for inst, _ in rows], "attempt": [a for _, a in rows],
+                       "group_id": [f"{inst.task_id}@{step}" for inst, _ in rows]})
+
+
+def _accuracy(ts: Sequence[Trajectory]) -> float:
+    scores = [t.rewards.get("correct", t.reward) for t in ts]
+    return sum(scores) / len(scores) if scores else 0.0
+
+
+def step_metrics(trajectories: list[Trajectory], kept: FilterResult, batch: Batch | None, update: dict,
+                 switch: dict, stages: dict[str, float], *, wall_s: float, world_size: int,
+                 version: int) -> dict[str, float]:
+    rewards = [t.reward for t in trajectories]
+    policy_tokens = sum(t.num_policy_tokens for t in trajectories)
+    admitted = int(batch["loss_mask"].sum()) if batch is not None else 0
+    m: dict[str, float] = {
+        "reward/mean": statistics.fmean(rewards), "reward/std": statistics.pstdev(rewards),
+        "reward/accuracy": _accuracy(trajectories),
+        "episodes": len(trajectories), "episodes/admitted": len(kept.kept),
+        "tokens/generated": policy_tokens, "tokens/admitted": admitted,
+        "episode/turns": statistics.fmean(t.turns for t in trajectories),
+        "episode/tool_calls": statistics.fmean(len(t.tool_calls) for t in trajectories),
+        "episode/response_tokens": statistics.fmean(len(t.response_ids) for t in trajectories),
+        "time/step_s": wall_s, "policy/version": version,
+    }
+    for name in ("rollout", "reward", "prep", "train", "sync"):
+        m[f"time/T_{name}"] = stages.get(name, 0.0)
+    m["time/T_reward"] = sum(t.timings.get("reward_s", 0.0) for t in trajectories) / max(world_size, 1)
+    for status, n in Counter(t.status.value for t in trajectories).items():
+        m[f"status/{status}"] = n
+    for reason, n in kept.counts.items():
+        m[f"filter/{reason}"] = n
+    versions = [v for t in trajectories for v in t.versions]
+    m["policy/lag_max"] = float(version - 1 - min(versions)) if versions else 0.0
+    m["gen/tokens_per_s"] = policy_tokens / stages["rollout"] if stages.get("rollout") else 0.0
+    m["yield/tokens_per_s"] = admitted / wall_s if wall_s else 0.0       # effective yield Y (tokens / s)
+    m["yield/tokens_per_device_s"] = admitted / (wall_s * world_size) if wall_s else 0.0
+    for key, value in switch.items():
+        if key.startswith("switch/") or key.startswith("parity/"):
+            m[key] = float(value)
+    if batch is not None:
+        m.update(mismatch_metrics(batch["old_logprobs"], batch["behavior_logprobs"], batch["loss_mask"]))
+    for key, value in update.items():
+        m[f"train/{key}"] = float(value)
+    if "kl" in update:
+        m["kl"] = float(update["kl"])
+    if "loss" in update:
+        m["loss"] = float(update["loss"])
+    return m
+
+
+def validation_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    return {"val/accuracy": _accuracy(trajectories),
+            "val/reward": statistics.fmean(t.reward for t in trajectories),
+            "val/episodes": len(trajectories),
+            "val/response_tokens": statistics.fmean(len(t.response_ids) for t in trajectories),
+            "val/tool_calls": statistics.fmean(len(t.tool_calls) for t in trajectories)}
+
+
+def engine_metrics(per_rank: list[dict], run) -> dict[str, float]:
+    """Per-step deltas of the engines' cumulative counters, summed over ranks."""
+    totals: Counter = Counter()
+    for stats in per_rank:
+        for key, value in stats["engine"].items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                totals[f"engine/{key}"] += value
+        for key, value in stats["agent"].items():
+            totals[f"agent/{key}"] += value
+    deltas = {k: v - run.counters.get(k, 0) for k, v in totals.items()}
+    run.counters = dict(totals)
+    keep = ("prefill_tokens", "prefix_hit_tokens", "decode_tokens", "preemptions", "malformed_actions",
+            "unauthorized_actions", "invalid_arguments", "tool_errors", "tool_calls")
+    return {k: float(v) for k, v in deltas.items() if any(k.endswith(s) for s in keep)}
+
+
+def postfix(m: dict[str, float]) -> str:
+    parts = [f"reward={m['reward/mean']:.3f}"]
+    if "val/accuracy" in m:
+        parts.append(f"val_acc={m['val/accuracy']:.3f}")
+    if "loss" in m:
+        parts.append(f"loss={m['loss']:.4f}")
+    parts.append(f"step={m['time/step_s']:.1f}s")
+    return " ".join(parts)
+
+

@@ -1,0 +1,110 @@
+"""The controller's run state: where the loop is, and everything needed to continue it exactly.
+
+`RunState.start` resumes from the newest complete checkpoint when `trainer.resume=auto` (or a
+given path), restoring the model/optimizer/RNG of every rank, the policy version, the data
+cursor, the controller's RNG and the metrics log (rows after the checkpoint are dropped);
+otherwise it starts fresh. `save_checkpoint` writes all of that; `finish` exports the policy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridrl.config.loader import to_dict
+from hybridrl.data.stream import Cursor, ShuffledStream
+from hybridrl.store.checkpoints import CheckpointManager, capture_rng, restore_rng
+from hybridrl.telemetry.metrics import MetricsLogger, read_metrics
+from hybridrl.workers.hybrid import HybridWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunState:
+    cfg: Any
+    step: int
+    version: int
+    stream: ShuffledStream
+    validation: list
+    logger: MetricsLogger
+    checkpoints: CheckpointManager
+    tokenizer: Any
+    counters: dict = field(default_factory=dict)
+    resumed_from: str | None = None
+
+    @classmethod
+    def start(cls, cfg, wg) -> "RunState":
+        from transformers import AutoTokenizer
+
+        from hybridrl.envs.tasks import get_task
+
+        task = get_task(cfg.task.name, cfg.task)
+        tc = cfg.trainer
+        run_dir = Path(cfg.run.dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoints = CheckpointManager(run_dir, keep=tc.keep_checkpoints)
+        rollout_dp = wg.mesh("rollout").dp_size
+        if tc.prompts_per_step % rollout_dp:
+            raise ValueError(f"trainer.prompts_per_step={tc.prompts_per_step} must be a multiple of the rollout "
+                             f"data-parallel size ({rollout_dp}) so that every group stays on one engine")
+        source = None if tc.resume == "never" else (checkpoints.latest() if tc.resume == "auto" else Path(tc.resume))
+        step, version, cursor = 0, 0, Cursor()
+        if source is not None:
+            state = CheckpointManager.load_state(source)
+            wg.call(HybridWorker.load_checkpoint, path=str(source / "model"))
+            step, version = state["step"], state["policy_version"]
+            cursor = Cursor(**state["data_cursor"])
+            restore_rng(state["rng"])
+            log.info("resumed from %s: step %d, policy v%d", source, step, version)
+        else:
+            (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        return cls(cfg=cfg, step=step, version=version,
+                   stream=ShuffledStream(task.train_split(), seed=cfg.run.seed, cursor=cursor),
+                   validation=task.validation_split(tc.validation_size),
+                   logger=MetricsLogger(run_dir, resume_from_step=step if source is not None else None),
+                   checkpoints=checkpoints, tokenizer=tokenizer,
+                   resumed_from=str(source) if source is not None else None)
+
+    def log(self, step: int, metrics: dict, samples: list | None = None) -> None:
+        self.step = step
+        self.logger.log(step, metrics)
+        if samples and self.cfg.trainer.log_samples:
+            self._write_samples(step, samples[: self.cfg.trainer.log_samples])
+
+    def save_checkpoint(self, wg, step: int) -> Path:
+        if wg.call(HybridWorker.mode) != "train":
+            wg.call(HybridWorker.enter_train)
+        state = {"policy_version": self.version, "data_cursor": self.stream.state(), "rng": capture_rng(),
+                 "config": to_dict(self.cfg)}
+        path = self.checkpoints.save(step, state, lambda model_dir: wg.call(
+            HybridWorker.save_checkpoint, path=str(model_dir), extra={"step": step, "policy_version": self.version}))
+        log.info("checkpoint step %d -> %s", step, path)
+        return path
+
+    def finish(self, wg) -> None:
+        if self.cfg.trainer.export_hf:
+            wg.call(HybridWorker.export_hf, out_dir=str(Path(self.cfg.run.dir) / "hf"))
+        wg.call(HybridWorker.close)
+        self.logger.close()
+
+    def summary(self) -> dict:
+        rows = read_metrics(self.cfg.run.dir)
+        vals = [(r["step"], r["val/accuracy"]) for r in rows if r.get("val/accuracy") is not None]
+        return {"steps": self.step, "policy_version": self.version, "validation": vals,
+                "run_dir": str(self.cfg.run.dir)}
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id or 0
+
+    def _write_samples(self, step: int, trajectories: list) -> None:
+        with (Path(self.cfg.run.dir) / "samples.jsonl").open("a") as f:
+            for t in trajectories:
+                f.write(json.dumps({"step": step, "trajectory_id": t.trajectory_id, "status": t.status.value,
+                                    "reward": t.reward, "text": self.tokenizer.decode(t.prompt_ids + t.response_ids)})
+                        + "\n")

@@ -1,0 +1,261 @@
+"""`HybridWorker`: one rank's Megatron actor (+ frozen reference) and rollout engine, time-shared.
+
+    TRAIN --enter_rollout--> RESHARD --(publish)--> ROLLOUT --enter_train--> TRAIN
+
+- enter_rollout: offload optimizer state and gradients (on a CPU device optimizer state can be
+  spilled to a file), publish the actor's weights into the engine (structure check, verification,
+  bucketed in-place copy, manifest), wake the engine (KV cache), run the logprob parity probe.
+- rollout: this rank's share of the step's episodes (one row per episode) through the agent loop
+  on this rank's engine; returns them as token-aligned tensors + per-row records.
+- enter_train: the engine sleeps (KV cache released), optimizer state and gradients come back.
+- compute_logprobs / compute_ref_logprobs / train_step: the training side, on the train mesh.
+
+Every phase is timed with its bytes and peak memory (`ModeMachine`); an illegal call order raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.algo.objective import make_loss_fn
+from hybridrl.controller.dispatch import ONE_TO_ALL, DPSplit, OneToAll
+from hybridrl.data.batch import Batch
+from hybridrl.data.trajectory import to_batch
+from hybridrl.distributed.mesh import Mesh
+from hybridrl.resharding import parity
+from hybridrl.resharding.manifest import PublicationError, model_hashes
+from hybridrl.resharding.publish import publish
+from hybridrl.workers.base import Worker, register
+from hybridrl.workers.modes import Mode, ModeMachine
+
+log = logging.getLogger(__name__)
+
+# per-token tensors of a rollout: padded on the sequence dim when shards are put together
+ROLLOUT_PADS = (("input_ids", 0), ("attention_mask", 0), ("loss_mask", 0.0), ("behavior_logprobs", 0.0),
+                ("policy_version", -1))
+
+
+class HybridWorker(Worker):
+    def __init__(self, cfg: Any, ctx: Any):
+        super().__init__(ctx)
+        from transformers import AutoTokenizer
+
+        from hybridrl.agent.loop import AgentRunner
+        from hybridrl.agent.tools.base import ToolBox
+        from hybridrl.backends.megatron import MegatronEngine
+        from hybridrl.envs.tasks import get_task
+
+        self.cfg = cfg
+        self.modes = ModeMachine(ctx.device)
+        self.loop = asyncio.new_event_loop()
+        self.actor = MegatronEngine.from_hf(cfg.model.path, cfg.train, training=True, device=ctx.device)
+        self.ref = (MegatronEngine.from_hf(cfg.model.path, cfg.train, training=False, device=ctx.device)
+                    if cfg.algo.uses_reference else None)
+        self.engine = self._build_engine()
+        self.transport = self._build_transport()
+        self.hashes = model_hashes(cfg.model.path)
+        self.release = None
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.task = get_task(cfg.task.name, cfg.task)
+        tool_names = sorted({t for inst in self.task.validation_split(8) for t in inst.tools})
+        self.tools = self._run(ToolBox.from_config(cfg.tools, names=tool_names).start())
+        self.runner = AgentRunner(self.engine, self.tokenizer, agent_cfg=cfg.agent, tools=self.tools,
+                                  run_id=cfg.run.name, seed=cfg.run.seed)
+        self.loss_fn = make_loss_fn(cfg.algo)
+        self.spill_dir = Path(cfg.run.dir) / "offload" / f"rank{ctx.rank}" if cfg.hybrid.spill_optimizer else None
+        self._run(self.engine.sleep())     # start in TRAIN: no KV cache held
+        self._probe = parity.probe_prompts(self.engine.vocab_size, cfg.publish.parity_prompts,
+                                           avoid=self.engine.eos_token_ids) if cfg.publish.parity_prompts else []
+
+    # ------------------------------------------------------------------ construction
+
+    def _build_engine(self):
+        rollout = self.cfg.rollout
+        if rollout.engine == "native":
+            from hybridrl.backends.native import NativeEngine
+
+            return NativeEngine.from_pretrained(self.cfg.model.path, rollout.native, device=self.ctx.device)
+        from hybridrl.backends.sglang.engine import SGLangEngine
+
+        raise NotImplementedError("rollout.engine=sglang inside the hybrid worker needs a GPU machine with sglang; "
+                                  f"see {SGLangEngine.__module__} (the engine adapter) and docs/architecture.md")
+
+    def _build_transport(self):
+        from hybridrl.resharding.transport_inprocess import InProcessTransport
+
+        return InProcessTransport(self.engine)
+
+    def _run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def meshes(self) -> dict[str, Mesh]:
+        world, rtp = self.ctx.world_size, self.cfg.rollout.tp
+        return {"world": Mesh.flat("world", world), "train": self.actor.mesh,
+                "rollout": Mesh("rollout", ("dp", "tp"), (world // rtp, rtp))}
+
+    # ------------------------------------------------------------------ mode switches
+
+    @register(dispatch=OneToAll("rank0"))
+    def mode(self) -> str:
+        return self.modes.mode.value
+
+    @register(dispatch=OneToAll("rank0"))
+    def enter_rollout(self, *, version: int, step: int) -> dict:
+        """TRAIN -> RESHARD -> ROLLOUT; publishes `version` unless the engine already serves it.
+        Already in ROLLOUT serving `version` (e.g. after a validation): nothing to do."""
+        if self.modes.mode == Mode.ROLLOUT and self.engine.policy_version == version:
+            return {"published": False, "policy_version": version}
+        self.modes.to(Mode.RESHARD)
+        try:
+            with self.modes.phase("offload") as rec:
+                rec.bytes_moved = self.actor.offload(optimizer=True, grads=True, spill_dir=self.spill_dir)
+            published = self.engine.policy_version != version
+            if published:
+                with self.modes.phase("publish") as rec:
+                    self.release, stats = self._run(publish(
+                        self.actor.iter_hf_groups, spec=self.actor.hf_spec(), engine=self.engine,
+                        transport=self.transport, cfg=self.cfg.publish, version=version, step=step,
+                        hashes=self.hashes))
+                    rec.bytes_moved = stats.bytes_copied
+            with self.modes.phase("wake") as rec:
+                self._run(self.engine.wake_up())
+            probe = self._parity_probe(version) if published and self._probe else {}
+        except BaseException:
+            self.modes.to(Mode.TRAIN)
+            self._run(self.engine.sleep())
+            self.actor.reload()
+            raise
+        self.modes.to(Mode.ROLLOUT)
+        out = {"published": published, "policy_version": self.engine.policy_version, **probe,
+               **{f"switch/{k}_s": v["seconds"] for k, v in self.modes.last().items()
+                  if k in ("offload", "publish", "wake")}}
+        if published and self.release is not None:
+            out["release"] = self.release.summary()
+        return out
+
+    @register(dispatch=OneToAll("rank0"))
+    def enter_train(self) -> dict:
+        """ROLLOUT -> TRAIN: the engine releases its KV cache, optimizer state and gradients return."""
+        self.modes.require(Mode.ROLLOUT)
+        with self.modes.phase("sleep"):
+            self._run(self.engine.sleep())
+        with self.modes.phase("reload") as rec:
+            rec.bytes_moved = self.actor.reload()
+        self.modes.to(Mode.TRAIN)
+        return {f"switch/{k}_s": v["seconds"] for k, v in self.modes.last().items() if k in ("sleep", "reload")}
+
+    def _parity_probe(self, version: int) -> dict:
+        """Engine greedy logprobs vs the trainer's on fixed prefixes; raises above the tolerance."""
+        outputs = self._run(parity.engine_outputs(self.engine, self._probe, self.cfg.publish.parity_tokens,
+                                                  tag=f"v{version}"))
+        batch = parity.probe_batch(self._probe, outputs)
+        mine = self.actor.compute_logprobs(batch)          # every rank of the train mesh takes part
+        result = parity.compare(self._probe, outputs, mine["logprobs"]) if mine is not None else {}
+        worst = torch.tensor([result.get("parity/max_abs", 0.0)], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.ctx.control_group)
+        result["parity/max_abs"] = float(worst)
+        if result["parity/max_abs"] > self.cfg.publish.parity_tolerance:
+            raise PublicationError(f"parity probe after publishing v{version}: engine and trainer logprobs differ "
+                                   f"by {result['parity/max_abs']:.3g} > publish.parity_tolerance="
+                                   f"{self.cfg.publish.parity_tolerance}")
+        return result
+
+    # ------------------------------------------------------------------ rollout
+
+    @register(dispatch=DPSplit("rollout", pad_outputs=ROLLOUT_PADS))
+    def rollout(self, episodes: Batch, *, temperature: float | None = None) -> Batch:
+        """One row per episode (meta: instance, attempt, group_id) -> one row per trajectory."""
+        from hybridrl.envs.tasks.base import TaskInstance
+
+        self.modes.require(Mode.ROLLOUT)
+        real = episodes.num_valid
+        if real == 0:   # a shard of padding only (more rollout ranks than episodes)
+            return _placeholder_rows(len(episodes))
+        attempts = [(TaskInstance.from_dict(episodes["instance"][i]), int(episodes["attempt"][i]),
+                     episodes["group_id"][i]) for i in range(real)]
+        if temperature is not None and temperature != self.runner.cfg.temperature:
+            self.runner.cfg = _with(self.runner.cfg, temperature=temperature)
+        try:
+            with self.modes.phase("generate"):
+                trajectories = self._run(self.runner.run_attempts(attempts, task=self.task))
+        finally:
+            self.runner.cfg = self.cfg.agent
+        return to_batch(trajectories, pad_id=self.tokenizer.pad_token_id or 0).pad_to(len(episodes))
+
+    @register(dispatch=ONE_TO_ALL)
+    def rollout_stats(self) -> dict:
+        """Engine counters and agent-loop counters of this rank (cumulative)."""
+        return {"engine": dict(self.engine.stats()), "agent": dict(self.runner.counts)}
+
+    # ------------------------------------------------------------------ training
+
+    @register(dispatch=DPSplit("train"))
+    def compute_logprobs(self, batch: Batch) -> Batch | None:
+        """old_logprobs [B, T] of the current actor at the rollout temperature (token-aligned)."""
+        self.modes.require(Mode.TRAIN)
+        out = self.actor.compute_logprobs(batch, temperature=self._temperature())
+        return None if out is None else Batch({"old_logprobs": out["logprobs"]})
+
+    @register(dispatch=DPSplit("train"))
+    def compute_ref_logprobs(self, batch: Batch) -> Batch | None:
+        self.modes.require(Mode.TRAIN)
+        if self.ref is None:
+            raise RuntimeError("no reference model: algo.kl_coef is 0")
+        out = self.ref.compute_logprobs(batch, temperature=self._temperature())
+        return None if out is None else Batch({"ref_logprobs": out["logprobs"]})
+
+    @register(dispatch=DPSplit("train"))
+    def train_step(self, batch: Batch) -> dict:
+        self.modes.require(Mode.TRAIN)
+        with self.modes.phase("train"):
+            return self.actor.train_step(batch, self.loss_fn, temperature=self._temperature(),
+                                         with_entropy=True)
+
+    def _temperature(self) -> float:
+        """Training logprobs use the rollout temperature, as the sampler contract defines them."""
+        return self.cfg.agent.temperature if self.cfg.agent.temperature > 0 else 1.0
+
+    # ------------------------------------------------------------------ state
+
+    @register(dispatch=ONE_TO_ALL)
+    def save_checkpoint(self, path: str, extra: dict) -> None:
+        self.modes.require(Mode.TRAIN)
+        self.actor.save_checkpoint(path, extra)
+
+    @register(dispatch=OneToAll("rank0"))
+    def load_checkpoint(self, path: str) -> dict:
+        self.modes.require(Mode.TRAIN)
+        return self.actor.load_checkpoint(path)
+
+    @register(dispatch=ONE_TO_ALL)
+    def export_hf(self, out_dir: str) -> None:
+        self.actor.export_hf(out_dir)
+
+    @register(dispatch=OneToAll("rank0"))
+    def phase_summary(self) -> dict:
+        return self.modes.summary()
+
+    @register(dispatch=ONE_TO_ALL)
+    def close(self) -> None:
+        self._run(self.tools.close())
+        self.engine.close()
+
+
+def _placeholder_rows(n: int) -> Batch:
+    tensors = {name: torch.full((n, 1), value, dtype=torch.float32 if isinstance(value, float) else torch.long)
+               for name, value in ROLLOUT_PADS}
+    tensors["prompt_len"] = torch.zeros(n, dtype=torch.long)
+    tensors["reward"] = torch.zeros(n)
+    return Batch(tensors, {k: [None] * n for k in ("trajectory_id", "group_id", "status", "record")}, num_padding=n)
+
+
+def _with(cfg, **changes):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **changes)

@@ -1,0 +1,108 @@
+"""The RL loop end to end with real ranks: a 2-step run, SFT, and kill -9 + resume=auto."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hybridrl.telemetry.metrics import read_metrics
+from tests.launch import ROOT, env_with_repo, kill_tree, processes_mentioning
+
+RECIPE = ROOT / "tests" / "controller" / "rl_tiny.yaml"
+
+# metrics that measure time or throughput differ between runs; everything else must not
+_TIMING = ("time/", "switch/", "gen/", "yield/", "val/seconds")
+
+
+def hybridrl_train(recipe, *overrides, timeout=600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "hybridrl", "train", str(recipe), *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=env_with_repo(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models("qwen2", init_std=0.05)
+
+
+def test_two_step_run_logs_trains_and_exports(tmp_path, model):
+    proc = hybridrl_train(RECIPE, f"model.path={model}", f"run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["val/accuracy"] is not None and rows[-1]["val/accuracy"] is not None
+    for r in rows[1:]:
+        for key in ("reward/mean", "time/T_rollout", "time/T_reward", "time/T_prep", "time/T_train", "time/T_sync",
+                    "gen/tokens_per_s", "yield/tokens_per_s", "policy/lag_max", "mismatch/max_abs",
+                    "train/grad_norm", "train/clip_fraction", "train/entropy", "filter/all_equal_group",
+                    "status/truncated", "switch/sleep_s", "tokens/admitted"):
+            assert key in r, key
+        assert r["episodes"] == 16 and r["tokens/admitted"] > 0 and r["policy/lag_max"] == 0
+        assert r["mismatch/max_abs"] < 1e-4              # the engine samples what the trainer scores
+    assert rows[1]["policy/version"] == 1 and rows[2]["policy/version"] == 2
+    assert rows[2]["parity/max_abs"] < 1e-4 and rows[2]["switch/publish_s"] > 0   # v1 was published for step 2
+    assert any((tmp_path / "tensorboard").iterdir())
+    assert json.loads((tmp_path / "config.json").read_text())["trainer"]["total_steps"] == 2
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert samples and "<|im_start|>user" in samples[0]["text"]
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    initial = AutoModelForCausalLM.from_pretrained(model)
+    moved = max((a - b).abs().max().item() for a, b in zip(trained.parameters(), initial.parameters()))
+    assert moved > 0                                      # two updates happened and were exported
+
+
+def test_sft_trains_on_demonstrations_and_exports(tmp_path, model):
+    recipe = ROOT / "recipes" / "calc_sft_cpu.yaml"
+    proc = hybridrl_train(recipe, f"model.path={model}", f"run.dir={tmp_path}", "sft.steps=20",
+                          "sft.num_demonstrations=256", "sft.batch_size=32", "sft.log_every=5",
+                          "train.lr_warmup_steps=2", "train.lr_decay_steps=20", "train.micro_batch_size=16")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    losses = [r["sft/loss"] for r in read_metrics(tmp_path)]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.5        # nats
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+
+
+def _comparable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(_TIMING)}
+
+
+def test_kill_9_then_resume_auto_continues_to_the_same_numbers(tmp_path, model):
+    common = [f"model.path={model}", "trainer.total_steps=4", "trainer.checkpoint_every=2"]
+    straight = tmp_path / "straight"
+    proc = hybridrl_train(RECIPE, *common, f"run.dir={straight}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "hybridrl", "train", str(RECIPE), *common, f"run.dir={killed}"]
+    agent = subprocess.Popen(cmd, cwd=ROOT, env=env_with_repo(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    marker = killed / "checkpoints" / "step_000002" / "COMPLETE"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and agent.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), "the run never completed its step-2 checkpoint"
+    for p in processes_mentioning(str(killed)):   # kill -9 every rank and the launcher mid-step-3
+        p.send_signal(signal.SIGKILL)
+    kill_tree(agent.pid)
+    agent.wait(timeout=30)
+    assert not processes_mentioning(str(killed))
+
+    proc = hybridrl_train(RECIPE, *common, f"run.dir={killed}", "trainer.resume=auto")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    a, b = read_metrics(straight), read_metrics(killed)
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    for ra, rb in zip(a[3:], b[3:]):
+        assert _comparable(ra) == _comparable(rb), (ra["step"], set(_comparable(ra).items()) ^ set(_comparable(rb).items()))
+    from safetensors.torch import load_file
+
+    ea, eb = load_file(str(straight / "hf" / "model.safetensors")), load_file(str(killed / "hf" / "model.safetensors"))
+    assert all(torch.equal(ea[k], eb[k]) for k in ea)
