@@ -134,6 +134,17 @@ PINNED_KEYS = [
     "rollout.native.seed", "rollout.native.on_weight_update", "rollout.native.watermark_blocks", "rollout.native.driver",
     "rollout.sglang.mem_fraction_static", "rollout.sglang.dtype", "rollout.sglang.enable_memory_saver",
     "rollout.sglang.load_format", "rollout.sglang.base_port", "rollout.sglang.context_length", "rollout.sglang.cuda_graph",
+    "publish.bucket_mb", "publish.verify", "publish.parity_prompts", "publish.parity_tokens",
+    "publish.parity_tolerance", "hybrid.spill_optimizer",
+    "algo.advantage", "algo.norm_adv_by_std", "algo.reinforce_baseline", "algo.gamma", "algo.lam",
+    "algo.policy_loss", "algo.clip_low", "algo.clip_high", "algo.dual_clip", "algo.kl_estimator", "algo.kl_coef",
+    "algo.kl_in", "algo.entropy_coef", "algo.tis_cap", "algo.drop_truncated", "algo.drop_all_equal_groups",
+    "algo.max_policy_lag",
+    "trainer.total_steps", "trainer.prompts_per_step", "trainer.group_size", "trainer.validate_every",
+    "trainer.validation_size", "trainer.validation_temperature", "trainer.checkpoint_every",
+    "trainer.keep_checkpoints", "trainer.resume", "trainer.export_hf", "trainer.log_samples",
+    "sft.num_demonstrations", "sft.tool_use_fraction", "sft.steps", "sft.batch_size", "sft.output_dir",
+    "sft.log_every",
 ]
 
 
