@@ -50,7 +50,8 @@ class OneToAll(Dispatch):
 
     def plan(self, data: Batch | None, wg: "WorkerGroup") -> Plan:
         if data is not None and not isinstance(data, Batch):
-            raise TypeError(f"data must be a Batch or None, got {type(data).__name__}")
+            raise TypeError(f"data must be a Batch or None, got {type(data).__name__}: pass other "
+                            "arguments by keyword, group.call(method, name=value)")
         if self.collect == "rank0":
             return Plan(same=data, owners=[0], gather=lambda outs: outs[0])
         ranks = list(range(wg.world_size))

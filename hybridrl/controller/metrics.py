@@ -54,7 +54,7 @@ def step_metrics(trajectories: list[Trajectory], kept: FilterResult, batch: Batc
     m["yield/tokens_per_s"] = admitted / wall_s if wall_s else 0.0       # effective yield Y (tokens / s)
     m["yield/tokens_per_device_s"] = admitted / (wall_s * world_size) if wall_s else 0.0
     for key, value in switch.items():
-        if key.startswith("switch/") or key.startswith("parity/"):
+        if key.startswith(("switch/", "parity/", "publish/")):
             m[key] = float(value)
     if batch is not None:
         m.update(mismatch_metrics(batch["old_logprobs"], batch["behavior_logprobs"], batch["loss_mask"]))

@@ -115,14 +115,21 @@ class HybridWorker(Worker):
         try:
             with self.modes.phase("offload") as rec:
                 rec.bytes_moved = self.actor.offload(optimizer=True, grads=True, spill_dir=self.spill_dir)
-            published = self.engine.policy_version != version
+            published, refused = self.engine.policy_version != version, None
             if published:
-                with self.modes.phase("publish") as rec:
-                    self.release, stats = self._run(publish(
-                        self.actor.iter_hf_groups, spec=self.actor.hf_spec(), engine=self.engine,
-                        transport=self.transport, cfg=self.cfg.publish, version=version, step=step,
-                        hashes=self.hashes))
-                    rec.bytes_moved = stats.bytes_copied
+                try:
+                    with self.modes.phase("publish") as rec:
+                        self.release, stats = self._run(publish(
+                            self.actor.iter_hf_groups, spec=self.actor.hf_spec(), engine=self.engine,
+                            transport=self.transport, cfg=self.cfg.publish, version=version, step=step,
+                            hashes=self.hashes))
+                        rec.bytes_moved = stats.bytes_copied
+                except PublicationError as err:
+                    # refused before any copy: the engine keeps serving the version it has
+                    if self.engine.policy_version == version or not _refused_intact(err):
+                        raise
+                    published, refused = False, str(err)
+                    log.error("rank %d: %s", self.ctx.rank, err)
             with self.modes.phase("wake") as rec:
                 self._run(self.engine.wake_up())
             probe = self._parity_probe(version) if published and self._probe else {}
@@ -133,6 +140,7 @@ class HybridWorker(Worker):
             raise
         self.modes.to(Mode.ROLLOUT)
         out = {"published": published, "policy_version": self.engine.policy_version, **probe,
+               "publish/refused": self._count_refusals(refused is not None),
                **{f"switch/{k}_s": v["seconds"] for k, v in self.modes.last().items()
                   if k in ("offload", "publish", "wake")}}
         if published and self.release is not None:
@@ -149,6 +157,12 @@ class HybridWorker(Worker):
             rec.bytes_moved = self.actor.reload()
         self.modes.to(Mode.TRAIN)
         return {f"switch/{k}_s": v["seconds"] for k, v in self.modes.last().items() if k in ("sleep", "reload")}
+
+    def _count_refusals(self, refused: bool) -> float:
+        """How many ranks refused this publication (every rank takes part: enter_rollout is SPMD)."""
+        flag = torch.tensor([1.0 if refused else 0.0], dtype=torch.float64)
+        dist.all_reduce(flag, group=self.ctx.control_group)
+        return float(flag)
 
     def _parity_probe(self, version: int) -> dict:
         """Engine greedy logprobs vs the trainer's on fixed prefixes; raises above the tolerance."""
@@ -187,6 +201,33 @@ class HybridWorker(Worker):
         finally:
             self.runner.cfg = self.cfg.agent
         return to_batch(trajectories, pad_id=self.tokenizer.pad_token_id or 0).pad_to(len(episodes))
+
+    @register(dispatch=ONE_TO_ALL)
+    def sample(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0) -> list[dict]:
+        """Raw generations of this rank's engine (token ids, logprobs, version): for probes and tests."""
+        from hybridrl.rollout.protocol import SamplingParams
+
+        self.modes.require(Mode.ROLLOUT)
+        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
+
+        async def go():
+            return await asyncio.gather(*[self.engine.generate(p, sampling, f"sample-{self.ctx.rank}-{i}-{id(p)}")
+                                          for i, p in enumerate(prompts)])
+
+        return [{"token_ids": o.token_ids, "logprobs": o.logprobs, "policy_version": o.policy_version,
+                 "finish_reason": o.finish_reason.value} for o in self._run(go())]
+
+    @register(dispatch=ONE_TO_ALL)
+    def memory_report(self) -> dict:
+        """What this rank holds now: optimizer state and gradient bytes by accounting, KV cache, RSS."""
+        import psutil
+
+        from hybridrl.backends.megatron.offload import held_bytes
+
+        return {"mode": self.modes.mode.value, **held_bytes(self.actor),
+                "kv_cache_bytes": int(self.engine.stats().get("kv_cache_bytes", 0)),
+                "rss_bytes": psutil.Process().memory_info().rss,
+                "phases": self.modes.summary()}
 
     @register(dispatch=ONE_TO_ALL)
     def rollout_stats(self) -> dict:
@@ -245,6 +286,11 @@ class HybridWorker(Worker):
     def close(self) -> None:
         self._run(self.tools.close())
         self.engine.close()
+
+
+def _refused_intact(err: PublicationError) -> bool:
+    """A refusal raised before the copy pass (structure or verification), not a failed copy."""
+    return "refused" in str(err)
 
 
 def _placeholder_rows(n: int) -> Batch:

@@ -142,3 +142,11 @@ def reload(engine: "MegatronEngine") -> int:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return moved
+
+
+def held_bytes(engine: "MegatronEngine") -> dict[str, int]:
+    """Bytes the engine holds right now in optimizer state and gradient buffers (by accounting)."""
+    optimizer = sum(_nbytes(t) for _, _, t in _optimizer_tensors(engine) if t.device == engine.device)
+    grads = sum(_nbytes(b.grad_data) for b in _buffers(engine)
+                if b.grad_data is not None and b.grad_data.untyped_storage().size() > 0)
+    return {"optimizer_bytes_held": optimizer, "grad_bytes_held": grads}
