@@ -5,6 +5,7 @@
     hybridrl config defaults [--write DIR]     the documented defaults of every section
     hybridrl assets tiny-model --arch A --out D
     hybridrl doctor [--json]                   versions, devices, a 2-rank self-test
+    hybridrl bench mode-switch --model D --cycles N --json OUT   the hybrid engine's switch cost
     hybridrl agent sandbox-check|tasks|rollout the agent layer (see hybridrl/agent/cli.py)
     hybridrl score --model D --input I --output O [--tp T --pp P]   per-token logprobs (parity checks)
     hybridrl generate --model D --input I --output O --max-new-tokens N   token ids in, samples out
@@ -100,6 +101,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_bench_mode_switch(args: argparse.Namespace) -> int:
+    from hybridrl.bench.cli import mode_switch_main
+
+    return mode_switch_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridrl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_generate_arguments(p)
     p.set_defaults(func=_cmd_generate)
+    p = sub.add_parser("bench", help="benchmarks (each writes JSON)")
+    bsub = p.add_subparsers(dest="bench_command", required=True)
+    b = bsub.add_parser("mode-switch", help="TRAIN -> ROLLOUT -> TRAIN cycles against the copy floor")
+    from hybridrl.bench.cli import add_mode_switch_arguments
+
+    add_mode_switch_arguments(b)
+    b.set_defaults(func=_cmd_bench_mode_switch)
     return parser
 
 

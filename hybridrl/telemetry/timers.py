@@ -17,8 +17,31 @@ def _sync(device: torch.device | None) -> None:
         torch.cuda.synchronize(device)
 
 
+def _vm_hwm() -> int | None:
+    """This process's peak RSS since the last reset (Linux VmHWM), in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_vm_hwm() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 class PeakMemory:
-    """Peak memory over a region: CUDA max_memory_allocated on GPU, sampled process RSS on CPU."""
+    """Peak memory over a region: CUDA max_memory_allocated on GPU; on CPU the kernel's own peak
+    RSS (VmHWM, reset at entry), or, where it cannot be reset, RSS sampled by a thread."""
 
     def __init__(self, device: torch.device | None = None, interval_s: float = 0.002):
         self.device = device
@@ -26,29 +49,35 @@ class PeakMemory:
         self.peak_bytes = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._kernel = False
 
     def __enter__(self) -> "PeakMemory":
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            proc = psutil.Process()
-            self.peak_bytes = proc.memory_info().rss
+            return self
+        self._kernel = _reset_vm_hwm() and _vm_hwm() is not None
+        if self._kernel:
+            return self
+        proc = psutil.Process()
+        self.peak_bytes = proc.memory_info().rss
 
-            def sample():
-                while not self._stop.wait(self.interval_s):
-                    self.peak_bytes = max(self.peak_bytes, proc.memory_info().rss)
+        def sample():
+            while not self._stop.wait(self.interval_s):
+                self.peak_bytes = max(self.peak_bytes, proc.memory_info().rss)
 
-            self._thread = threading.Thread(target=sample, name="hybridrl-peak-rss", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=sample, name="hybridrl-peak-rss", daemon=True)
+        self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._thread is not None:
+        if self.device is not None and self.device.type == "cuda":
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        elif self._kernel:
+            self.peak_bytes = _vm_hwm() or 0
+        else:
             self._stop.set()
             self._thread.join()
             self.peak_bytes = max(self.peak_bytes, psutil.Process().memory_info().rss)
-        else:
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
 
 
 @dataclass

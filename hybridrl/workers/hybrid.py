@@ -124,6 +124,7 @@ class HybridWorker(Worker):
                             transport=self.transport, cfg=self.cfg.publish, version=version, step=step,
                             hashes=self.hashes))
                         rec.bytes_moved = stats.bytes_copied
+                    self._publish_stats = stats
                 except PublicationError as err:
                     # refused before any copy: the engine keeps serving the version it has
                     if self.engine.policy_version == version or not _refused_intact(err):
@@ -145,6 +146,8 @@ class HybridWorker(Worker):
                   if k in ("offload", "publish", "wake")}}
         if published and self.release is not None:
             out["release"] = self.release.summary()
+            out["switch/publish_verify_s"] = self._publish_stats.verify_s
+            out["switch/publish_copy_s"] = self._publish_stats.copy_s
         return out
 
     @register(dispatch=OneToAll("rank0"))

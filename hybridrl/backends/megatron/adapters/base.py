@@ -256,17 +256,16 @@ class DecoderAdapter:
         if split is Split.NONE:
             return {names[0]: shards[0]}
         if split is Split.VOCAB:
-            return {names[0]: torch.cat(list(shards), dim=0)[: self.spec.vocab_size]}
+            return {names[0]: _join(shards, 0)[: self.spec.vocab_size]}
         if split is Split.COLUMN:
-            return {names[0]: torch.cat(list(shards), dim=0)}
+            return {names[0]: _join(shards, 0)}
         if split is Split.ROW:
-            return {names[0]: torch.cat(list(shards), dim=1)}
+            return {names[0]: _join(shards, 1)}
         if split is Split.QKV:
-            return dict(zip(names, self._unfuse_qkv(torch.cat(list(shards), dim=0))))
+            return dict(zip(names, self._unfuse_qkv(_join(shards, 0))))
         if split is Split.GATE_UP:
             halves = [s.chunk(2, dim=0) for s in shards]
-            return {names[0]: torch.cat([h[0] for h in halves], dim=0),
-                    names[1]: torch.cat([h[1] for h in halves], dim=0)}
+            return {names[0]: _join([h[0] for h in halves], 0), names[1]: _join([h[1] for h in halves], 0)}
         raise AssertionError(f"unhandled split {split}")
 
     def _fuse_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -333,3 +332,8 @@ def _rope_theta(hf_config: Any) -> float:
     if theta is None:
         raise ValueError("HF config has no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
     return float(theta)
+
+
+def _join(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """Concatenate TP shards; a single shard is returned as it is (a view: no copy at TP=1)."""
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=dim)

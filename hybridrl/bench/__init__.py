@@ -1,0 +1,1 @@
+"""Benchmarks runnable from the `hybridrl bench` command (their drivers live in benchmarks/)."""

@@ -1,0 +1,105 @@
+"""`hybridrl bench mode-switch`: time full TRAIN -> ROLLOUT -> TRAIN cycles of the hybrid worker
+against the machine's copy floor, measured in the same run.
+
+Each cycle publishes a new version (so every cycle moves the weights), lets the engine serve one
+short request, and returns to training. Reported per phase: median seconds, bytes moved, peak
+memory (CUDA peak / process RSS). The floor is the bytes that must move in a full switch (the
+weights into each rank's engine; optimizer state out and back when it is offloaded or spilled)
+over the memcpy bandwidth of a same-sized buffer copy on every rank at once.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from hybridrl.controller.dispatch import ONE_TO_ALL
+from hybridrl.data.batch import Batch
+from hybridrl.jobs import Job
+from hybridrl.workers.base import register
+from hybridrl.workers.hybrid import HybridWorker
+
+SWITCH_PHASES = ("offload", "publish", "wake", "sleep", "reload")
+
+
+class BenchWorker(HybridWorker):
+    @register(dispatch=ONE_TO_ALL)
+    def copy_bandwidth(self, nbytes: int, repeats: int = 5) -> float:
+        """Median bytes/s of copying `nbytes` between two preallocated buffers on this rank's device."""
+        n = max(1, nbytes // 4)
+        src = torch.randn(n, device=self.ctx.device)
+        dst = torch.empty_like(src)
+        dst.copy_(src)                      # first touch: page faults are not bandwidth
+        times = []
+        for _ in range(repeats):
+            if self.ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            dst.copy_(src)
+            if self.ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return n * 4 / statistics.median(times)
+
+    @register(dispatch=ONE_TO_ALL)
+    def sizes(self) -> dict:
+        from hybridrl.backends.megatron.offload import held_bytes
+
+        weights = sum(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+                      for shape, dtype in self.actor.hf_spec().values())
+        return {"model_params": self.actor.num_parameters(), "weight_bytes": weights,
+                "vocab_size": int(self.engine.vocab_size), **held_bytes(self.actor)}
+
+
+def _warm_up_step(wg, vocab: int) -> None:
+    """One update on a synthetic batch, so the optimizer state exists (torch Adam creates it lazily)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (4, 32), generator=g)
+    mask = torch.ones(4, 32)
+    batch = Batch({"input_ids": ids, "attention_mask": torch.ones(4, 32, dtype=torch.long), "loss_mask": mask})
+    old = wg.call(HybridWorker.compute_logprobs, batch)["old_logprobs"]
+    batch.set("old_logprobs", old)
+    batch.set("behavior_logprobs", old.clone())
+    batch.set("advantages", torch.randn(4, 1, generator=g).expand(4, 32).contiguous())
+    wg.call(HybridWorker.train_step, batch)
+
+
+def run_bench(cfg, wg) -> dict:
+    cycles = cfg.trainer.total_steps
+    _warm_up_step(wg, wg.call(BenchWorker.sizes)[0]["vocab_size"])
+    sizes = wg.call(BenchWorker.sizes)[0]
+    switches = []
+    for version in range(1, cycles + 1):
+        switch = wg.call(HybridWorker.enter_rollout, version=version, step=version)
+        wg.call(HybridWorker.sample, prompts=[[1, 2, 3, 4]], max_new_tokens=4)
+        switch.update(wg.call(HybridWorker.enter_train))
+        switches.append(switch)
+    phases = wg.call(HybridWorker.phase_summary)
+    bandwidth = statistics.median(wg.call(BenchWorker.copy_bandwidth, nbytes=sizes["weight_bytes"]))
+    spill = cfg.hybrid.spill_optimizer or wg.ctx.device.type == "cuda"
+    must_move = {"weights_into_engine": sizes["weight_bytes"],
+                 "optimizer_out_and_back": 2 * sizes["optimizer_bytes_held"] if spill else 0}
+    floor = sum(must_move.values()) / bandwidth
+    switch_s = sum(phases[p]["median_s"] for p in SWITCH_PHASES if p in phases)
+    result = {
+        "model_params": sizes["model_params"], "world_size": wg.world_size, "tp": cfg.train.tp,
+        "rollout_tp": cfg.rollout.tp, "engine": cfg.rollout.engine, "verify": cfg.publish.verify,
+        "spill_optimizer": cfg.hybrid.spill_optimizer, "cycles": cycles, "device": str(wg.ctx.device),
+        "phases": {name: {"median_s": p["median_s"], "bytes": p["bytes"], "peak_mem_bytes": p["peak_mem_bytes"]}
+                   for name, p in phases.items() if name in SWITCH_PHASES},
+        "publish_verify_median_s": statistics.median(s.get("switch/publish_verify_s", 0.0) for s in switches),
+        "publish_copy_median_s": statistics.median(s.get("switch/publish_copy_s", 0.0) for s in switches),
+        "switch_s": switch_s, "bytes_must_move": must_move, "copy_bandwidth_bytes_per_s": bandwidth,
+        "copy_floor_s": floor, "ratio_to_floor": switch_s / floor if floor else None,
+        "parity_max_abs": max(s.get("parity/max_abs", 0.0) for s in switches),
+    }
+    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.run.dir) / "mode_switch.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+JOB = Job("bench_mode_switch", BenchWorker, run_bench)
