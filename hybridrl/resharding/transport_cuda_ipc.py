@@ -29,8 +29,9 @@ def _serializer():
 
 
 class CudaIpcTransport:
-    def __init__(self, engine: Any | None, group_ranks: list[int], group: dist.ProcessGroup | None):
-        """`engine`: the SGLangEngine on the group's first rank, None on the others."""
+    def __init__(self, engine: Any, group_ranks: list[int], group: dist.ProcessGroup | None):
+        """`engine`: the SGLangEngine on the group's first rank, a FollowerEngine on the others
+        (both get `load_serialized(payloads, names, version)`; only the owner receives payloads)."""
         self.engine = engine
         self.group_ranks = group_ranks
         self.group = group
@@ -53,8 +54,7 @@ class CudaIpcTransport:
             dist.gather_object(payload, gathered, dst=self.owner, group=self.group)
         elif gathered is not None:
             gathered[0] = payload
-        if self.engine is not None:
-            await self.engine.load_serialized(gathered, [n for n, _ in bucket], version)
+        await self.engine.load_serialized(gathered, [n for n, _ in bucket], version)
         if len(self.group_ranks) > 1:
             dist.barrier(group=self.group)   # keep every rank's source tensors alive until loaded
         torch.cuda.ipc_collect()

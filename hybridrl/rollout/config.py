@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.backends.sglang.config import SGLangConfig
-from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, knob, section
+from hybridrl.config.fields import check_choice, check_positive, knob, section
 
 ENGINES = ("native", "sglang")
 
@@ -16,13 +16,12 @@ class RolloutConfig:
     """The rollout engine of every rank (colocated with the trainer)."""
 
     engine: str = knob("native", "native (pure torch, CPU or GPU; the CPU default) | sglang (GPU extra)")
-    tp: int = knob(1, "rollout tensor-parallel size (the native engine runs tp=1: one replica per rank)")
+    tp: int = knob(1, "rollout tensor-parallel size: one engine per group of tp ranks, on its first rank "
+                      "(the native engine has no TP: with tp > 1 its one replica serves the whole group)")
     native: NativeEngineConfig = section(NativeEngineConfig, "the native engine: KV cache, batching, prefix reuse")
     sglang: SGLangConfig = section(SGLangConfig, "the SGLang engine (GPU extra)")
 
     def __post_init__(self) -> None:
         check_choice("engine", self.engine, ENGINES)
         check_positive("tp", self.tp)
-        if self.engine == "native" and self.tp != 1:
-            raise ConfigValueError("tp", f"the native engine runs one replica per rank (tp=1), got tp={self.tp}; "
-                                         "use rollout.engine=sglang for tensor-parallel rollout")
+

@@ -57,6 +57,15 @@ class HybridWorker(Worker):
         self.actor = MegatronEngine.from_hf(cfg.model.path, cfg.train, training=True, device=ctx.device)
         self.ref = (MegatronEngine.from_hf(cfg.model.path, cfg.train, training=False, device=ctx.device)
                     if cfg.algo.uses_reference else None)
+        rollout_mesh = self.meshes()["rollout"]
+        self.rollout_ranks = rollout_mesh.group_along("tp", ctx.rank)
+        self.owns_engine = ctx.rank == self.rollout_ranks[0]
+        self.rollout_group = None
+        if cfg.rollout.tp > 1:   # every rank creates every group, in the same order
+            for ranks in rollout_mesh.groups_along("tp"):
+                group = dist.new_group(ranks, backend="gloo")
+                if ctx.rank in ranks:
+                    self.rollout_group = group
         self.engine = self._build_engine()
         self.transport = self._build_transport()
         self.hashes = model_hashes(cfg.model.path)
@@ -70,23 +79,37 @@ class HybridWorker(Worker):
         self.loss_fn = make_loss_fn(cfg.algo)
         self.spill_dir = Path(cfg.run.dir) / "offload" / f"rank{ctx.rank}" if cfg.hybrid.spill_optimizer else None
         self._run(self.engine.sleep())     # start in TRAIN: no KV cache held
-        self._probe = parity.probe_prompts(self.engine.vocab_size, cfg.publish.parity_prompts,
-                                           avoid=self.engine.eos_token_ids) if cfg.publish.parity_prompts else []
+        special = [t for t in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id) if t is not None]
+        self._probe = parity.probe_prompts(len(self.tokenizer), cfg.publish.parity_prompts,
+                                           avoid=special) if cfg.publish.parity_prompts else []
 
     # ------------------------------------------------------------------ construction
 
     def _build_engine(self):
+        """The rollout group's engine on its first rank; a FollowerEngine on the others."""
         rollout = self.cfg.rollout
+        if not self.owns_engine:
+            from hybridrl.rollout.follower import FollowerEngine
+
+            return FollowerEngine(self.actor.hf_spec(), eos_token_ids=(), vocab_size=self.actor.adapter.spec.vocab_size,
+                                  max_model_len=0, policy_version=-1 if rollout.engine == "sglang" else 0)
         if rollout.engine == "native":
             from hybridrl.backends.native import NativeEngine
 
+            if rollout.tp > 1:
+                log.warning("the native engine has no tensor parallelism: with rollout.tp=%d one replica on rank "
+                            "%d serves its group of %d ranks", rollout.tp, self.ctx.rank, rollout.tp)
             return NativeEngine.from_pretrained(self.cfg.model.path, rollout.native, device=self.ctx.device)
         from hybridrl.backends.sglang.engine import SGLangEngine
 
-        raise NotImplementedError("rollout.engine=sglang inside the hybrid worker needs a GPU machine with sglang; "
-                                  f"see {SGLangEngine.__module__} (the engine adapter) and docs/architecture.md")
+        return SGLangEngine(self.cfg.model.path, rollout.sglang, tp_size=rollout.tp,
+                            base_gpu_id=self.ctx.local_rank, port_offset=self.ctx.rank, seed=self.cfg.run.seed)
 
     def _build_transport(self):
+        if self.cfg.rollout.engine == "sglang":
+            from hybridrl.resharding.transport_cuda_ipc import CudaIpcTransport
+
+            return CudaIpcTransport(self.engine, self.rollout_ranks, self.rollout_group)
         from hybridrl.resharding.transport_inprocess import InProcessTransport
 
         return InProcessTransport(self.engine)
@@ -116,6 +139,9 @@ class HybridWorker(Worker):
             with self.modes.phase("offload") as rec:
                 rec.bytes_moved = self.actor.offload(optimizer=True, grads=True, spill_dir=self.spill_dir)
             published, refused = self.engine.policy_version != version, None
+            previous = self.engine.policy_version
+            if published and hasattr(self.engine, "resume_weights"):
+                self._run(self.engine.resume_weights())     # SGLang: weights were released with the KV cache
             if published:
                 try:
                     with self.modes.phase("publish") as rec:
@@ -131,6 +157,10 @@ class HybridWorker(Worker):
                         raise
                     published, refused = False, str(err)
                     log.error("rank %d: %s", self.ctx.rank, err)
+                if self.rollout_group is not None and self._any_in_group(refused is not None) and refused is None:
+                    # the group's engine refused it on its owner: this rank's stand-in follows
+                    published, refused = False, "refused by the rollout group's engine"
+                    self.engine.set_version(previous)
             with self.modes.phase("wake") as rec:
                 self._run(self.engine.wake_up())
             probe = self._parity_probe(version) if published and self._probe else {}
@@ -156,10 +186,17 @@ class HybridWorker(Worker):
         self.modes.require(Mode.ROLLOUT)
         with self.modes.phase("sleep"):
             self._run(self.engine.sleep())
+            if hasattr(self.engine, "release_weights"):
+                self._run(self.engine.release_weights())   # SGLang: its weights go too (republished next time)
         with self.modes.phase("reload") as rec:
             rec.bytes_moved = self.actor.reload()
         self.modes.to(Mode.TRAIN)
         return {f"switch/{k}_s": v["seconds"] for k, v in self.modes.last().items() if k in ("sleep", "reload")}
+
+    def _any_in_group(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.rollout_group)
+        return bool(t.item())
 
     def _count_refusals(self, refused: bool) -> float:
         """How many ranks refused this publication (every rank takes part: enter_rollout is SPMD)."""
@@ -169,8 +206,12 @@ class HybridWorker(Worker):
 
     def _parity_probe(self, version: int) -> dict:
         """Engine greedy logprobs vs the trainer's on fixed prefixes; raises above the tolerance."""
-        outputs = self._run(parity.engine_outputs(self.engine, self._probe, self.cfg.publish.parity_tokens,
-                                                  tag=f"v{version}"))
+        outputs = (self._run(parity.engine_outputs(self.engine, self._probe, self.cfg.publish.parity_tokens,
+                                                   tag=f"v{version}")) if self.owns_engine else None)
+        if self.rollout_group is not None:   # the group's engine answered on its owner: share it
+            box = [outputs]
+            dist.broadcast_object_list(box, src=self.rollout_ranks[0], group=self.rollout_group)
+            outputs = box[0]
         batch = parity.probe_batch(self._probe, outputs)
         mine = self.actor.compute_logprobs(batch)          # every rank of the train mesh takes part
         result = parity.compare(self._probe, outputs, mine["logprobs"]) if mine is not None else {}
@@ -191,6 +232,8 @@ class HybridWorker(Worker):
         from hybridrl.envs.tasks.base import TaskInstance
 
         self.modes.require(Mode.ROLLOUT)
+        if not self.owns_engine:
+            return None                  # the group's first rank runs its episodes
         real = episodes.num_valid
         if real == 0:   # a shard of padding only (more rollout ranks than episodes)
             return _placeholder_rows(len(episodes))
@@ -211,6 +254,8 @@ class HybridWorker(Worker):
         from hybridrl.rollout.protocol import SamplingParams
 
         self.modes.require(Mode.ROLLOUT)
+        if not self.owns_engine:
+            return []
         sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
 
         async def go():

@@ -100,3 +100,25 @@ def memory(cfg, wg):
 PUBLISH = Job("publish", HybridWorker, publish_then_sample)
 CORRUPT = Job("corrupt", FaultyHybridWorker, corrupted_publication)
 MEMORY = Job("memory", HybridWorker, memory)
+
+
+def grouped_rollout(cfg, wg):
+    """rollout.tp=2 with the native engine: one engine on rank 0 serves the group of 2 ranks."""
+    first = wg.call(HybridWorker.enter_rollout, version=0, step=0)
+    per_rank = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=6)
+    wg.call(HybridWorker.enter_train)
+    _train_once(wg, vocab=500)
+    switch = wg.call(HybridWorker.enter_rollout, version=1, step=1)
+    from hybridrl.controller.metrics import episode_rows
+    from hybridrl.data.trajectory import from_batch
+    from hybridrl.envs.tasks import get_task
+
+    task = get_task(cfg.task.name, cfg.task)
+    trajectories = from_batch(wg.call(HybridWorker.rollout, episode_rows(task.train_split(2), 2, 1)))
+    after = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=6)
+    _write(cfg, {"first": first, "per_rank": per_rank, "switch": switch, "after": after,
+                 "versions": sorted({v for t in trajectories for v in t.versions}),
+                 "episodes": len(trajectories)})
+
+
+GROUPED = Job("grouped", HybridWorker, grouped_rollout)

@@ -76,3 +76,13 @@ def test_rollout_phase_holds_no_optimizer_state(tmp_path, tiny_models):
     kv = r["rollout"]["kv_cache_bytes"]
     assert r["rollout"]["rss_bytes"] < r["train"]["rss_bytes"] - 0.5 * opt + kv
     assert r["again"]["loss"] == r["again"]["loss"]           # training continues after the round trip
+
+
+def test_rollout_tensor_parallel_group_has_one_engine_on_its_first_rank(tmp_path, model):
+    """The layout SGLang uses (one engine per rollout TP group), exercised with the native engine."""
+    proc, r = run_job(tmp_path, "GROUPED", model, "rollout.tp=2", "trainer.prompts_per_step=2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert r["per_rank"][1] == [] and len(r["per_rank"][0]) == 3       # rank 1 holds a follower
+    assert r["switch"]["published"] and r["switch"]["parity/max_abs"] < 1e-4
+    assert r["versions"] == [1] and r["episodes"] == 4
+    assert all(o["policy_version"] == 1 for o in r["after"][0])

@@ -1,0 +1,82 @@
+"""`FollowerEngine`: what a rank that does not own its rollout group's engine holds.
+
+With rollout tensor parallelism R > 1, one engine serves each group of R ranks and lives on the
+group's first rank (SGLang runs its own TP workers on the group's GPUs). The other ranks still
+take part in every collective of a publication (gathers of the trainer's shards), so they run
+the same publication code against this stand-in: it checks names and shapes and tracks the
+policy version exactly as the owner's engine does, and holds no weights and no KV cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from hybridrl.rollout.protocol import GenerationOutput, SamplingParams
+
+
+class FollowerEngine:
+    def __init__(self, spec: dict[str, tuple[tuple[int, ...], torch.dtype]], *, eos_token_ids: Sequence[int],
+                 vocab_size: int, max_model_len: int, policy_version: int = 0):
+        self._spec = dict(spec)
+        self._version = policy_version
+        self._arrived: dict[int, set[str]] = {}
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return dict(self._spec)
+
+    async def generate(self, token_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> GenerationOutput:
+        raise RuntimeError("this rank does not own its rollout group's engine; generation runs on the group's "
+                           "first rank")
+
+    async def abort(self, request_id: str) -> bool:
+        return False
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        names = []
+        for name, t in named_tensors:
+            if name not in self._spec:
+                raise ValueError(f"update_weights: unknown tensor '{name}'")
+            shape, dtype = self._spec[name]
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise ValueError(f"update_weights: '{name}' is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
+            names.append(name)
+        arrived = self._arrived.setdefault(version, set())
+        arrived.update(names)
+        if arrived >= set(self._spec):
+            self._version = version
+            self._arrived = {}
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    async def sleep(self) -> None:
+        return None
+
+    async def wake_up(self) -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {"policy_version": self._version, "follower": True}
+
+    def close(self) -> None:
+        return None
+
+    async def load_serialized(self, payloads: Any, names: list[str], version: int) -> None:
+        """The CUDA IPC transport's call on a follower: the owner loaded the bucket; track it."""
+        unknown = sorted(set(names) - set(self._spec))
+        if unknown:
+            raise ValueError(f"update_weights: unknown tensor(s) {unknown[:5]}")
+        arrived = self._arrived.setdefault(version, set())
+        arrived.update(names)
+        if arrived >= set(self._spec):
+            self._version = version
+            self._arrived = {}
