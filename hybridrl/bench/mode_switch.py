@@ -5,7 +5,8 @@ Each cycle publishes a new version (so every cycle moves the weights), lets the 
 short request, and returns to training. Reported per phase: median seconds, bytes moved, peak
 memory (CUDA peak / process RSS). The floor is the bytes that must move in a full switch (the
 weights into each rank's engine; optimizer state out and back when it is offloaded or spilled)
-over the memcpy bandwidth of a same-sized buffer copy on every rank at once.
+over the memcpy bandwidth of a same-sized buffer copy on every rank at once (and the gradient
+buffers, released for the rollout phase, written once more when they come back).
 """
 
 from __future__ import annotations
@@ -81,8 +82,12 @@ def run_bench(cfg, wg) -> dict:
     phases = wg.call(HybridWorker.phase_summary)
     bandwidth = statistics.median(wg.call(BenchWorker.copy_bandwidth, nbytes=sizes["weight_bytes"]))
     spill = cfg.hybrid.spill_optimizer or wg.ctx.device.type == "cuda"
+    # what a full switch cannot avoid: the weights into each engine; optimizer state out and back
+    # when it leaves the device (GPU: to pinned host memory; CPU: spilled to a file); the gradient
+    # buffers re-created (written once, zeroed) after being released for the rollout phase
     must_move = {"weights_into_engine": sizes["weight_bytes"],
-                 "optimizer_out_and_back": 2 * sizes["optimizer_bytes_held"] if spill else 0}
+                 "optimizer_out_and_back": 2 * sizes["optimizer_bytes_held"] if spill else 0,
+                 "gradient_buffers_restored": sizes["grad_bytes_held"]}
     floor = sum(must_move.values()) / bandwidth
     switch_s = sum(phases[p]["median_s"] for p in SWITCH_PHASES if p in phases)
     result = {

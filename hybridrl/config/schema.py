@@ -45,11 +45,8 @@ class RunConfig:
 class ModelConfig:
     """The policy model: a Hugging Face model directory on local disk."""
 
-    path: str = knob("", "HF model directory (config.json, *.safetensors, tokenizer files)")
-    dtype: str = knob("float32", "parameter dtype for training and rollout: float32 | bfloat16 | float16")
-
-    def __post_init__(self) -> None:
-        check_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+    path: str = knob("", "HF model directory on local disk (config.json, *.safetensors, tokenizer files); "
+                         "dtypes are per engine: train.dtype, rollout.native.dtype, rollout.sglang.dtype")
 
 
 @dataclass(kw_only=True)

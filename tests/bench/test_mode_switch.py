@@ -21,6 +21,7 @@ def test_mode_switch_bench_json(tmp_path, tiny_models):
         assert set(r["phases"][phase]) == {"median_s", "bytes", "peak_mem_bytes"}
     assert r["phases"]["publish"]["bytes"] == r["bytes_must_move"]["weights_into_engine"] > 0
     assert r["bytes_must_move"]["optimizer_out_and_back"] > 0           # spilled and read back
+    assert r["bytes_must_move"]["gradient_buffers_restored"] == r["phases"]["offload"]["bytes"] > 0
     assert r["copy_floor_s"] > 0 and r["ratio_to_floor"] == r["switch_s"] / r["copy_floor_s"]
     assert r["parity_max_abs"] < 1e-4
     assert "mode switch of a" in proc.stdout
