@@ -14,21 +14,21 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from hybridrl.rollout.protocol import GenerationOutput, SamplingParams
+from hybridrl.rollout.versions import Publication
 
 
 class FollowerEngine:
     def __init__(self, spec: dict[str, tuple[tuple[int, ...], torch.dtype]], *, eos_token_ids: Sequence[int],
                  vocab_size: int, max_model_len: int, policy_version: int = 0):
         self._spec = dict(spec)
-        self._version = policy_version
-        self._arrived: dict[int, set[str]] = {}
+        self._publication = Publication(self._spec, policy_version)
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
 
     @property
     def policy_version(self) -> int:
-        return self._version
+        return self._publication.version
 
     def weight_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return dict(self._spec)
@@ -49,14 +49,10 @@ class FollowerEngine:
             if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                 raise ValueError(f"update_weights: '{name}' is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
             names.append(name)
-        arrived = self._arrived.setdefault(version, set())
-        arrived.update(names)
-        if arrived >= set(self._spec):
-            self._version = version
-            self._arrived = {}
+        self._publication.arrive(names, version)
 
     def set_version(self, version: int) -> None:
-        self._version = version
+        self._publication.version = version
 
     async def sleep(self) -> None:
         return None
@@ -65,7 +61,7 @@ class FollowerEngine:
         return None
 
     def stats(self) -> dict[str, Any]:
-        return {"policy_version": self._version, "follower": True}
+        return {"policy_version": self.policy_version, "follower": True}
 
     def close(self) -> None:
         return None
@@ -75,8 +71,4 @@ class FollowerEngine:
         unknown = sorted(set(names) - set(self._spec))
         if unknown:
             raise ValueError(f"update_weights: unknown tensor(s) {unknown[:5]}")
-        arrived = self._arrived.setdefault(version, set())
-        arrived.update(names)
-        if arrived >= set(self._spec):
-            self._version = version
-            self._arrived = {}
+        self._publication.arrive(names, version)

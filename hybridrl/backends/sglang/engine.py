@@ -27,6 +27,7 @@ from hybridrl.backends.sglang.config import SGLangConfig
 from hybridrl.resharding.manifest import PublicationError, check_specs
 from hybridrl.resharding.transport_cuda_ipc import CudaIpcTransport
 from hybridrl.rollout.protocol import GenerationOutput, GenerationTimings, SamplingParams
+from hybridrl.rollout.versions import Publication
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,7 @@ class SGLangEngine:
         self._engine = sglang.Engine(**kwargs)
         self._tm = self._engine.tokenizer_manager
         self._spec = checkpoint_spec(model_path, self.dtype)
-        self._version = -1 if cfg.load_format == "dummy" else 0
-        self._arrived: dict[int, set[str]] = {}
+        self._publication = Publication(self._spec, -1 if cfg.load_format == "dummy" else 0)
         self._released: set[str] = set()
         self._in_flight: set[str] = set()
         self.eos_token_ids = tuple(self._eos_ids(model_path))
@@ -79,17 +79,17 @@ class SGLangEngine:
 
     @property
     def policy_version(self) -> int:
-        return self._version
+        return self._publication.version
 
     def weight_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return dict(self._spec)
 
     async def generate(self, token_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> GenerationOutput:
-        if self._version < 0:
+        if self.policy_version < 0:
             raise RuntimeError("SGLang engine has no weights yet: publish a policy before generating")
         if "kv_cache" in self._released:
             raise RuntimeError("SGLang engine is asleep: call wake_up() before generating")
-        version = self._version
+        version = self.policy_version
         started = time.perf_counter()
         self._in_flight.add(request_id)
         try:
@@ -99,8 +99,8 @@ class SGLangEngine:
         finally:
             self._in_flight.discard(request_id)
         total = time.perf_counter() - started
-        if self._version != version:
-            raise RuntimeError(f"request {request_id} spans a weight update (v{version} -> v{self._version})")
+        if self.policy_version != version:
+            raise RuntimeError(f"request {request_id} spans a weight update (v{version} -> v{self.policy_version})")
         return convert.generation_output(out, request_id=request_id, policy_version=version,
                                          prompt_tokens=len(token_ids), max_new_tokens=sampling.max_new_tokens,
                                          timings=GenerationTimings(total_s=total))
@@ -131,12 +131,9 @@ class SGLangEngine:
         success, message = (result[0], result[1]) if isinstance(result, tuple) else (result.success, result.message)
         if not success:
             raise PublicationError(f"SGLang refused bucket for v{version}: {message}")
-        arrived = self._arrived.setdefault(version, set())
-        arrived.update(names)
-        if arrived >= set(self._spec):
-            await self._flush()
-            self._version = version
-            self._arrived = {}
+        if self._publication.completes(names, version):
+            await self._flush()        # before the version switches: no request sees stale KV
+        self._publication.arrive(names, version)
 
     async def sleep(self) -> None:
         await self._release(["kv_cache"])
@@ -147,13 +144,13 @@ class SGLangEngine:
     async def release_weights(self) -> None:
         """Free the weights too (they are discarded: every tensor must be pushed again)."""
         await self._release(["weights"])
-        self._version = -1
+        self._publication.version = -1
 
     async def resume_weights(self) -> None:
         await self._resume(["weights"])
 
     def stats(self) -> dict[str, Any]:
-        return {"policy_version": self._version, "released": sorted(self._released),
+        return {"policy_version": self.policy_version, "released": sorted(self._released),
                 "requests_in_flight": len(self._in_flight), "tp_size": self.tp_size}
 
     def shutdown(self) -> None:
