@@ -21,7 +21,10 @@ def test_mode_switch_bench_json(tmp_path, tiny_models):
         assert set(r["phases"][phase]) == {"median_s", "bytes", "peak_mem_bytes"}
     assert r["phases"]["publish"]["bytes"] == r["bytes_must_move"]["weights_into_engine"] > 0
     assert r["bytes_must_move"]["optimizer_out_and_back"] > 0           # spilled and read back
-    assert r["bytes_must_move"]["gradient_buffers_restored"] == r["phases"]["offload"]["bytes"] > 0
+    moved = r["bytes_must_move"]
+    # offload moved the gradient buffers (freed) and the optimizer state (spilled to a file)
+    assert moved["gradient_buffers_restored"] > 0
+    assert r["phases"]["offload"]["bytes"] == moved["gradient_buffers_restored"] + moved["optimizer_out_and_back"] // 2
     assert r["copy_floor_s"] > 0 and r["ratio_to_floor"] == r["switch_s"] / r["copy_floor_s"]
     assert r["parity_max_abs"] < 1e-4
     assert "mode switch of a" in proc.stdout
