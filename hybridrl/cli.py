@@ -1,6 +1,7 @@
 """The `hybridrl` command. Each subcommand's module is imported only when it runs.
 
     hybridrl train RECIPE [key=value ...]      start torchrun on this node with the recipe's ranks
+    hybridrl sft RECIPE [key=value ...]        the same with run.job=sft (supervised warm start)
     hybridrl config show --config RECIPE [k=v] print the resolved config
     hybridrl config defaults [--write DIR]     the documented defaults of every section
     hybridrl assets tiny-model --arch A --out D
@@ -38,6 +39,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     sys.stderr.flush()
     os.execv(sys.executable, cmd)
     return 1  # not reached
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    args.overrides = [*args.overrides, "run.job=sft"]
+    return _cmd_train(args)
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
@@ -118,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="section.key=value")
     p.add_argument("--nproc-per-node", type=int, default=None, help="default: distributed.nproc_per_node")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("sft", help="supervised warm start on a task's demonstrations (train with run.job=sft)")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="section.key=value")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="default: distributed.nproc_per_node")
+    p.set_defaults(func=_cmd_sft)
 
     p = sub.add_parser("config", help="inspect configuration")
     csub = p.add_subparsers(dest="config_command", required=True)
