@@ -27,7 +27,7 @@ def _accuracy(ts: Sequence[Trajectory]) -> float:
 
 def step_metrics(trajectories: list[Trajectory], kept: FilterResult, batch: Batch | None, update: dict,
                  switch: dict, stages: dict[str, float], *, wall_s: float, world_size: int,
-                 version: int) -> dict[str, float]:
+                 version: int, rollout_version: int) -> dict[str, float]:
     rewards = [t.reward for t in trajectories]
     policy_tokens = sum(t.num_policy_tokens for t in trajectories)
     admitted = int(batch["loss_mask"].sum()) if batch is not None else 0
@@ -49,7 +49,8 @@ def step_metrics(trajectories: list[Trajectory], kept: FilterResult, batch: Batc
     for reason, n in kept.counts.items():
         m[f"filter/{reason}"] = n
     versions = [v for t in trajectories for v in t.versions]
-    m["policy/lag_max"] = float(version - 1 - min(versions)) if versions else 0.0
+    # how far behind the policy the rollout asked for the sampled tokens are (a refused publication)
+    m["policy/lag_max"] = float(rollout_version - min(versions)) if versions else 0.0
     m["gen/tokens_per_s"] = policy_tokens / stages["rollout"] if stages.get("rollout") else 0.0
     m["yield/tokens_per_s"] = admitted / wall_s if wall_s else 0.0       # effective yield Y (tokens / s)
     m["yield/tokens_per_device_s"] = admitted / (wall_s * world_size) if wall_s else 0.0

@@ -34,6 +34,7 @@ def train(cfg, wg) -> dict:
     for step in bar:
         timer, started = StageTimer(), time.perf_counter()
         instances = run.stream.next(tc.prompts_per_step)
+        rollout_version = run.version
 
         with timer("sync"):
             switch = wg.call(HybridWorker.enter_rollout, version=run.version, step=step)
@@ -66,7 +67,7 @@ def train(cfg, wg) -> dict:
 
         metrics = M.step_metrics(trajectories, kept, batch, update, switch, timer.pop(),
                                  wall_s=time.perf_counter() - started, world_size=wg.world_size,
-                                 version=run.version)
+                                 version=run.version, rollout_version=rollout_version)
         metrics.update(M.engine_metrics(wg.call(HybridWorker.rollout_stats), run))
         if step == tc.total_steps or (tc.validate_every and step % tc.validate_every == 0):
             metrics.update(validate(cfg, wg, run, step))
