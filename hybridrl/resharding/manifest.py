@@ -24,7 +24,11 @@ HASH_ALGO = "xxh3_128"
 
 
 class PublicationError(RuntimeError):
-    """A publication that must not be switched to (missing, extra or corrupted tensors)."""
+    """A publication that failed (the engine may hold some of its tensors)."""
+
+
+class PublicationRefused(PublicationError):
+    """A publication refused before anything was copied: the engine still serves its old version."""
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -119,7 +123,7 @@ class PolicyRelease:
         """Refuse a release whose tensors do not match what the engine holds, before any copy."""
         problems = check_specs(self.tensor_specs.items(), weight_spec)
         if problems:
-            raise PublicationError(f"publication v{self.policy_version} refused: " + "; ".join(problems))
+            raise PublicationRefused(f"publication v{self.policy_version} refused: " + "; ".join(problems))
 
 
 def check_specs(published: Iterable[tuple[str, tuple[tuple[int, ...], str]]],

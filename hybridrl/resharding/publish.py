@@ -8,7 +8,7 @@
     manifest:  PolicyRelease with the checkpoint hash (xxh3-128 over the per-tensor digests in
                canonical name order), model / tokenizer / chat-template hashes; ready=True
 
-A refused publication raises `PublicationError` before the copy pass: the engine keeps serving
+A refused publication raises `PublicationRefused` before the copy pass: the engine keeps serving
 the version it had. (In `structure` mode a content fault is not detected; the parity probe is the
 remaining check.)
 """
@@ -24,7 +24,14 @@ import xxhash
 
 from hybridrl.resharding.buckets import bucketize, nbytes
 from hybridrl.resharding.config import PublishConfig
-from hybridrl.resharding.manifest import HASH_ALGO, PolicyRelease, PublicationError, check_specs, tensor_digest
+from hybridrl.resharding.manifest import (
+    HASH_ALGO,
+    PolicyRelease,
+    PublicationError,
+    PublicationRefused,
+    check_specs,
+    tensor_digest,
+)
 
 Groups = Callable[[], Iterable[Sequence[tuple[str, torch.Tensor]]]]
 
@@ -50,7 +57,7 @@ async def publish(groups: Groups, *, spec: dict, engine, transport, cfg: Publish
     published = {name: (tuple(shape), str(dtype).replace("torch.", "")) for name, (shape, dtype) in spec.items()}
     problems = check_specs(published.items(), engine.weight_spec())
     if problems:
-        raise PublicationError(f"publication v{version} refused before any copy: " + "; ".join(problems))
+        raise PublicationRefused(f"publication v{version} refused before any copy: " + "; ".join(problems))
     stats = PublishStats()
     bucket_bytes = cfg.bucket_mb * 2**20
     digests: dict[str, str] = {}
@@ -62,7 +69,7 @@ async def publish(groups: Groups, *, spec: dict, engine, transport, cfg: Publish
             received = await transport.digests(bucket)
             bad = sorted(n for n in sent if received.get(n) != sent[n])
             if bad:
-                raise PublicationError(f"publication v{version} refused: {len(bad)} tensor(s) arrived corrupted "
+                raise PublicationRefused(f"publication v{version} refused: {len(bad)} tensor(s) arrived corrupted "
                                        f"({bad[:5]}); the engine keeps serving v{engine.policy_version}")
             digests.update(sent)
         stats.verify_s = time.perf_counter() - started

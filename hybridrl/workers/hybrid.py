@@ -29,7 +29,7 @@ from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import to_batch
 from hybridrl.distributed.mesh import Mesh
 from hybridrl.resharding import parity
-from hybridrl.resharding.manifest import PublicationError, model_hashes
+from hybridrl.resharding.manifest import PublicationError, PublicationRefused, model_hashes
 from hybridrl.resharding.publish import publish
 from hybridrl.workers.base import Worker, register
 from hybridrl.workers.modes import Mode, ModeMachine
@@ -151,10 +151,8 @@ class HybridWorker(Worker):
                             hashes=self.hashes))
                         rec.bytes_moved = stats.bytes_copied
                     self._publish_stats = stats
-                except PublicationError as err:
+                except PublicationRefused as err:
                     # refused before any copy: the engine keeps serving the version it has
-                    if self.engine.policy_version == version or not _refused_intact(err):
-                        raise
                     published, refused = False, str(err)
                     log.error("rank %d: %s", self.ctx.rank, err)
                 if self.rollout_group is not None and self._any_in_group(refused is not None) and refused is None:
@@ -334,11 +332,6 @@ class HybridWorker(Worker):
     def close(self) -> None:
         self._run(self.tools.close())
         self.engine.close()
-
-
-def _refused_intact(err: PublicationError) -> bool:
-    """A refusal raised before the copy pass (structure or verification), not a failed copy."""
-    return "refused" in str(err)
 
 
 def _placeholder_rows(n: int) -> Batch:
