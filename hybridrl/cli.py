@@ -8,6 +8,7 @@
     hybridrl agent sandbox-check|tasks|rollout the agent layer (see hybridrl/agent/cli.py)
     hybridrl score --model D --input I --output O [--tp T --pp P]   per-token logprobs (parity checks)
     hybridrl generate --model D --input I --output O --max-new-tokens N   token ids in, samples out
+    hybridrl demo [--dir D] [key=value | sft:key=value | grpo:key=value ...]   base model -> SFT -> GRPO
 """
 
 from __future__ import annotations
@@ -100,6 +101,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from hybridrl.demo import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridrl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_generate_arguments(p)
     p.set_defaults(func=_cmd_generate)
+    p = sub.add_parser("demo", help="the CPU demo: tiny base model -> SFT -> GRPO with a calculator, accuracy "
+                                    "before and after")
+    from hybridrl.demo import add_arguments as add_demo_arguments
+
+    add_demo_arguments(p)
+    p.set_defaults(func=_cmd_demo)
     return parser
 
 
