@@ -29,9 +29,12 @@ $(STAMP): setup.py pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test]"
 	@touch $(STAMP)
 
-# The main job: the CPU embedded default, end to end.
+# The main job: a tiny calculator agent trained end to end on CPU (base model -> SFT -> GRPO),
+# validation accuracy before and after. DEMO_ARGS passes options/overrides (hybridrl demo --help).
+DEMO_ARGS ?=
+
 demo: install
-	$(BIN)/hybridrl doctor
+	$(BIN)/hybridrl demo $(DEMO_ARGS)
 
 # The CPU test suite (slow and GPU tests skip with a reason).
 test: install

@@ -10,6 +10,7 @@
     hybridrl agent sandbox-check|tasks|rollout the agent layer (see hybridrl/agent/cli.py)
     hybridrl score --model D --input I --output O [--tp T --pp P]   per-token logprobs (parity checks)
     hybridrl generate --model D --input I --output O --max-new-tokens N   token ids in, samples out
+    hybridrl demo [--dir D] [key=value | sft:key=value | grpo:key=value ...]   base model -> SFT -> GRPO
 """
 
 from __future__ import annotations
@@ -113,6 +114,12 @@ def _cmd_bench_mode_switch(args: argparse.Namespace) -> int:
     return mode_switch_main(args)
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from hybridrl.demo import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridrl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -178,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_mode_switch_arguments(b)
     b.set_defaults(func=_cmd_bench_mode_switch)
+
+
+    p = sub.add_parser("demo", help="the CPU demo: tiny base model -> SFT -> GRPO with a calculator, accuracy "
+                                    "before and after")
+    from hybridrl.demo import add_arguments as add_demo_arguments
+
+    add_demo_arguments(p)
+    p.set_defaults(func=_cmd_demo)
     return parser
 
 
