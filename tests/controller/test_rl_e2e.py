@@ -106,3 +106,17 @@ def test_kill_9_then_resume_auto_continues_to_the_same_numbers(tmp_path, model):
 
     ea, eb = load_file(str(straight / "hf" / "model.safetensors")), load_file(str(killed / "hf" / "model.safetensors"))
     assert all(torch.equal(ea[k], eb[k]) for k in ea)
+
+
+def test_sft_demonstrations_follow_the_task_seed_not_the_run_seed(model):
+    from transformers import AutoTokenizer
+
+    from hybridrl.config import load_config
+    from hybridrl.controller.sft import demonstration_rows
+
+    tok = AutoTokenizer.from_pretrained(model)
+    recipe = ROOT / "recipes" / "calc_sft_cpu.yaml"
+    rows = lambda *o: demonstration_rows(load_config(recipe, [f"model.path={model}", "sft.num_demonstrations=16", *o]),  # noqa: E731
+                                         tok)
+    assert rows() == rows("run.seed=5")              # run.seed: init and data order, not the data
+    assert rows() != rows("task.seed=7")
