@@ -19,6 +19,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from hybridrl.demo import BASE_MODEL_ARGS  # noqa: E402  (the demo's base model)
+
 STAGES = ("rollout", "reward", "prep", "train", "sync")
 
 
@@ -26,7 +29,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True)
     ap.add_argument("--recipe", default=str(ROOT / "recipes" / "calc_grpo_cpu.yaml"))
-    ap.add_argument("--model", default=None, help="HF directory (default: a tiny model built for the run)")
+    ap.add_argument("--model", default=None, help="HF directory (default: the demo's base model, built for the run)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -34,9 +37,8 @@ def main() -> int:
         model = args.model
         if model is None:
             model = str(Path(tmp) / "model")
-            subprocess.run([sys.executable, "-m", "hybridrl", "assets", "tiny-model", "--arch", "qwen2", "--out", model,
-                            "--hidden", "128", "--layers", "4", "--heads", "4", "--kv-heads", "2",
-                            "--intermediate", "384"], check=True, capture_output=True)
+            subprocess.run([sys.executable, "-m", "hybridrl", "assets", "tiny-model", *BASE_MODEL_ARGS, "--out", model],
+                           check=True, capture_output=True)
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "hybridrl", "train", args.recipe, f"model.path={model}", f"run.dir={run_dir}",
                f"trainer.total_steps={args.steps}", "trainer.validate_every=0", "trainer.checkpoint_every=0",

@@ -49,7 +49,8 @@ class CudaIpcTransport:
         if any(t.device.type != "cuda" for _, t in bucket):
             raise RuntimeError("CUDA IPC transport needs CUDA tensors")
         payload = _serializer().serialize(bucket, output_str=True)
-        gathered: list[Any] | None = [None] * len(self.group_ranks) if dist.get_rank() == self.owner else None
+        owner_here = not dist.is_initialized() or dist.get_rank() == self.owner
+        gathered: list[Any] | None = [None] * len(self.group_ranks) if owner_here else None
         if len(self.group_ranks) > 1:
             dist.gather_object(payload, gathered, dst=self.owner, group=self.group)
         elif gathered is not None:

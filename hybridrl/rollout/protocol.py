@@ -121,3 +121,29 @@ class RolloutEngine(Protocol):
     async def wake_up(self) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+
+def validate_named_tensors(items: Sequence[tuple[str, torch.Tensor]],
+                           spec: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """Check every (name, tensor) against an engine's weight spec (`update_weights` semantics: the call
+    is validated whole before any copy); raise ValueError/TypeError naming the first bad one."""
+    seen: set[str] = set()
+    for entry in items:
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            raise TypeError(f"update_weights expects (name, tensor) pairs, got {type(entry).__name__}")
+        name, tensor = entry
+        if name not in spec:
+            hint = ""
+            if name == "lm_head.weight" and "model.embed_tokens.weight" in spec:
+                hint = " (this model ties lm_head to model.embed_tokens.weight: send that one only)"
+            raise ValueError(f"update_weights: unknown tensor {name!r}{hint}")
+        if name in seen:
+            raise ValueError(f"update_weights: tensor {name!r} appears twice in one call")
+        seen.add(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        shape, dtype = spec[name]
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+        if tensor.dtype != dtype:
+            raise ValueError(f"update_weights: tensor {name!r} has dtype {tensor.dtype}, expected {dtype}")

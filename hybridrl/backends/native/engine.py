@@ -37,8 +37,7 @@ import torch
 from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.backends.native.core import EngineCore
 from hybridrl.backends.native.scheduler import Sequence
-from hybridrl.backends.native.weights import validate_named_tensors
-from hybridrl.rollout.protocol import FinishReason, GenerationOutput, SamplingParams
+from hybridrl.rollout.protocol import FinishReason, GenerationOutput, SamplingParams, validate_named_tensors
 
 log = logging.getLogger(__name__)
 

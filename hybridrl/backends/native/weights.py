@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import torch
 
@@ -101,31 +101,6 @@ def hf_views(weights: ModelWeights, spec: ModelSpec) -> dict[str, torch.Tensor]:
         if layer.down_bias is not None:
             views[p + "mlp.down_proj.bias"] = layer.down_bias
     return views
-
-
-def validate_named_tensors(items: Sequence[tuple[str, torch.Tensor]],
-                           spec: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
-    """Check every (name, tensor) against the weight spec; raise ValueError naming the first bad one."""
-    seen: set[str] = set()
-    for entry in items:
-        if not (isinstance(entry, tuple) and len(entry) == 2):
-            raise TypeError(f"update_weights expects (name, tensor) pairs, got {type(entry).__name__}")
-        name, tensor = entry
-        if name not in spec:
-            hint = ""
-            if name == "lm_head.weight" and "model.embed_tokens.weight" in spec:
-                hint = " (this model ties lm_head to model.embed_tokens.weight: send that one only)"
-            raise ValueError(f"update_weights: unknown tensor {name!r}{hint}")
-        if name in seen:
-            raise ValueError(f"update_weights: tensor {name!r} appears twice in one call")
-        seen.add(name)
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        shape, dtype = spec[name]
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
-        if tensor.dtype != dtype:
-            raise ValueError(f"update_weights: tensor {name!r} has dtype {tensor.dtype}, expected {dtype}")
 
 
 def load_checkpoint(model_dir: str | Path, views: dict[str, torch.Tensor], spec: ModelSpec) -> None:

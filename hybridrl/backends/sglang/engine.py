@@ -26,7 +26,7 @@ from hybridrl.backends.sglang import convert
 from hybridrl.backends.sglang.config import SGLangConfig
 from hybridrl.resharding.manifest import PublicationError, check_specs
 from hybridrl.resharding.transport_cuda_ipc import CudaIpcTransport
-from hybridrl.rollout.protocol import GenerationOutput, GenerationTimings, SamplingParams
+from hybridrl.rollout.protocol import GenerationOutput, GenerationTimings, SamplingParams, validate_named_tensors
 from hybridrl.rollout.versions import Publication
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,13 @@ class SGLangEngine:
         return True
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        await self._transport.send(list(named_tensors), version)
+        """Validated whole against the checkpoint's names, shapes and the engine dtype before anything
+        is sent (a bad call changes nothing), then pushed as one bucket over CUDA IPC."""
+        items = list(named_tensors)
+        validate_named_tensors(items, self._spec)
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"update_weights: version must be an int >= 0, got {version!r}")
+        await self._transport.send(items, version)
 
     async def load_serialized(self, payloads: list[Any], names: list[str], version: int) -> None:
         """Load one bucket: `payloads[i]` is SGLang TP rank i's serialized list of (name, tensor)."""
@@ -136,6 +142,13 @@ class SGLangEngine:
         self._publication.arrive(names, version)
 
     async def sleep(self) -> None:
+        """Abort the requests in flight (they end with FinishReason.ABORT), then release the KV cache."""
+        for rid in list(self._in_flight):
+            self._tm.abort_request(rid=rid)
+        for _ in range(200):
+            if not self._in_flight:
+                break
+            await asyncio.sleep(0.05)
         await self._release(["kv_cache"])
 
     async def wake_up(self) -> None:
@@ -153,8 +166,11 @@ class SGLangEngine:
         return {"policy_version": self.policy_version, "released": sorted(self._released),
                 "requests_in_flight": len(self._in_flight), "tp_size": self.tp_size}
 
-    def shutdown(self) -> None:
-        self._engine.shutdown()
+    def close(self) -> None:
+        """Stop SGLang's scheduler and detokenizer processes (idempotent)."""
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
 
     # ---------------------------------------------------------------- internals
 
