@@ -29,8 +29,10 @@ from pathlib import Path
 import torch
 
 SIZES = {
-    # name: TinyModelSpec overrides. "demo" is the architecture of the CPU calculator demo model.
-    "demo": dict(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384),
+    # name: TinyModelSpec overrides. "demo" is the architecture of the CPU calculator demo's base
+    # model (hybridrl.demo.BASE_MODEL_ARGS); "h128" its earlier, smaller one.
+    "demo": dict(hidden=192, layers=4, heads=6, kv_heads=2, intermediate=512),
+    "h128": dict(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384),
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128),
     "small": dict(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768),
     "medium": dict(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536),
