@@ -62,12 +62,11 @@ def count_tokens(row: list[int], budget: int, eos: set[int]) -> int:
 def run_hf(model, prompts, olens, eos, temperature, top_p, seed) -> tuple[int, float]:
     from transformers import StoppingCriteria, StoppingCriteriaList
 
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    from hybridrl.data.batch import pad_sequences
+
+    ids = pad_sequences(prompts, left=True)
+    mask = pad_sequences([[1] * len(p) for p in prompts], left=True)
+    width = ids.shape[1]
     budgets = torch.tensor(olens)
 
     class PerRowBudget(StoppingCriteria):

@@ -234,13 +234,17 @@ def _pad_dim1(batches: list["Batch"], pad_values: Mapping[str, float]) -> list["
 
 
 def pad_sequences(rows: Sequence[Sequence[int] | torch.Tensor], *, pad_value: int | float = 0,
-                  dtype: torch.dtype = torch.long, length: int | None = None) -> torch.Tensor:
-    """Right-pad variable-length rows into one [B, T] tensor (T = longest row, or `length`)."""
+                  dtype: torch.dtype = torch.long, length: int | None = None, left: bool = False) -> torch.Tensor:
+    """Pad variable-length rows into one [B, T] tensor (T = longest row, or `length`): on the right,
+    or on the left with `left=True` (the layout of a batched `generate`)."""
     rows = [torch.as_tensor(r, dtype=dtype) for r in rows]
     width = max((len(r) for r in rows), default=0) if length is None else length
     out = torch.full((len(rows), width), pad_value, dtype=dtype)
     for i, r in enumerate(rows):
         if len(r) > width:
             raise BatchShapeError(f"row {i} has {len(r)} entries, longer than length={width}")
-        out[i, : len(r)] = r
+        if left:
+            out[i, width - len(r):] = r
+        else:
+            out[i, : len(r)] = r
     return out

@@ -68,6 +68,7 @@ def test_split_micro_batches_and_pad_sequences():
     assert [len(m) for m in b.split(2)] == [2, 2, 1]
     x = pad_sequences([[1, 2, 3], [4]], pad_value=-1)
     assert x.tolist() == [[1, 2, 3], [4, -1, -1]]
+    assert pad_sequences([[1, 2, 3], [4]], pad_value=-1, left=True).tolist() == [[1, 2, 3], [-1, -1, 4]]
     with pytest.raises(BatchShapeError):
         pad_sequences([[1, 2, 3]], length=2)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hybridrl.backends.native import NativeEngine, NativeEngineConfig
+from hybridrl.data.batch import pad_sequences
 from hybridrl.rollout.protocol import SamplingParams
 
 # Parity models: random weights scaled up so that logits are not flat (near-ties would make
@@ -69,12 +70,9 @@ def hf_logprobs(model, prompt, output, temperature=1.0) -> torch.Tensor:
 
 def hf_greedy(model, prompts, max_new_tokens, eos) -> list[list[int]]:
     """transformers generate(do_sample=False) on the batch (left padded); each row cut after its first EOS."""
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids = pad_sequences(prompts, left=True)
+    mask = pad_sequences([[1] * len(p) for p in prompts], left=True)
+    width = ids.shape[1]
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                              pad_token_id=0, eos_token_id=list(eos))
