@@ -16,6 +16,8 @@ remaining check.)
 from __future__ import annotations
 
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -51,6 +53,10 @@ def checkpoint_hash(digests: dict[str, str]) -> str:
     return f"{HASH_ALGO}:{h.hexdigest()}"
 
 
+def _digests(bucket: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    return {name: tensor_digest(name, t) for name, t in bucket}
+
+
 async def publish(groups: Groups, *, spec: dict, engine, transport, cfg: PublishConfig, version: int, step: int,
                   hashes: dict[str, str]) -> tuple[PolicyRelease, PublishStats]:
     """`groups()` yields the model's fused groups of (HF name, full tensor); it is called once per pass."""
@@ -62,26 +68,37 @@ async def publish(groups: Groups, *, spec: dict, engine, transport, cfg: Publish
     bucket_bytes = cfg.bucket_mb * 2**20
     digests: dict[str, str] = {}
 
-    if cfg.verify == "two_pass":
-        started = time.perf_counter()
-        for bucket in bucketize(groups(), bucket_bytes):
-            sent = {name: tensor_digest(name, t) for name, t in bucket}
-            received = await transport.digests(bucket)
-            bad = sorted(n for n in sent if received.get(n) != sent[n])
-            if bad:
-                raise PublicationRefused(f"publication v{version} refused: {len(bad)} tensor(s) arrived corrupted "
-                                       f"({bad[:5]}); the engine keeps serving v{engine.policy_version}")
-            digests.update(sent)
-        stats.verify_s = time.perf_counter() - started
+    # digests run on a helper thread (xxhash and torch's copy both release the GIL): in two_pass the
+    # sender's side while the transport hashes the receiver's, in structure mode the manifest's
+    # while the bucket is copied (at most two buckets wait for hashing)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-hash") as hasher:
+        if cfg.verify == "two_pass":
+            started = time.perf_counter()
+            for bucket in bucketize(groups(), bucket_bytes):
+                sending = hasher.submit(_digests, bucket)
+                received = await transport.digests(bucket)
+                sent = sending.result()
+                bad = sorted(n for n in sent if received.get(n) != sent[n])
+                if bad:
+                    raise PublicationRefused(f"publication v{version} refused: {len(bad)} tensor(s) arrived "
+                                             f"corrupted ({bad[:5]}); the engine keeps serving "
+                                             f"v{engine.policy_version}")
+                digests.update(sent)
+            stats.verify_s = time.perf_counter() - started
 
-    started = time.perf_counter()
-    for bucket in bucketize(groups(), bucket_bytes):
-        if cfg.verify == "structure":
-            digests.update({name: tensor_digest(name, t) for name, t in bucket})
-        await transport.send(bucket, version)
-        stats.bytes_copied += sum(nbytes(t) for _, t in bucket)
-        stats.num_buckets += 1
-    stats.copy_s = time.perf_counter() - started
+        started = time.perf_counter()
+        hashing: deque[Future] = deque()
+        for bucket in bucketize(groups(), bucket_bytes):
+            if cfg.verify == "structure":
+                hashing.append(hasher.submit(_digests, bucket))
+            await transport.send(bucket, version)
+            stats.bytes_copied += sum(nbytes(t) for _, t in bucket)
+            stats.num_buckets += 1
+            while len(hashing) > 2 or (hashing and hashing[0].done()):
+                digests.update(hashing.popleft().result())
+        while hashing:
+            digests.update(hashing.popleft().result())
+        stats.copy_s = time.perf_counter() - started
     if set(digests) != set(spec):
         raise PublicationError(f"publication v{version}: the model yielded {len(digests)} tensors, "
                                f"the manifest lists {len(spec)}")
