@@ -48,3 +48,27 @@ def test_structure_check_names_the_problems(tiny_models):
     rel.check_structure(spec)
     assert set(rel.summary()) == {"policy_version", "training_step", "checkpoint_hash", "model_config_hash",
                                   "tokenizer_hash", "chat_template_hash", "sampler_contract", "created_at", "ready"}
+
+
+def test_device_checksum_catches_changes_without_a_host_copy_of_the_bytes():
+    g = torch.Generator().manual_seed(0)
+    for dtype, n in ((torch.float32, 1000), (torch.bfloat16, 1001), (torch.float32, 1)):
+        t = torch.randn(n, generator=g).to(dtype)
+        base = tensor_digest("w", t, on_device=True)
+        assert base != tensor_digest("w", t)                            # the digest says how it was made
+        assert tensor_digest("w", t.clone(), on_device=True) == base
+        for i in {0, n // 2, n - 1}:                                    # one element, first/middle/last (tail)
+            changed = t.clone()
+            changed.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[i] += 1
+            assert tensor_digest("w", changed, on_device=True) != base, (dtype, n, i)
+        if n > 2:
+            swapped = t.clone()
+            swapped[[0, 1]] = t[[1, 0]]
+            assert (t[0] == t[1]) or tensor_digest("w", swapped, on_device=True) != base
+    # a view that does not start on an 8-byte boundary, and a multi-chunk tensor
+    big = torch.randn((1 << 23) + 3, generator=g)                     # two chunks of words
+    view = big[1:]
+    assert tensor_digest("v", view, on_device=True) == tensor_digest("v", view.clone(), on_device=True)
+    flipped = view.clone()
+    flipped[-5] = flipped[-5] + 1
+    assert tensor_digest("v", flipped, on_device=True) != tensor_digest("v", view, on_device=True)
