@@ -313,17 +313,8 @@ class AgentRunner:
                 continue
             problem = authorizer.check(call)
             plan.append((call, None) if problem is None else (None, problem))
-        started = time.monotonic()
         run = [self.tools.call(call) for call, _ in plan if call is not None]
-        gathered = asyncio.ensure_future(asyncio.gather(*run))
-        which = await _race(gathered, ep.deadline, stop)
-        ep.timings["tool_s"] += time.monotonic() - started
-        if which != "done":
-            gathered.cancel()
-            if which == "deadline":
-                raise _End(TrajectoryStatus.TRUNCATED, Truncation.WALL_CLOCK)
-            raise _End(TrajectoryStatus.ABORTED, reason="stop requested")
-        results = iter(gathered.result())
+        results = iter(await _within_budget(ep, asyncio.gather(*run), stop, "tool_s"))
         messages = []
         for call, problem in plan:
             if problem is not None:
@@ -347,16 +338,7 @@ class AgentRunner:
     async def _env_step(self, ep: _Episode, text: str, answer: str | None,
                         stop: asyncio.Event | None) -> list[dict[str, str]]:
         assert ep.session is not None
-        started = time.monotonic()
-        step = asyncio.ensure_future(ep.session.step({"text": text, "answer": answer}))
-        which = await _race(step, ep.deadline, stop)
-        ep.timings["env_s"] += time.monotonic() - started
-        if which != "done":
-            step.cancel()
-            if which == "deadline":
-                raise _End(TrajectoryStatus.TRUNCATED, Truncation.WALL_CLOCK)
-            raise _End(TrajectoryStatus.ABORTED, reason="stop requested")
-        transition = step.result()
+        transition = await _within_budget(ep, ep.session.step({"text": text, "answer": answer}), stop, "env_s")
         ep.env_return += transition.reward
         ep.traj.metadata["env_steps"] = ep.traj.metadata.get("env_steps", 0) + 1
         if transition.done:
@@ -407,6 +389,21 @@ class AgentRunner:
             out["engine_busy_fraction"] = self.meter.busy() / wall_s
         out["tools"] = self.tools.stats()
         return out
+
+
+async def _within_budget(ep: _Episode, awaitable, stop: asyncio.Event | None, timing: str):
+    """The result of `awaitable` (a tool batch, an env step), cancelled when the episode's wall-clock
+    budget runs out (TRUNCATED) or a stop is requested (ABORTED); its time goes to ep.timings[timing]."""
+    started = time.monotonic()
+    fut = asyncio.ensure_future(awaitable)
+    which = await _race(fut, ep.deadline, stop)
+    ep.timings[timing] += time.monotonic() - started
+    if which != "done":
+        fut.cancel()
+        if which == "deadline":
+            raise _End(TrajectoryStatus.TRUNCATED, Truncation.WALL_CLOCK)
+        raise _End(TrajectoryStatus.ABORTED, reason="stop requested")
+    return fut.result()
 
 
 async def _race(fut: asyncio.Future, deadline: float, stop: asyncio.Event | None) -> str:
