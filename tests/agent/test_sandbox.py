@@ -40,6 +40,18 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def run_once(code: str, cfg: ToolsConfig | None = None, *, need_namespaces: bool = True):
+    """Run `code` in a fresh pool (closed afterwards) and return its result."""
+    async def go():
+        pool = await started(cfg or config(), need_namespaces=need_namespaces)
+        try:
+            return await pool.run(code)
+        finally:
+            await pool.close()
+
+    return run(go())
+
+
 def processes_of(uids) -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter(["uids"]):
@@ -71,14 +83,7 @@ except OSError as err:
     print("no dns", err)
 """
 
-    async def go():
-        pool = await started(config())
-        try:
-            return await pool.run(code)
-        finally:
-            await pool.close()
-
-    result = run(go())
+    result = run_once(code)
     assert result.ok, result.stderr
     assert "CONNECTED" not in result.stdout and "RESOLVED" not in result.stdout
     assert result.stdout.count("refused") == 2
@@ -155,15 +160,9 @@ def test_infinite_loop_hits_the_cpu_limit_and_sleeping_hits_the_wall_clock():
 
 
 def test_a_100_mb_print_is_cut_at_the_output_limit():
-    async def go():
-        pool = await started(config(max_output_bytes=10_000), need_namespaces=False)
-        try:
-            return await pool.run("import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(100):\n"
-                                  "    sys.stdout.write(chunk)\nprint('finished')")
-        finally:
-            await pool.close()
-
-    result = run(go())
+    result = run_once("import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(100):\n"
+                      "    sys.stdout.write(chunk)\nprint('finished')", config(max_output_bytes=10_000),
+                      need_namespaces=False)
     assert result.output_truncated and result.limit_hit == "output"
     assert len(result.stdout) + len(result.stderr) <= 10_000
     assert "finished" not in result.stdout and result.wall_s < 10
@@ -193,14 +192,7 @@ except OSError as err:
     print("big refused", err.strerror)
 """
 
-    async def go():
-        pool = await started(config())
-        try:
-            return await pool.run(code)
-        finally:
-            await pool.close()
-
-    result = run(go())
+    result = run_once(code)
     assert result.ok, result.stderr
     assert "WROTE" not in result.stdout and result.stdout.count("denied") == len(targets)
     assert "inside fine True" in result.stdout
@@ -224,14 +216,7 @@ for pid in ("1", "self", "{os.getpid()}"):
         print(pid, "unreadable", err.strerror)
 """
 
-    async def go():
-        pool = await started(config())
-        try:
-            return await pool.run(code)
-        finally:
-            await pool.close()
-
-    result = run(go())
+    result = run_once(code)
     assert result.ok, result.stderr
     assert secret not in result.stdout + result.stderr
     assert "['HOME', 'LANG', 'LC_ALL', 'PATH', 'PYTHONDONTWRITEBYTECODE', 'PYTHONHASHSEED', 'PYTHONIOENCODING', " \
