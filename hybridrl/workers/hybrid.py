@@ -159,6 +159,10 @@ class HybridWorker(Worker):
                     # the group's engine refused it on its owner: this rank's stand-in follows
                     published, refused = False, "refused by the rollout group's engine"
                     self.engine.set_version(previous)
+                if refused is not None and self.engine.policy_version < 0:
+                    raise PublicationError(f"publication v{version} refused ({refused}) and the engine holds no "
+                                           "weights to fall back on (SGLang releases them between rollouts): "
+                                           "nothing to serve")
             with self.modes.phase("wake") as rec:
                 self._run(self.engine.wake_up())
             probe = self._parity_probe(version) if published and self._probe else {}
