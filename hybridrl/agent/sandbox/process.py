@@ -186,6 +186,15 @@ class SandboxProcess:
         except (ProcessLookupError, PermissionError):
             pass
 
+    def _kill_all(self) -> None:
+        """SIGKILL the sandbox's process group (without namespaces also every process of its uid)."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.mode == "none" and self.uid >= 0:
+            kill_uid(self.uid)
+
     async def close(self) -> None:
         """End the sandbox if still running, reap it, release pipes and the host directory."""
         ended = self.pipes["status"][1].closed
@@ -194,12 +203,7 @@ class SandboxProcess:
             try:
                 await asyncio.wait_for(asyncio.shield(ended), timeout=2.0)
             except asyncio.TimeoutError:
-                try:
-                    os.killpg(self.popen.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                if self.mode == "none" and self.uid >= 0:
-                    kill_uid(self.uid)
+                self._kill_all()
         for name in ("stdout", "stderr"):               # normally closed with the last process
             transport, capture = self.pipes[name]
             try:
@@ -220,12 +224,7 @@ class SandboxProcess:
 
     def abandon(self) -> None:
         """End the sandbox without an event loop (its loop is gone): kill, reap, release."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if self.mode == "none" and self.uid >= 0:
-            kill_uid(self.uid)
+        self._kill_all()
         for transport, _ in self.pipes.values():
             try:
                 transport.close()
