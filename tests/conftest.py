@@ -61,3 +61,19 @@ def tiny_models(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """Cached loader: hf_model(model_dir) -> the transformers model in float32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def load(model_dir):
+        if model_dir not in cache:
+            cache[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        return cache[model_dir]
+
+    return load

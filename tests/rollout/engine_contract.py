@@ -17,17 +17,6 @@ import torch
 from hybridrl.rollout.protocol import FinishReason, RolloutEngine, SamplingParams
 from tests.backends.native.conftest import hf_greedy, hf_logprobs, prompts_of
 
-_HF: dict[Path, torch.nn.Module] = {}
-
-
-def hf(model_dir: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    if model_dir not in _HF:
-        _HF[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return _HF[model_dir]
-
-
 def checkpoint_tensors(model_dir: Path, dtype: torch.dtype, device: str) -> list[tuple[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
@@ -58,29 +47,29 @@ class EngineContract:
         assert isinstance(engine, RolloutEngine)
         assert engine.policy_version == 0
 
-    def test_greedy_equals_transformers_generate(self, make_engine, model_dir):
+    def test_greedy_equals_transformers_generate(self, hf_model, make_engine, model_dir):
         engine = make_engine(model_dir)
         prompts = prompts_of([3, 17, 40, 1, 9], seed=1)
         outs = run(engine, prompts, SamplingParams(max_new_tokens=16, temperature=0.0))
-        expected = hf_greedy(hf(model_dir), prompts, 16, set(engine.eos_token_ids))
+        expected = hf_greedy(hf_model(model_dir), prompts, 16, set(engine.eos_token_ids))
         for out, ref in zip(outs, expected):
             assert out.token_ids == ref
             assert out.finish_reason == (FinishReason.STOP if ref[-1] in engine.eos_token_ids else FinishReason.LENGTH)
             assert out.policy_version == 0
 
     @pytest.mark.parametrize("temperature", [0.0, 0.7])
-    def test_logprobs_follow_the_sampler_contract(self, make_engine, model_dir, temperature):
+    def test_logprobs_follow_the_sampler_contract(self, hf_model, make_engine, model_dir, temperature):
         """The logprob of each sampled token is log_softmax(logits / T) at that token (T = 1 greedy)."""
         engine = make_engine(model_dir)
         prompts = prompts_of([5, 33, 12], seed=2)
         outs = run(engine, prompts, SamplingParams(max_new_tokens=12, temperature=temperature, seed=7))
         for prompt, out in zip(prompts, outs):
             assert len(out.logprobs) == len(out.token_ids) > 0
-            ref = hf_logprobs(hf(model_dir), prompt, out.token_ids, temperature or 1.0)
+            ref = hf_logprobs(hf_model(model_dir), prompt, out.token_ids, temperature or 1.0)
             torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=self.logprob_atol, rtol=0)
 
-    def test_update_weights_switches_the_version_only_when_every_tensor_arrived(self, make_engine, model_dir,
-                                                                                  tiny_models):
+    def test_update_weights_switches_the_version_only_when_every_tensor_arrived(self, hf_model, make_engine,
+                                                                                  model_dir, tiny_models):
         engine = make_engine(model_dir)
         other = tiny_models("qwen2", **{**self.model_spec, "seed": 11})
         dtype = next(iter(engine.weight_spec().values()))[1]
@@ -94,8 +83,8 @@ class EngineContract:
         assert engine.policy_version == 1
         out = run(engine, [prompt], greedy)[0]
         assert out.policy_version == 1
-        assert out.token_ids == hf_greedy(hf(other), [prompt], 10, set())[0]
-        ref = hf_logprobs(hf(other), prompt, out.token_ids)
+        assert out.token_ids == hf_greedy(hf_model(other), [prompt], 10, set())[0]
+        ref = hf_logprobs(hf_model(other), prompt, out.token_ids)
         torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=self.logprob_atol, rtol=0)
 
     def test_a_bad_update_is_refused_whole_and_changes_nothing(self, make_engine, model_dir, tiny_models):

@@ -30,20 +30,6 @@ def make_engine():
         engine.close()
 
 
-@pytest.fixture(scope="session")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    cache = {}
-
-    def load(model_dir):
-        if model_dir not in cache:
-            cache[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        return cache[model_dir]
-
-    return load
-
-
 def prompts_of(lengths, vocab=500, seed=0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
