@@ -5,7 +5,7 @@
 
 Runs `hybridrl train` for a few steps (no validation or checkpoints in between) and reports the
 medians over the steps after the first (warm-up): samples/s, the stage times T_rollout, T_reward,
-T_prep, T_train, T_sync (reference section 4), generation tokens/s, and the effective yield Y.
+T_prep, T_train, T_sync (the terms of one update's wall time), generation tokens/s, and the effective yield Y.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Loss aggregation with globally correct denominators (reference section 10).
+"""Loss aggregation with globally correct denominators (token and sample denominators counted over the whole global batch).
 
 A loss is computed per token ([B, T] values with a [B, T] 0/1 mask) and reduced to a scalar
 by one of three modes. The denominators are *global*: counted over the whole global batch

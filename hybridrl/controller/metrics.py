@@ -1,4 +1,4 @@
-"""What the RL loop measures each step (reference sections 4 and 15), as flat scalar dicts."""
+"""What the RL loop measures each step (stage times, effective yield, filter reasons, policy lag, mismatch), as flat scalar dicts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`PolicyRelease`: the manifest of one weight publication (reference section 8).
+"""`PolicyRelease`: the manifest of one weight publication (the release manifest of an RL weight publication: version, step, content and tokenizer hashes, sampler contract).
 
 The checkpoint hash covers the published tensors in canonical order (sorted HF names; each
 tensor's name, dtype, shape and bytes). It uses xxh3-128 (about as fast as a memory copy here,

@@ -1,4 +1,4 @@
-"""The logprob parity probe run after each publication (reference section 9).
+"""The logprob parity probe run after each publication (train/inference numerical parity on fixed prefixes).
 
 Fixed prefixes (seeded, the same on every rank and every step) are decoded greedily by the
 rollout engine; the trainer recomputes the logprobs of the same sequences; the two are compared

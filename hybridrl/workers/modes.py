@@ -1,4 +1,4 @@
-"""The hybrid worker's mode state machine (DESIGN.md section 2), with per-phase time and memory.
+"""The hybrid worker's mode state machine (colocated training and generation on one device), with per-phase time and memory.
 
     TRAIN --(offload optimizer/grads)--> RESHARD --(stream weights, publish)--> ROLLOUT
       ^                                                                             |

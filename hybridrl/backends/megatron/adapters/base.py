@@ -6,7 +6,7 @@ how tensor parallelism splits it. `DecoderAdapter.from_hf` builds one TP rank's 
 from full HF tensors; `to_hf` rebuilds the full HF tensors from every TP rank's shard. Both are
 pure tensor indexing (no arithmetic), so HF -> Megatron -> HF is bitwise exact.
 
-Layouts (see platform_notes.md, "HF <-> Megatron layout"):
+Layouts (Megatron-core's GPTModel with the local layer spec, checked bitwise against transformers):
   linear_qkv   for each KV group in turn: its query heads, its key head, its value head;
                TP splits dim 0 by whole groups (kv_heads % tp == 0). Biases the same way.
   linear_fc1   on each TP rank: [that rank's gate slice; that rank's up slice].
