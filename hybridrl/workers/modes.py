@@ -1,4 +1,5 @@
-"""The hybrid worker's mode state machine (colocated training and generation on one device), with per-phase time and memory.
+"""The hybrid worker's mode state machine: training and generation time-share one device, and
+every phase of a switch is timed with its memory.
 
     TRAIN --(offload optimizer/grads)--> RESHARD --(stream weights, publish)--> ROLLOUT
       ^                                                                             |
