@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hybridrl.controller.dispatch import ONE_TO_ALL
+from hybridrl.distributed.dispatch import ONE_TO_ALL
 from hybridrl.data.batch import Batch
 from hybridrl.jobs import Job
 from hybridrl.workers.base import register

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hybridrl.controller.dispatch import ONE_TO_ALL, DPSplit
+from hybridrl.distributed.dispatch import ONE_TO_ALL, DPSplit
 from hybridrl.data.batch import Batch, pad_sequences
 from hybridrl.data.stream import ShuffledStream
 from hybridrl.jobs import Job

@@ -15,8 +15,8 @@ import time
 import traceback
 from typing import Any, Callable
 
-from hybridrl.controller.dispatch import Dispatch, Plan
-from hybridrl.controller.messages import SHUTDOWN, Command, Status
+from hybridrl.distributed.dispatch import Dispatch, Plan
+from hybridrl.distributed.messages import SHUTDOWN, Command, Status
 from hybridrl.data.batch import Batch
 from hybridrl.distributed.bootstrap import DistContext
 from hybridrl.distributed.control import ErrorReport, encode

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
-from hybridrl.controller.dispatch import ONE_TO_ALL, Dispatch
+from hybridrl.distributed.dispatch import ONE_TO_ALL, Dispatch
 from hybridrl.data.batch import Batch
 from hybridrl.distributed.mesh import Mesh
 

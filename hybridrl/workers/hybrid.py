@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.algo.objective import make_loss_fn
-from hybridrl.controller.dispatch import ONE_TO_ALL, DPSplit, OneToAll
+from hybridrl.distributed.dispatch import ONE_TO_ALL, DPSplit, OneToAll
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import to_batch
 from hybridrl.distributed.mesh import Mesh

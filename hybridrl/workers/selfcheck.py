@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybridrl.controller.dispatch import ONE_TO_ALL, DPSplit, OneToAll, RANK0
+from hybridrl.distributed.dispatch import ONE_TO_ALL, DPSplit, OneToAll, RANK0
 from hybridrl.data.batch import Batch
 from hybridrl.jobs import Job
 from hybridrl.workers.base import Worker, register

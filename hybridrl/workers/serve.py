@@ -12,7 +12,7 @@ import logging
 import time
 import traceback
 
-from hybridrl.controller.messages import SHUTDOWN, Command, Status
+from hybridrl.distributed.messages import SHUTDOWN, Command, Status
 from hybridrl.data.batch import Batch
 from hybridrl.distributed.bootstrap import DistContext
 from hybridrl.distributed.control import ControlMessageError, ErrorReport, encode

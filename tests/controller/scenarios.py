@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybridrl.controller.dispatch import ONE_TO_ALL, DPSplit
+from hybridrl.distributed.dispatch import ONE_TO_ALL, DPSplit
 from hybridrl.controller.worker_group import WorkerGroupError
 from hybridrl.data.batch import Batch
 from hybridrl.distributed.control import ControlMessageError

@@ -10,7 +10,7 @@ import torch
 from hybridrl.controller.worker_group import WorkerGroupError
 from hybridrl.data.batch import Batch
 from hybridrl.jobs import Job
-from hybridrl.controller.dispatch import ONE_TO_ALL
+from hybridrl.distributed.dispatch import ONE_TO_ALL
 from hybridrl.workers.base import register
 from hybridrl.workers.hybrid import HybridWorker
 from hybridrl.workers.modes import IllegalTransition  # noqa: F401  (re-exported for tests)

@@ -15,12 +15,19 @@ A worker method declares its mode with `@register(dispatch=...)`; a call may ove
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from hybridrl.data.batch import Batch
+from hybridrl.distributed.mesh import Mesh
 
-if TYPE_CHECKING:
-    from hybridrl.controller.worker_group import WorkerGroup
+
+class Group(Protocol):
+    """What a dispatch mode needs of the caller's worker group (`controller.WorkerGroup`)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def mesh(self, name: str) -> Mesh: ...
 
 
 @dataclass
@@ -36,7 +43,7 @@ class Plan:
 class Dispatch:
     runs_everywhere = True
 
-    def plan(self, data: Batch | None, wg: "WorkerGroup") -> Plan:
+    def plan(self, data: Batch | None, wg: Group) -> Plan:
         raise NotImplementedError
 
 
@@ -48,7 +55,7 @@ class OneToAll(Dispatch):
         if self.collect not in ("all", "rank0"):
             raise ValueError(f"OneToAll(collect=...) takes 'all' or 'rank0', got {self.collect!r}")
 
-    def plan(self, data: Batch | None, wg: "WorkerGroup") -> Plan:
+    def plan(self, data: Batch | None, wg: Group) -> Plan:
         if data is not None and not isinstance(data, Batch):
             raise TypeError(f"data must be a Batch or None, got {type(data).__name__}: pass other "
                             "arguments by keyword, group.call(method, name=value)")
@@ -64,7 +71,7 @@ class DPSplit(Dispatch):
     zero_on_pad: tuple[str, ...] = ("loss_mask", "response_mask")   # zeroed in padding rows
     pad_outputs: tuple[tuple[str, float], ...] = ()   # output tensors right-padded on dim 1 to a common length
 
-    def plan(self, data: Batch | None, wg: "WorkerGroup") -> Plan:
+    def plan(self, data: Batch | None, wg: Group) -> Plan:
         if not isinstance(data, Batch):
             raise TypeError(f"DPSplit needs a Batch to split, got {type(data).__name__}")
         if len(data) == 0:
@@ -98,7 +105,7 @@ class DPSplit(Dispatch):
 class Rank0(Dispatch):
     runs_everywhere = False
 
-    def plan(self, data: Batch | None, wg: "WorkerGroup") -> Plan:
+    def plan(self, data: Batch | None, wg: Group) -> Plan:
         return Plan(same=data, owners=[0], gather=lambda outs: outs[0])
 
 
