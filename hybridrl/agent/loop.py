@@ -34,13 +34,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from hybridrl.agent.actions import ActionError, ToolAuthorizer, ToolCall
+from hybridrl.agent.actions import ActionError, ActionParser, ToolAuthorizer, ToolCall
 from hybridrl.agent.chat import ChatFormat
 from hybridrl.agent.config import AgentConfig
 from hybridrl.agent.envs import EnvProvider, EnvSession, LocalEnvProvider
 from hybridrl.agent.tools.base import ToolBox
 from hybridrl.data.trajectory import ToolCallRecord, Trajectory, TrajectoryStatus, Truncation
-from hybridrl.envs.tasks.base import EpisodeOutcome, Task, TaskInstance
+from hybridrl.data.episode import EpisodeOutcome, TaskInstance
+from hybridrl.envs.tasks.base import Task
 from hybridrl.rollout.protocol import FinishReason, GenerationOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -199,7 +200,7 @@ class AgentRunner:
         if extra:
             messages.append({"role": "user", "content": self.chat.sanitize(extra, cfg.max_observation_chars)})
         traj.prompt_ids = self.chat.prompt_ids(messages, tools=tool_json)
-        parser = ep.task.parser()
+        parser = ActionParser(ep.task.action_formats)
         for turn in range(cfg.max_turns):
             ids, finish = await self._turn(ep, turn, stop)
             traj.turns = turn + 1

@@ -35,10 +35,11 @@ class TaskConfig:
 
         if ":" not in self.name:                    # "package.module:Class" tasks are resolved on use
             check_choice("name", self.name, registry.task_names())
-        try:
-            registry.task_options(self.name, self.options)
-        except ConfigValueError as err:
-            raise ConfigValueError(f"options.{err.field}", str(err)) from None
+        if self.options:      # checking options imports the task's module (only when there are some)
+            try:
+                registry.task_options(self.name, self.options)
+            except ConfigValueError as err:
+                raise ConfigValueError(f"options.{err.field}", str(err)) from None
 
 
 @dataclass(kw_only=True)

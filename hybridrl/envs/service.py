@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hybridrl.envs.protocol import Environment, Transition
-from hybridrl.envs.tasks.base import TaskInstance
+from hybridrl.data.episode import TaskInstance, Transition
+from hybridrl.envs.protocol import Environment
 
 log = logging.getLogger(__name__)
 

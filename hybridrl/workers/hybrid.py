@@ -231,7 +231,7 @@ class HybridWorker(Worker):
     @register(dispatch=DPSplit("rollout", pad_outputs=ROLLOUT_PADS))
     def rollout(self, episodes: Batch, *, temperature: float | None = None) -> Batch:
         """One row per episode (meta: instance, attempt, group_id) -> one row per trajectory."""
-        from hybridrl.envs.tasks.base import TaskInstance
+        from hybridrl.data.episode import TaskInstance
 
         self.modes.require(Mode.ROLLOUT)
         if not self.owns_engine:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import re
 
 from hybridrl.config import load_config
-from hybridrl.envs.tasks.base import EpisodeOutcome
+from hybridrl.agent.actions import ActionParser
+from hybridrl.data.episode import EpisodeOutcome
 from hybridrl.envs.tasks.registry import get_task
 from tests.launch import ROOT
 
 IMPORTS = """
 from dataclasses import dataclass
-from hybridrl.envs.tasks.base import Task, TaskInstance, split_of, unique_instances
-from hybridrl.envs.tasks.registry import register_task
+from hybridrl.envs.tasks import Task, TaskInstance, register_task, split_of, unique_instances
 from hybridrl.reward import RewardResult
 """
 
@@ -36,7 +36,7 @@ def test_the_readme_task_example_runs(tmp_path):
     assert not {t.task_id for t in train} & {v.task_id for v in val}
     assert train == task.train_split(50)                          # seeded
     assert all(3 <= len(t.reference) <= 6 for t in train)
-    parser = task.parser()
+    parser = ActionParser(task.action_formats)
     for inst in val:
         chat = task.demonstration(inst, None, use_tool=False, guess_correct=True)
         answer = parser.parse(chat[-1]["content"]).answer

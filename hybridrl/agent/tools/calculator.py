@@ -1,11 +1,12 @@
-"""The calculator tool: the safe evaluator of `arithmetic.py`, in process (it cannot run code)."""
+"""The calculator tool: the safe evaluator of `hybridrl/envs/arithmetic.py` (the one the calculator task
+computes its answers with), in process: it cannot run code."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from hybridrl.agent.actions import ToolSpec
-from hybridrl.agent.tools.arithmetic import calculate
+from hybridrl.envs.arithmetic import calculate
 from hybridrl.agent.tools.base import ToolResult
 
 

@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 
 _TASKS: dict[str, type["Task"]] = {}
 _NOT_TASKS = {"base", "registry"}
-_discovered = False
 
 
 def register_task(cls: type["Task"]) -> type["Task"]:
@@ -30,21 +29,16 @@ def register_task(cls: type["Task"]) -> type["Task"]:
     return cls
 
 
-def _discover() -> None:
-    global _discovered
-    if _discovered:
-        return
+def _shipped() -> list[str]:
+    """The task modules of this package (a shipped task's module is named after the task); none is
+    imported, so loading a config imports only the task it names."""
     import hybridrl.envs.tasks as package
 
-    for info in pkgutil.iter_modules(package.__path__):
-        if info.name not in _NOT_TASKS:
-            importlib.import_module(f"{package.__name__}.{info.name}")
-    _discovered = True
+    return [info.name for info in pkgutil.iter_modules(package.__path__) if info.name not in _NOT_TASKS]
 
 
 def task_names() -> list[str]:
-    _discover()
-    return sorted(_TASKS)
+    return sorted(set(_shipped()) | set(_TASKS))
 
 
 def task_class(name: str) -> type["Task"]:
@@ -52,7 +46,8 @@ def task_class(name: str) -> type["Task"]:
         module, _, attr = name.partition(":")
         cls = getattr(importlib.import_module(module), attr)
         return register_task(cls)
-    _discover()
+    if name not in _TASKS and name in _shipped():
+        importlib.import_module(f"hybridrl.envs.tasks.{name}")
     if name not in _TASKS:
         raise KeyError(f"unknown task {name!r}; registered: {task_names()}")
     return _TASKS[name]
