@@ -37,7 +37,7 @@ from typing import Any, Sequence
 from hybridrl.agent.actions import ActionError, ActionParser, ToolAuthorizer, ToolCall
 from hybridrl.agent.chat import ChatFormat
 from hybridrl.agent.config import AgentConfig
-from hybridrl.agent.envs import EnvProvider, EnvSession, LocalEnvProvider
+from hybridrl.agent.env_sessions import EnvProvider, EnvSession, LocalEnvProvider
 from hybridrl.agent.tools.base import ToolBox
 from hybridrl.data.trajectory import ToolCallRecord, Trajectory, TrajectoryStatus, Truncation
 from hybridrl.data.episode import EpisodeOutcome, TaskInstance

@@ -28,9 +28,9 @@ from hybridrl.distributed.dispatch import ONE_TO_ALL, DPSplit, OneToAll
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import to_batch
 from hybridrl.distributed.mesh import Mesh
-from hybridrl.resharding import parity
-from hybridrl.resharding.manifest import PublicationError, PublicationRefused, model_hashes
-from hybridrl.resharding.publish import publish
+from hybridrl.publication import parity
+from hybridrl.publication.manifest import PublicationError, PublicationRefused, model_hashes
+from hybridrl.publication.publish import publish
 from hybridrl.workers.base import Worker, register
 from hybridrl.workers.modes import Mode, ModeMachine
 
@@ -107,10 +107,10 @@ class HybridWorker(Worker):
 
     def _build_transport(self):
         if self.cfg.rollout.engine == "sglang":
-            from hybridrl.resharding.transport_cuda_ipc import CudaIpcTransport
+            from hybridrl.publication.transport_cuda_ipc import CudaIpcTransport
 
             return CudaIpcTransport(self.engine, self.rollout_ranks, self.rollout_group)
-        from hybridrl.resharding.transport_inprocess import InProcessTransport
+        from hybridrl.publication.transport_inprocess import InProcessTransport
 
         return InProcessTransport(self.engine)
 
