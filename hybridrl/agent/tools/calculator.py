@@ -8,6 +8,7 @@ from typing import Any
 from hybridrl.agent.actions import ToolSpec
 from hybridrl.envs.arithmetic import calculate
 from hybridrl.agent.tools.base import ToolResult
+from hybridrl.agent.tools.registry import register_tool
 
 
 class CalculatorTool:
@@ -21,3 +22,8 @@ class CalculatorTool:
     async def __call__(self, arguments: dict[str, Any]) -> ToolResult:
         text, ok = calculate(arguments["expression"], max_chars=self.max_chars)
         return ToolResult(text, ok, None if ok else text[len("error: "):])
+
+
+@register_tool("calculator")
+def make_calculator(cfg, box) -> CalculatorTool:
+    return CalculatorTool(max_chars=cfg.calculator_max_chars)
