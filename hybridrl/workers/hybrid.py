@@ -241,13 +241,8 @@ class HybridWorker(Worker):
             return _placeholder_rows(len(episodes))
         attempts = [(TaskInstance.from_dict(episodes["instance"][i]), int(episodes["attempt"][i]),
                      episodes["group_id"][i]) for i in range(real)]
-        if temperature is not None and temperature != self.runner.cfg.temperature:
-            self.runner.cfg = _with(self.runner.cfg, temperature=temperature)
-        try:
-            with self.modes.phase("generate"):
-                trajectories = self._run(self.runner.run_attempts(attempts, task=self.task))
-        finally:
-            self.runner.cfg = self.cfg.agent
+        with self.modes.phase("generate"):
+            trajectories = self._run(self.runner.run_attempts(attempts, task=self.task, temperature=temperature))
         return to_batch(trajectories, pad_id=self.tokenizer.pad_token_id or 0).pad_to(len(episodes))
 
     @register(dispatch=ONE_TO_ALL)
@@ -344,9 +339,3 @@ def _placeholder_rows(n: int) -> Batch:
     tensors["prompt_len"] = torch.zeros(n, dtype=torch.long)
     tensors["reward"] = torch.zeros(n)
     return Batch(tensors, {k: [None] * n for k in ("trajectory_id", "group_id", "status", "record")}, num_padding=n)
-
-
-def _with(cfg, **changes):
-    import dataclasses
-
-    return dataclasses.replace(cfg, **changes)
