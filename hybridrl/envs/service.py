@@ -159,13 +159,6 @@ class EnvService:
     def from_config(cls, cfg, **kwargs) -> "EnvService":
         return cls(cfg.db_path, lease_ttl_s=cfg.lease_ttl_s, synchronous=cfg.synchronous, **kwargs)
 
-    def close_db(self) -> None:
-        with self._lock:
-            for env in self._envs.values():
-                env.close()
-            self._envs.clear()
-            self.db.close()
-
     # ------------------------------------------------------------------ API
 
     def reset(self, task: str, instance: TaskInstance, seed: int, *, episode_key: str | None = None) -> Lease:
