@@ -16,7 +16,7 @@ class TaskConfig:
                      "a task in hybridrl/envs/tasks/ (calculator, guess_number) or 'module:Class'")
     seed: int = knob(0, "seed of the generated train / validation splits")
     train_size: int = knob(4096, "instances in the train split")
-    validation_size: int = knob(256, "instances in the validation split (disjoint from train)")
+    validation_size: int = knob(64, "instances in the validation split (disjoint from train); every RL validation runs all of them")
     format_weight: float = knob(0.0, "weight of the format reward added to the correctness reward")
     sft_tool_use_fraction: float = knob(1.0, "SFT demonstrations that use the tool (the rest guess)")
     sft_guess_correct_fraction: float = knob(0.0, "guessing demonstrations whose guess is right")
