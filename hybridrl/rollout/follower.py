@@ -51,12 +51,17 @@ class FollowerEngine:
         validate_named_tensors(items, self._spec)
         self._publication.arrive([name for name, _ in items], version)
 
-    async def load_serialized(self, payloads: Any, names: list[str], version: int) -> None:
+    async def load_serialized(self, payloads: Any, names: list[str], version: int, *,
+                              load_format: str | None = None) -> None:
         """The CUDA IPC transport's call on a follower: the owner loaded the bucket; track it."""
         unknown = sorted(set(names) - set(self._spec))
         if unknown:
             raise ValueError(f"update_weights: {len(unknown)} unknown tensor(s): {unknown[:5]}")
         self._publication.arrive(names, version)
+
+    def rollback(self, version: int) -> None:
+        """The group's engine refused a publication this stand-in took: follow the owner back."""
+        self._publication = Publication(self._spec, version)
 
     async def sleep(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
         if WEIGHTS in check_tags(self, tags):
