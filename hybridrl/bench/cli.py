@@ -19,7 +19,7 @@ def add_mode_switch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="native", choices=("native", "sglang"))
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: --tp)")
     p.add_argument("--cycles", type=int, default=5)
-    p.add_argument("--verify", default="structure", choices=("structure", "two_pass"))
+    p.add_argument("--verify", default="structure", choices=("structure", "post_copy"))
     p.add_argument("--spill-optimizer", action="store_true", help="CPU: spill optimizer state during rollout")
     p.add_argument("--kv-cache-mb", type=int, default=64)
     p.add_argument("--json", required=True, help="output JSON path")

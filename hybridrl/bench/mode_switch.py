@@ -24,7 +24,7 @@ from hybridrl.jobs import Job
 from hybridrl.workers.base import register
 from hybridrl.workers.hybrid import HybridWorker
 
-SWITCH_PHASES = ("offload", "publish", "wake", "sleep", "reload")
+from hybridrl.workers.config import SWITCH_PHASES
 
 
 class BenchWorker(HybridWorker):
@@ -96,8 +96,8 @@ def run_bench(cfg, wg) -> dict:
         "spill_optimizer": cfg.hybrid.spill_optimizer, "cycles": cycles, "device": str(wg.ctx.device),
         "phases": {name: {"median_s": p["median_s"], "bytes": p["bytes"], "peak_mem_bytes": p["peak_mem_bytes"]}
                    for name, p in phases.items() if name in SWITCH_PHASES},
-        "publish_verify_median_s": statistics.median(s.get("switch/publish_verify_s", 0.0) for s in switches),
-        "publish_copy_median_s": statistics.median(s.get("switch/publish_copy_s", 0.0) for s in switches),
+        "publish_prepare_median_s": statistics.median(s.get("switch/publish_prepare_s", 0.0) for s in switches),
+        "publish_deliver_median_s": statistics.median(s.get("switch/publish_deliver_s", 0.0) for s in switches),
         "switch_s": switch_s, "bytes_must_move": must_move, "copy_bandwidth_bytes_per_s": bandwidth,
         "copy_floor_s": floor, "ratio_to_floor": switch_s / floor if floor else None,
         "parity_max_abs": max(s.get("parity/max_abs", 0.0) for s in switches),

@@ -103,5 +103,9 @@ class Staging:
             buf = self._buffers[slot] = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
         return FlatBucket(plan, buf)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._buffers if b is not None)
+
     def release(self) -> None:
         self._buffers = [None] * len(self._buffers)

@@ -322,6 +322,7 @@ class HybridWorker(Worker):
 
         return {"mode": self.modes.mode.value, **held_bytes(self.actor),
                 "kv_cache_bytes": int(self.engine.stats().get("kv_cache_bytes", 0)),
+                "staging_bytes": self.staging.nbytes,    # publication's bucket buffers (kept on a CPU device)
                 "rss_bytes": psutil.Process().memory_info().rss,
                 "phases": self.modes.summary()}
 
