@@ -164,9 +164,12 @@ class HybridWorker(Worker):
                     refused = self._publish(version, step)
                     rec.bytes_moved = self._publish_stats.bytes_copied if refused is None else 0
                     published = refused is None
-            with self.modes.phase("wake", waits_for="the rollout engine to wake up") as rec:
+            with self.modes.phase("wake", waits_for="the rollout engine to wake up"):
                 self._engine_call(self.engine.wake_up(tags - {WEIGHTS}), "the engine to take its memory back")
-                probe = self._parity_probe(version) if published and self._probe else {}
+            probe = {}
+            if published and self._probe:       # a check after the switch, timed apart from it
+                with self.modes.phase("probe", waits_for="the parity probe"):
+                    probe = self._parity_probe(version)
         except BaseException:
             self.modes.to(Mode.TRAIN)
             self._back_to_train(tags)
