@@ -20,7 +20,8 @@ class HybridConfig:
     offload_deadline_s: float = knob(300.0, "deadline of the offload phase (optimizer state and gradients "
                                             "leave the device); past it the run fails naming the rank")
     publish_deadline_s: float = knob(600.0, "deadline of publishing the weights into the rollout engine")
-    wake_deadline_s: float = knob(300.0, "deadline of waking the rollout engine (KV cache) + the parity probe")
+    wake_deadline_s: float = knob(300.0, "deadline of waking the rollout engine (its KV cache and the rest "
+                                         "of its memory)")
     sleep_deadline_s: float = knob(300.0, "deadline of putting the rollout engine to sleep (abort, drain, release)")
     reload_deadline_s: float = knob(300.0, "deadline of bringing optimizer state and gradients back")
     drain_deadline_s: float = knob(60.0, "how long an engine going to sleep waits for its aborted requests to "

@@ -9,7 +9,7 @@ A failed RESHARD returns to TRAIN (the engine keeps its previous version). Any o
 `IllegalTransition`. Each phase records wall time, bytes moved and peak memory.
 
 Every phase of a switch (offload, publish, wake, sleep, reload) has a deadline (`hybrid.*_deadline_s`).
-Inside it, the worker waits only in bounded ways: for the other ranks to arrive (`arrive`: a
+Inside it, the worker waits only in bounded ways: for the other ranks to arrive (`Arrivals`: a
 barrier on the control plane's store, so a rank that stops coming is named instead of waited for
 inside a collective) and for the engine (`remaining()` bounds each await). Work that cannot be
 interrupted (a collective, an offload) is covered by a backstop: past the deadline plus a grace,
@@ -118,8 +118,11 @@ class ModeMachine:
 
     @contextlib.contextmanager
     def phase(self, name: str, *, waits_for: str = "its work"):
-        """Time a phase under its deadline (if configured); the body sets `rec.bytes_moved`. With
-        arrivals, the phase starts by waiting for every rank. Yields a mutable record."""
+        """Time a phase; the body sets `rec.bytes_moved`. Yields a mutable record.
+
+        A phase with a deadline is a phase of a mode switch, which every rank runs: with arrivals it
+        starts by waiting for every rank (bounded by the deadline). Phases without one (generation,
+        a train step) are only timed: ranks may skip them (a rank that holds no engine)."""
         rec = PhaseRecord(0.0, 0, 0)
         limit = self.deadlines.get(name)
         deadline = time.monotonic() + limit if limit else None
@@ -131,9 +134,10 @@ class ModeMachine:
             backstop.daemon = True
             backstop.start()
         try:
-            if self.arrivals is not None:
-                key = f"{self.switches}/{name}"
-                missing = self.arrivals.wait(key, deadline)
+            if self.arrivals is not None and limit:       # a phase of a switch: every rank runs it
+                missing = self.arrivals.wait(f"{self.switches}/{name}", deadline)
+                # every rank has passed the barrier of two switches ago: its key is no longer read
+                self.arrivals.forget(f"{self.switches - 2}/{name}")
                 if missing:
                     raise PhaseTimeout(self.timeout_message(f"rank(s) {missing} to arrive"))
             if self.device is not None and self.device.type == "cuda":

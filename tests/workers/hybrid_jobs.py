@@ -109,26 +109,6 @@ CORRUPT = Job("corrupt", FaultyHybridWorker, corrupted_publication)
 MEMORY = Job("memory", HybridWorker, memory)
 
 
-def grouped_rollout(cfg, wg):
-    """rollout.tp=2 with the native engine: one engine on rank 0 serves the group of 2 ranks."""
-    first = wg.call(HybridWorker.enter_rollout, version=0, step=0)
-    per_rank = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=6)
-    wg.call(HybridWorker.enter_train)
-    _train_once(wg, vocab=500)
-    switch = wg.call(HybridWorker.enter_rollout, version=1, step=1)
-    from hybridrl.controller.metrics import episode_rows
-    from hybridrl.data.trajectory import from_batch
-    from hybridrl.envs.tasks import get_task
-
-    task = get_task(cfg.task.name, cfg.task)
-    trajectories = from_batch(wg.call(HybridWorker.rollout, episode_rows(task.train_split(2), 2, 1)))
-    after = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=6)
-    _write(cfg, {"first": first, "per_rank": per_rank, "switch": switch, "after": after,
-                 "versions": sorted({v for t in trajectories for v in t.versions}),
-                 "episodes": len(trajectories)})
-
-
-GROUPED = Job("grouped", HybridWorker, grouped_rollout)
 
 
 class StuckHybridWorker(HybridWorker):
@@ -185,3 +165,63 @@ def engine_never_drains(cfg, wg):
 
 STALLED_RANK = Job("stalled_rank", StuckHybridWorker, rank_stops_arriving)
 NEVER_DRAINS = Job("never_drains", StuckHybridWorker, engine_never_drains)
+
+
+class GroupedHybridWorker(StuckHybridWorker):
+    """Records, on every rank, what each switch decided: (version asked, published, engine version)."""
+
+    @register(dispatch=OneToAll("rank0"))
+    def enter_rollout(self, *, version: int, step: int) -> dict:
+        out = super().enter_rollout(version=version, step=step)
+        self._switches = [*getattr(self, "_switches", []), [version, out["published"], self.engine.policy_version]]
+        return out
+
+    @register(dispatch=ONE_TO_ALL)
+    def switch_log(self) -> list:
+        return getattr(self, "_switches", [])
+
+
+def grouped_rollout(cfg, wg):
+    """rollout.tp=2 with the native engine: one engine on rank 0 serves the group of 2 ranks (rank 1
+    holds a FollowerEngine). Then the trainer's own order of calls around a validation followed by a
+    checkpoint and around a step whose batch is empty, every rank recording what it decided; at the
+    end rank 1 stops arriving at a switch (run with hybrid.offload_deadline_s=3)."""
+    from hybridrl.controller.metrics import episode_rows
+    from hybridrl.data.trajectory import from_batch
+    from hybridrl.envs.tasks import get_task
+
+    task = get_task(cfg.task.name, cfg.task)
+    first = wg.call(HybridWorker.enter_rollout, version=0, step=0)
+    per_rank = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=6)
+    wg.call(HybridWorker.enter_train)
+    _train_once(wg, vocab=500)
+    switch = wg.call(HybridWorker.enter_rollout, version=1, step=1)            # step 1
+    trajectories = from_batch(wg.call(HybridWorker.rollout, episode_rows(task.train_split(2), 2, 1)))
+    after = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=6)
+    wg.call(HybridWorker.enter_train)
+    # validation (trainer.validate): from TRAIN into ROLLOUT at the current version, left there
+    wg.call(HybridWorker.enter_rollout, version=1, step=1)
+    wg.call(HybridWorker.rollout, episode_rows(task.validation_split(1), 1, "val1"), temperature=0.0)
+    # checkpoint (RunState.save_checkpoint): back to TRAIN, then save
+    wg.call(HybridWorker.enter_train)
+    wg.call(HybridWorker.save_checkpoint, path=str(Path(cfg.run.dir) / "ckpt"), extra={"step": 1})
+    # step 2: its batch is empty (every group filtered out): no train step, the version stays
+    wg.call(HybridWorker.enter_rollout, version=1, step=2)
+    wg.call(HybridWorker.enter_train)
+    # step 3: still nothing new to publish; its update makes version 2, published at step 4
+    wg.call(HybridWorker.enter_rollout, version=1, step=3)
+    wg.call(HybridWorker.enter_train)
+    _train_once(wg, vocab=500, seed=1)
+    wg.call(HybridWorker.enter_rollout, version=2, step=4)
+    v2 = wg.call(HybridWorker.sample, prompts=PROMPTS[:1], max_new_tokens=4)
+    switches = wg.call(GroupedHybridWorker.switch_log)
+    wg.call(HybridWorker.enter_train)
+    wg.call(StuckHybridWorker.stall_next_switch, rank=1, seconds=600)
+    stalled = _timed_failure(lambda: wg.call(HybridWorker.enter_rollout, version=2, step=5))
+    _write(cfg, {"first": first, "per_rank": per_rank, "switch": switch, "after": after, "v2": v2,
+                 "versions": sorted({v for t in trajectories for v in t.versions}),
+                 "episodes": len(trajectories), "switches": switches, "stalled": stalled})
+    raise RuntimeError("expected failure recorded")   # the group is aborted after a worker error
+
+
+GROUPED = Job("grouped", GroupedHybridWorker, grouped_rollout)
