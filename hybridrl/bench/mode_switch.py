@@ -19,12 +19,11 @@ from pathlib import Path
 import torch
 
 from hybridrl.distributed.dispatch import ONE_TO_ALL
-from hybridrl.data.batch import Batch
+from hybridrl.data.batch import Batch, pad_sequences
 from hybridrl.jobs import Job
 from hybridrl.workers.base import register
-from hybridrl.workers.hybrid import HybridWorker
-
 from hybridrl.workers.config import SWITCH_PHASES
+from hybridrl.workers.hybrid import HybridWorker
 
 
 class BenchWorker(HybridWorker):
@@ -90,8 +89,8 @@ def run_bench(cfg, wg) -> dict:
                  "gradient_buffers_restored": sizes["grad_bytes_held"]}
     floor = sum(must_move.values()) / bandwidth
     switch_s = sum(phases[p]["median_s"] for p in SWITCH_PHASES if p in phases)
-    result = {
-        "model_params": sizes["model_params"], "world_size": wg.world_size, "tp": cfg.train.tp,
+    return {
+        "model_params": sizes["model_params"], "vocab_size": sizes["vocab_size"], "world_size": wg.world_size, "tp": cfg.train.tp,
         "rollout_tp": cfg.rollout.tp, "engine": cfg.rollout.engine, "verify": cfg.publish.verify,
         "spill_optimizer": cfg.hybrid.spill_optimizer, "cycles": cycles, "device": str(wg.ctx.device),
         "phases": {name: {"median_s": p["median_s"], "bytes": p["bytes"], "peak_mem_bytes": p["peak_mem_bytes"]}
@@ -101,10 +100,44 @@ def run_bench(cfg, wg) -> dict:
         "switch_s": switch_s, "bytes_must_move": must_move, "copy_bandwidth_bytes_per_s": bandwidth,
         "copy_floor_s": floor, "ratio_to_floor": switch_s / floor if floor else None,
         "parity_max_abs": max(s.get("parity/max_abs", 0.0) for s in switches),
+        "published_cycles": sum(bool(s["published"]) for s in switches),
+        "retried_tensors": sum(s.get("publish/retried_tensors", 0.0) for s in switches),
     }
+
+
+def bench(cfg, wg) -> dict:
+    return _write(cfg, run_bench(cfg, wg))
+
+
+def bench_and_serve(cfg, wg) -> dict:
+    """The GPU check kit's run (benchmarks/gpu_check.py): the benchmark's cycles, then on the last
+    published version the engine's greedy continuations of fixed prompts (ids, logprobs) and the
+    trainer's logprobs of the same sequences, with the weights exported to <run.dir>/hf, so that
+    transformers can score both against the weights that were served."""
+    from hybridrl.publication import parity
+
+    result = run_bench(cfg, wg)
+    cycles = cfg.trainer.total_steps
+    prompts = parity.probe_prompts(result["vocab_size"], 4, length=6, seed=0)
+    wg.call(HybridWorker.enter_rollout, version=cycles, step=cycles)      # serving it already: no publication
+    served = wg.call(HybridWorker.sample, prompts=prompts, max_new_tokens=16)[0]
+    wg.call(HybridWorker.enter_train)
+    rows = [p + o["token_ids"] for p, o in zip(prompts, served)]
+    batch = Batch({"input_ids": pad_sequences(rows), "attention_mask": pad_sequences([[1] * len(r) for r in rows])})
+    trainer = wg.call(HybridWorker.compute_logprobs, batch)["old_logprobs"]        # [B, T] token-aligned
+    wg.call(HybridWorker.export_hf, out_dir=str(Path(cfg.run.dir) / "hf"))
+    result["served"] = [{"prompt": p, "token_ids": o["token_ids"], "engine_logprobs": o["logprobs"],
+                         "trainer_logprobs": trainer[b, len(p): len(r)].tolist(), "policy_version": o["policy_version"]}
+                        for b, (p, o, r) in enumerate(zip(prompts, served, rows))]
+    result["trainer_dtype"] = cfg.train.dtype
+    return _write(cfg, result)
+
+
+def _write(cfg, result: dict) -> dict:
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run.dir) / "mode_switch.json").write_text(json.dumps(result, indent=1))
     return result
 
 
-JOB = Job("bench_mode_switch", BenchWorker, run_bench)
+JOB = Job("bench_mode_switch", BenchWorker, bench)
+SERVE_JOB = Job("bench_mode_switch_and_serve", BenchWorker, bench_and_serve)
