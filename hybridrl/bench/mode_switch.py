@@ -28,22 +28,30 @@ from hybridrl.workers.hybrid import HybridWorker
 
 class BenchWorker(HybridWorker):
     @register(dispatch=ONE_TO_ALL)
-    def copy_bandwidth(self, nbytes: int, repeats: int = 5) -> float:
-        """Median bytes/s of copying `nbytes` between two preallocated buffers on this rank's device."""
+    def copy_bandwidth(self, nbytes: int, repeats: int = 5) -> dict[str, float]:
+        """Median bytes/s on this rank's device of `nbytes`: copied between two preallocated buffers
+        (the floor's bandwidth), and zero-filled into a buffer allocated just before (first touch:
+        what re-creating a released buffer costs, page faults included; reported, not in the floor)."""
         n = max(1, nbytes // 4)
         src = torch.randn(n, device=self.ctx.device)
         dst = torch.empty_like(src)
         dst.copy_(src)                      # first touch: page faults are not bandwidth
-        times = []
-        for _ in range(repeats):
-            if self.ctx.device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            dst.copy_(src)
-            if self.ctx.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        return n * 4 / statistics.median(times)
+
+        def timed(fn) -> float:
+            times = []
+            for _ in range(repeats):
+                if self.ctx.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                fn()
+                if self.ctx.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            return n * 4 / statistics.median(times)
+
+        copy = timed(lambda: dst.copy_(src))
+        del dst
+        return {"copy": copy, "first_touch": timed(lambda: torch.empty_like(src).zero_())}
 
     @register(dispatch=ONE_TO_ALL)
     def sizes(self) -> dict:
@@ -79,7 +87,9 @@ def run_bench(cfg, wg) -> dict:
         switch.update(wg.call(HybridWorker.enter_train))
         switches.append(switch)
     phases = wg.call(HybridWorker.phase_summary)
-    bandwidth = statistics.median(wg.call(BenchWorker.copy_bandwidth, nbytes=sizes["weight_bytes"]))
+    measured = wg.call(BenchWorker.copy_bandwidth, nbytes=sizes["weight_bytes"])
+    bandwidth = statistics.median(m["copy"] for m in measured)
+    first_touch = statistics.median(m["first_touch"] for m in measured)
     spill = cfg.hybrid.spill_optimizer or wg.ctx.device.type == "cuda"
     # what a full switch cannot avoid: the weights into each engine; optimizer state out and back
     # when it leaves the device (GPU: to pinned host memory; CPU: spilled to a file); the gradient
@@ -90,14 +100,15 @@ def run_bench(cfg, wg) -> dict:
     floor = sum(must_move.values()) / bandwidth
     switch_s = sum(phases[p]["median_s"] for p in SWITCH_PHASES if p in phases)
     return {
-        "model_params": sizes["model_params"], "vocab_size": sizes["vocab_size"], "world_size": wg.world_size, "tp": cfg.train.tp,
-        "rollout_tp": cfg.rollout.tp, "engine": cfg.rollout.engine, "verify": cfg.publish.verify,
+        "model_params": sizes["model_params"], "vocab_size": sizes["vocab_size"], "world_size": wg.world_size,
+        "tp": cfg.train.tp, "rollout_tp": cfg.rollout.tp, "engine": cfg.rollout.engine, "verify": cfg.publish.verify,
         "spill_optimizer": cfg.hybrid.spill_optimizer, "cycles": cycles, "device": str(wg.ctx.device),
         "phases": {name: {"median_s": p["median_s"], "bytes": p["bytes"], "peak_mem_bytes": p["peak_mem_bytes"]}
                    for name, p in phases.items() if name in SWITCH_PHASES},
         "publish_prepare_median_s": statistics.median(s.get("switch/publish_prepare_s", 0.0) for s in switches),
         "publish_deliver_median_s": statistics.median(s.get("switch/publish_deliver_s", 0.0) for s in switches),
         "switch_s": switch_s, "bytes_must_move": must_move, "copy_bandwidth_bytes_per_s": bandwidth,
+        "first_touch_write_bytes_per_s": first_touch,
         "copy_floor_s": floor, "ratio_to_floor": switch_s / floor if floor else None,
         "parity_max_abs": max(s.get("parity/max_abs", 0.0) for s in switches),
         "published_cycles": sum(bool(s["published"]) for s in switches),

@@ -30,4 +30,5 @@ def test_gpu_check_cpu_run(tmp_path):
     assert bench["phases"]["publish"]["bytes"] == moved["weights_into_engine"] > 0
     assert bench["phases"]["offload"]["bytes"] == moved["gradient_buffers_restored"] > 0
     assert bench["copy_floor_s"] > 0 and bench["ratio_to_floor"] == bench["switch_s"] / bench["copy_floor_s"]
+    assert bench["first_touch_write_bytes_per_s"] > 0
     assert "mode switch of a" in proc.stdout
