@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from hybridrl.publication.digest import tensor_digest
+from hybridrl.publication.digest import tensor_digests
 
 TensorSpec = tuple[str, tuple[int, ...], torch.dtype]         # (HF name, shape, dtype)
 
@@ -83,7 +83,7 @@ class FlatBucket:
         return [(n, self.views[n]) for n in (names if names is not None else self.views)]
 
     def digests(self, names: Sequence[str] | None = None) -> dict[str, str]:
-        return {n: tensor_digest(n, t) for n, t in self.named(names)}
+        return tensor_digests(self.named(names))
 
 
 class Staging:

@@ -9,7 +9,7 @@ sends, the receiver hashes its own storage after the copy: the two differ if the
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 import xxhash
@@ -23,6 +23,11 @@ def device_checksum(t: torch.Tensor) -> bytes:
     on the tensor's own device: no host copy of the weights. Odd weights make the first sum change
     with any single changed word; the second (sum of squared weighted words) catches compensating
     changes. A checksum against transport faults, not a cryptographic hash."""
+    return _checksum(t).cpu().numpy().tobytes()
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """`device_checksum` as an int64 [2] tensor left on the tensor's device."""
     b = t.detach().contiguous().reshape(-1).view(torch.uint8)
     whole = b.numel() // 8 * 8
     words = b[:whole]
@@ -39,17 +44,33 @@ def device_checksum(t: torch.Tensor) -> bytes:
                                         device=t.device)
         s1 = s1 + weighted.sum()
         s2 = s2 + (weighted * weighted).sum()
-    return torch.stack([s1, s2]).cpu().numpy().tobytes()
+    return torch.stack([s1, s2])
 
 
 def tensor_digest(name: str, t: torch.Tensor, *, on_device: bool | None = None) -> str:
     """xxh3-128 over the tensor's name, dtype, shape and bytes; for a tensor off the CPU (or with
     `on_device=True`) over its `device_checksum` instead."""
     on_device = t.device.type != "cpu" if on_device is None else on_device
+    return _digest(name, t, device_checksum(t) if on_device else None)
+
+
+def tensor_digests(named: Sequence[tuple[str, torch.Tensor]], *, on_device: bool | None = None) -> dict[str, str]:
+    """`tensor_digest` of every (name, tensor), with the device checksums of a device's tensors brought
+    to the host together: one synchronisation per call, not one per tensor."""
+    checked = [(n, t) for n, t in named if (t.device.type != "cpu" if on_device is None else on_device)]
+    sums: dict[str, bytes] = {}
+    for device in {t.device for _, t in checked}:
+        here = [(n, t) for n, t in checked if t.device == device]
+        host = torch.stack([_checksum(t) for _, t in here]).cpu().numpy()
+        sums.update((n, host[i].tobytes()) for i, (n, _) in enumerate(here))
+    return {n: _digest(n, t, sums.get(n)) for n, t in named}
+
+
+def _digest(name: str, t: torch.Tensor, checksum: bytes | None) -> str:
     h = xxhash.xxh3_128()
     h.update(f"{name}|{str(t.dtype).replace('torch.', '')}|{tuple(t.shape)}|".encode())
-    if on_device:
-        h.update(b"device_checksum|" + device_checksum(t))
+    if checksum is not None:
+        h.update(b"device_checksum|" + checksum)
     else:
         t = t.detach().contiguous()
         h.update(memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else b"")

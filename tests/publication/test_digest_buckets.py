@@ -89,3 +89,15 @@ def test_device_checksum_catches_changes_without_a_host_copy_of_the_bytes():
     flipped = view.clone()
     flipped[-5] = flipped[-5] + 1
     assert tensor_digest("v", flipped, on_device=True) != tensor_digest("v", view, on_device=True)
+
+
+def test_digests_of_a_bucket_equal_each_tensors_digest():
+    """Batched (one host transfer for a device's checksums) and one by one agree, both ways of hashing."""
+    from hybridrl.publication.digest import tensor_digests
+
+    g = torch.Generator().manual_seed(0)
+    named = [("a", torch.randn(5, 3, generator=g)), ("b", torch.randn(7, generator=g).to(BF16)), ("c", torch.ones(1))]
+    for on_device in (True, False):
+        assert tensor_digests(named, on_device=on_device) == {n: tensor_digest(n, t, on_device=on_device)
+                                                              for n, t in named}
+    assert tensor_digests(named)["a"] == tensor_digest("a", named[0][1])

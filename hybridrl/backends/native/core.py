@@ -24,7 +24,7 @@ from hybridrl.backends.native.sampler import request_seed
 from hybridrl.backends.native.scheduler import Scheduler, Sequence, SeqStatus
 from hybridrl.backends.model_spec import ModelSpec
 from hybridrl.backends.native.weights import ModelWeights, hf_views, load_checkpoint
-from hybridrl.publication.digest import tensor_digest
+from hybridrl.publication.digest import tensor_digests
 from hybridrl.rollout.protocol import FinishReason, GenerationOutput, GenerationTimings, SamplingParams
 from hybridrl.rollout.versions import Publication
 from hybridrl.rollout.weight_spec import WeightMismatch
@@ -227,7 +227,8 @@ class EngineCore:
         self.counters["prefix_cache_invalidations"] += 1
         bad = []
         if digests is not None:
-            bad = [name for name, _ in items if tensor_digest(name, self.views[name]) != digests.get(name)]
+            held = tensor_digests([(name, self.views[name]) for name, _ in items])
+            bad = [name for name, _ in items if held[name] != digests.get(name)]
         if self.publication.arrive([name for name, _ in items if name not in bad], version):
             self.scheduler.version = version
             self.scheduler.admit_new = True
