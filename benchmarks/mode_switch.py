@@ -65,7 +65,8 @@ def main() -> int:
                      "ratio_to_floor": round(med(r["ratio_to_floor"] for r in results), 2),
                      "ratios": [round(r["ratio_to_floor"], 2) for r in results],
                      "copy_gb_s": round(med(r["copy_bandwidth_bytes_per_s"] for r in results) / 1e9, 2),
-                     "first_touch_gb_s": round(med(r["first_touch_write_bytes_per_s"] for r in results) / 1e9, 2)})
+                     "first_touch_gb_s": round(med(r["first_touch_write_bytes_per_s"] for r in results) / 1e9, 2),
+                     "load_1m": [round(r["load_average_1m"], 1) for r in results]})
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
     keys = list(rows[0])
     table = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]

@@ -12,6 +12,7 @@ buffers, released for the rollout phase, written once more when they come back).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -109,6 +110,7 @@ def run_bench(cfg, wg) -> dict:
         "publish_deliver_median_s": statistics.median(s.get("switch/publish_deliver_s", 0.0) for s in switches),
         "switch_s": switch_s, "bytes_must_move": must_move, "copy_bandwidth_bytes_per_s": bandwidth,
         "first_touch_write_bytes_per_s": first_touch,
+        "load_average_1m": os.getloadavg()[0],          # other work on the machine during the run
         "copy_floor_s": floor, "ratio_to_floor": switch_s / floor if floor else None,
         "parity_max_abs": max(s.get("parity/max_abs", 0.0) for s in switches),
         "published_cycles": sum(bool(s["published"]) for s in switches),
