@@ -11,6 +11,8 @@ from hybridrl.agent.actions import ToolCall, ToolSpec
 
 log = logging.getLogger(__name__)
 
+SHIPPED_TOOLS = ("calculator", "python")      # what `ToolBox.from_config` builds by name
+
 
 @dataclass
 class ToolResult:
@@ -43,9 +45,9 @@ class ToolBox:
         from hybridrl.agent.tools.python import PythonTool
 
         names = list(names)
-        unknown = set(names) - {"calculator", "python"}
+        unknown = set(names) - set(SHIPPED_TOOLS)
         if unknown:
-            raise ValueError(f"unknown tools {sorted(unknown)}; shipped: ['calculator', 'python']")
+            raise ValueError(f"unknown tools {sorted(unknown)}; shipped: {list(SHIPPED_TOOLS)}")
         pool = None
         tools: list[Tool] = []
         if "calculator" in names:
