@@ -51,8 +51,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "hybridrl.train", *(["--config", recipe] if recipe else []), *overrides]
     if args.check:
-        print(f"hybridrl: checked {recipe or 'the defaults'}: config, model, task and run.dir are ready; "
-              f"would launch {nproc} rank(s): {' '.join(cmd[1:])}", file=sys.stderr)
+        print(f"hybridrl: checked {recipe or 'the defaults'}: config, model, task and run.dir are ready "
+              f"({nproc} rank(s) per node)", file=sys.stderr)
         return 0
     print(f"hybridrl: launching {nproc} rank(s): {' '.join(cmd[1:])}", file=sys.stderr)
     sys.stderr.flush()

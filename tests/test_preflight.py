@@ -78,7 +78,7 @@ def test_model_path_config_weights_and_tokenizer(tmp_path, capsys, model):
     shutil.copy(model / "model.safetensors", partial)
     assert "no tokenizer files" in refused(capsys, GRPO, f"model.path={partial}", run)
     code, err = check(capsys, GRPO, f"model.path={model}", run, "--check")
-    assert code == 0 and "would launch 2 rank(s)" in err
+    assert code == 0 and "are ready (2 rank(s) per node)" in err
 
 
 def test_a_task_of_your_own_is_imported_and_checked_before_anything_starts(tmp_path, capsys, monkeypatch, model):
