@@ -79,7 +79,7 @@ class BenchTask(CalculatorTask):
 
 def oracle(tokenizer, calls: int):
     """A perfect agent for the scripted engine: `calls` JSON sleep calls, then the right answer."""
-    from hybridrl.agent.tools.arithmetic import evaluate, format_value
+    from hybridrl.envs.arithmetic import evaluate, format_value
 
     def respond(ids, turn):
         if turn < calls:

@@ -270,7 +270,7 @@ def summarize(plan: Plan, *, target_points: float) -> dict:
         "sft_accuracy": before, "final_accuracy": after, "final_step": vals[-1][0],
         "improvement_points": improvement, "target_points": target_points,
         "target_met": improvement >= target_points, "validation": vals,
-        "validation_size": tc.validation_size, "validation_temperature": tc.validation_temperature,
+        "validation_size": grpo.cfg.task.validation_size, "validation_temperature": tc.validation_temperature,
         "sft_final_loss": sft_rows[-1]["sft/loss"] if sft_rows else None,
         "stages": {s.name: {"seconds": round(s.seconds, 1), "cached": s.cached} for s in plan.stages},
         "seconds_this_run": round(sum(s.seconds for s in plan.stages if not s.cached), 1),

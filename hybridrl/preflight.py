@@ -91,20 +91,17 @@ def check_task(cfg: Any) -> None:
         raise PreflightError(f"task {name}: its demonstrations call a tool but its instances allow none: give "
                              "each TaskInstance tools=(...) (e.g. tools=(\"calculator\",)), or every tool call "
                              "is refused and earns nothing")
-    from hybridrl.agent.tools.base import SHIPPED_TOOLS
+    from hybridrl.agent.tools.registry import tool_factory
 
-    unknown = [tool for tool in allowed if tool not in SHIPPED_TOOLS]
-    if unknown:
-        raise PreflightError(f"task {name}: its instances name tool {unknown[0]!r}, which does not exist; "
-                             f"tools: {list(SHIPPED_TOOLS)}")
+    for tool in allowed:
+        _step(name, f"find the tool {tool!r} its instances name", lambda: tool_factory(tool))
     if cfg.run.job == "sft":
-        fraction = None if cfg.sft.tool_use_fraction < 0 else cfg.sft.tool_use_fraction
         _step(name, f"draw sft.num_demonstrations={cfg.sft.num_demonstrations} demonstrations",
-              lambda: task.sft_demonstrations(cfg.sft.num_demonstrations, tool_use_fraction=fraction))
+              lambda: task.sft_demonstrations(cfg.sft.num_demonstrations))
     else:
         _step(name, f"draw the train split (task.train_size={cfg.task.train_size})", task.train_split)
-    _step(name, f"draw the validation split (trainer.validation_size={cfg.trainer.validation_size})",
-          lambda: task.validation_split(cfg.trainer.validation_size))
+        _step(name, f"draw the validation split (task.validation_size={cfg.task.validation_size})",
+              task.validation_split)
 
 
 def _step(name: str, what: str, fn):

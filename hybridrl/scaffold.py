@@ -38,8 +38,7 @@ import random
 from dataclasses import dataclass
 
 from hybridrl.config.fields import check_range
-from hybridrl.envs.tasks.base import EpisodeOutcome, Task, TaskInstance, split_of, unique_instances
-from hybridrl.envs.tasks.registry import register_task
+from hybridrl.envs.tasks import EpisodeOutcome, Task, TaskInstance, register_task, split_of, unique_instances
 from hybridrl.reward import AnswerFormat, ExactNumber, RewardResult
 
 
@@ -171,6 +170,7 @@ tools:
   warm: 0
 task:
   name: {module}:{cls}Task
+  validation_size: 128
   options:
     max_feet: 999
 algo:
@@ -182,7 +182,6 @@ trainer:
   prompts_per_step: 16
   group_size: 8
   validate_every: 5
-  validation_size: 128
   checkpoint_every: 10
   keep_checkpoints: 1
 '''

@@ -17,7 +17,7 @@ from tests.launch import ROOT, env_with_repo
 TINY = ["sft:sft.steps=3", "sft:sft.num_demonstrations=32", "sft:sft.batch_size=8", "sft:sft.log_every=1",
         "sft:train.lr_warmup_steps=1", "sft:train.micro_batch_size=4",
         "grpo:trainer.total_steps=1", "grpo:trainer.prompts_per_step=2", "grpo:trainer.group_size=2",
-        "grpo:trainer.validation_size=4", "grpo:trainer.checkpoint_every=0", "grpo:train.micro_batch_size=4",
+        "grpo:task.validation_size=4", "grpo:trainer.checkpoint_every=0", "grpo:train.micro_batch_size=4",
         "grpo:rollout.native.kv_cache_mb=8", "grpo:algo.drop_all_equal_groups=false",
         "grpo:publish.bucket_mb=1", "agent.max_new_tokens_per_turn=8", "agent.max_response_tokens=32"]
 
@@ -72,7 +72,7 @@ def test_miniature_runs_every_stage_reads_its_numbers_from_the_runs_and_reuses_t
 
     plan = demo(*args, "--dry-run").stdout
     assert "SFT warm start (reuse)" in plan and "GRPO with the calculator (reuse)" in plan
-    plan = demo(*args, "grpo:trainer.validation_size=2", "--dry-run").stdout   # a changed stage runs again
+    plan = demo(*args, "grpo:task.validation_size=2", "--dry-run").stdout   # a changed stage runs again
     assert "SFT warm start (reuse)" in plan and "GRPO with the calculator (run)" in plan
     again = demo(*args)                                     # same command: both stages reused, nothing runs
     assert again.returncode == 0, again.stderr

@@ -19,8 +19,7 @@ SFT = str(ROOT / "recipes" / "calc_sft_cpu.yaml")
 # A task written from an old README: the instances name no tools, the demonstrations call one.
 NO_TOOLS = '''
 from dataclasses import dataclass
-from hybridrl.envs.tasks.base import Task, TaskInstance, unique_instances
-from hybridrl.envs.tasks.registry import register_task
+from hybridrl.envs.tasks import Task, TaskInstance, register_task, unique_instances
 from hybridrl.reward import RewardResult
 
 
@@ -103,7 +102,7 @@ def test_a_task_of_your_own_is_imported_and_checked_before_anything_starts(tmp_p
     err = refused(capsys, *common, "task.name=pf_tools:ToolsTask", "task.train_size=500")   # 99 questions in all
     assert "cannot draw the train split (task.train_size=500)" in err and "could not draw 500" in err
     code, err = check(capsys, *common, "task.name=pf_tools:ToolsTask", "task.train_size=40",
-                      "trainer.validation_size=8", "--check")
+                      "task.validation_size=8", "--check")
     assert code == 0, err
 
 

@@ -15,7 +15,8 @@ import pytest
 
 from hybridrl.cli import main
 from hybridrl.config import ConfigError, load_config
-from hybridrl.envs.tasks.base import EpisodeOutcome
+from hybridrl.agent.actions import ActionParser
+from hybridrl.envs.tasks import EpisodeOutcome
 from hybridrl.envs.tasks.registry import get_task
 from hybridrl.telemetry.metrics import read_metrics
 from tests.launch import ROOT, env_with_repo
@@ -27,7 +28,7 @@ MINIATURE = {
             "train.lr_warmup_steps=1", "train.micro_batch_size=8"],
     "rollout": ["-n", "4"],
     "train": ["trainer.total_steps=2", "trainer.prompts_per_step=2", "trainer.group_size=2",
-              "trainer.validation_size=4", "trainer.checkpoint_every=2", "train.micro_batch_size=4",
+              "task.validation_size=4", "trainer.checkpoint_every=2", "train.micro_batch_size=4",
               "rollout.native.kv_cache_mb=8", "publish.bucket_mb=1", "agent.max_new_tokens_per_turn=8",
               "agent.max_response_tokens=24"],
 }
@@ -71,7 +72,7 @@ def test_the_scaffold_is_a_task_that_loads_draws_and_scores(tmp_path, monkeypatc
     train, val = task.train_split(200), task.validation_split(20)
     assert not {t.task_id for t in train} & {v.task_id for v in val} and train == task.train_split(200)
     assert all(i.tools == ("calculator",) for i in train + val)
-    parser = task.parser()
+    parser = ActionParser(task.action_formats)
     for inst, demo in zip(train, task.sft_demonstrations(20, tool_use_fraction=1.0)):
         roles = [m["role"] for m in demo]
         assert roles[-3:] == ["assistant", "tool", "assistant"]
@@ -140,3 +141,22 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path, monkeypatch, fresh_mod
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "holds a finished run (step 2 of trainer.total_steps=2)" in err
     assert "--overwrite" in err and time.perf_counter() - started < 20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_walkthrough_as_written_gains_25_validation_points_within_15_minutes(tmp_path):
+    """The README's lines as they are (no miniature): base model, SFT, GRPO on this machine."""
+    seconds = {}
+    for argv in walkthrough():
+        started = time.perf_counter()
+        proc = hybridrl(*argv, cwd=tmp_path, timeout=1500)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        seconds[" ".join(argv[:2])] = round(time.perf_counter() - started, 1)
+    vals = [(r["step"], r["val/accuracy"]) for r in read_metrics(tmp_path / "runs" / "feet" / "grpo")
+            if r.get("val/accuracy") is not None]
+    improvement = 100 * (vals[-1][1] - vals[0][1])
+    total = sum(seconds.values())
+    print(json.dumps({"validation": vals, "improvement_points": improvement, "seconds": seconds, "total_s": total}))
+    assert improvement >= 25, vals
+    assert total < 15 * 60, seconds

@@ -30,9 +30,9 @@ train: {{micro_batch_size: 8, lr: 1.0e-4}}
 rollout: {{native: {{kv_cache_mb: 8}}}}
 publish: {{bucket_mb: 1}}
 agent: {{max_turns: 2, max_new_tokens_per_turn: 8, max_response_tokens: 24, temperature: 1.0}}
-task: {{name: calculator, train_size: 64}}
+task: {{name: calculator, train_size: 64, validation_size: 4}}
 algo: {{drop_all_equal_groups: false, drop_truncated: false}}   # a random model: train on every group
-trainer: {{total_steps: 6, prompts_per_step: 2, group_size: 2, validation_size: 4, validate_every: 0,
+trainer: {{total_steps: 6, prompts_per_step: 2, group_size: 2, validate_every: 0,
           checkpoint_every: 1, keep_checkpoints: 1}}
 tools: {{pool_size: 1, warm: 0}}
 """

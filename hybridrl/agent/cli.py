@@ -147,7 +147,6 @@ def _rollout_temperature(cfg, args) -> tuple[float, str]:
 
 def _rollout(cfg, args) -> int:
     import asyncio
-    import dataclasses
     import time
     from collections import Counter
 
@@ -193,14 +192,13 @@ def _rollout(cfg, args) -> int:
     temperature, source = _rollout_temperature(cfg, args)
     print(f"sampling at temperature {temperature:g} ({source}) on {len(instances)} {args.split} instances",
           file=sys.stderr)
-    agent_cfg = dataclasses.replace(cfg.agent, temperature=temperature)
 
     async def go():
         async with ToolBox.from_config(cfg.tools, names=names) as tools:
-            runner = AgentRunner(engine, tokenizer, agent_cfg=agent_cfg, tools=tools, run_id=cfg.run.name,
+            runner = AgentRunner(engine, tokenizer, agent_cfg=cfg.agent, tools=tools, run_id=cfg.run.name,
                                  seed=cfg.run.seed, envs=envs)
             t0 = time.perf_counter()
-            trajs = await runner.run(instances, task=task, group_size=args.group_size)
+            trajs = await runner.run(instances, task=task, group_size=args.group_size, temperature=temperature)
             wall = time.perf_counter() - t0
             return trajs, runner.stats(wall), wall
 

@@ -34,13 +34,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from hybridrl.agent.actions import ActionError, ToolAuthorizer, ToolCall
+from hybridrl.agent.actions import ActionError, ActionParser, ToolAuthorizer, ToolCall
 from hybridrl.agent.chat import ChatFormat
 from hybridrl.agent.config import AgentConfig
-from hybridrl.agent.envs import EnvProvider, EnvSession, LocalEnvProvider
+from hybridrl.agent.env_sessions import EnvProvider, EnvSession, LocalEnvProvider
 from hybridrl.agent.tools.base import ToolBox
 from hybridrl.data.trajectory import ToolCallRecord, Trajectory, TrajectoryStatus, Truncation
-from hybridrl.envs.tasks.base import EpisodeOutcome, Task, TaskInstance
+from hybridrl.data.episode import EpisodeOutcome, TaskInstance
+from hybridrl.envs.tasks.base import Task
 from hybridrl.rollout.protocol import FinishReason, GenerationOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class _Episode:
     traj: Trajectory
     deadline: float
     seed: int
+    temperature: float
     answer: str | None = None
     num_answers: int = 0
     final_text: str = ""
@@ -119,46 +121,51 @@ class AgentRunner:
     # ------------------------------------------------------------------ many episodes
 
     async def run(self, tasks: Sequence[TaskInstance], *, task: Task | dict[str, Task], group_size: int = 1,
-                  step: int = 0, stop: asyncio.Event | None = None) -> list[Trajectory]:
+                  step: int = 0, stop: asyncio.Event | None = None,
+                  temperature: float | None = None) -> list[Trajectory]:
         """`group_size` episodes per instance; returns them in (instance, attempt) order."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         attempts = [(inst, attempt, f"{inst.task_id}@{step}") for inst in tasks for attempt in range(group_size)]
-        return await self.run_attempts(attempts, task=task, stop=stop)
+        return await self.run_attempts(attempts, task=task, stop=stop, temperature=temperature)
 
     async def run_attempts(self, attempts: Sequence[tuple[TaskInstance, int, str]], *,
-                           task: Task | dict[str, Task], stop: asyncio.Event | None = None) -> list[Trajectory]:
+                           task: Task | dict[str, Task], stop: asyncio.Event | None = None,
+                           temperature: float | None = None) -> list[Trajectory]:
         """One episode per (instance, attempt, group_id), in the given order (what a data-parallel
-        shard of a step's episodes holds); same concurrency limit and guarantees as `run`."""
+        shard of a step's episodes holds); same concurrency limit and guarantees as `run`.
+        `temperature` overrides `agent.temperature` for these episodes (validation samples greedily)."""
         loop = asyncio.get_running_loop()
         if self._slots is None or self._slots_loop is not loop:    # one limit per event loop
             self._slots, self._slots_loop = asyncio.Semaphore(self.cfg.max_concurrent_episodes), loop
         coros = []
         for inst, attempt, group_id in attempts:
             source = task if isinstance(task, Task) else task[inst.task]
-            coros.append(self._admit(inst, source, attempt, group_id, stop))
+            coros.append(self._admit(inst, source, attempt, group_id, stop, temperature))
         return list(await asyncio.gather(*coros))
 
     async def _admit(self, inst: TaskInstance, task: Task, attempt: int, group_id: str,
-                     stop: asyncio.Event | None) -> Trajectory:
+                     stop: asyncio.Event | None, temperature: float | None) -> Trajectory:
         queued = time.monotonic()
         assert self._slots is not None
         async with self._slots:
             return await self.run_episode(inst, task=task, attempt=attempt, group_id=group_id, stop=stop,
-                                          queue_s=time.monotonic() - queued)
+                                          queue_s=time.monotonic() - queued, temperature=temperature)
 
     # ------------------------------------------------------------------ one episode
 
     async def run_episode(self, instance: TaskInstance, *, task: Task, attempt: int = 0,
-                          group_id: str | None = None,
-                          stop: asyncio.Event | None = None, queue_s: float = 0.0) -> Trajectory:
-        """One episode; never raises for the episode's own problems (they become its status)."""
+                          group_id: str | None = None, stop: asyncio.Event | None = None, queue_s: float = 0.0,
+                          temperature: float | None = None) -> Trajectory:
+        """One episode; never raises for the episode's own problems (they become its status).
+        `temperature` overrides `agent.temperature` for this episode."""
         started = time.monotonic()
         traj = Trajectory(run_id=self.run_id, task_id=instance.task_id, group_id=group_id or instance.task_id,
                           attempt=attempt, prompt_ids=[])
         seed = int.from_bytes(hashlib.sha256(f"{self.seed}/{traj.trajectory_id}".encode()).digest()[:4],
                               "little")
-        ep = _Episode(instance, task, traj, started + self.cfg.max_episode_s, seed)
+        ep = _Episode(instance, task, traj, started + self.cfg.max_episode_s, seed,
+                      temperature=self.cfg.temperature if temperature is None else temperature)
         self.counts["episodes"] += 1
         try:
             await self._episode(ep, stop)
@@ -199,7 +206,7 @@ class AgentRunner:
         if extra:
             messages.append({"role": "user", "content": self.chat.sanitize(extra, cfg.max_observation_chars)})
         traj.prompt_ids = self.chat.prompt_ids(messages, tools=tool_json)
-        parser = ep.task.parser()
+        parser = ActionParser(ep.task.action_formats)
         for turn in range(cfg.max_turns):
             ids, finish = await self._turn(ep, turn, stop)
             traj.turns = turn + 1
@@ -239,7 +246,7 @@ class AgentRunner:
             limit, room = min(bounds.items(), key=lambda kv: kv[1])
             if room < 1:
                 raise _End(TrajectoryStatus.TRUNCATED, limit)
-            sampling = SamplingParams(max_new_tokens=room, temperature=cfg.temperature, top_p=cfg.top_p,
+            sampling = SamplingParams(max_new_tokens=room, temperature=ep.temperature, top_p=cfg.top_p,
                                       top_k=cfg.top_k, seed=(ep.seed + 7919 * turn + 104729 * segment) % (1 << 31))
             rid = f"{traj.trajectory_id}/t{turn}" + (f".{segment}" if segment else "")
             out = await self._generate(ep, traj.prompt_ids + traj.response_ids, sampling, rid, stop)

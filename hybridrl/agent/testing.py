@@ -214,7 +214,7 @@ class SleepTool:
 def calculator_oracle(tokenizer: Any, *, calls: int = 1, call_format: str = "calc") -> Responder:
     """A perfect calculator agent: `calls` tool calls on the question, then the last tool result
     as the answer (or the evaluator's value when `calls` is 0)."""
-    from hybridrl.agent.tools.arithmetic import evaluate, format_value
+    from hybridrl.envs.arithmetic import evaluate, format_value
 
     def respond(ids: list[int], turn: int) -> str:
         text = tokenizer.decode(ids, skip_special_tokens=False)

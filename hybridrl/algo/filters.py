@@ -11,7 +11,7 @@ Applied in this order, so every rejected trajectory has exactly one reason:
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -65,7 +65,3 @@ def _single_reason(t: Trajectory, drop_truncated: bool, current_version: int | N
         if min(t.versions) < current_version - max_policy_lag:
             return "policy_lag"
     return None
-
-
-def count_statuses(trajectories: Sequence[Trajectory]) -> dict[str, int]:
-    return dict(Counter(t.status.value for t in trajectories))

@@ -35,6 +35,7 @@ class TinyModelSpec:
     max_position: int = 2048
     rope_theta: float | None = None  # default: 1e6 for qwen2, 1e4 for llama
     tie_embeddings: bool | None = None  # default: True for qwen2, False for llama
+    rope_scaling: tuple[tuple[str, float | str], ...] = ()   # e.g. (("rope_type", "llama3"), ("factor", 8.0), ...)
     init_std: float = 0.02
     norm_std: float = 0.1           # norm scales are 1 + N(0, norm_std)
     seed: int = 0
@@ -64,16 +65,19 @@ def hf_config(spec: TinyModelSpec, vocab_size: int, special_ids: dict[str, int])
         eos_token_id=special_ids["eos"],
         pad_token_id=special_ids["pad"],
     )
+    theta = spec.rope_theta if spec.rope_theta is not None else (1e6 if spec.arch == "qwen2" else 1e4)
+    if spec.rope_scaling:
+        common["rope_parameters"] = {"rope_theta": theta, **dict(spec.rope_scaling)}
+    else:
+        common["rope_theta"] = theta
     if spec.arch == "qwen2":
         return Qwen2Config(
             **common,
-            rope_theta=spec.rope_theta if spec.rope_theta is not None else 1e6,
             rms_norm_eps=1e-6,
             tie_word_embeddings=True if spec.tie_embeddings is None else spec.tie_embeddings,
         )
     return LlamaConfig(
         **common,
-        rope_theta=spec.rope_theta if spec.rope_theta is not None else 1e4,
         rms_norm_eps=1e-5,
         attention_bias=False,
         mlp_bias=False,

@@ -27,6 +27,12 @@ from hybridrl.config.schema import Config
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 COMMAND_LINE = "the command line"
 
+# keys that moved: a recipe that still sets the old one is told where it went
+MOVED_KEYS = {
+    "trainer.validation_size": "task.validation_size",
+    "sft.tool_use_fraction": "task.sft_tool_use_fraction",
+}
+
 
 def load_config(
     recipe: str | Path | None = None,
@@ -174,6 +180,8 @@ def _flat_keys(node: Any, prefix: str = "") -> list[str]:
 
 def _translate(err: OmegaConfBaseException, schema: type, source: str) -> ConfigError:
     key = getattr(err, "full_key", None) or None
+    if isinstance(err, ConfigKeyError) and key in MOVED_KEYS:
+        return ConfigError(f"this key moved: set '{MOVED_KEYS[key]}' instead", key=key, source=source)
     if isinstance(err, ConfigKeyError) and key:
         parent, _, leaf = key.rpartition(".")
         cls = _schema_at(schema, parent)

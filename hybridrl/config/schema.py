@@ -18,7 +18,7 @@ from hybridrl.rollout.config import RolloutConfig
 from hybridrl.algo.config import AlgoConfig
 from hybridrl.controller.config import TrainerConfig
 from hybridrl.controller.sft_config import SFTConfig
-from hybridrl.resharding.config import PublishConfig
+from hybridrl.publication.config import PublishConfig
 from hybridrl.workers.config import HybridConfig
 
 # Jobs shipped with hybridrl; `run.job` may also name any "package.module:JOB" attribute.

@@ -14,8 +14,7 @@ class TrainerConfig:
     total_steps: int = knob(20, "RL steps (one rollout + one update each)")
     prompts_per_step: int = knob(16, "task instances per step (a multiple of the rollout data-parallel size)")
     group_size: int = knob(8, "samples per instance (the group of GRPO / RLOO)")
-    validate_every: int = knob(5, "validate every k steps (and always before the first and after the last); 0 = only then")
-    validation_size: int = knob(64, "validation instances (from the task's held-out split)")
+    validate_every: int = knob(5, "validate on the task's held-out split (task.validation_size instances) every k steps, and always before the first and after the last; 0 = only then")
     validation_temperature: float = knob(0.0, "sampling temperature of validation episodes (0 = greedy)")
     checkpoint_every: int = knob(10, "save a checkpoint every k steps; 0 = never")
     keep_checkpoints: int = knob(2, "complete checkpoints kept")
@@ -24,7 +23,7 @@ class TrainerConfig:
     log_samples: int = knob(2, "trajectories per step written to <run.dir>/samples.jsonl (decoded)")
 
     def __post_init__(self) -> None:
-        for name in ("total_steps", "prompts_per_step", "group_size", "validation_size"):
+        for name in ("total_steps", "prompts_per_step", "group_size"):
             check_positive(name, getattr(self, name))
         for name in ("validate_every", "checkpoint_every", "log_samples"):
             check_positive(name, getattr(self, name), allow_zero=True)

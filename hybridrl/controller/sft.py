@@ -55,8 +55,7 @@ def demonstration_rows(cfg, tokenizer) -> list[tuple[list[int], list[int]]]:
     from hybridrl.envs.tasks import get_task
 
     task = get_task(cfg.task.name, cfg.task)
-    fraction = None if cfg.sft.tool_use_fraction < 0 else cfg.sft.tool_use_fraction
-    chats = task.sft_demonstrations(cfg.sft.num_demonstrations, tool_use_fraction=fraction)  # drawn with task.seed
+    chats = task.sft_demonstrations(cfg.sft.num_demonstrations)   # task.seed, task.sft_tool_use_fraction
     chat = ChatFormat(tokenizer)
     return [chat.conversation_ids(c) for c in chats]
 

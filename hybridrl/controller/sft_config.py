@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridrl.config.fields import ConfigValueError, check_positive, knob
+from hybridrl.config.fields import check_positive, knob
 
 
 @dataclass(kw_only=True)
 class SFTConfig:
-    """Supervised fine-tuning on the task's SFT demonstrations (loss on policy tokens only)."""
+    """Supervised fine-tuning on the task's SFT demonstrations (loss on policy tokens only); which share of
+    them use the tool is `task.sft_tool_use_fraction`."""
 
     num_demonstrations: int = knob(2048, "demonstrations generated from the task's train split")
-    tool_use_fraction: float = knob(-1.0, "share of demonstrations that use the tool; -1 = the task's default")
     steps: int = knob(300, "optimizer steps")
     batch_size: int = knob(64, "sequences per step (global, over data-parallel ranks)")
     output_dir: str = knob("", "where the trained HF model goes; empty = <run.dir>/hf")
@@ -21,5 +21,3 @@ class SFTConfig:
     def __post_init__(self) -> None:
         for name in ("num_demonstrations", "steps", "batch_size", "log_every"):
             check_positive(name, getattr(self, name))
-        if self.tool_use_fraction != -1.0 and not 0.0 <= self.tool_use_fraction <= 1.0:
-            raise ConfigValueError("tool_use_fraction", f"must be in [0, 1] or -1, got {self.tool_use_fraction}")

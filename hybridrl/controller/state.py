@@ -70,7 +70,7 @@ class RunState:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         return cls(cfg=cfg, step=step, version=version,
                    stream=ShuffledStream(task.train_split(), seed=cfg.run.seed, cursor=cursor),
-                   validation=task.validation_split(tc.validation_size),
+                   validation=task.validation_split(),
                    logger=MetricsLogger(run_dir, resume_from_step=step if source is not None else None),
                    checkpoints=checkpoints, tokenizer=tokenizer, identity=rundir.identity(cfg),
                    resumed_from=str(source) if source is not None else None)

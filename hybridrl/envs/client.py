@@ -14,9 +14,9 @@ import time
 from typing import Any
 
 from hybridrl.envs.config import EnvServiceConfig
-from hybridrl.envs.protocol import Transition
 from hybridrl.envs.service import EnvService, EnvServiceError, Lease, StepReply
-from hybridrl.envs.tasks.base import Task, TaskInstance
+from hybridrl.data.episode import TaskInstance, Transition
+from hybridrl.envs.tasks.base import Task
 
 log = logging.getLogger(__name__)
 

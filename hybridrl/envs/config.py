@@ -17,7 +17,7 @@ class TaskConfig:
                      "(importable from the working directory or PYTHONPATH)")
     seed: int = knob(0, "seed of the generated train / validation splits")
     train_size: int = knob(4096, "instances in the train split")
-    validation_size: int = knob(256, "instances in the validation split (disjoint from train)")
+    validation_size: int = knob(64, "instances in the validation split (disjoint from train); every RL validation runs all of them")
     format_weight: float = knob(0.0, "weight of the format reward added to the correctness reward")
     sft_tool_use_fraction: float = knob(1.0, "SFT demonstrations that use the tool (the rest guess)")
     sft_guess_correct_fraction: float = knob(0.0, "guessing demonstrations whose guess is right")
@@ -34,8 +34,10 @@ class TaskConfig:
         check_range("sft_guess_correct_fraction", self.sft_guess_correct_fraction, 0.0, 1.0)
         from hybridrl.envs.tasks import registry
 
-        registry.task_class(self.name)              # imports a 'module:Class' task: errors name the key
-        self.options = registry.check_options(self.name, self.options)   # typed: "3" -> 3 for an int
+        if ":" in self.name or self.name not in registry.task_names():
+            registry.task_class(self.name)          # imports a 'module:Class' task: errors name the key
+        if self.options:      # checking options imports a shipped task's module (only when there are some)
+            self.options = registry.check_options(self.name, self.options)   # typed: "3" -> 3 for an int
 
 
 @dataclass(kw_only=True)

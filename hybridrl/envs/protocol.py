@@ -7,28 +7,9 @@ restore an episode after a restart without re-executing anything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from hybridrl.envs.tasks.base import TaskInstance
-
-
-@dataclass
-class Transition:
-    observation: str | None = None   # shown to the model (untrusted text) unless None
-    reward: float = 0.0
-    done: bool = False
-    role: str = "user"               # chat role of the observation message
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"observation": self.observation, "reward": self.reward, "done": self.done, "role": self.role,
-                "info": self.info}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Transition":
-        return cls(d.get("observation"), float(d.get("reward", 0.0)), bool(d.get("done", False)),
-                   d.get("role", "user"), dict(d.get("info", {})))
+from hybridrl.data.episode import TaskInstance, Transition
 
 
 class Environment(Protocol):

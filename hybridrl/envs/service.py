@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hybridrl.envs.protocol import Environment, Transition
-from hybridrl.envs.tasks.base import TaskInstance
+from hybridrl.data.episode import TaskInstance, Transition
+from hybridrl.envs.protocol import Environment
 
 log = logging.getLogger(__name__)
 
@@ -158,13 +158,6 @@ class EnvService:
     @classmethod
     def from_config(cls, cfg, **kwargs) -> "EnvService":
         return cls(cfg.db_path, lease_ttl_s=cfg.lease_ttl_s, synchronous=cfg.synchronous, **kwargs)
-
-    def close_db(self) -> None:
-        with self._lock:
-            for env in self._envs.values():
-                env.close()
-            self._envs.clear()
-            self.db.close()
 
     # ------------------------------------------------------------------ API
 

@@ -1,4 +1,4 @@
-"""The rollout side's protocol (engines), request routing and config; backends live in hybridrl/backends.
+"""The rollout side's protocol (engines) and config; backends live in hybridrl/backends.
 
 Exports are lazy so that `hybridrl.rollout.config` (mounted by the config schema) stays import-light.
 """
@@ -9,7 +9,6 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "RolloutGateway": "hybridrl.rollout.gateway",
     **{name: "hybridrl.rollout.protocol" for name in (
         "SAMPLER_CONTRACT", "SAMPLER_CONTRACT_VERSION", "FinishReason", "GenerationOutput", "GenerationTimings",
         "RolloutEngine", "SamplingParams")},

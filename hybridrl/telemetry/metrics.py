@@ -13,9 +13,6 @@ import math
 from pathlib import Path
 from typing import Mapping
 
-PROGRESS_KEYS = ("reward/mean", "val/accuracy", "loss", "kl", "time/step_s")
-
-
 def _clean(value) -> float | None:
     value = float(value)
     return None if math.isnan(value) or math.isinf(value) else value
@@ -73,11 +70,3 @@ def truncate_after(path: Path, step: int) -> None:
 def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
-
-
-def progress_postfix(metrics: Mapping[str, float]) -> str:
-    parts = []
-    for key in PROGRESS_KEYS:
-        if key in metrics and metrics[key] is not None:
-            parts.append(f"{key.split('/')[-1] if key != 'val/accuracy' else 'val_acc'}={metrics[key]:.3g}")
-    return " ".join(parts)

@@ -28,9 +28,9 @@ from hybridrl.distributed.dispatch import ONE_TO_ALL, DPSplit, OneToAll
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import to_batch
 from hybridrl.distributed.mesh import Mesh
-from hybridrl.resharding import parity
-from hybridrl.resharding.manifest import PublicationError, PublicationRefused, model_hashes
-from hybridrl.resharding.publish import publish
+from hybridrl.publication import parity
+from hybridrl.publication.manifest import PublicationError, PublicationRefused, model_hashes
+from hybridrl.publication.publish import publish
 from hybridrl.workers.base import Worker, register
 from hybridrl.workers.modes import Mode, ModeMachine
 
@@ -107,10 +107,10 @@ class HybridWorker(Worker):
 
     def _build_transport(self):
         if self.cfg.rollout.engine == "sglang":
-            from hybridrl.resharding.transport_cuda_ipc import CudaIpcTransport
+            from hybridrl.publication.transport_cuda_ipc import CudaIpcTransport
 
             return CudaIpcTransport(self.engine, self.rollout_ranks, self.rollout_group)
-        from hybridrl.resharding.transport_inprocess import InProcessTransport
+        from hybridrl.publication.transport_inprocess import InProcessTransport
 
         return InProcessTransport(self.engine)
 
@@ -231,7 +231,7 @@ class HybridWorker(Worker):
     @register(dispatch=DPSplit("rollout", pad_outputs=ROLLOUT_PADS))
     def rollout(self, episodes: Batch, *, temperature: float | None = None) -> Batch:
         """One row per episode (meta: instance, attempt, group_id) -> one row per trajectory."""
-        from hybridrl.envs.tasks.base import TaskInstance
+        from hybridrl.data.episode import TaskInstance
 
         self.modes.require(Mode.ROLLOUT)
         if not self.owns_engine:
@@ -241,13 +241,8 @@ class HybridWorker(Worker):
             return _placeholder_rows(len(episodes))
         attempts = [(TaskInstance.from_dict(episodes["instance"][i]), int(episodes["attempt"][i]),
                      episodes["group_id"][i]) for i in range(real)]
-        if temperature is not None and temperature != self.runner.cfg.temperature:
-            self.runner.cfg = _with(self.runner.cfg, temperature=temperature)
-        try:
-            with self.modes.phase("generate"):
-                trajectories = self._run(self.runner.run_attempts(attempts, task=self.task))
-        finally:
-            self.runner.cfg = self.cfg.agent
+        with self.modes.phase("generate"):
+            trajectories = self._run(self.runner.run_attempts(attempts, task=self.task, temperature=temperature))
         return to_batch(trajectories, pad_id=self.tokenizer.pad_token_id or 0).pad_to(len(episodes))
 
     @register(dispatch=ONE_TO_ALL)
@@ -344,9 +339,3 @@ def _placeholder_rows(n: int) -> Batch:
     tensors["prompt_len"] = torch.zeros(n, dtype=torch.long)
     tensors["reward"] = torch.zeros(n)
     return Batch(tensors, {k: [None] * n for k in ("trajectory_id", "group_id", "status", "record")}, num_padding=n)
-
-
-def _with(cfg, **changes):
-    import dataclasses
-
-    return dataclasses.replace(cfg, **changes)

@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from hybridrl.agent.tools.arithmetic import ArithmeticError_, calculate, evaluate, format_value
+from hybridrl.envs.arithmetic import ArithmeticError_, calculate, evaluate, format_value
 
 
 def random_expression(rng: random.Random) -> str:

@@ -302,3 +302,15 @@ def test_calls_beyond_the_per_turn_limit_are_refused_and_counted(tokenizer):
     assert [(c.name, c.ok) for c in traj.tool_calls] == [("calculator", True), ("calculator", True),
                                                          ("calculator", False)]
     assert "at most 2 tool calls per turn" in tokenizer.decode(engine.requests[1].input_ids)
+
+
+def test_a_temperature_override_reaches_every_request_and_leaves_the_config(tokenizer):
+    engine, runner = make(tokenizer, calculator_oracle(tokenizer), temperature=0.7)
+    insts = TASK.train_split(2, seed=5)
+    greedy = asyncio.run(runner.run(insts, task=TASK, group_size=2, temperature=0.0))
+    assert all(t.status == S.COMPLETED for t in greedy)
+    assert {r.sampling.temperature for r in engine.requests} == {0.0}
+    assert runner.cfg.temperature == 0.7
+    engine.requests.clear()
+    asyncio.run(runner.run(insts[:1], task=TASK))
+    assert {r.sampling.temperature for r in engine.requests} == {0.7}

@@ -40,6 +40,8 @@ def test_layers_and_overrides(tmp_path):
     ("runn:\n  name: x\n", "runn", ["unknown key", "did you mean 'run'"]),
     ("run: 3\n", "run", ["is a section", "expected a mapping"]),
     ("run:\n  job: nosuchjob\n", "run.job", ["expected one of"]),
+    ("trainer:\n  validation_size: 9\n", "trainer.validation_size", ["moved", "'task.validation_size'"]),
+    ("sft:\n  tool_use_fraction: 0.5\n", "sft.tool_use_fraction", ["moved", "'task.sft_tool_use_fraction'"]),
 ])
 def test_bad_recipe_is_one_line_naming_key_and_file(tmp_path, text, key, words):
     recipe = write(tmp_path, text)
@@ -141,9 +143,9 @@ PINNED_KEYS = [
     "algo.kl_in", "algo.entropy_coef", "algo.tis_cap", "algo.drop_truncated", "algo.drop_all_equal_groups",
     "algo.max_policy_lag",
     "trainer.total_steps", "trainer.prompts_per_step", "trainer.group_size", "trainer.validate_every",
-    "trainer.validation_size", "trainer.validation_temperature", "trainer.checkpoint_every",
+    "trainer.validation_temperature", "trainer.checkpoint_every",
     "trainer.keep_checkpoints", "trainer.resume", "trainer.export_hf", "trainer.log_samples",
-    "sft.num_demonstrations", "sft.tool_use_fraction", "sft.steps", "sft.batch_size", "sft.output_dir",
+    "sft.num_demonstrations", "sft.steps", "sft.batch_size", "sft.output_dir",
     "sft.log_every",
 ]
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 import time
 
-from hybridrl.envs.protocol import Transition
-from hybridrl.envs.tasks.base import TaskInstance
+from hybridrl.data.episode import TaskInstance, Transition
 
 
 class CounterEnv:

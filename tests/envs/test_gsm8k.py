@@ -9,7 +9,7 @@ import pytest
 
 from hybridrl.config import ConfigError, load_config
 from hybridrl.envs.tasks import get_task
-from hybridrl.envs.tasks.base import EpisodeOutcome
+from hybridrl.data.episode import EpisodeOutcome
 
 ROWS = [{"question": f"Tom has {i} boxes of 12 apples. How many apples?",
          "answer": f"He has {i}*12 = <<{i}*12={i * 12}>>{i * 12} apples.\n#### {i * 12}"} for i in range(2, 12)]

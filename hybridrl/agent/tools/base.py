@@ -11,8 +11,6 @@ from hybridrl.agent.actions import ToolCall, ToolSpec
 
 log = logging.getLogger(__name__)
 
-SHIPPED_TOOLS = ("calculator", "python")      # what `ToolBox.from_config` builds by name
-
 
 @dataclass
 class ToolResult:
@@ -33,31 +31,35 @@ class Tool(Protocol):
 class ToolBox:
     """Named tools plus the resources they share (the sandbox pool). Use `async with`."""
 
-    def __init__(self, tools: Iterable[Tool], *, pool: Any = None):
+    def __init__(self, tools: Iterable[Tool] = (), *, pool: Any = None, cfg: Any = None):
         self.tools = {t.spec.name: t for t in tools}
         self.pool = pool
+        self.cfg = cfg
         self.counts: dict[str, int] = {"calls": 0, "errors": 0, "infra_errors": 0}
 
     @classmethod
     def from_config(cls, cfg, names: Iterable[str] = ("calculator", "python")) -> "ToolBox":
-        """The shipped tools by name; the sandbox pool is created only if a tool needs it."""
-        from hybridrl.agent.tools.calculator import CalculatorTool
-        from hybridrl.agent.tools.python import PythonTool
+        """The named tools (`agent/tools/registry.py`), built from the `tools` config section; the sandbox
+        pool is created only if a tool asks for it."""
+        from hybridrl.agent.tools.registry import tool_factory
 
-        names = list(names)
-        unknown = set(names) - set(SHIPPED_TOOLS)
-        if unknown:
-            raise ValueError(f"unknown tools {sorted(unknown)}; shipped: {list(SHIPPED_TOOLS)}")
-        pool = None
-        tools: list[Tool] = []
-        if "calculator" in names:
-            tools.append(CalculatorTool(max_chars=cfg.calculator_max_chars))
-        if "python" in names:
+        box = cls(cfg=cfg)
+        for name in names:
+            tool = tool_factory(name)(cfg, box)
+            if tool.spec.name != name:
+                raise ValueError(f"the factory registered as tool {name!r} made a tool named {tool.spec.name!r}")
+            box.tools[name] = tool
+        return box
+
+    def sandbox_pool(self) -> Any:
+        """The sandbox pool shared by this box's tools (created on first request)."""
+        if self.pool is None:
             from hybridrl.agent.sandbox.pool import SandboxPool
 
-            pool = SandboxPool(cfg)
-            tools.append(PythonTool(pool))
-        return cls(tools, pool=pool)
+            if self.cfg is None:
+                raise ValueError("this ToolBox has no tools config to build a sandbox pool from")
+            self.pool = SandboxPool(self.cfg)
+        return self.pool
 
     @property
     def specs(self) -> dict[str, ToolSpec]:

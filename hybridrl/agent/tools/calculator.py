@@ -1,12 +1,14 @@
-"""The calculator tool: the safe evaluator of `arithmetic.py`, in process (it cannot run code)."""
+"""The calculator tool: the safe evaluator of `hybridrl/envs/arithmetic.py` (the one the calculator task
+computes its answers with), in process: it cannot run code."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from hybridrl.agent.actions import ToolSpec
-from hybridrl.agent.tools.arithmetic import calculate
+from hybridrl.envs.arithmetic import calculate
 from hybridrl.agent.tools.base import ToolResult
+from hybridrl.agent.tools.registry import register_tool
 
 
 class CalculatorTool:
@@ -20,3 +22,8 @@ class CalculatorTool:
     async def __call__(self, arguments: dict[str, Any]) -> ToolResult:
         text, ok = calculate(arguments["expression"], max_chars=self.max_chars)
         return ToolResult(text, ok, None if ok else text[len("error: "):])
+
+
+@register_tool("calculator")
+def make_calculator(cfg, box) -> CalculatorTool:
+    return CalculatorTool(max_chars=cfg.calculator_max_chars)

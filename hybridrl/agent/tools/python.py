@@ -6,6 +6,7 @@ from typing import Any
 
 from hybridrl.agent.actions import ToolSpec
 from hybridrl.agent.tools.base import ToolResult
+from hybridrl.agent.tools.registry import register_tool
 
 _LIMIT_TEXT = {"wall_clock": "time limit", "cpu": "CPU time limit", "output": "output limit",
                "memory": "memory limit", "file_size": "file size limit"}
@@ -34,3 +35,8 @@ class PythonTool:
             text = "\n".join(part for part in (text.rstrip("\n"), tail.rstrip("\n"), status) if part)
             return ToolResult(text, False, status.strip("[]"), metadata=meta)
         return ToolResult(text, True, metadata=meta)
+
+
+@register_tool("python")
+def make_python(cfg, box) -> PythonTool:
+    return PythonTool(box.sandbox_pool())

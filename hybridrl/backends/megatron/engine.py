@@ -41,11 +41,10 @@ def default_device() -> torch.device:
 class MegatronEngine:
     """One model (this rank's TP shard of its PP stage), with optimizer and schedule when training."""
 
-    def __init__(self, *, cfg: MegatronConfig, model_dir: Path, hf_config: Any, adapter, model,
+    def __init__(self, *, cfg: MegatronConfig, model_dir: Path, adapter, model,
                  ddp, optimizer, scheduler, device: torch.device, mesh: Mesh, training: bool):
         self.cfg = cfg
         self.model_dir = model_dir
-        self.hf_config = hf_config
         self.adapter = adapter
         self.model = model                  # the unwrapped GPTModel stage
         self.ddp = ddp                      # megatron DDP wrapper (training) or None
@@ -73,8 +72,6 @@ class MegatronEngine:
         Initialises Megatron's parallel state for (cfg.tp, cfg.pp, dp = world / (tp * pp)) if it is
         not yet; `training=False` gives a frozen model without optimizer (the reference), which
         shares the parallel state of an actor built in the same process."""
-        from transformers import AutoConfig
-
         from hybridrl.backends.megatron import parallel
         from hybridrl.backends.megatron.adapters import adapter_for
         from hybridrl.backends.megatron.model import (
@@ -84,6 +81,7 @@ class MegatronEngine:
             transformer_config,
         )
         from hybridrl.backends.megatron.weights import load_hf_weights, owned_params
+        from hybridrl.backends.model_spec import ModelSpec
 
         model_dir = Path(model_path)
         if not (model_dir / "config.json").exists():
@@ -91,8 +89,8 @@ class MegatronEngine:
         device = device or default_device()
         if device.type == "cpu":
             cpu_compat.activate()
-        hf_config = AutoConfig.from_pretrained(model_dir)
-        adapter = adapter_for(hf_config, tp=cfg.tp, vocab_divisible_by=cfg.make_vocab_size_divisible_by)
+        adapter = adapter_for(ModelSpec.from_dir(model_dir), tp=cfg.tp,
+                              vocab_divisible_by=cfg.make_vocab_size_divisible_by)
         with cpu_compat.device_scope(device):
             mesh = parallel.ensure_model_parallel(cfg.tp, cfg.pp, cfg.seed)
             tconfig = transformer_config(adapter.spec, cfg, device=device)
@@ -107,7 +105,7 @@ class MegatronEngine:
             else:
                 model.requires_grad_(False)
                 model.eval()
-        engine = cls(cfg=cfg, model_dir=model_dir, hf_config=hf_config, adapter=adapter, model=model, ddp=ddp,
+        engine = cls(cfg=cfg, model_dir=model_dir, adapter=adapter, model=model, ddp=ddp,
                      optimizer=optimizer, scheduler=scheduler, device=device, mesh=mesh, training=training)
         log.info("megatron engine: %s, %d parameters, tp=%d pp=%d dp=%d, %s", adapter.family,
                  engine.num_parameters(), cfg.tp, cfg.pp, mesh.dp_size, "training" if training else "frozen")

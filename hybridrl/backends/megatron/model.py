@@ -1,4 +1,4 @@
-"""Build a megatron-core `GPTModel` (this rank's pipeline stage and TP shard) from a `DecoderSpec`.
+"""Build a megatron-core `GPTModel` (this rank's pipeline stage and TP shard) from a `ModelSpec`.
 
 Local (pure-torch) layer spec: RMSNorm, SwiGLU, RoPE with the model's base, grouped-query
 attention, optional qkv bias, tied or untied embeddings. Every fusion is off so the same model
@@ -18,14 +18,15 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.enums import AttnBackend
 
-from hybridrl.backends.megatron.adapters import DecoderSpec, Slot, Split
+from hybridrl.backends.megatron.adapters import Slot, Split
+from hybridrl.backends.model_spec import ModelSpec
 from hybridrl.backends.megatron.attention import SDPAttention
 from hybridrl.backends.megatron.config import MegatronConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def transformer_config(spec: DecoderSpec, cfg: MegatronConfig, *, device: torch.device) -> TransformerConfig:
+def transformer_config(spec: ModelSpec, cfg: MegatronConfig, *, device: torch.device) -> TransformerConfig:
     """Megatron's TransformerConfig for the model `spec` under the layout and precision of `cfg`."""
     if spec.num_layers % cfg.pp:
         raise ValueError(f"pp={cfg.pp} must divide the number of layers ({spec.num_layers})")
@@ -38,9 +39,9 @@ def transformer_config(spec: DecoderSpec, cfg: MegatronConfig, *, device: torch.
         num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads,
         kv_channels=spec.head_dim,
-        ffn_hidden_size=spec.ffn_hidden_size,
+        ffn_hidden_size=spec.intermediate_size,
         normalization="RMSNorm",
-        layernorm_epsilon=spec.norm_eps,
+        layernorm_epsilon=spec.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -86,22 +87,26 @@ def layer_spec(cfg: MegatronConfig):
     return spec
 
 
-def build_gpt_model(spec: DecoderSpec, cfg: MegatronConfig, config: TransformerConfig, *,
+def build_gpt_model(spec: ModelSpec, cfg: MegatronConfig, config: TransformerConfig, *,
                     padded_vocab_size: int, device: torch.device) -> GPTModel:
     """This rank's stage of the model, parameters on `device` (values are loaded afterwards)."""
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(cfg),
         vocab_size=padded_vocab_size,
-        max_sequence_length=spec.max_position,
+        max_sequence_length=spec.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         parallel_output=True,
-        share_embeddings_and_output_weights=spec.tie_embeddings,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_percent=1.0,
         rotary_base=spec.rope_theta,
     )
+    # RoPE frequencies from the shared model spec (default, linear and llama3 scaling), so the
+    # trainer rotates exactly as the rollout engines do; Megatron's own scaling knobs are not used.
+    rotary = model.rotary_pos_emb
+    rotary.inv_freq = spec.inv_freq().to(device=rotary.inv_freq.device, dtype=rotary.inv_freq.dtype)
     return model.to(device)
 
 

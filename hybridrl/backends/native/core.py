@@ -22,7 +22,7 @@ from hybridrl.backends.native.model import CausalLM, RotaryTable
 from hybridrl.backends.native.runner import ModelRunner
 from hybridrl.backends.native.sampler import request_seed
 from hybridrl.backends.native.scheduler import Scheduler, Sequence, SeqStatus
-from hybridrl.backends.native.spec import ModelSpec
+from hybridrl.backends.model_spec import ModelSpec
 from hybridrl.backends.native.weights import ModelWeights, hf_views, load_checkpoint
 from hybridrl.rollout.protocol import FinishReason, GenerationOutput, GenerationTimings, SamplingParams
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridrl.backends.native.attention import AttentionMetadata, paged_attention, write_kv
-from hybridrl.backends.native.spec import ModelSpec
+from hybridrl.backends.model_spec import ModelSpec
 from hybridrl.backends.native.weights import ModelWeights
 
 

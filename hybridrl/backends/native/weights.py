@@ -14,7 +14,7 @@ from typing import Iterable
 
 import torch
 
-from hybridrl.backends.native.spec import ModelSpec
+from hybridrl.backends.model_spec import ModelSpec
 
 # Names that checkpoints sometimes carry and that the engine recomputes itself.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

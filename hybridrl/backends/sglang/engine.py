@@ -24,8 +24,8 @@ import torch
 
 from hybridrl.backends.sglang import convert
 from hybridrl.backends.sglang.config import SGLangConfig
-from hybridrl.resharding.manifest import PublicationError, check_specs
-from hybridrl.resharding.transport_cuda_ipc import CudaIpcTransport
+from hybridrl.publication.manifest import PublicationError, check_specs
+from hybridrl.publication.transport_cuda_ipc import CudaIpcTransport
 from hybridrl.rollout.protocol import GenerationOutput, GenerationTimings, SamplingParams, validate_named_tensors
 from hybridrl.rollout.versions import Publication
 

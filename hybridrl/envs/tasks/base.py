@@ -7,54 +7,15 @@ implement `make_instances`, `demonstration`, `score` (and `make_env` for statefu
 
 from __future__ import annotations
 
-import dataclasses
 import random
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar, Sequence
 
-from hybridrl.agent.actions import ActionParser
+from hybridrl.data.episode import EpisodeOutcome, TaskInstance
 from hybridrl.reward.base import RewardResult
 
 if TYPE_CHECKING:
     from hybridrl.envs.config import TaskConfig
     from hybridrl.envs.protocol import Environment
-
-
-@dataclass(frozen=True, kw_only=True)
-class TaskInstance:
-    """One prompt of a task: immutable, serialisable (`to_dict`/`from_dict`)."""
-
-    task: str                                   # registry name of the task that made it
-    task_id: str                                # stable id (a hash of the content)
-    messages: tuple[Mapping[str, str], ...]     # the prompt: system / user messages
-    reference: str                              # the expected answer (never shown to tools)
-    tools: tuple[str, ...] = ()                 # tools this instance may call
-    metadata: Mapping[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["messages"] = [dict(m) for m in self.messages]
-        d["tools"] = list(self.tools)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "TaskInstance":
-        return cls(task=d["task"], task_id=d["task_id"], messages=tuple(dict(m) for m in d["messages"]),
-                   reference=d["reference"], tools=tuple(d.get("tools", ())),
-                   metadata=dict(d.get("metadata", {})))
-
-
-@dataclass
-class EpisodeOutcome:
-    """What the agent loop hands to `Task.score` at the end of an episode."""
-
-    answer: str | None              # content of the first <answer> of the final turn
-    num_answers: int                # <answer> tags in the final turn
-    final_text: str                 # decoded final assistant turn
-    completed: bool                 # ended on its own (not by a budget / failure)
-    env_return: float = 0.0         # sum of environment rewards (stateful tasks)
-    num_turns: int = 0
-    num_tool_calls: int = 0
 
 
 class Task:
@@ -89,9 +50,6 @@ class Task:
         return None
 
     # ------------------------------------------------------------------ provided
-
-    def parser(self) -> ActionParser:
-        return ActionParser(self.action_formats)
 
     def train_split(self, n: int | None = None, seed: int | None = None) -> list[TaskInstance]:
         return self._split("train", n or self.cfg.train_size, self.cfg.seed if seed is None else seed)

@@ -18,9 +18,10 @@ import json
 import random
 from dataclasses import dataclass
 
-from hybridrl.agent.tools.arithmetic import evaluate, format_value
+from hybridrl.envs.arithmetic import evaluate, format_value
 from hybridrl.config.fields import ConfigValueError, check_choice, check_range
-from hybridrl.envs.tasks.base import EpisodeOutcome, Task, TaskInstance, split_of, unique_instances
+from hybridrl.data.episode import EpisodeOutcome, TaskInstance
+from hybridrl.envs.tasks.base import Task, split_of, unique_instances
 from hybridrl.envs.tasks.registry import register_task
 from hybridrl.reward import AnswerFormat, ExactNumber, RewardResult
 

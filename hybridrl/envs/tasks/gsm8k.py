@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridrl.envs.tasks.base import EpisodeOutcome, Task, TaskInstance
+from hybridrl.data.episode import EpisodeOutcome, TaskInstance
+from hybridrl.envs.tasks.base import Task
 from hybridrl.envs.tasks.registry import register_task
 from hybridrl.reward import AnswerFormat, ExactNumber, RewardResult
 

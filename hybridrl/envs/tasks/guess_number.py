@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridrl.config.fields import check_range
-from hybridrl.envs.protocol import Transition
-from hybridrl.envs.tasks.base import EpisodeOutcome, Task, TaskInstance, split_of, unique_instances
+from hybridrl.data.episode import EpisodeOutcome, TaskInstance, Transition
+from hybridrl.envs.tasks.base import Task, split_of, unique_instances
 from hybridrl.envs.tasks.registry import register_task
 from hybridrl.reward import RewardResult, parse_number
 

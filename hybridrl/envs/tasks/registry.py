@@ -1,4 +1,4 @@
-"""The task registry: every module in this package that registers a `Task` subclass, plus any
+"""The task registry: the task modules of this package (each imported when a config names it), plus any
 `module:Class` named in `task.name` (imported from the working directory or PYTHONPATH).
 Import-light: config validation uses it, and its errors are `ConfigValueError`s naming the key.
 """
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 _TASKS: dict[str, type["Task"]] = {}
 _NOT_TASKS = {"base", "registry"}
-_discovered = False
 
 
 def register_task(cls: type["Task"]) -> type["Task"]:
@@ -37,30 +36,26 @@ def register_task(cls: type["Task"]) -> type["Task"]:
     return cls
 
 
-def _discover() -> None:
-    global _discovered
-    if _discovered:
-        return
+def _shipped() -> list[str]:
+    """The task modules of this package (a shipped task's module is named after the task); none is
+    imported, so loading a config imports only the task it names."""
     import hybridrl.envs.tasks as package
 
-    for info in pkgutil.iter_modules(package.__path__):
-        if info.name not in _NOT_TASKS:
-            importlib.import_module(f"{package.__name__}.{info.name}")
-    _discovered = True
+    return [info.name for info in pkgutil.iter_modules(package.__path__) if info.name not in _NOT_TASKS]
 
 
 def task_names() -> list[str]:
-    _discover()
-    return sorted(_TASKS)
+    return sorted(set(_shipped()) | set(_TASKS))
 
 
 def task_class(name: str) -> type["Task"]:
     """The class of `task.name`: a registered name, or `module:Class` (imported here)."""
     if ":" in name:
         return _import_task(name)
-    _discover()
+    if name not in _TASKS and name in _shipped():
+        importlib.import_module(f"hybridrl.envs.tasks.{name}")
     if name not in _TASKS:
-        hint = difflib.get_close_matches(name, list(_TASKS), n=1)
+        hint = difflib.get_close_matches(name, task_names(), n=1)
         did_you_mean = f"did you mean {hint[0]!r}? " if hint else ""
         raise ConfigValueError("name", f"unknown task {name!r}: {did_you_mean}registered: {task_names()}; a task of "
                                        "your own is named 'module:Class' (e.g. task.name=mytask:MyTask for "

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config
 
 from hybridrl.backends.megatron.adapters import LlamaAdapter, Qwen2Adapter, Role, Split, adapter_for
+from hybridrl.backends.model_spec import ModelSpec
 
 
 def _spec_config(**kw):
@@ -22,7 +23,7 @@ def _spec_config(**kw):
 def test_round_trip_through_tp_shards_is_bitwise(tiny_models, family, tp):
     path = tiny_models(family, init_std=0.1)
     hf = load_file(str(path / "model.safetensors"))
-    adapter = adapter_for(AutoConfig.from_pretrained(path), tp=tp)
+    adapter = adapter_for(ModelSpec.from_dir(path), tp=tp)
     shards = [adapter.shard_state_dict(hf, rank) for rank in range(tp)]
     back = adapter.merge_state_dicts(shards)
     assert sorted(back) == sorted(hf) == adapter.hf_names()
@@ -32,7 +33,7 @@ def test_round_trip_through_tp_shards_is_bitwise(tiny_models, family, tp):
 
 
 def test_qkv_fused_per_query_group_and_split_by_whole_groups():
-    adapter = Qwen2Adapter(Qwen2Adapter.spec_from_hf_config(Qwen2Config(**_spec_config())), tp=2)
+    adapter = Qwen2Adapter(ModelSpec.from_hf_config(Qwen2Config(**_spec_config())), tp=2)
     s = adapter.spec                                           # 4 heads, 2 KV groups, head_dim 2
     q = torch.arange(s.num_heads * s.head_dim * 1.0).unsqueeze(1) * torch.ones(1, 8)
     k = 100 + torch.arange(s.num_kv_heads * s.head_dim * 1.0).unsqueeze(1) * torch.ones(1, 8)
@@ -47,7 +48,7 @@ def test_qkv_fused_per_query_group_and_split_by_whole_groups():
 
 
 def test_fc1_is_gate_then_up_per_tp_rank():
-    adapter = LlamaAdapter(LlamaAdapter.spec_from_hf_config(LlamaConfig(**_spec_config())), tp=2)
+    adapter = LlamaAdapter(ModelSpec.from_hf_config(LlamaConfig(**_spec_config())), tp=2)
     gate = torch.arange(12.0).unsqueeze(1).expand(12, 8)
     up = 100 + gate
     slot = next(x for x in adapter.layer_slots(1) if x.role is Role.FC1_WEIGHT)
@@ -59,7 +60,7 @@ def test_fc1_is_gate_then_up_per_tp_rank():
 
 
 def test_vocab_padded_with_zero_rows_and_cut_on_export():
-    adapter = LlamaAdapter(LlamaAdapter.spec_from_hf_config(LlamaConfig(**_spec_config(vocab_size=100))), tp=2,
+    adapter = LlamaAdapter(ModelSpec.from_hf_config(LlamaConfig(**_spec_config(vocab_size=100))), tp=2,
                            vocab_divisible_by=8)
     assert adapter.padded_vocab_size == 112                 # multiple of 8 * tp
     emb = torch.randn(100, 8)
@@ -72,8 +73,8 @@ def test_vocab_padded_with_zero_rows_and_cut_on_export():
 
 
 def test_tied_and_untied_output_slots():
-    tied = Qwen2Adapter(Qwen2Adapter.spec_from_hf_config(Qwen2Config(**_spec_config(), tie_word_embeddings=True)))
-    untied = LlamaAdapter(LlamaAdapter.spec_from_hf_config(LlamaConfig(**_spec_config())))
+    tied = Qwen2Adapter(ModelSpec.from_hf_config(Qwen2Config(**_spec_config(), tie_word_embeddings=True)))
+    untied = LlamaAdapter(ModelSpec.from_hf_config(LlamaConfig(**_spec_config())))
     out_tied = [s for s in tied.slots() if s.role is Role.OUTPUT][0]
     assert not out_tied.exported and out_tied.hf_names == ("model.embed_tokens.weight",)
     assert "lm_head.weight" not in tied.hf_names() and "lm_head.weight" in untied.hf_names()
@@ -82,18 +83,18 @@ def test_tied_and_untied_output_slots():
 
 
 def test_rope_base_and_norm_eps_come_from_the_config():
-    spec = Qwen2Adapter.spec_from_hf_config(Qwen2Config(**_spec_config(), rope_theta=12345.0, rms_norm_eps=1e-3))
-    assert spec.rope_theta == 12345.0 and spec.norm_eps == 1e-3
+    spec = adapter_for(Qwen2Config(**_spec_config(), rope_theta=12345.0, rms_norm_eps=1e-3)).spec
+    assert spec.rope_theta == 12345.0 and spec.rms_norm_eps == 1e-3
 
 
 @pytest.mark.parametrize("make,match", [
     (lambda: adapter_for(Qwen2Config(**_spec_config()), tp=4), "must divide the number of KV heads"),
     (lambda: adapter_for(LlamaConfig(**_spec_config(), attention_bias=True)), "attention_bias"),
     (lambda: adapter_for(LlamaConfig(**_spec_config(), hidden_act="gelu")), "hidden_act"),
-    (lambda: adapter_for(LlamaConfig(**_spec_config(), rope_scaling={"rope_type": "linear", "factor": 2.0})),
-     "rope_type"),
+    (lambda: adapter_for(LlamaConfig(**_spec_config(), rope_scaling={"rope_type": "yarn", "factor": 2.0})),
+     "rope_type='yarn'"),
     (lambda: adapter_for(Qwen2Config(**_spec_config(), use_sliding_window=True)), "sliding"),
-    (lambda: adapter_for(type("Cfg", (), {"model_type": "gpt2"})()), "no Megatron adapter for model_type='gpt2'"),
+    (lambda: adapter_for({"model_type": "gpt2"}), "model_type='gpt2': hybridrl implements"),
 ])
 def test_unsupported_configs_fail_with_a_named_reason(make, match):
     with pytest.raises(ValueError, match=match):

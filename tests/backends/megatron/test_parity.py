@@ -44,3 +44,26 @@ def test_hf_round_trip_is_bitwise_on_every_rank(parity, family, layout):
         assert r["same_names"] and r["names_sorted"], r
         assert r["bitwise_equal"], r
         assert r["num_parameters_matches_hf"], r
+
+
+LLAMA3_ROPE = (("rope_type", "llama3"), ("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+               ("original_max_position_embeddings", 16))
+
+
+def test_rope_scaling_is_the_one_transformers_and_the_native_engine_apply(tiny_models, tmp_path):
+    """Both engines read RoPE scaling through one parser: Megatron matches transformers on a
+    llama3-scaled model, whose logits the scaling visibly changes at these lengths."""
+    import torch
+
+    from tests.backends.megatron.conftest import INIT_STD
+    from tests.backends.megatron.jobs import _hf_model
+    from tests.backends.megatron.reference import hf_logits, sequence_batch
+
+    scaled = tiny_models("llama", init_std=INIT_STD, rope_scaling=LLAMA3_ROPE)
+    plain = tiny_models("llama", init_std=INIT_STD)
+    batch = sequence_batch(3, vocab=_hf_model(plain).config.vocab_size, seed=1)
+    assert float((hf_logits(_hf_model(scaled), batch) - hf_logits(_hf_model(plain), batch)).abs().max()) > 0.05
+    run_job(1, "parity", tmp_path, scaled)
+    [rank] = json.loads((tmp_path / "parity.json").read_text())["llama"]["tp1"]
+    assert rank["logits_max_abs_diff"] < 1e-4 and rank["logprobs_max_abs_diff"] < 1e-4, rank
+    assert torch.isfinite(torch.tensor(rank["logits_max_abs"]))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hybridrl.backends.native.spec import ModelSpec
+from hybridrl.backends.model_spec import ModelSpec
 
 pytestmark = pytest.mark.timeout(120)
 

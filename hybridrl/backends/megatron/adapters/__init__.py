@@ -1,29 +1,25 @@
-"""One HF <-> Megatron adapter per model family, chosen by the HF config's `model_type`."""
+"""One HF <-> Megatron adapter per model family, chosen by the model spec's architecture."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from hybridrl.backends.megatron.adapters.base import DecoderAdapter, DecoderSpec, Role, Slot, Split
+from hybridrl.backends.megatron.adapters.base import DecoderAdapter, Role, Slot, Split
 from hybridrl.backends.megatron.adapters.llama import LlamaAdapter
 from hybridrl.backends.megatron.adapters.qwen2 import Qwen2Adapter
+from hybridrl.backends.model_spec import ModelSpec
 
 ADAPTERS: tuple[type[DecoderAdapter], ...] = (Qwen2Adapter, LlamaAdapter)
 
-__all__ = ["ADAPTERS", "DecoderAdapter", "DecoderSpec", "LlamaAdapter", "Qwen2Adapter", "Role", "Slot",
-           "Split", "adapter_for"]
+__all__ = ["ADAPTERS", "DecoderAdapter", "LlamaAdapter", "Qwen2Adapter", "Role", "Slot", "Split", "adapter_for"]
 
 
-def adapter_class(hf_config: Any) -> type[DecoderAdapter]:
-    model_type = getattr(hf_config, "model_type", None)
+def adapter_for(spec: ModelSpec | Any, *, tp: int = 1, vocab_divisible_by: int = 128) -> DecoderAdapter:
+    """The adapter for a model, for tensor-parallel size `tp`. `spec` is a `ModelSpec` (or an HF
+    config mapping / transformers config object, read through `ModelSpec.from_hf_config`)."""
+    if not isinstance(spec, ModelSpec):
+        spec = ModelSpec.from_hf_config(spec)
     for cls in ADAPTERS:
-        if model_type in cls.model_types:
-            return cls
-    known = sorted(t for cls in ADAPTERS for t in cls.model_types)
-    raise ValueError(f"no Megatron adapter for model_type={model_type!r}; supported: {known}")
-
-
-def adapter_for(hf_config: Any, *, tp: int = 1, vocab_divisible_by: int = 128) -> DecoderAdapter:
-    """The adapter for an HF config (transformers PretrainedConfig), for tensor-parallel size `tp`."""
-    cls = adapter_class(hf_config)
-    return cls(cls.spec_from_hf_config(hf_config), tp=tp, vocab_divisible_by=vocab_divisible_by)
+        if cls.family == spec.arch:
+            return cls(spec, tp=tp, vocab_divisible_by=vocab_divisible_by)
+    raise ValueError(f"no Megatron adapter for {spec.arch!r}; supported: {[c.family for c in ADAPTERS]}")

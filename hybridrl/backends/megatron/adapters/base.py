@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
+
+from hybridrl.backends.model_spec import ModelSpec
 
 
 class Role(enum.Enum):
@@ -55,33 +57,6 @@ _SPLIT_OF = {
 
 
 @dataclass(frozen=True)
-class DecoderSpec:
-    """Family-agnostic shape of a decoder model, read from its HF config by an adapter."""
-
-    family: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    vocab_size: int
-    norm_eps: float
-    rope_theta: float
-    max_position: int
-    tie_embeddings: bool
-    qkv_bias: bool
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    def padded_vocab_size(self, tp: int, divisible_by: int) -> int:
-        multiple = divisible_by * tp
-        return -(-self.vocab_size // multiple) * multiple
-
-
-@dataclass(frozen=True)
 class Slot:
     """One Megatron parameter: its role, global layer index (None outside the layers), HF names."""
 
@@ -100,61 +75,35 @@ class Slot:
 
 
 class DecoderAdapter:
-    """HF Llama-style naming and Megatron GPTModel layouts. Families subclass `spec` checks."""
+    """HF Llama-style naming and Megatron GPTModel layouts over a `ModelSpec`. Families subclass
+    `check_spec` for what they cannot express."""
 
     family = "decoder"
     model_types: tuple[str, ...] = ()
 
-    def __init__(self, spec: DecoderSpec, *, tp: int = 1, vocab_divisible_by: int = 128):
+    def __init__(self, spec: ModelSpec, *, tp: int = 1, vocab_divisible_by: int = 128):
+        self.check_spec(spec)
         if spec.num_heads % spec.num_kv_heads:
             raise ValueError(f"{spec.num_heads} attention heads do not divide into {spec.num_kv_heads} KV groups")
         if spec.num_kv_heads % tp:
             raise ValueError(f"tp={tp} must divide the number of KV heads ({spec.num_kv_heads}): "
                              "Megatron splits the fused QKV by whole query groups")
-        if spec.ffn_hidden_size % tp or spec.num_heads % tp:
-            raise ValueError(f"tp={tp} must divide the FFN size ({spec.ffn_hidden_size}) and the heads "
+        if spec.intermediate_size % tp or spec.num_heads % tp:
+            raise ValueError(f"tp={tp} must divide the FFN size ({spec.intermediate_size}) and the heads "
                              f"({spec.num_heads})")
         self.spec = spec
         self.tp = tp
         self.padded_vocab_size = spec.padded_vocab_size(tp, vocab_divisible_by)
 
-    # ----------------------------------------------------------------- reading HF configs
-
     @classmethod
-    def spec_from_hf_config(cls, hf_config: Any) -> DecoderSpec:
-        """The `DecoderSpec` of an HF config object (transformers' PretrainedConfig)."""
-        cls.check_hf_config(hf_config)
-        heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-        return DecoderSpec(
-            family=cls.family,
-            num_layers=hf_config.num_hidden_layers,
-            hidden_size=hf_config.hidden_size,
-            num_heads=heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            ffn_hidden_size=hf_config.intermediate_size,
-            vocab_size=hf_config.vocab_size,
-            norm_eps=hf_config.rms_norm_eps,
-            rope_theta=_rope_theta(hf_config),
-            max_position=hf_config.max_position_embeddings,
-            tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=cls.has_qkv_bias(hf_config),
-        )
-
-    @classmethod
-    def check_hf_config(cls, hf_config: Any) -> None:
-        """Raise a clear error for features Megatron's GPTModel (as we build it) cannot express."""
-        if getattr(hf_config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"{cls.family}: hidden_act={hf_config.hidden_act!r} unsupported (SwiGLU/silu only)")
-        rope = _rope_parameters(hf_config)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"{cls.family}: rope_type={rope_type!r} unsupported (only default RoPE)")
-
-    @classmethod
-    def has_qkv_bias(cls, hf_config: Any) -> bool:
-        return False
+    def check_spec(cls, spec: ModelSpec) -> None:
+        """Raise a clear error for what Megatron's GPTModel (as we build it) cannot express."""
+        # Megatron has a q/k/v-only bias (add_qkv_bias) and an all-linear bias (add_bias_linear);
+        # an o_proj bias without MLP biases (Llama's attention_bias), or MLP biases, do not map.
+        if spec.o_bias:
+            raise ValueError(f"{spec.arch}: attention_bias=True is unsupported (o_proj bias has no Megatron slot)")
+        if spec.mlp_bias:
+            raise ValueError(f"{spec.arch}: mlp_bias=True is unsupported")
 
     # ----------------------------------------------------------------- slots
 
@@ -164,7 +113,7 @@ class DecoderAdapter:
         for i in range(self.spec.num_layers):
             out += self.layer_slots(i)
         out.append(Slot(Role.FINAL_NORM, None, ("model.norm.weight",)))
-        if self.spec.tie_embeddings:
+        if self.spec.tie_word_embeddings:
             out.append(Slot(Role.OUTPUT, None, ("model.embed_tokens.weight",), exported=False))
         else:
             out.append(Slot(Role.OUTPUT, None, ("lm_head.weight",)))
@@ -304,7 +253,7 @@ class DecoderAdapter:
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """The full shape of every exported HF tensor."""
         s = self.spec
-        q, kv, h, f = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.hidden_size, s.ffn_hidden_size
+        q, kv, h, f = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.hidden_size, s.intermediate_size
         by_role = {
             Role.EMBEDDING: [(s.vocab_size, h)], Role.OUTPUT: [(s.vocab_size, h)],
             Role.INPUT_NORM: [(h,)], Role.MLP_NORM: [(h,)], Role.FINAL_NORM: [(h,)],
@@ -317,21 +266,6 @@ class DecoderAdapter:
     def slot_of_hf_name(self) -> dict[str, Slot]:
         """HF name -> the exported slot that holds it."""
         return {n: s for s in self.slots() if s.exported for n in s.hf_names}
-
-
-def _rope_parameters(hf_config: Any) -> dict:
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    return dict(params)
-
-
-def _rope_theta(hf_config: Any) -> float:
-    params = _rope_parameters(hf_config)
-    if "rope_theta" in params:
-        return float(params["rope_theta"])
-    theta = getattr(hf_config, "rope_theta", None)
-    if theta is None:
-        raise ValueError("HF config has no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
-    return float(theta)
 
 
 def _join(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:

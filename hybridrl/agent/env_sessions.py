@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from hybridrl.envs.protocol import Environment, Transition
-from hybridrl.envs.tasks.base import Task, TaskInstance
+from hybridrl.data.episode import TaskInstance, Transition
+from hybridrl.envs.protocol import Environment
+from hybridrl.envs.tasks.base import Task
 
 
 class EnvSession(Protocol):

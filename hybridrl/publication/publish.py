@@ -24,9 +24,9 @@ from typing import Callable, Iterable, Sequence
 import torch
 import xxhash
 
-from hybridrl.resharding.buckets import bucketize, nbytes
-from hybridrl.resharding.config import PublishConfig
-from hybridrl.resharding.manifest import (
+from hybridrl.publication.buckets import bucketize, nbytes
+from hybridrl.publication.config import PublishConfig
+from hybridrl.publication.manifest import (
     HASH_ALGO,
     PolicyRelease,
     PublicationError,

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridrl.resharding.buckets import bucketize, nbytes
-from hybridrl.resharding.manifest import PolicyRelease, PublicationError, StreamHasher, model_hashes, tensor_digest
+from hybridrl.publication.buckets import bucketize, nbytes
+from hybridrl.publication.manifest import PolicyRelease, PublicationError, StreamHasher, model_hashes, tensor_digest
 
 
 def test_buckets_never_split_a_group_and_respect_size():

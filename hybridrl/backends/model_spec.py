@@ -1,8 +1,10 @@
-"""`ModelSpec`: what the engine needs from an HF model directory's config.json.
+"""`ModelSpec`: a decoder model's shape, read from an HF model directory's config.json.
 
-Read straight from the JSON (no transformers import), for the Qwen2 and Llama families.
-Anything the engine does not implement (sliding windows, unknown RoPE types) is refused
-with an error naming the key, rather than silently computing something else.
+The one HF-config parser of hybridrl: the native engine and the Megatron adapters both build from
+it, so training and generation cannot disagree on what a checkpoint means (RoPE scaling, biases,
+tied embeddings, head sizes). Read straight from the JSON (no transformers import), for the Qwen2
+and Llama families. Anything neither engine implements (sliding windows, unknown RoPE types) is
+refused with an error naming the key, rather than silently computing something else.
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def padded_vocab_size(self, tp: int, divisible_by: int) -> int:
+        """The vocabulary padded to a multiple of `divisible_by * tp` (Megatron's embedding layout)."""
+        multiple = divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelSpec":
         model_dir = Path(model_dir)
@@ -61,17 +72,23 @@ class ModelSpec:
         return cls.from_hf_config(cfg, eos_token_ids=tuple(eos), source=str(path))
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], *, eos_token_ids: tuple[int, ...] = (),
+    def from_hf_config(cls, cfg: dict[str, Any] | Any, *, eos_token_ids: tuple[int, ...] = (),
                        source: str = "config.json") -> "ModelSpec":
+        """From a config.json mapping (or a transformers config object, through its `to_dict()`)."""
+        if not isinstance(cfg, dict):
+            cfg = cfg.to_dict()
         archs = cfg.get("architectures") or []
         arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             arch = {"qwen2": "qwen2", "llama": "llama"}.get(cfg.get("model_type", ""))
         if arch is None:
-            raise ValueError(f"{source}: architectures={archs} model_type={cfg.get('model_type')!r}: the native "
-                             f"engine implements {sorted(ARCHITECTURES)}")
+            raise ValueError(f"{source}: architectures={archs} model_type={cfg.get('model_type')!r}: hybridrl "
+                             f"implements {sorted(ARCHITECTURES)}")
         if cfg.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window=true is not implemented by the native engine")
+            raise ValueError(f"{source}: use_sliding_window=true is not implemented (full attention only)")
+        kinds = set(cfg.get("layer_types") or ["full_attention"])
+        if kinds != {"full_attention"}:
+            raise ValueError(f"{source}: layer_types {sorted(kinds)} are not implemented (full attention only)")
         hidden_act = cfg.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"{source}: hidden_act={hidden_act!r} is not implemented (silu only)")

@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch
 
-from hybridrl.resharding.manifest import tensor_digest
-from hybridrl.resharding.transport import NamedTensors
+from hybridrl.publication.manifest import tensor_digest
+from hybridrl.publication.transport import NamedTensors
 from hybridrl.rollout.protocol import RolloutEngine
 
 

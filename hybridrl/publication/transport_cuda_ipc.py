@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridrl.resharding.transport import NamedTensors
+from hybridrl.publication.transport import NamedTensors
 
 
 def _serializer():
@@ -40,7 +40,7 @@ class CudaIpcTransport:
     async def digests(self, bucket: NamedTensors) -> dict[str, str]:
         """The source tensors' digests (SGLang's scheduler processes cannot hash for us in 0.5.x; its
         weight checker is the receiving-side check where available)."""
-        from hybridrl.resharding.manifest import tensor_digest
+        from hybridrl.publication.manifest import tensor_digest
 
         return {name: tensor_digest(name, t) for name, t in bucket}
 
