@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from hybridrl.config.fields import check_range
 from hybridrl.envs.tasks import EpisodeOutcome, Task, TaskInstance, register_task, split_of, unique_instances
-from hybridrl.reward import AnswerFormat, ExactNumber, RewardResult
+from hybridrl.reward import ExactNumber, RewardResult
 
 
 @dataclass(kw_only=True)
@@ -65,7 +65,6 @@ class {cls}Task(Task):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.correct = ExactNumber()
-        self.format = AnswerFormat()
 
     def make_instances(self, n: int, rng: random.Random, split: str) -> list[TaskInstance]:
         """`n` seeded instances of `split`; a fixed hash partition keeps train and validation apart."""
@@ -97,28 +96,32 @@ class {cls}Task(Task):
         return chat + [{{"role": "assistant", "content": f"<answer>{{guess}}</answer>"}}]
 
     def score(self, instance: TaskInstance, outcome: EpisodeOutcome) -> RewardResult:
-        """The verifier: 1 for the right number (+ task.format_weight x a well-formed answer)."""
-        result = RewardResult()
-        result.add("correct", self.correct(outcome.answer, instance.reference), self.correct.id)
-        result.add("format", self.format(outcome.answer, outcome.num_answers, outcome.completed), self.format.id,
-                   weight=self.cfg.format_weight)
-        return result
+        """The verifier: 1 for the right number. More terms, each with its evaluator's id, shape the
+        reward: e.g. hybridrl.reward.AnswerFormat weighted by task.format_weight."""
+        return RewardResult().add("correct", self.correct(outcome.answer, instance.reference), self.correct.id)
 '''
 
-SFT = '''\
-# Supervised warm start for the {name} task (made by `hybridrl init task {name}`), 2 CPU ranks.
-#   hybridrl sft {recipe_dir}{name}_sft.yaml      (then: hybridrl train {recipe_dir}{name}_grpo.yaml)
-# Only a share of the demonstrations use the tool (task.sft_tool_use_fraction); the others guess,
-# so GRPO has something to discover.
+HEADER = '''\
+# {what} for the {name} task (made by `hybridrl init task {name}`), 2 CPU ranks.
+#   hybridrl {command} {recipe_dir}{name}_{stage}.yaml
 run:
-  name: {name}-sft
-  job: sft
-  dir: runs/{name}/sft
+  name: {name}-{stage}
+  job: {job}
+  dir: runs/{name}/{stage}
 model:
-  path: runs/{name}/base        # an HF model directory; a tiny one: hybridrl assets tiny-model --out runs/{name}/base
+  path: {model}
 distributed:
   nproc_per_node: 2
   device: cpu
+task:
+  name: {module}:{cls}Task
+'''
+
+SFT = '''\
+  # the share of demonstrations that use the tool; the others guess, so GRPO has something to discover
+  sft_tool_use_fraction: 0.4
+  options:
+    max_feet: 999
 train:
   micro_batch_size: 32
   lr: 1.0e-3
@@ -127,11 +130,6 @@ train:
   lr_decay_steps: ${{sft.steps}}
   lr_schedule: cosine
   weight_decay: 0.0
-task:
-  name: {module}:{cls}Task
-  sft_tool_use_fraction: 0.4
-  options:
-    max_feet: 999
 sft:
   num_demonstrations: 4096
   steps: 500
@@ -139,18 +137,9 @@ sft:
 '''
 
 GRPO = '''\
-# GRPO with the calculator for the {name} task (made by `hybridrl init task {name}`), 2 CPU ranks,
-# from the SFT model of {recipe_dir}{name}_sft.yaml.
-#   hybridrl train {recipe_dir}{name}_grpo.yaml
-run:
-  name: {name}-grpo
-  job: rl
-  dir: runs/{name}/grpo
-model:
-  path: runs/{name}/sft/hf
-distributed:
-  nproc_per_node: 2
-  device: cpu
+  validation_size: 128
+  options:
+    max_feet: 999
 train:
   micro_batch_size: 32
   lr: 5.0e-5
@@ -168,11 +157,6 @@ agent:
 tools:
   pool_size: 1
   warm: 0
-task:
-  name: {module}:{cls}Task
-  validation_size: 128
-  options:
-    max_feet: 999
 algo:
   advantage: grpo
   norm_adv_by_std: false
@@ -185,6 +169,13 @@ trainer:
   checkpoint_every: 10
   keep_checkpoints: 1
 '''
+
+STAGES = {   # stage: (what, command, job, model.path, body)
+    "sft": ("Supervised warm start", "sft", "sft",
+            "runs/{name}/base        # an HF model directory; a tiny one: hybridrl assets tiny-model --out runs/{name}/base",
+            SFT),
+    "grpo": ("GRPO with the calculator from the SFT model", "train", "rl", "runs/{name}/sft/hf", GRPO),
+}
 
 NAME = re.compile(r"[a-z][a-z0-9_]*")
 
@@ -219,8 +210,10 @@ def write(name: str, directory: Path, *, force: bool = False) -> dict[str, Path]
     if existing and not force:
         raise FileExistsError(f"{existing[0]} exists (--force overwrites)")
     directory.mkdir(parents=True, exist_ok=True)
-    for what, template in (("task", TASK), ("sft", SFT), ("grpo", GRPO)):
-        files[what].write_text(template.format(**fields))
+    files["task"].write_text(TASK.format(**fields))
+    for stage, (what, command, job, model, body) in STAGES.items():
+        files[stage].write_text((HEADER + body).format(**fields, stage=stage, what=what, command=command, job=job,
+                                                         model=model.format(**fields)))
     if pythonpath:
         files["pythonpath"] = Path(pythonpath)
     return files
