@@ -24,11 +24,11 @@ from tests.launch import ROOT, env_with_repo
 # What makes the walk-through a miniature: appended to its lines (argparse and the config take the last value).
 MINIATURE = {
     "assets": ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "128"],
-    "sft": ["sft.steps=4", "sft.num_demonstrations=64", "sft.batch_size=16", "sft.log_every=2",
+    "sft": ["sft.steps=2", "sft.num_demonstrations=32", "sft.batch_size=16", "sft.log_every=1",
             "train.lr_warmup_steps=1", "train.micro_batch_size=8"],
     "rollout": ["-n", "4"],
-    "train": ["trainer.total_steps=2", "trainer.prompts_per_step=2", "trainer.group_size=2",
-              "task.validation_size=4", "trainer.checkpoint_every=2", "train.micro_batch_size=4",
+    "train": ["trainer.total_steps=1", "trainer.prompts_per_step=2", "trainer.group_size=2",
+              "task.validation_size=4", "trainer.checkpoint_every=1", "train.micro_batch_size=4",
               "rollout.native.kv_cache_mb=8", "publish.bucket_mb=1", "agent.max_new_tokens_per_turn=8",
               "agent.max_response_tokens=24"],
 }
@@ -120,26 +120,26 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path, monkeypatch, fresh_mod
     assert (sft / "hf" / "config.json").exists() and json.loads((sft / "run.json").read_text())["status"] == "finished"
     grpo = tmp_path / "runs" / "feet" / "grpo"
     rows = read_metrics(grpo)
-    assert [r["step"] for r in rows] == [0, 1, 2]                    # one row per step
-    assert rows[0]["val/accuracy"] is not None and rows[2]["val/accuracy"] is not None
-    # the SFT model of 4 steps scores nothing: no group has a learning signal, no step updates,
-    # and the run checkpoints (before any optimizer step) and goes on
-    assert [r["train/updated"] for r in rows[1:]] == [0.0, 0.0]
+    assert [r["step"] for r in rows] == [0, 1]                       # one row per step
+    assert rows[0]["val/accuracy"] is not None and rows[1]["val/accuracy"] is not None
+    # the SFT model of 2 steps scores nothing: no group has a learning signal, the step does not
+    # update, and the run checkpoints (before any optimizer step) and goes on
+    assert rows[1]["train/updated"] == 0.0 and rows[1]["policy/version"] == 0
     # the agent's counters: a step's are its training episodes', a validation's its own
-    assert [r["agent/episodes"] for r in rows[1:]] == [4.0, 4.0] and rows[1]["episodes"] == 4
-    assert rows[0]["val/agent/episodes"] == rows[2]["val/agent/episodes"] == rows[2]["val/episodes"] == 4
-    state = json.loads((grpo / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert rows[1]["agent/episodes"] == rows[1]["episodes"] == 4
+    assert rows[0]["val/agent/episodes"] == rows[1]["val/agent/episodes"] == rows[1]["val/episodes"] == 4
+    state = json.loads((grpo / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
     assert state["policy_version"] == 0 and state["identity"]["task"]["name"] == "feet:FeetTask"
-    assert "rl: 2 steps (2 without an update" in outputs and "validation accuracy (greedy" in outputs
-    assert f"HF model runs/feet/grpo/hf" in outputs
+    assert "rl: 1 step (1 without an update" in outputs and "validation accuracy (greedy" in outputs
+    assert "HF model runs/feet/grpo/hf" in outputs
     record = json.loads((grpo / "run.json").read_text())
-    assert record["status"] == "finished" and record["step"] == 2 and record["recipe"].endswith("feet_grpo.yaml")
+    assert record["status"] == "finished" and record["step"] == 1 and record["recipe"].endswith("feet_grpo.yaml")
 
     # the same line again: the finished run is refused before anything starts
     started = time.perf_counter()
     assert main([*lines[-1], *MINIATURE["train"]]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "holds a finished run (step 2 of trainer.total_steps=2)" in err
+    assert len(err.splitlines()) == 1 and "holds a finished run (step 1 of trainer.total_steps=1)" in err
     assert "--overwrite" in err and time.perf_counter() - started < 20
 
 
