@@ -152,6 +152,11 @@ class AgentRunner:
             return await self.run_episode(inst, task=task, attempt=attempt, group_id=group_id, stop=stop,
                                           queue_s=time.monotonic() - queued, temperature=temperature)
 
+    def parser(self, task: Task) -> ActionParser:
+        """How this runner reads an assistant turn of `task`: the task's action formats (one parser
+        per episode, so a subclass may return a stateful one)."""
+        return ActionParser(task.action_formats)
+
     # ------------------------------------------------------------------ one episode
 
     async def run_episode(self, instance: TaskInstance, *, task: Task, attempt: int = 0,
@@ -206,7 +211,7 @@ class AgentRunner:
         if extra:
             messages.append({"role": "user", "content": self.chat.sanitize(extra, cfg.max_observation_chars)})
         traj.prompt_ids = self.chat.prompt_ids(messages, tools=tool_json)
-        parser = ActionParser(ep.task.action_formats)
+        parser = self.parser(ep.task)
         for turn in range(cfg.max_turns):
             ids, finish = await self._turn(ep, turn, stop)
             traj.turns = turn + 1

@@ -22,7 +22,6 @@ from hybridrl.agent.testing import TorchReferenceEngine  # noqa: E402
 from hybridrl.agent.tools.base import ToolBox  # noqa: E402
 from hybridrl.agent.tools.calculator import CalculatorTool  # noqa: E402
 from hybridrl.data.trajectory import TrajectoryStatus, to_batch  # noqa: E402
-from hybridrl.envs.tasks.calculator import CalculatorTask  # noqa: E402
 from hybridrl.envs.tasks import get_task  # noqa: E402
 
 
@@ -37,10 +36,10 @@ class _Scheduled:
         return ParsedTurn(answer=text.strip()[:20], num_answers=1)
 
 
-class ScheduledCalculator(CalculatorTask):
+class ScheduledRunner(AgentRunner):
     calls = 2
 
-    def parser(self):
+    def parser(self, task):
         return _Scheduled(self.calls)
 
 
@@ -65,12 +64,12 @@ ENGINES = ["reference", "native"]
 
 
 def _episodes(kind, model_dir, tokenizer, agent_cfg, n=3, group_size=2):
-    task = ScheduledCalculator(get_task("calculator").cfg)
+    task = get_task("calculator")
 
     async def go():
         engine = make_engine(kind, model_dir)
         try:
-            runner = AgentRunner(engine, tokenizer, agent_cfg=agent_cfg, tools=ToolBox([CalculatorTool()]),
+            runner = ScheduledRunner(engine, tokenizer, agent_cfg=agent_cfg, tools=ToolBox([CalculatorTool()]),
                                  run_id="native")
             return engine, await runner.run(task.train_split(n), task=task, group_size=group_size)
         finally:
