@@ -85,7 +85,8 @@ def check_task(cfg: Any) -> None:
     name = cfg.task.name
     task = _step(name, "construct the task", lambda: get_task(name, cfg.task))
     sample = _step(name, "draw 4 train instances", lambda: task.train_split(4))
-    demos = _step(name, "write demonstrations that use the tool", lambda: task.sft_demonstrations(4, tool_use_fraction=1.0))
+    demos = _step(name, "write demonstrations that use the tool",
+                  lambda: task.sft_demonstrations(4, tool_use_fraction=1.0))
     allowed = sorted({tool for inst in sample for tool in inst.tools})
     if any(m.get("role") == "tool" for d in demos for m in d) and not allowed:
         raise PreflightError(f"task {name}: its demonstrations call a tool but its instances allow none: give "

@@ -73,7 +73,8 @@ class {cls}Task(Task):
             key = f"{{feet}}ft{{inches}}in"
             if split_of(key) != split:
                 return None
-            messages = [{{"role": "system", "content": self.options.system_prompt}}] if self.options.system_prompt else []
+            system = self.options.system_prompt
+            messages = [{{"role": "system", "content": system}}] if system else []
             messages.append({{"role": "user", "content": f"How many inches are {{feet}} ft {{inches}} in?"}})
             return TaskInstance(task=self.name, task_id=f"{name}-{{key}}", messages=tuple(messages),
                                 reference=str(12 * feet + inches),
@@ -172,7 +173,7 @@ trainer:
 
 STAGES = {   # stage: (what, command, job, model.path, body)
     "sft": ("Supervised warm start", "sft", "sft",
-            "runs/{name}/base        # an HF model directory; a tiny one: hybridrl assets tiny-model --out runs/{name}/base",
+            "runs/{name}/base        # an HF model directory (a tiny one: hybridrl assets tiny-model --out DIR)",
             SFT),
     "grpo": ("GRPO with the calculator from the SFT model", "train", "rl", "runs/{name}/sft/hf", GRPO),
 }
@@ -235,7 +236,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"wrote {files['task']} (task {args.name}), {files['sft']} and {files['grpo']}\n"
           f"next, from this directory:\n"
           f"  {env}hybridrl agent tasks {files['sft']} --split sft -n 2        # look at its demonstrations\n"
-          f"  hybridrl assets tiny-model {BASE_MODEL} --out runs/{args.name}/base   # a base model (or model.path=DIR)\n"
+          f"  hybridrl assets tiny-model {BASE_MODEL} --out runs/{args.name}/base   # or model.path=DIR\n"
           f"  {env}hybridrl sft {files['sft']}\n"
           f"  {env}hybridrl train {files['grpo']}")
     return 0

@@ -130,7 +130,8 @@ class RunState:
 def format_summary(s: dict) -> str:
     """The end-of-run lines: steps, accuracy before and after, where the model and the logs are."""
     skipped = s["steps_without_update"]
-    lines = [f"rl: {s['steps']} step{'s' if s['steps'] != 1 else ''}" + (f" ({skipped} without an update: no trajectory admitted)" if skipped else "")
+    steps = f"rl: {s['steps']} step{'s' if s['steps'] != 1 else ''}"
+    lines = [steps + (f" ({skipped} without an update: no trajectory admitted)" if skipped else "")
              + f", policy v{s['policy_version']}, {s['seconds']:.0f}s in steps"
              + (f"; resumed from {s['resumed_from']}" if s["resumed_from"] else "")]
     if s["validation"]:
