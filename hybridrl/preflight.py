@@ -35,9 +35,11 @@ def preflight(cfg: Any, *, overwrite: bool = False) -> list[str]:
         return []
     check_model(cfg.model.path)
     check_task(cfg)
-    if overwrite:
-        return [f"--overwrite: an earlier run's outputs in {cfg.run.dir} are removed before the run starts"]
     try:
+        if overwrite:
+            run_dir = Path(cfg.run.dir)
+            rundir.check_model_outside(cfg, [run_dir / name for name in rundir.OUTPUTS], "--overwrite removes it")
+            return [f"--overwrite: an earlier run's outputs in {run_dir} are removed before the run starts"]
         plan = rundir.plan(cfg)
     except rundir.RunDirError as err:
         raise PreflightError(str(err)) from None

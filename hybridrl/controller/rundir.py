@@ -34,6 +34,8 @@ RECORD = "run.json"
 # What runs write into run.dir (what --overwrite removes; nothing else in the directory is touched).
 OUTPUTS = ("run.json", "config.json", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "hf",
            "offload", "envs.sqlite", "envs.sqlite-wal", "envs.sqlite-shm")
+# What a start that died before its first step leaves and a fresh start would append to.
+LEFTOVERS = ("run.json", "metrics.jsonl", "samples.jsonl", "tensorboard")
 # config.json keys that fix the shapes of a checkpoint's tensors
 SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size", "tie_word_embeddings")
@@ -134,6 +136,7 @@ def plan(cfg) -> Plan:
     if earlier is None:
         return Plan("fresh", run_dir)
     if resume == "never":
+        check_model_outside(cfg, [run_dir], "trainer.resume=never moves the earlier run aside")
         return Plan("move_aside", run_dir, note=f"trainer.resume=never: the earlier run in {run_dir} moves to "
                                                 f"{aside_path(run_dir)}")
     what = f"run.dir {run_dir} holds {earlier.describe(cfg.run.job)}"
@@ -165,7 +168,7 @@ def prepare(cfg) -> Plan:
         aside = aside_path(p.run_dir)
         p.run_dir.rename(aside)
     elif p.action == "fresh":
-        remove_outputs(p.run_dir)            # a start that died before its first step: nothing to keep
+        remove_outputs(p.run_dir, LEFTOVERS)   # a start that died before its first step: nothing to keep
     p.run_dir.mkdir(parents=True, exist_ok=True)
     record = read_record(p.run_dir) if p.action == "resume" else {}
     record.update(job=cfg.run.job, **identity(cfg), status="running", hybridrl=_version(),
@@ -180,10 +183,19 @@ def mark_finished(run_dir: str | Path, step: int, **summary: Any) -> None:
     write_record(Path(run_dir), record)
 
 
-def remove_outputs(run_dir: str | Path) -> list[str]:
-    """Delete what runs write into `run_dir` (OUTPUTS); anything else there stays."""
+def check_model_outside(cfg, paths: Sequence[Path], what: str) -> None:
+    """Refuse when model.path lies inside one of `paths` (which are about to move or go)."""
+    model = Path(cfg.model.path).resolve()
+    for path in paths:
+        if model == path.resolve() or path.resolve() in model.parents:
+            raise RunDirError(f"model.path {cfg.model.path} is inside {path}, and {what}: keep the model outside "
+                              "run.dir")
+
+
+def remove_outputs(run_dir: str | Path, names: Sequence[str] = OUTPUTS) -> list[str]:
+    """Delete what runs write into `run_dir` (`names`: OUTPUTS by default); anything else stays."""
     removed = []
-    for name in OUTPUTS:
+    for name in names:
         path = Path(run_dir) / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)

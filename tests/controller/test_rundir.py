@@ -137,6 +137,17 @@ def test_a_run_without_a_checkpoint_is_refused_and_never_moves_it_aside(tmp_path
     assert rundir.plan(cfg).action == "fresh"
 
 
+def test_a_model_inside_the_run_directory_is_never_moved_or_removed(tmp_path, model, capsys):
+    inside = shutil.copytree(model, tmp_path / "run" / "base")        # a base model kept in the run directory
+    cfg = config(tmp_path / "run", inside, recipe=SFT)
+    earlier_run(cfg, steps=[10, 20], finished=True)
+    never = config(tmp_path / "run", inside, "trainer.resume=never", recipe=SFT)
+    assert f"model.path {inside} is inside {tmp_path / 'run'}, and trainer.resume=never moves" in refusal(never)
+    hf = shutil.copytree(model, tmp_path / "run" / "hf")               # SFT again on its own output
+    argv = ["sft", SFT, f"model.path={hf}", f"run.dir={tmp_path / 'run'}", "--overwrite", "--check"]
+    assert main(argv) == 2 and "and --overwrite removes it: keep the model outside run.dir" in capsys.readouterr().err
+
+
 def test_a_finished_sft_run_is_refused(tmp_path, model):
     cfg = config(tmp_path, model, recipe=SFT)
     earlier_run(cfg, steps=[10, 20], finished=True)
