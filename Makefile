@@ -18,7 +18,7 @@ endif
 
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-slow test-gpu gpu-check sglang-types clean
+.PHONY: install demo test test-slow test-gpu gpu-check sglang-types slurm-install slurm-up slurm-down test-slurm clean
 
 install: $(STAMP)
 
@@ -53,11 +53,32 @@ sglang-types: install
 		"sglang==$$($(BIN)/python -c 'from hybridrl.backends.sglang.requests import SGLANG_VERSION as v; print(v)')" \
 		msgspec pyzmq orjson pybase64
 
-# The GPU check kit: native engine and Megatron vs transformers, a hybrid cycle and the mode-switch
-# benchmark on this machine's accelerator; JSON in runs/gpu_check. GPU_CHECK_ARGS="--device cpu" for the CPU run.
+# The GPU check kit: one hybrid run on this machine's accelerator (its cycles are the mode-switch
+# benchmark), then the served engine and Megatron vs transformers; JSON in runs/gpu_check.
+# GPU_CHECK_ARGS="--device cpu" for the CPU run.
 GPU_CHECK_ARGS ?=
 gpu-check: install
 	$(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# recipes/slurm/train.sbatch under a real SLURM: a single-node cluster on localhost from Debian's
+# packages (root; apt-get installs them when missing), config and state under SLURM_DIR.
+# `make slurm-up`, then `export SLURM_CONF=$(SLURM_DIR)/slurm.conf` and sbatch as usual.
+SLURM_DIR ?= /tmp/hybridrl-slurm
+
+slurm-install:
+	@command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null \
+	  && command -v sbatch >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -q slurmctld slurmd munge slurm-client; }
+
+slurm-up: slurm-install
+	recipes/slurm/local_cluster.sh up $(SLURM_DIR)
+
+slurm-down:
+	recipes/slurm/local_cluster.sh down $(SLURM_DIR)
+
+# The SLURM test starts and stops its own cluster (about 2 minutes; not part of `make test`).
+test-slurm: install slurm-install
+	HYBRIDRL_SLURM=1 $(BIN)/python -m pytest tests/test_slurm.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache runs

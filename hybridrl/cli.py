@@ -1,8 +1,11 @@
-"""The `hybridrl` command. Each subcommand's module is imported only when it runs.
+"""The `hybridrl` command. Each subcommand's module is imported only when it runs. A recipe is
+given the same way everywhere: as the first positional argument or with --config.
 
-    hybridrl train RECIPE [key=value ...]      start torchrun on this node with the recipe's ranks
+    hybridrl train RECIPE [key=value ...]      check the run's inputs, start torchrun on this node
+               [--overwrite] [--check]         (--overwrite: replace an earlier run in run.dir)
     hybridrl sft RECIPE [key=value ...]        the same with run.job=sft (supervised warm start)
-    hybridrl config show --config RECIPE [k=v] print the resolved config
+    hybridrl config show RECIPE [k=v]          print the resolved config
+    hybridrl init task NAME [--dir D]          a runnable task module + its SFT and GRPO recipes
     hybridrl config defaults [--write DIR]     the documented defaults of every section
     hybridrl assets tiny-model --arch A --out D
     hybridrl doctor [--json]                   versions, devices, a 2-rank self-test
@@ -23,44 +26,54 @@ from typing import Sequence
 
 from hybridrl import __version__
 from hybridrl.config import ConfigError, load_config, to_yaml
+from hybridrl.config.cli import add_recipe_arguments, recipe_and_overrides
 
 EXIT_CONFIG = 2
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from hybridrl.controller import rundir
+    from hybridrl.preflight import PreflightError, preflight
+
     try:
-        cfg = load_config(args.recipe, args.overrides)
-    except ConfigError as err:
+        recipe, overrides = recipe_and_overrides(args.recipe_args, args.config, extra=args.job_overrides)
+        cfg = load_config(recipe, overrides)
+        notes = preflight(cfg, overwrite=args.overwrite)
+        if args.overwrite and not args.check and cfg.run.job in rundir.JOBS:
+            removed = rundir.remove_outputs(cfg.run.dir)
+            notes = [f"--overwrite: removed {', '.join(removed)} from {cfg.run.dir}"] if removed else []
+    except (ConfigError, PreflightError) as err:
         print(f"hybridrl: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    for note in notes:
+        print(f"hybridrl: {note}", file=sys.stderr)
     nproc = args.nproc_per_node or cfg.distributed.nproc_per_node
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "hybridrl.train", "--config", args.recipe, *args.overrides]
+           "-m", "hybridrl.train", *(["--config", recipe] if recipe else []), *overrides]
+    if args.check:
+        print(f"hybridrl: checked {recipe or 'the defaults'}: config, model, task and run.dir are ready "
+              f"({nproc} rank(s) per node)", file=sys.stderr)
+        return 0
     print(f"hybridrl: launching {nproc} rank(s): {' '.join(cmd[1:])}", file=sys.stderr)
     sys.stderr.flush()
     os.execv(sys.executable, cmd)
     return 1  # not reached
 
 
-def _cmd_sft(args: argparse.Namespace) -> int:
-    args.overrides = [*args.overrides, "run.job=sft"]
-    return _cmd_train(args)
-
-
 def _cmd_config_show(args: argparse.Namespace) -> int:
-    recipe, overrides = args.config, list(args.overrides)
-    if args.recipe is not None:
-        if recipe is None and "=" not in args.recipe:
-            recipe = args.recipe              # `config show RECIPE k=v`
-        else:
-            overrides.insert(0, args.recipe)  # the first positional was an override
     try:
-        cfg = load_config(recipe, overrides)
+        cfg = load_config(*recipe_and_overrides(args.recipe_args, args.config))
     except ConfigError as err:
         print(f"hybridrl: {err}", file=sys.stderr)
         return EXIT_CONFIG
     sys.stdout.write(to_yaml(cfg))
     return 0
+
+
+def _cmd_init_task(args: argparse.Namespace) -> int:
+    from hybridrl.scaffold import main
+
+    return main(args)
 
 
 def _cmd_config_defaults(args: argparse.Namespace) -> int:
@@ -126,24 +139,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hybridrl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="run a recipe on this node (starts torchrun)")
-    p.add_argument("recipe")
-    p.add_argument("overrides", nargs="*", help="section.key=value")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="default: distributed.nproc_per_node")
-    p.set_defaults(func=_cmd_train)
-
-    p = sub.add_parser("sft", help="supervised warm start on a task's demonstrations (train with run.job=sft)")
-    p.add_argument("recipe")
-    p.add_argument("overrides", nargs="*", help="section.key=value")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="default: distributed.nproc_per_node")
-    p.set_defaults(func=_cmd_sft)
+    for name, job, help_text in (("train", [], "run a recipe on this node (checks its inputs, starts torchrun)"),
+                                 ("sft", ["run.job=sft"], "supervised warm start on a task's demonstrations "
+                                                          "(train with run.job=sft)")):
+        p = sub.add_parser(name, help=help_text)
+        add_recipe_arguments(p)
+        p.add_argument("--nproc-per-node", type=int, default=None, help="default: distributed.nproc_per_node")
+        p.add_argument("--overwrite", action="store_true",
+                       help="remove an earlier run's outputs from run.dir first (else a finished run, a run without "
+                            "a checkpoint or another run's checkpoint there is refused)")
+        p.add_argument("--check", action="store_true", help="check the config and the run's inputs; start nothing")
+        p.set_defaults(func=_cmd_train, job_overrides=job)
 
     p = sub.add_parser("config", help="inspect configuration")
     csub = p.add_subparsers(dest="config_command", required=True)
     c = csub.add_parser("show", help="print the resolved config")
-    c.add_argument("recipe", nargs="?", default=None)
-    c.add_argument("--config", default=None, help="recipe YAML")
-    c.add_argument("overrides", nargs="*", help="section.key=value")
+    add_recipe_arguments(c)
     c.set_defaults(func=_cmd_config_show)
     c = csub.add_parser("defaults", help="the documented defaults (what configs/ holds)")
     c.add_argument("--write", default=None, metavar="DIR")
@@ -187,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_cmd_bench_mode_switch)
 
 
+    p = sub.add_parser("init", help="start something of your own from a template")
+    isub = p.add_subparsers(dest="init_command", required=True)
+    i = isub.add_parser("task", help="a runnable task module with its SFT and GRPO recipes")
+    from hybridrl.scaffold import add_arguments as add_scaffold_arguments
+
+    add_scaffold_arguments(i)
+    i.set_defaults(func=_cmd_init_task)
+
     p = sub.add_parser("demo", help="the CPU demo: tiny base model -> SFT -> GRPO with a calculator, accuracy "
                                     "before and after")
     from hybridrl.demo import add_arguments as add_demo_arguments
@@ -197,7 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from hybridrl.envs.tasks.registry import importable_from_cwd
+
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:      # key=value after an option (`train R.yaml --overwrite k=v`): overrides all the same
+        if not hasattr(args, "recipe_args") or any("=" not in e or e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.recipe_args = [*args.recipe_args, *extra]
+    importable_from_cwd()          # task.name=module:Class from the working directory, as on the ranks
     return args.func(args)
 
 

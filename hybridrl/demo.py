@@ -216,6 +216,8 @@ def _stage_complete(stage: Stage) -> bool:
 
 
 def execute(plan: Plan, *, fresh: bool, verbose: bool) -> int:
+    from hybridrl.store.checkpoints import CheckpointManager
+
     state = {} if fresh else plan.load_state()
     redo_rest = fresh
     for i, stage in enumerate(plan.stages, 1):
@@ -226,9 +228,10 @@ def execute(plan: Plan, *, fresh: bool, verbose: bool) -> int:
             stage.cached, stage.seconds = True, record.get("seconds", 0.0)
             print(f"      done before ({_fmt_s(stage.seconds)}): reusing {stage.out_dir}", flush=True)
             continue
-        if redo_rest or not (same and stage.resumable and record.get("status") == "running"):
-            shutil.rmtree(stage.out_dir, ignore_errors=True)
-        elif stage.resumable:
+        if redo_rest or not (same and stage.resumable and record.get("status") == "running"
+                             and CheckpointManager(stage.out_dir).latest() is not None):
+            shutil.rmtree(stage.out_dir, ignore_errors=True)      # (an interrupted run without a checkpoint too)
+        else:
             print("      an earlier run was interrupted: resuming it from its newest checkpoint", flush=True)
         redo_rest = True
         state[stage.name] = {"fingerprint": stage.fingerprint(), "status": "running"}

@@ -2,8 +2,9 @@
 
     torchrun --nproc-per-node N -m hybridrl.train --config recipes/X.yaml [key=value ...]
 
-The config is loaded and validated before any process group starts: a bad recipe exits with
-code 2 and one line naming the key. Exit codes: 0 done, 1 the run failed (every rank exits),
+The config is loaded and validated, and the run's inputs checked (`hybridrl.preflight`: model
+files, the task, what happens to run.dir), before any process group starts: a bad recipe or a
+missing input exits with code 2 and one line naming it. Exit codes: 0 done, 1 the run failed (every rank exits),
 2 bad configuration.
 """
 
@@ -18,9 +19,6 @@ import time
 import traceback
 from typing import Sequence
 
-import numpy as np
-import torch
-
 from hybridrl.config import ConfigError, load_config
 from hybridrl.telemetry.logs import setup_logging
 
@@ -32,12 +30,15 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m hybridrl.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="recipe YAML")
+    parser.add_argument("--config", default=None, help="recipe YAML (without it: the defaults and the overrides)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return parser.parse_args(argv)
 
 
 def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -97,12 +98,17 @@ def _exit_now(code: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from hybridrl.controller import rundir
+    from hybridrl.preflight import PreflightError, preflight
+
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
+        preflight(cfg)            # every rank, before the process group: a bad input stops them all
+    except (ConfigError, PreflightError) as err:
         print(f"hybridrl: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    rundir.record_origin(args.config, args.overrides)
     return run(cfg)
 
 

@@ -38,6 +38,8 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), found {num_gpus}"))
         if item.get_closest_marker("sglang") and not (has_sglang and num_gpus):
             item.add_marker(pytest.mark.skip(reason="needs sglang and a CUDA GPU"))
+        if item.get_closest_marker("slurm") and os.environ.get("HYBRIDRL_SLURM") != "1":
+            item.add_marker(pytest.mark.skip(reason="slurm: a local SLURM cluster (about 2 minutes): make test-slurm"))
 
 
 @pytest.fixture(scope="session")

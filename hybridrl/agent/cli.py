@@ -1,11 +1,13 @@
 """`hybridrl agent ...`: check the tool sandbox, dump task data, run episodes.
 
-    hybridrl agent sandbox-check [--config RECIPE] [k=v ...] [--json]
-    hybridrl agent tasks [--config RECIPE] [k=v ...] [--split train|validation|sft] [-n N] [--out FILE]
-    hybridrl agent rollout [--config RECIPE] [k=v ...] [--engine scripted|native] [-n N] [--group-size G]
-                           [--split train|validation] [--json OUT]
+    hybridrl agent sandbox-check [RECIPE | --config RECIPE] [k=v ...] [--json]
+    hybridrl agent tasks [RECIPE | --config RECIPE] [k=v ...] [--split train|validation|sft] [-n N] [--out FILE]
+    hybridrl agent rollout [RECIPE | --config RECIPE] [k=v ...] [--engine scripted|native] [-n N]
+                           [--group-size G] [--split train|validation] [--temperature T] [--json OUT]
 
-Only argparse is imported here; each handler imports what it needs.
+`rollout` samples the validation split at trainer.validation_temperature (greedy by default: the
+accuracy training's validation reports) unless --temperature says otherwise, and prints which.
+Only argparse and the recipe arguments are imported here; each handler imports what it needs.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import argparse
 import json
 import sys
 
+from hybridrl.config.cli import add_recipe_arguments
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="agent_command", required=True)
 
     def common(p):
-        p.add_argument("--config", default=None, help="recipe YAML")
-        p.add_argument("overrides", nargs="*", help="section.key=value")
+        add_recipe_arguments(p)        # RECIPE or --config RECIPE, then section.key=value
 
     p = sub.add_parser("sandbox-check", help="probe the tool sandbox's isolation and limits on this machine")
     common(p)
@@ -37,15 +40,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--split", choices=["train", "validation"], default="validation")
     p.add_argument("-n", type=int, default=16, help="instances")
     p.add_argument("--group-size", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature; default: trainer.validation_temperature on the validation split "
+                        "(what training's validation reports), agent.temperature on the train split")
     p.add_argument("--show", type=int, default=2, help="print this many trajectories as text")
     p.add_argument("--json", default=None, help="write a summary here")
 
 
 def main(args: argparse.Namespace) -> int:
     from hybridrl.config import ConfigError, load_config
+    from hybridrl.config.cli import recipe_and_overrides
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(*recipe_and_overrides(args.recipe_args, args.config))
     except ConfigError as err:
         print(f"hybridrl: {err}", file=sys.stderr)
         return 2
@@ -130,6 +137,14 @@ def _tasks(cfg, args) -> int:
     return 0
 
 
+def _rollout_temperature(cfg, args) -> tuple[float, str]:
+    if args.temperature is not None:
+        return args.temperature, "--temperature"
+    if args.split == "validation":
+        return cfg.trainer.validation_temperature, "trainer.validation_temperature"
+    return cfg.agent.temperature, "agent.temperature"
+
+
 def _rollout(cfg, args) -> int:
     import asyncio
     import time
@@ -174,19 +189,26 @@ def _rollout(cfg, args) -> int:
 
         envs = LeasedEnvProvider(EnvService.from_config(cfg.env), cfg.env)
 
+    temperature, source = _rollout_temperature(cfg, args)
+    print(f"sampling at temperature {temperature:g} ({source}) on {len(instances)} {args.split} instances",
+          file=sys.stderr)
+
     async def go():
         async with ToolBox.from_config(cfg.tools, names=names) as tools:
             runner = AgentRunner(engine, tokenizer, agent_cfg=cfg.agent, tools=tools, run_id=cfg.run.name,
                                  seed=cfg.run.seed, envs=envs)
             t0 = time.perf_counter()
-            trajs = await runner.run(instances, task=task, group_size=args.group_size)
+            trajs = await runner.run(instances, task=task, group_size=args.group_size, temperature=temperature)
             wall = time.perf_counter() - t0
             return trajs, runner.stats(wall), wall
 
     trajs, stats, wall = asyncio.run(go())
     statuses = Counter(t.status.value + (f"/{t.truncation.value}" if t.truncation else "") for t in trajs)
-    summary = {"task": task.name, "engine": args.engine, "episodes": len(trajs), "wall_s": round(wall, 3),
-               "mean_reward": sum(t.reward for t in trajs) / len(trajs), "statuses": dict(statuses),
+    accuracy = sum(t.rewards.get("correct", t.reward) for t in trajs) / len(trajs)
+    summary = {"task": task.name, "engine": args.engine, "split": args.split, "temperature": temperature,
+               "temperature_from": source, "episodes": len(trajs), "wall_s": round(wall, 3),
+               "accuracy": accuracy, "mean_reward": sum(t.reward for t in trajs) / len(trajs),
+               "statuses": dict(statuses),
                "mean_turns": sum(t.turns for t in trajs) / len(trajs),
                "mean_response_tokens": sum(len(t.response_ids) for t in trajs) / len(trajs),
                **{k: v for k, v in stats.items() if k != "tools"}, "tools": stats["tools"]}
@@ -194,6 +216,8 @@ def _rollout(cfg, args) -> int:
         print(f"--- {t.trajectory_id} [{t.status.value}] reward {t.reward}")
         print(tokenizer.decode(t.prompt_ids + t.response_ids))
     print(json.dumps(summary, indent=2, default=str))
+    how = "greedy" if temperature == 0 else f"temperature {temperature:g}"
+    print(f"{args.split} accuracy ({how}, {source}): {100 * accuracy:.1f}% of {len(trajs)} episodes", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2, default=str)

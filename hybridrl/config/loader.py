@@ -11,7 +11,7 @@ import dataclasses
 import difflib
 import typing
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -54,6 +54,26 @@ def load_config(
             f"required value missing: set it in the recipe or pass {missing[0]}=VALUE", key=missing[0]
         )
     return _instantiate(merged, schema, "", sources)
+
+
+def structured(cls: type, values: Mapping[str, Any]) -> Any:
+    """An instance of the dataclass `cls` from plain `values`, typed like a config section: each
+    value is coerced to its field's type (as `key=value` overrides are), and a wrong type, a
+    failed validation or any error of `cls`'s own checks raises `ConfigValueError` naming the
+    field. Unknown keys are the caller's to report (it knows what they belong to)."""
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(dict(values)))
+    except OmegaConfBaseException as err:
+        translated = _translate(err, cls, "")
+        raise ConfigValueError(translated.key or "", translated.detail) from None
+    try:
+        return _instantiate(node, cls, "", {})
+    except ConfigError as err:
+        raise ConfigValueError(err.key or "", err.detail) from None
+    except ConfigValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a user's __post_init__ may raise anything
+        raise ConfigValueError("", f"{cls.__name__}: {type(err).__name__}: {err}") from None
 
 
 def to_yaml(cfg: Any) -> str:

@@ -18,7 +18,9 @@ class TrainerConfig:
     validation_temperature: float = knob(0.0, "sampling temperature of validation episodes (0 = greedy)")
     checkpoint_every: int = knob(10, "save a checkpoint every k steps; 0 = never")
     keep_checkpoints: int = knob(2, "complete checkpoints kept")
-    resume: str = knob("auto", "auto (the newest complete checkpoint in run.dir, else start fresh) | never | PATH")
+    resume: str = knob("auto", "auto: continue the run in run.dir from its newest checkpoint (another task / model "
+                               "/ shapes, a finished run or one without a checkpoint is refused) | never: start clean, "
+                               "the earlier run moved to <run.dir>.old-N | PATH: that checkpoint")
     export_hf: bool = knob(True, "write the final policy as an HF directory to <run.dir>/hf")
     log_samples: int = knob(2, "trajectories per step written to <run.dir>/samples.jsonl (decoded)")
 

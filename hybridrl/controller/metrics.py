@@ -87,7 +87,7 @@ def engine_metrics(per_rank: list[dict], run) -> dict[str, float]:
             totals[f"agent/{key}"] += value
     deltas = {k: v - run.counters.get(k, 0) for k, v in totals.items()}
     run.counters = dict(totals)
-    keep = ("prefill_tokens", "prefix_hit_tokens", "decode_tokens", "preemptions", "malformed_actions",
+    keep = ("prefill_tokens", "prefix_hit_tokens", "decode_tokens", "preemptions", "episodes", "malformed_actions",
             "unauthorized_actions", "invalid_arguments", "tool_errors", "tool_calls")
     return {k: float(v) for k, v in deltas.items() if any(k.endswith(s) for s in keep)}
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from hybridrl.controller import rundir
 from hybridrl.distributed.dispatch import ONE_TO_ALL, DPSplit
 from hybridrl.data.batch import Batch, pad_sequences
 from hybridrl.data.stream import ShuffledStream
@@ -72,6 +73,9 @@ def run_sft(cfg, wg) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     rows = demonstration_rows(cfg, tokenizer)
     stream = ShuffledStream(rows, seed=cfg.run.seed)
+    plan = rundir.prepare(cfg)             # an earlier run there is refused, or moved aside if told
+    if plan.note:
+        log.info("%s", plan.note)
     logger = MetricsLogger(cfg.run.dir)
     started, last = time.perf_counter(), {}
     bar = tqdm(range(1, cfg.sft.steps + 1), desc="sft", dynamic_ncols=True, disable=None)
@@ -85,6 +89,7 @@ def run_sft(cfg, wg) -> dict:
     out = cfg.sft.output_dir or str(Path(cfg.run.dir) / "hf")
     wg.call(SFTWorker.export_hf, out_dir=out)
     logger.close()
+    rundir.mark_finished(cfg.run.dir, cfg.sft.steps, final_loss=last.get("loss"), model=out)
     log.info("SFT done in %.0fs: final loss %.4f, model written to %s", time.perf_counter() - started,
              last.get("loss", float("nan")), out)
     print(f"sft: {cfg.sft.steps} steps, final loss {last.get('loss', float('nan')):.4f}; HF model at {out}")

@@ -68,6 +68,10 @@ def train(cfg, wg) -> dict:
         metrics = M.step_metrics(trajectories, kept, batch, update, switch, timer.pop(),
                                  wall_s=time.perf_counter() - started, world_size=wg.world_size,
                                  version=run.version, rollout_version=rollout_version)
+        metrics["train/updated"] = float(batch is not None)   # a step without a learning signal goes on
+        if batch is None:
+            log.info("step %d: no update (none of %d episodes admitted: %s)", step, len(trajectories),
+                     ", ".join(f"{k} {v}" for k, v in kept.counts.items() if v) or "no reason counted")
         metrics.update(M.engine_metrics(wg.call(HybridWorker.rollout_stats), run))
         if step == tc.total_steps or (tc.validate_every and step % tc.validate_every == 0):
             metrics.update(validate(cfg, wg, run, step))
@@ -89,6 +93,8 @@ def validate(cfg, wg, run: RunState, step: int) -> dict:
     rows = M.episode_rows(run.validation, 1, f"val{step}")
     trajectories = from_batch(wg.call(HybridWorker.rollout, rows, temperature=tc.validation_temperature))
     out = M.validation_metrics(trajectories)
+    # the validation episodes' engine and agent counters, kept out of the next training step's
+    out.update({f"val/{k}": v for k, v in M.engine_metrics(wg.call(HybridWorker.rollout_stats), run).items()})
     out["val/seconds"] = time.perf_counter() - started
     log.info("validation at step %d (policy v%d): accuracy %.3f on %d episodes", step, run.version,
              out["val/accuracy"], len(trajectories))

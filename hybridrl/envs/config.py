@@ -13,7 +13,8 @@ class TaskConfig:
     """Which task the agent trains on, its splits, reward shaping and the task's own options."""
 
     name: str = knob("calculator",
-                     "a task in hybridrl/envs/tasks/ (calculator, guess_number) or 'module:Class'")
+                     "a task in hybridrl/envs/tasks/ (calculator, guess_number, gsm8k) or your own as 'module:Class' "
+                     "(importable from the working directory or PYTHONPATH)")
     seed: int = knob(0, "seed of the generated train / validation splits")
     train_size: int = knob(4096, "instances in the train split")
     validation_size: int = knob(64, "instances in the validation split (disjoint from train); every RL validation runs all of them")
@@ -33,13 +34,10 @@ class TaskConfig:
         check_range("sft_guess_correct_fraction", self.sft_guess_correct_fraction, 0.0, 1.0)
         from hybridrl.envs.tasks import registry
 
-        if ":" not in self.name:                    # "package.module:Class" tasks are resolved on use
-            check_choice("name", self.name, registry.task_names())
-        if self.options:      # checking options imports the task's module (only when there are some)
-            try:
-                registry.task_options(self.name, self.options)
-            except ConfigValueError as err:
-                raise ConfigValueError(f"options.{err.field}", str(err)) from None
+        if ":" in self.name or self.name not in registry.task_names():
+            registry.task_class(self.name)          # imports a 'module:Class' task: errors name the key
+        if self.options:      # checking options imports a shipped task's module (only when there are some)
+            self.options = registry.check_options(self.name, self.options)   # typed: "3" -> 3 for an int
 
 
 @dataclass(kw_only=True)

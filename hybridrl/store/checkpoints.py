@@ -6,7 +6,8 @@
         COMPLETE             written last; a directory without it is ignored (a killed save)
     <run.dir>/checkpoints/latest   "step_000012", replaced atomically after COMPLETE
 
-Only the newest `keep` complete checkpoints are kept.
+Only the newest `keep` complete checkpoints are kept. Import-light (numpy and torch load only to
+capture or restore RNG state): the launcher reads checkpoints before any process starts.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-import torch
-
 _PREFIX = "step_"
 
 
 def capture_rng() -> dict[str, Any]:
     """Python, numpy and torch CPU generator states (JSON-serialisable)."""
+    import numpy as np
+    import torch
+
     np_state = np.random.get_state()
     return {"python": _to_json(random.getstate()),
             "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
@@ -33,6 +34,9 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
     random.setstate(_from_json(state["python"]))
     np_state = state["numpy"]
     np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))

@@ -26,7 +26,14 @@ def test_rollout_with_the_scripted_agent(tmp_path, tiny_models, capsys):
     assert code == 0
     result = json.loads(summary.read_text())
     assert result["episodes"] == 8 and result["statuses"] == {"completed": 8} and result["mean_reward"] == 1.0
-    assert "<calc>" in capsys.readouterr().out
+    assert result["accuracy"] == 1.0 and result["split"] == "validation"
+    assert (result["temperature"], result["temperature_from"]) == (0.0, "trainer.validation_temperature")
+    out = capsys.readouterr()
+    assert "<calc>" in out.out and "validation accuracy (greedy, trainer.validation_temperature): 100.0%" in out.err
+    assert main(["agent", "rollout", "recipes/calculator.yaml", "--engine", "scripted", "-n", "2", "--temperature",
+                 "0.7", "--json", str(summary), f"model.path={tiny_models('qwen2')}", f"run.dir={tmp_path}"]) == 0
+    assert (json.loads(summary.read_text())["temperature"], json.loads(summary.read_text())["temperature_from"]) \
+        == (0.7, "--temperature")
 
 
 def test_bad_override_is_a_config_error(capsys):

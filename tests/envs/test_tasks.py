@@ -17,13 +17,13 @@ from hybridrl.envs.tasks import EpisodeOutcome, get_task, task_names
 
 def test_registry_and_option_validation():
     assert {"calculator", "guess_number"} <= set(task_names())
-    with pytest.raises(ConfigValueError, match="expected one of"):
+    with pytest.raises(ConfigValueError, match="unknown task 'nope'.*'module:Class'"):
         get_task("nope")
     with pytest.raises(ConfigValueError, match="unknown option of task 'calculator'"):
         TaskConfig(options={"max_digit": 3})
     with pytest.raises(ConfigError, match="key 'task.options.max_digits': must be in"):
         load_config(None, ["task.options={min_digits: 5, max_digits: 3}"])
-    with pytest.raises(ConfigError, match="key 'task.name': expected one of"):
+    with pytest.raises(ConfigError, match="key 'task.name': unknown task 'calculater': did you mean 'calculator'"):
         load_config(None, ["task.name=calculater"])
 
 

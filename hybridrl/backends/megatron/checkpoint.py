@@ -62,6 +62,13 @@ def save_checkpoint(engine: "MegatronEngine", path: Path, extra: dict) -> None:
             raise FileExistsError(f"checkpoint directory {path} exists and is not empty")
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
+    if engine.training:
+        # Before the first optimizer step torch Adam holds no state, and the distributed optimizer's
+        # state_dict asserts on it (megatron-core 0.16 optimizer/distrib_optimizer.py: state_dict,
+        # "assert len(steps) == 1"). Adam's own first step starts from exactly this state (zero
+        # moments, step 0), so giving it now changes no number: a run that has not updated yet (no
+        # trajectory admitted) checkpoints and resumes like any other.
+        _init_adam_state(engine.optimizer)
     with _writer_results_queue():
         dist_checkpointing.save(_sharded_state(engine, is_loading=False, extra=extra), str(path),
                                 content_metadata=_OPTIM_METADATA)

@@ -338,7 +338,7 @@ class NativeEngine:
                 self._pending_updates.append((items, version, digests, waiter))
             elif kind == "sleep":
                 freed = core.sleep()
-                log.info("native engine asleep: released %.1f MiB of KV cache", freed / 2**20)
+                log.debug("native engine asleep: released %.1f MiB of KV cache", freed / 2**20)
                 waiter.settle(freed)
             elif kind == "wake_up":
                 core.wake_up()

@@ -29,7 +29,7 @@ class Task:
         from hybridrl.envs.tasks.registry import task_options
 
         self.cfg = cfg
-        self.options = task_options(self.name, cfg.options)
+        self.options = task_options(type(self), cfg.options)
 
     # ------------------------------------------------------------------ to implement
 

@@ -210,19 +210,26 @@ CHECKPOINT_LAYOUTS = {"dp2": (1, 1), "pp2": (1, 2)}
 
 
 def checkpoint(out: Path, model_dir: str, phase: str) -> None:
-    """phase=save: per layout, 2 steps, save, 1 more step; then SIGKILL. phase=load: per layout,
-    a fresh engine loads and takes that step."""
+    """phase=save: per layout, save before any step (no optimizer state yet), 2 steps, save, 1 more
+    step; then SIGKILL. phase=load: per layout, a fresh engine loads the later checkpoint and takes
+    that step; at world 2 another loads the step-0 checkpoint and takes the first 3 steps, and a
+    third takes them without loading anything."""
     record: dict = {}
     layouts = CHECKPOINT_LAYOUTS if dist.get_world_size() == 2 else {"dp2": (1, 1)}   # world 1: DP 2 -> 1
     for name, (tp, pp) in layouts.items():
-        destroy_model_parallel()
         cfg = MegatronConfig(tp=tp, pp=pp, micro_batch_size=2, lr=1e-3, lr_warmup_steps=1,
                              lr_schedule="cosine", lr_decay_steps=10)
-        engine = MegatronEngine.from_hf(model_dir, cfg)
+
+        def fresh_engine():
+            destroy_model_parallel()
+            return MegatronEngine.from_hf(model_dir, cfg)
+
+        engine = fresh_engine()
         full = sequence_batch(8, vocab=_vocab(model_dir), seed=5)
         mine = full.chunk(engine.mesh.dp_size)[engine.mesh.dp_rank(dist.get_rank())]
         rec = record[name] = {}
         if phase == "save":
+            engine.save_checkpoint(out / f"ckpt_{name}_step0", extra={"policy_version": 0})
             rec["before"] = [engine.train_step(mine, pg_loss)["loss"] for _ in range(2)]
             engine.save_checkpoint(out / f"ckpt_{name}", extra={"data_cursor": 42, "policy_version": 3})
             rec["next"] = engine.train_step(mine, pg_loss)
@@ -230,6 +237,12 @@ def checkpoint(out: Path, model_dir: str, phase: str) -> None:
             rec["extra"] = engine.load_checkpoint(out / f"ckpt_{name}")
             rec["num_steps"] = engine.num_steps
             rec["next"] = engine.train_step(mine, pg_loss)
+            if dist.get_world_size() == 2:
+                engine = fresh_engine()
+                rec["step0_extra"] = engine.load_checkpoint(out / f"ckpt_{name}_step0")
+                rec["from_step0"] = [engine.train_step(mine, pg_loss) for _ in range(3)]
+                engine = fresh_engine()
+                rec["never_saved"] = [engine.train_step(mine, pg_loss) for _ in range(3)]
     (out / f"{phase}_w{dist.get_world_size()}_rank{dist.get_rank()}.json").write_text(json.dumps(record))
     dist.barrier()
     if phase == "save":

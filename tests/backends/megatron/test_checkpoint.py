@@ -1,5 +1,7 @@
 """Save -> kill -> load: a fresh process restores model, optimizer, LR schedule, RNG and the
-caller's extra state, and its next step reproduces the uninterrupted run's loss exactly.
+caller's extra state, and its next step reproduces the uninterrupted run's loss exactly. A
+checkpoint taken before the first optimizer step (an RL run whose first steps admit nothing)
+saves and resumes like any other.
 Layouts: DP=2 (the distributed optimizer really sharded) and PP=2 (tied embeddings on both stages);
 the DP=2 checkpoint also resumes on one rank."""
 
@@ -36,6 +38,17 @@ def test_resume_reproduces_next_step_exactly(resumed, layout):
         assert a["num_steps"] == 2
         assert a["next"] == b["next"]                    # loss, grad norm, lr, metrics: bit for bit
         assert b["before"][-1] != b["next"]["loss"]      # training moved
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+def test_a_checkpoint_before_the_first_step_resumes_to_the_same_numbers(resumed, layout):
+    before, after, _ = resumed
+    for b, a in zip(before, after):
+        b, a = b[layout], a[layout]
+        assert a["step0_extra"] == {"policy_version": 0}
+        assert a["from_step0"] == a["never_saved"]              # loaded step-0 state == a fresh optimizer
+        assert [s["loss"] for s in a["from_step0"]] == [*b["before"], b["next"]["loss"]]   # saving changed nothing
+        assert a["from_step0"][0]["loss"] != a["from_step0"][2]["loss"]                  # and training moved
 
 
 def test_resume_at_a_smaller_data_parallel_size(resumed):

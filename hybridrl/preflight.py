@@ -1,0 +1,115 @@
+"""Everything a run needs, checked before any process starts: each problem is one line (exit 2).
+
+    model.path  an HF directory: config.json (JSON, with model_type), safetensors weights
+                (model.safetensors, or model.safetensors.index.json and every shard it names),
+                a tokenizer (tokenizer.json, or tokenizer_config.json with its vocabulary files)
+    task        importable (loading the config did that) and able to give what the run asks of
+                it: the train and validation splits at their configured sizes (data files are read
+                here, so a missing one is named with its option), SFT demonstrations, and tools that
+                exist for the tool calls its demonstrations make
+    run.dir     what the launch does with an earlier run there (`hybridrl.controller.rundir`)
+
+`hybridrl train` runs these before it starts torchrun, and every rank runs them again before it
+joins the process group (for launches by torchrun or srun directly). Import-light: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+class PreflightError(Exception):
+    """A run input that is missing or unusable; `str(err)` is one line naming it and the fix."""
+
+
+def preflight(cfg: Any, *, overwrite: bool = False) -> list[str]:
+    """Check what `cfg.run.job` needs; returns notes for the user (e.g. what happens to run.dir).
+    `overwrite`: the earlier run's outputs will be removed, so run.dir is not inspected."""
+    from hybridrl.controller import rundir
+
+    if cfg.run.job not in rundir.JOBS:
+        return []
+    check_model(cfg.model.path)
+    check_task(cfg)
+    try:
+        if overwrite:
+            run_dir = Path(cfg.run.dir)
+            rundir.check_model_outside(cfg, [run_dir / name for name in rundir.OUTPUTS], "--overwrite removes it")
+            return [f"--overwrite: an earlier run's outputs in {run_dir} are removed before the run starts"]
+        plan = rundir.plan(cfg)
+    except rundir.RunDirError as err:
+        raise PreflightError(str(err)) from None
+    return [plan.note] if plan.note else []
+
+
+def check_model(path: str) -> None:
+    where = f"model.path={path}"
+    d = Path(path)
+    if not d.is_dir():
+        raise PreflightError(f"{where}: no such directory (an HF model directory: config.json, *.safetensors, "
+                             "tokenizer files; `hybridrl assets tiny-model --out DIR` makes a small one)")
+    try:
+        config = json.loads((d / "config.json").read_text())
+    except FileNotFoundError:
+        raise PreflightError(f"{where}: no config.json there (is it the HF model directory itself?)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise PreflightError(f"{where}: config.json is not valid JSON ({err})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise PreflightError(f"{where}: config.json has no model_type (not a transformers model config)")
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as err:
+            raise PreflightError(f"{where}: model.safetensors.index.json has no readable weight_map ({err})") from None
+        missing = [s for s in shards if not (d / s).exists()]
+        if missing:
+            raise PreflightError(f"{where}: {len(missing)} of {len(shards)} weight shards named in "
+                                 f"model.safetensors.index.json are missing (first: {missing[0]})")
+    elif not (d / "model.safetensors").exists():
+        other = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt"))
+        hint = f" (found {other[0]}: only safetensors are read; convert with transformers' save_pretrained)" \
+            if other else ""
+        raise PreflightError(f"{where}: no weights: model.safetensors or model.safetensors.index.json{hint}")
+    if not any((d / name).exists() for name in TOKENIZER_FILES):
+        raise PreflightError(f"{where}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); the tokenizer is "
+                             "loaded from the model directory")
+
+
+def check_task(cfg: Any) -> None:
+    """Draw what the run will draw from the task, so a task that cannot give it fails here."""
+    from hybridrl.envs.tasks import get_task
+
+    name = cfg.task.name
+    task = _step(name, "construct the task", lambda: get_task(name, cfg.task))
+    sample = _step(name, "draw 4 train instances", lambda: task.train_split(4))
+    demos = _step(name, "write demonstrations that use the tool",
+                  lambda: task.sft_demonstrations(4, tool_use_fraction=1.0))
+    allowed = sorted({tool for inst in sample for tool in inst.tools})
+    if any(m.get("role") == "tool" for d in demos for m in d) and not allowed:
+        raise PreflightError(f"task {name}: its demonstrations call a tool but its instances allow none: give "
+                             "each TaskInstance tools=(...) (e.g. tools=(\"calculator\",)), or every tool call "
+                             "is refused and earns nothing")
+    from hybridrl.agent.tools.registry import tool_factory
+
+    for tool in allowed:
+        _step(name, f"find the tool {tool!r} its instances name", lambda: tool_factory(tool))
+    if cfg.run.job == "sft":
+        _step(name, f"draw sft.num_demonstrations={cfg.sft.num_demonstrations} demonstrations",
+              lambda: task.sft_demonstrations(cfg.sft.num_demonstrations))
+    else:
+        _step(name, f"draw the train split (task.train_size={cfg.task.train_size})", task.train_split)
+        _step(name, f"draw the validation split (task.validation_size={cfg.task.validation_size})",
+              task.validation_split)
+
+
+def _step(name: str, what: str, fn):
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 - the user's task code: report it in one line
+        message = str(err).splitlines()[0] if str(err) else ""
+        raise PreflightError(f"task {name}: cannot {what}: {type(err).__name__}: {message}") from None
