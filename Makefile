@@ -18,7 +18,7 @@ endif
 
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-slow test-gpu slurm-install slurm-up slurm-down test-slurm clean
+.PHONY: install demo test test-slow test-gpu gpu-check sglang-types slurm-install slurm-up slurm-down test-slurm clean
 
 install: $(STAMP)
 
@@ -38,11 +38,27 @@ demo: install
 
 # The CPU test suite (slow and GPU tests skip with a reason).
 test: install
+	-@$(MAKE) --no-print-directory sglang-types >/dev/null 2>&1 || echo "(sglang types not installed: their test skips)"
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-slow: install
 	HYBRIDRL_SLOW=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
+
+# The pinned sglang release's request types for the CPU tests (tests/backends/sglang/test_requests.py):
+# the wheel without its GPU dependencies, plus the few pure-Python packages its io_struct imports.
+SGLANG_TYPES := .cache/sglang-types
+sglang-types: install
+	@test -d $(SGLANG_TYPES)/sglang || $(BIN)/python -m pip install -q --no-deps --target $(SGLANG_TYPES) \
+		"sglang==$$($(BIN)/python -c 'from hybridrl.backends.sglang.requests import SGLANG_VERSION as v; print(v)')" \
+		msgspec pyzmq orjson pybase64
+
+# The GPU check kit: one hybrid run on this machine's accelerator (its cycles are the mode-switch
+# benchmark), then the served engine and Megatron vs transformers; JSON in runs/gpu_check.
+# GPU_CHECK_ARGS="--device cpu" for the CPU run.
+GPU_CHECK_ARGS ?=
+gpu-check: install
+	$(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 # recipes/slurm/train.sbatch under a real SLURM: a single-node cluster on localhost from Debian's
 # packages (root; apt-get installs them when missing), config and state under SLURM_DIR.

@@ -45,7 +45,10 @@ setup(
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
         # GPU rollout backend; never needed on CPU.
-        "sglang": ["sglang>=0.5.4,<0.6"],
+        # One exact release, the one hybridrl/backends/sglang is written against (requests.SGLANG_VERSION):
+        # 0.5.18-0.5.21 pin torch==2.13.0 and transformers==5.12.1 (inside our transformers>=5,<6); 0.5.4-0.5.9
+        # pin transformers 4.57.1 and 0.5.22+ torch 2.14.1, which would replace the user's torch.
+        "sglang": ["sglang==0.5.21"],
     },
     entry_points={"console_scripts": ["hybridrl=hybridrl.cli:main"]},
     classifiers=[

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -35,26 +36,37 @@ def main() -> int:
     ap.add_argument("--out", default="runs/bench/mode_switch")
     ap.add_argument("--cache", default="runs/bench/models")
     ap.add_argument("--sizes", default="1m,10m,100m")
-    ap.add_argument("--verify", default="structure,two_pass")
+    ap.add_argument("--verify", default="structure,post_copy")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per (size, verify), interleaved; medians reported")
     ap.add_argument("--cycles", type=int, default=5)
     ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()
     out, cache = Path(args.out), Path(args.cache)
     out.mkdir(parents=True, exist_ok=True)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for repeat in range(args.repeats):          # interleaved: every (size, verify) once per round
+        for size in args.sizes.split(","):
+            model = build(size, cache)
+            for verify in args.verify.split(","):
+                path = out / f"{size}-{verify}-{repeat}.json"
+                subprocess.run([sys.executable, "-m", "hybridrl", "bench", "mode-switch", "--model", str(model),
+                                "--tp", str(args.tp), "--cycles", str(args.cycles), "--verify", verify,
+                                "--json", str(path)], check=True)
+                runs.setdefault((size, verify), []).append(json.loads(path.read_text()))
     rows = []
-    for size in args.sizes.split(","):
-        model = build(size, cache)
-        for verify in args.verify.split(","):
-            path = out / f"{size}-{verify}.json"
-            subprocess.run([sys.executable, "-m", "hybridrl", "bench", "mode-switch", "--model", str(model),
-                            "--tp", str(args.tp), "--cycles", str(args.cycles), "--verify", verify,
-                            "--json", str(path)], check=True)
-            r = json.loads(path.read_text())
-            rows.append({"size": size, "params_m": round(r["model_params"] / 1e6, 1), "verify": verify,
-                         **{f"{p}_s": round(v["median_s"], 4) for p, v in r["phases"].items()},
-                         "switch_s": round(r["switch_s"], 4), "floor_s": round(r["copy_floor_s"], 4),
-                         "ratio_to_floor": round(r["ratio_to_floor"], 2),
-                         "copy_gb_s": round(r["copy_bandwidth_bytes_per_s"] / 1e9, 2)})
+    for (size, verify), results in runs.items():
+        med = statistics.median
+        rows.append({"size": size, "params_m": round(results[0]["model_params"] / 1e6, 1), "verify": verify,
+                     "runs": len(results),
+                     **{f"{p}_s": round(med(r["phases"][p]["median_s"] for r in results), 4)
+                        for p in results[0]["phases"]},
+                     "switch_s": round(med(r["switch_s"] for r in results), 4),
+                     "floor_s": round(med(r["copy_floor_s"] for r in results), 4),
+                     "ratio_to_floor": round(med(r["ratio_to_floor"] for r in results), 2),
+                     "ratios": [round(r["ratio_to_floor"], 2) for r in results],
+                     "copy_gb_s": round(med(r["copy_bandwidth_bytes_per_s"] for r in results) / 1e9, 2),
+                     "first_touch_gb_s": round(med(r["first_touch_write_bytes_per_s"] for r in results) / 1e9, 2),
+                     "load_1m": [round(r["load_average_1m"], 1) for r in results]})
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
     keys = list(rows[0])
     table = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]

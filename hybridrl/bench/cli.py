@@ -19,16 +19,18 @@ def add_mode_switch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="native", choices=("native", "sglang"))
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: --tp)")
     p.add_argument("--cycles", type=int, default=5)
-    p.add_argument("--verify", default="structure", choices=("structure", "two_pass"))
+    p.add_argument("--verify", default="structure", choices=("structure", "post_copy"))
     p.add_argument("--spill-optimizer", action="store_true", help="CPU: spill optimizer state during rollout")
     p.add_argument("--kv-cache-mb", type=int, default=64)
     p.add_argument("--json", required=True, help="output JSON path")
+    p.add_argument("--run-dir", default=None, help="keep the run directory here (default: a temporary one)")
     p.add_argument("overrides", nargs="*", help="extra section.key=value")
 
 
 def mode_switch_main(args: argparse.Namespace) -> int:
     nproc = args.nproc or args.tp
     with tempfile.TemporaryDirectory(prefix="hybridrl-bench-") as tmp:
+        tmp = args.run_dir or tmp
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "hybridrl.train", "--config", str(RECIPE), f"model.path={args.model}", f"run.dir={tmp}",
                f"distributed.nproc_per_node={nproc}", f"train.tp={args.tp}", f"rollout.tp={args.rollout_tp}",

@@ -12,6 +12,7 @@ buffers, released for the rollout phase, written once more when they come back).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -19,32 +20,39 @@ from pathlib import Path
 import torch
 
 from hybridrl.distributed.dispatch import ONE_TO_ALL
-from hybridrl.data.batch import Batch
+from hybridrl.data.batch import Batch, pad_sequences
 from hybridrl.jobs import Job
 from hybridrl.workers.base import register
+from hybridrl.workers.config import SWITCH_PHASES
 from hybridrl.workers.hybrid import HybridWorker
-
-SWITCH_PHASES = ("offload", "publish", "wake", "sleep", "reload")
 
 
 class BenchWorker(HybridWorker):
     @register(dispatch=ONE_TO_ALL)
-    def copy_bandwidth(self, nbytes: int, repeats: int = 5) -> float:
-        """Median bytes/s of copying `nbytes` between two preallocated buffers on this rank's device."""
+    def copy_bandwidth(self, nbytes: int, repeats: int = 5) -> dict[str, float]:
+        """Median bytes/s on this rank's device of `nbytes`: copied between two preallocated buffers
+        (the floor's bandwidth), and zero-filled into a buffer allocated just before (first touch:
+        what re-creating a released buffer costs, page faults included; reported, not in the floor)."""
         n = max(1, nbytes // 4)
         src = torch.randn(n, device=self.ctx.device)
         dst = torch.empty_like(src)
         dst.copy_(src)                      # first touch: page faults are not bandwidth
-        times = []
-        for _ in range(repeats):
-            if self.ctx.device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            dst.copy_(src)
-            if self.ctx.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        return n * 4 / statistics.median(times)
+
+        def timed(fn) -> float:
+            times = []
+            for _ in range(repeats):
+                if self.ctx.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                fn()
+                if self.ctx.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            return n * 4 / statistics.median(times)
+
+        copy = timed(lambda: dst.copy_(src))
+        del dst
+        return {"copy": copy, "first_touch": timed(lambda: torch.empty_like(src).zero_())}
 
     @register(dispatch=ONE_TO_ALL)
     def sizes(self) -> dict:
@@ -80,7 +88,9 @@ def run_bench(cfg, wg) -> dict:
         switch.update(wg.call(HybridWorker.enter_train))
         switches.append(switch)
     phases = wg.call(HybridWorker.phase_summary)
-    bandwidth = statistics.median(wg.call(BenchWorker.copy_bandwidth, nbytes=sizes["weight_bytes"]))
+    measured = wg.call(BenchWorker.copy_bandwidth, nbytes=sizes["weight_bytes"])
+    bandwidth = statistics.median(m["copy"] for m in measured)
+    first_touch = statistics.median(m["first_touch"] for m in measured)
     spill = cfg.hybrid.spill_optimizer or wg.ctx.device.type == "cuda"
     # what a full switch cannot avoid: the weights into each engine; optimizer state out and back
     # when it leaves the device (GPU: to pinned host memory; CPU: spilled to a file); the gradient
@@ -90,21 +100,57 @@ def run_bench(cfg, wg) -> dict:
                  "gradient_buffers_restored": sizes["grad_bytes_held"]}
     floor = sum(must_move.values()) / bandwidth
     switch_s = sum(phases[p]["median_s"] for p in SWITCH_PHASES if p in phases)
-    result = {
-        "model_params": sizes["model_params"], "world_size": wg.world_size, "tp": cfg.train.tp,
-        "rollout_tp": cfg.rollout.tp, "engine": cfg.rollout.engine, "verify": cfg.publish.verify,
+    return {
+        "model_params": sizes["model_params"], "vocab_size": sizes["vocab_size"], "world_size": wg.world_size,
+        "tp": cfg.train.tp, "rollout_tp": cfg.rollout.tp, "engine": cfg.rollout.engine, "verify": cfg.publish.verify,
         "spill_optimizer": cfg.hybrid.spill_optimizer, "cycles": cycles, "device": str(wg.ctx.device),
         "phases": {name: {"median_s": p["median_s"], "bytes": p["bytes"], "peak_mem_bytes": p["peak_mem_bytes"]}
                    for name, p in phases.items() if name in SWITCH_PHASES},
-        "publish_verify_median_s": statistics.median(s.get("switch/publish_verify_s", 0.0) for s in switches),
-        "publish_copy_median_s": statistics.median(s.get("switch/publish_copy_s", 0.0) for s in switches),
+        "publish_prepare_median_s": statistics.median(s.get("switch/publish_prepare_s", 0.0) for s in switches),
+        "publish_deliver_median_s": statistics.median(s.get("switch/publish_deliver_s", 0.0) for s in switches),
         "switch_s": switch_s, "bytes_must_move": must_move, "copy_bandwidth_bytes_per_s": bandwidth,
+        "first_touch_write_bytes_per_s": first_touch,
+        "load_average_1m": os.getloadavg()[0],          # other work on the machine during the run
         "copy_floor_s": floor, "ratio_to_floor": switch_s / floor if floor else None,
         "parity_max_abs": max(s.get("parity/max_abs", 0.0) for s in switches),
+        "published_cycles": sum(bool(s["published"]) for s in switches),
+        "retried_tensors": sum(s.get("publish/retried_tensors", 0.0) for s in switches),
     }
+
+
+def bench(cfg, wg) -> dict:
+    return _write(cfg, run_bench(cfg, wg))
+
+
+def bench_and_serve(cfg, wg) -> dict:
+    """The GPU check kit's run (benchmarks/gpu_check.py): the benchmark's cycles, then on the last
+    published version the engine's greedy continuations of fixed prompts (ids, logprobs) and the
+    trainer's logprobs of the same sequences, with the weights exported to <run.dir>/hf, so that
+    transformers can score both against the weights that were served."""
+    from hybridrl.publication import parity
+
+    result = run_bench(cfg, wg)
+    cycles = cfg.trainer.total_steps
+    prompts = parity.probe_prompts(result["vocab_size"], 4, length=6, seed=0)
+    wg.call(HybridWorker.enter_rollout, version=cycles, step=cycles)      # serving it already: no publication
+    served = wg.call(HybridWorker.sample, prompts=prompts, max_new_tokens=16)[0]
+    wg.call(HybridWorker.enter_train)
+    rows = [p + o["token_ids"] for p, o in zip(prompts, served)]
+    batch = Batch({"input_ids": pad_sequences(rows), "attention_mask": pad_sequences([[1] * len(r) for r in rows])})
+    trainer = wg.call(HybridWorker.compute_logprobs, batch)["old_logprobs"]        # [B, T] token-aligned
+    wg.call(HybridWorker.export_hf, out_dir=str(Path(cfg.run.dir) / "hf"))
+    result["served"] = [{"prompt": p, "token_ids": o["token_ids"], "engine_logprobs": o["logprobs"],
+                         "trainer_logprobs": trainer[b, len(p): len(r)].tolist(), "policy_version": o["policy_version"]}
+                        for b, (p, o, r) in enumerate(zip(prompts, served, rows))]
+    result["trainer_dtype"] = cfg.train.dtype
+    return _write(cfg, result)
+
+
+def _write(cfg, result: dict) -> dict:
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run.dir) / "mode_switch.json").write_text(json.dumps(result, indent=1))
     return result
 
 
-JOB = Job("bench_mode_switch", BenchWorker, run_bench)
+JOB = Job("bench_mode_switch", BenchWorker, bench)
+SERVE_JOB = Job("bench_mode_switch_and_serve", BenchWorker, bench_and_serve)

@@ -85,3 +85,7 @@ class Config:
         if self.run.job in ("rl", "sft") and not self.model.path:
             raise ConfigValueError("model.path", f"run.job={self.run.job} needs an HF model directory: set "
                                                  "model.path in the recipe or pass model.path=DIR")
+        if self.rollout.engine == "sglang" and self.publish.verify == "post_copy":
+            raise ConfigValueError("publish.verify", "post_copy needs an engine that reads its weights back after "
+                                                     "the copy; SGLang cannot (they live in its scheduler processes, "
+                                                     "in its own layout): set publish.verify=structure")

@@ -1,35 +1,111 @@
-"""Fixed-size buckets of (name, tensor) pairs that never split a fused group.
+"""Flat buckets: each bucket of a publication is one flat byte buffer with a view per tensor.
 
-A fused group is what one training parameter becomes in the HF layout (e.g. q, k, v from one
-`linear_qkv`; gate and up from one `linear_fc1`): either all of it is in a bucket or none. A
-group larger than the bucket size travels alone.
+The plan (`plan_buckets`) is made from names, shapes and dtypes only, before anything is
+gathered: fused groups (q/k/v of one layer, gate/up) are never split, and a group larger than
+the bucket size travels alone. The sender writes each group straight into its views (un-fusing
+Megatron's QKV included: no intermediate HF tensors), so a bucket moves as one buffer: one copy
+per bucket for an engine whose storage is laid out in the same order, one handle for an IPC or
+one broadcast for a process-group transport. The layout is the one SGLang's flattened buckets use
+(byte offsets into a uint8 tensor), so a transport can hand it over as it is.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
-NamedTensors = list[tuple[str, torch.Tensor]]
+from hybridrl.publication.digest import tensor_digests
+
+TensorSpec = tuple[str, tuple[int, ...], torch.dtype]         # (HF name, shape, dtype)
 
 
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    start: int                     # byte offsets into the bucket's buffer
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return torch.Size(self.shape).numel()
 
 
-def bucketize(groups: Iterable[Sequence[tuple[str, torch.Tensor]]], bucket_bytes: int) -> Iterator[NamedTensors]:
+@dataclass
+class BucketPlan:
+    groups: list[int] = field(default_factory=list)            # indices of the fused groups it holds
+    entries: list[Entry] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.entries[-1].end if self.entries else 0
+
+
+def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def plan_buckets(groups: Sequence[Sequence[TensorSpec]], bucket_bytes: int) -> list[BucketPlan]:
+    """Group i of `groups` is a list of (name, shape, dtype); buckets of whole groups, in order."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
-    bucket: NamedTensors = []
-    size = 0
-    for group in groups:
-        group = list(group)
-        group_size = sum(nbytes(t) for _, t in group)
-        if bucket and size + group_size > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.extend(group)
-        size += group_size
-    if bucket:
-        yield bucket
+    plans: list[BucketPlan] = []
+    plan = BucketPlan()
+    for index, group in enumerate(groups):
+        size = sum(nbytes(shape, dtype) for _, shape, dtype in group)
+        if plan.entries and plan.nbytes + size > bucket_bytes:
+            plans.append(plan)
+            plan = BucketPlan()
+        plan.groups.append(index)
+        for name, shape, dtype in group:
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            start = -(-plan.nbytes // itemsize) * itemsize          # aligned to the element size
+            plan.entries.append(Entry(name, tuple(shape), dtype, start, start + nbytes(shape, dtype)))
+    if plan.entries:
+        plans.append(plan)
+    return plans
+
+
+class FlatBucket:
+    """One bucket's buffer and its views (name -> tensor of the entry's shape and dtype)."""
+
+    def __init__(self, plan: BucketPlan, buffer: torch.Tensor):
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < plan.nbytes:
+            raise ValueError(f"a bucket of {plan.nbytes} bytes needs a 1-D uint8 buffer at least that large")
+        self.plan = plan
+        self.buffer = buffer[: plan.nbytes]
+        self.views = {e.name: self.buffer[e.start: e.end].view(e.dtype).view(e.shape) for e in plan.entries}
+
+    def named(self, names: Sequence[str] | None = None) -> list[tuple[str, torch.Tensor]]:
+        return [(n, self.views[n]) for n in (names if names is not None else self.views)]
+
+    def digests(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        return tensor_digests(self.named(names))
+
+
+class Staging:
+    """Reusable bucket buffers on one device: `slots` of them, so the next bucket is written while
+    the previous one is still being delivered. Grown on demand, kept between publications (a fresh
+    buffer costs page faults on first touch); `release()` frees them."""
+
+    def __init__(self, device: torch.device, slots: int = 2):
+        self.device = torch.device(device)
+        self._buffers: list[torch.Tensor | None] = [None] * slots
+
+    def bucket(self, plan: BucketPlan, slot: int) -> FlatBucket:
+        slot %= len(self._buffers)
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < plan.nbytes:
+            self._buffers[slot] = None
+            buf = self._buffers[slot] = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
+        return FlatBucket(plan, buf)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._buffers if b is not None)
+
+    def release(self) -> None:
+        self._buffers = [None] * len(self._buffers)

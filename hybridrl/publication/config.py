@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from hybridrl.config.fields import check_choice, check_positive, knob
 
-VERIFY_MODES = ("two_pass", "structure")
+VERIFY_MODES = ("post_copy", "structure")
 
 
 @dataclass(kw_only=True)
@@ -15,10 +15,11 @@ class PublishConfig:
 
     bucket_mb: int = knob(64, "bucket size in MiB; a fused group (q/k/v, gate/up) is never split")
     verify: str = knob(
-        "two_pass", "two_pass: a first pass hashes every tensor on both ends and checks names/shapes/dtypes, "
-                    "nothing is copied unless all match (a bad publication leaves the engine on its old "
-                    "version); structure: names/shapes/dtypes checked before the copy, contents hashed for "
-                    "the manifest only (one pass, faster)")
+        "post_copy", "post_copy: after the copy the engine hashes its own storage and compares with the sender's "
+                     "digests; a mismatch is copied once more, then the step stops with an error naming the "
+                     "tensor (the version never switches to unverified weights; the native engine only). "
+                     "structure: names/shapes/dtypes checked before the copy, contents hashed for the manifest "
+                     "only (the parity probe remains the check on contents)")
     parity_prompts: int = knob(2, "fixed prefixes the parity probe generates from after each publication; 0 = off")
     parity_tokens: int = knob(8, "greedy tokens per parity prefix")
     parity_tolerance: float = knob(1e-3, "fail the publication when engine and trainer logprobs differ by more "

@@ -1,107 +1,129 @@
-"""Publishing a policy into a rollout engine: manifest, verification, bucketed transfer, switch.
+"""Publishing a policy into a rollout engine: structure check, flat buckets, verified copy, manifest.
 
-    structure check (names, shapes, dtypes vs engine.weight_spec(), before anything moves)
-    two_pass:  pass 1 streams every bucket through the transport's verification (the sender's
-               and the receiver's digest of every tensor must agree); nothing is copied
-    copy pass: buckets go through the transport into the engine's own storage; the engine
-               switches to the new version once every tensor has arrived
-    manifest:  PolicyRelease with the checkpoint hash (xxh3-128 over the per-tensor digests in
-               canonical name order), model / tokenizer / chat-template hashes; ready=True
+    structure check  names, shapes, dtypes of the whole model against engine.weight_spec(), before
+                     anything moves (a refusal leaves the engine serving its old version)
+    per bucket       the source writes its fused groups straight into the bucket's views (a
+                     helper thread prepares bucket k+1 while bucket k is delivered); the sender
+                     hashes the bucket; the transport delivers it
+    post_copy        the receiver hashes its own storage after the copy and compares; a mismatch
+                     is copied once more, a second mismatch stops the publication with an error
+                     naming the tensors. Unverified tensors never count as arrived, so the version
+                     never switches to them
+    manifest         PolicyRelease with the checkpoint hash over the per-tensor digests; ready=True
 
-A refused publication raises `PublicationRefused` before the copy pass: the engine keeps serving
-the version it had. (In `structure` mode a content fault is not detected; the parity probe is the
-remaining check.)
+`structure` mode skips the receiver's check (the digests still make the manifest; the parity
+probe remains the check on contents).
+
+A source is what holds the trained weights: `hf_group_specs()` lists the fused groups as (HF name,
+shape, dtype) without moving anything, `write_hf_group(i, out)` writes group i's HF tensors into
+the given views (every model-parallel rank calls it in the same order: it may gather).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import torch
-import xxhash
 
-from hybridrl.publication.buckets import bucketize, nbytes
+from hybridrl.publication.buckets import FlatBucket, Staging, TensorSpec, plan_buckets
 from hybridrl.publication.config import PublishConfig
-from hybridrl.publication.manifest import (
-    HASH_ALGO,
-    PolicyRelease,
-    PublicationError,
-    PublicationRefused,
-    check_specs,
-    tensor_digest,
-)
+from hybridrl.publication.digest import checkpoint_hash
+from hybridrl.publication.manifest import PolicyRelease, PublicationError, PublicationRefused
+from hybridrl.rollout.weight_spec import WeightMismatch, dtype_name, spec_problems
 
-Groups = Callable[[], Iterable[Sequence[tuple[str, torch.Tensor]]]]
+log = logging.getLogger(__name__)
+
+
+class WeightSource(Protocol):
+    def hf_group_specs(self) -> list[list[TensorSpec]]: ...
+
+    def write_hf_group(self, index: int, out: Mapping[str, torch.Tensor]) -> None: ...
+
+
+class TensorGroups:
+    """A source over tensors already in memory (tests, benchmarks, offline publication)."""
+
+    def __init__(self, groups: Sequence[Sequence[tuple[str, torch.Tensor]]]):
+        self.groups = [list(g) for g in groups]
+
+    def hf_group_specs(self) -> list[list[TensorSpec]]:
+        return [[(n, tuple(t.shape), t.dtype) for n, t in g] for g in self.groups]
+
+    def write_hf_group(self, index: int, out: Mapping[str, torch.Tensor]) -> None:
+        for name, t in self.groups[index]:
+            out[name].copy_(t)
 
 
 @dataclass
 class PublishStats:
-    verify_s: float = 0.0
-    copy_s: float = 0.0
+    prepare_s: float = 0.0           # writing buckets + the sender's digests (helper thread, overlapped)
+    deliver_s: float = 0.0           # the transport: copy into the engine (+ its digests in post_copy)
     bytes_copied: int = 0
     num_buckets: int = 0
+    retries: int = 0                 # tensors copied a second time after a verification mismatch
 
 
-def checkpoint_hash(digests: dict[str, str]) -> str:
-    h = xxhash.xxh3_128()
-    for name in sorted(digests):
-        h.update(f"{name}={digests[name]};".encode())
-    return f"{HASH_ALGO}:{h.hexdigest()}"
-
-
-def _digests(bucket: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    return {name: tensor_digest(name, t) for name, t in bucket}
-
-
-async def publish(groups: Groups, *, spec: dict, engine, transport, cfg: PublishConfig, version: int, step: int,
-                  hashes: dict[str, str]) -> tuple[PolicyRelease, PublishStats]:
-    """`groups()` yields the model's fused groups of (HF name, full tensor); it is called once per pass."""
-    published = {name: (tuple(shape), str(dtype).replace("torch.", "")) for name, (shape, dtype) in spec.items()}
-    problems = check_specs(published.items(), engine.weight_spec())
+async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig, version: int, step: int,
+                  hashes: dict[str, str], staging: Staging) -> tuple[PolicyRelease, PublishStats]:
+    specs = source.hf_group_specs()
+    published = {name: (tuple(shape), dtype_name(dtype)) for group in specs for name, shape, dtype in group}
+    problems = spec_problems(published.items(), engine.weight_spec())
     if problems:
         raise PublicationRefused(f"publication v{version} refused before any copy: " + "; ".join(problems))
+    verify = cfg.verify == "post_copy"
+    if verify and not transport.verifies:
+        raise PublicationRefused(f"publish.verify=post_copy: {type(transport).__name__} cannot read the weights "
+                                 "back from the engine's storage; use publish.verify=structure")
+    plans = plan_buckets(specs, cfg.bucket_mb * 2**20)
     stats = PublishStats()
-    bucket_bytes = cfg.bucket_mb * 2**20
     digests: dict[str, str] = {}
 
-    # digests run on a helper thread (xxhash and torch's copy both release the GIL): in two_pass the
-    # sender's side while the transport hashes the receiver's, in structure mode the manifest's
-    # while the bucket is copied (at most two buckets wait for hashing)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-hash") as hasher:
-        if cfg.verify == "two_pass":
-            started = time.perf_counter()
-            for bucket in bucketize(groups(), bucket_bytes):
-                sending = hasher.submit(_digests, bucket)
-                received = await transport.digests(bucket)
-                sent = sending.result()
-                bad = sorted(n for n in sent if received.get(n) != sent[n])
-                if bad:
-                    raise PublicationRefused(f"publication v{version} refused: {len(bad)} tensor(s) arrived "
-                                             f"corrupted ({bad[:5]}); the engine keeps serving "
-                                             f"v{engine.policy_version}")
-                digests.update(sent)
-            stats.verify_s = time.perf_counter() - started
-
+    def prepare(i: int) -> tuple[FlatBucket, dict[str, str], float]:
         started = time.perf_counter()
-        hashing: deque[Future] = deque()
-        for bucket in bucketize(groups(), bucket_bytes):
-            if cfg.verify == "structure":
-                hashing.append(hasher.submit(_digests, bucket))
-            await transport.send(bucket, version)
-            stats.bytes_copied += sum(nbytes(t) for _, t in bucket)
+        bucket = staging.bucket(plans[i], i)
+        for index in plans[i].groups:
+            source.write_hf_group(index, bucket.views)
+        sent = bucket.digests()
+        if bucket.buffer.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()     # the receiver may read it from another stream
+        return bucket, sent, time.perf_counter() - started
+
+    async def deliver(bucket: FlatBucket, sent: dict[str, str]) -> None:
+        try:
+            await transport.send(bucket, version, digests=sent if verify else None)
+            return
+        except WeightMismatch as err:
+            names = err.names
+            log.warning("publication v%d: %d tensor(s) differ after the copy (%s); copying them again",
+                        version, len(names), names[:3])
+            stats.retries += len(names)
+        try:
+            await transport.send(bucket, version, names=names, digests={n: sent[n] for n in names})
+        except WeightMismatch as err:
+            raise PublicationError(
+                f"publication v{version} failed: tensor(s) {err.names[:5]} read back from the engine's storage "
+                f"differ from what was sent, twice; the engine did not switch (it reports "
+                f"v{engine.policy_version})") from err
+
+    # a helper thread prepares bucket k+1 (gathers, un-fusing, the sender's digests: torch and
+    # xxhash release the GIL) while this thread delivers bucket k; two staging buffers alternate
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-prepare") as helper:
+        pending = helper.submit(prepare, 0) if plans else None
+        for i in range(len(plans)):
+            bucket, sent, prepare_s = pending.result()
+            stats.prepare_s += prepare_s
+            if i + 1 < len(plans):
+                pending = helper.submit(prepare, i + 1)
+            started = time.perf_counter()
+            await deliver(bucket, sent)
+            stats.deliver_s += time.perf_counter() - started
+            stats.bytes_copied += bucket.plan.nbytes
             stats.num_buckets += 1
-            while len(hashing) > 2 or (hashing and hashing[0].done()):
-                digests.update(hashing.popleft().result())
-        while hashing:
-            digests.update(hashing.popleft().result())
-        stats.copy_s = time.perf_counter() - started
-    if set(digests) != set(spec):
-        raise PublicationError(f"publication v{version}: the model yielded {len(digests)} tensors, "
-                               f"the manifest lists {len(spec)}")
+            digests.update(sent)
     if engine.policy_version != version:
         raise PublicationError(f"engine did not switch to v{version} after every tensor arrived "
                                f"(it reports v{engine.policy_version})")

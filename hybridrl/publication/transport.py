@@ -1,22 +1,27 @@
 """The weight-transport interface: one file per mechanism implements it.
 
-    transport_inprocess.py  the engine lives in this process: copy into its parameter storage
-    transport_cuda_ipc.py   SGLang: CUDA IPC handles of each rank's tensors, gathered to the
-                            rollout TP group's engine owner, one payload per SGLang TP rank
+    transport_inprocess.py          the engine lives in this process (the native engine): its
+                                    `update_weights` copies each bucket into its own storage
+    backends/sglang/transport.py    SGLang: CUDA IPC handles of each rank's flat bucket, gathered
+                                    to the rollout TP group's engine owner, one payload per TP rank
+
+A transport delivers one `FlatBucket` (a flat buffer with a view per tensor) for a policy
+version. With `digests`, the receiver reads the tensors back from its own storage after the copy
+and raises `WeightMismatch` naming those that differ; `verifies` says whether it can. A transport
+to separate rollout ranks (a broadcast of the flat buffer over a process group, then the
+receiving rank's `update_weights`) is one more file with these two members.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
-import torch
-
-NamedTensors = Sequence[tuple[str, torch.Tensor]]
+from hybridrl.publication.buckets import FlatBucket
 
 
 class WeightTransport(Protocol):
-    async def send(self, bucket: NamedTensors, version: int) -> None:
-        """Deliver one bucket of HF-named full tensors for policy `version`."""
+    verifies: bool       # the receiver can hash its own storage after the copy (publish.verify=post_copy)
 
-    async def digests(self, bucket: NamedTensors) -> dict[str, str]:
-        """The receiver's digest of every tensor of the bucket, without loading it (verification pass)."""
+    async def send(self, bucket: FlatBucket, version: int, *, names: Sequence[str] | None = None,
+                   digests: Mapping[str, str] | None = None) -> None:
+        """Deliver the bucket (or only `names` of it: a retry) for policy `version`."""

@@ -1,33 +1,23 @@
 """In-process transport: the rollout engine shares this process (the native engine).
 
-Each bucket is handed to `engine.update_weights`, which validates the whole bucket, then copies
-every tensor into the engine's existing parameter storage (no second copy of the model).
-`fault` is a fault-injection hook (name, tensor) -> tensor applied to what is delivered, for
-testing that a corrupted publication is refused.
+Each bucket's views go to `engine.update_weights`, which validates the call whole, copies it into
+the engine's existing storage (one copy per run of tensors that lie back to back on both sides)
+and, given the sender's digests, hashes its own storage after the copy.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Mapping, Sequence
 
-import torch
-
-from hybridrl.publication.manifest import tensor_digest
-from hybridrl.publication.transport import NamedTensors
-from hybridrl.rollout.protocol import RolloutEngine
+from hybridrl.publication.buckets import FlatBucket
 
 
 class InProcessTransport:
-    def __init__(self, engine: RolloutEngine, fault: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
+    verifies = True
+
+    def __init__(self, engine):
         self.engine = engine
-        self.fault = fault
 
-    def _deliver(self, bucket: NamedTensors) -> list[tuple[str, torch.Tensor]]:
-        return [(n, self.fault(n, t) if self.fault else t) for n, t in bucket]
-
-    async def digests(self, bucket: NamedTensors) -> dict[str, str]:
-        """What the engine would receive, hashed on the receiving side (nothing is copied)."""
-        return {name: tensor_digest(name, t) for name, t in self._deliver(bucket)}
-
-    async def send(self, bucket: NamedTensors, version: int) -> None:
-        await self.engine.update_weights(self._deliver(bucket), version)
+    async def send(self, bucket: FlatBucket, version: int, *, names: Sequence[str] | None = None,
+                   digests: Mapping[str, str] | None = None) -> None:
+        await self.engine.update_weights(bucket.named(names), version, digests=digests)

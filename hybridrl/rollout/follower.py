@@ -3,25 +3,30 @@
 With rollout tensor parallelism R > 1, one engine serves each group of R ranks and lives on the
 group's first rank (SGLang runs its own TP workers on the group's GPUs). The other ranks still
 take part in every collective of a publication (gathers of the trainer's shards), so they run
-the same publication code against this stand-in: it checks names and shapes and tracks the
-policy version exactly as the owner's engine does, and holds no weights and no KV cache.
+the same publication code against this stand-in: it checks names, shapes and dtypes and tracks
+the policy version with the same tracker as the owner's engine, releases and resumes the same
+memory tags (releasing "weights" forgets the version, as the owner's engine does), and holds no
+weights and no KV cache. It cannot read back weights it does not hold: the owner verifies.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from hybridrl.rollout.protocol import GenerationOutput, SamplingParams
+from hybridrl.rollout.protocol import KV_CACHE, WEIGHTS, GenerationOutput, SamplingParams, check_tags
 from hybridrl.rollout.versions import Publication
+from hybridrl.rollout.weight_spec import validate_named_tensors
 
 
 class FollowerEngine:
     def __init__(self, spec: dict[str, tuple[tuple[int, ...], torch.dtype]], *, eos_token_ids: Sequence[int],
-                 vocab_size: int, max_model_len: int, policy_version: int = 0):
+                 vocab_size: int, max_model_len: int, releasable_tags: Iterable[str] = (KV_CACHE,),
+                 policy_version: int = 0):
         self._spec = dict(spec)
         self._publication = Publication(self._spec, policy_version)
+        self.releasable_tags = frozenset(releasable_tags)
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -40,35 +45,33 @@ class FollowerEngine:
     async def abort(self, request_id: str) -> bool:
         return False
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        names = []
-        for name, t in named_tensors:
-            if name not in self._spec:
-                raise ValueError(f"update_weights: unknown tensor '{name}'")
-            shape, dtype = self._spec[name]
-            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                raise ValueError(f"update_weights: '{name}' is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
-            names.append(name)
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+                             digests: Mapping[str, str] | None = None) -> None:
+        items = list(named_tensors)
+        validate_named_tensors(items, self._spec)
+        self._publication.arrive([name for name, _ in items], version)
+
+    async def load_serialized(self, payloads: Any, names: list[str], version: int, *,
+                              load_format: str | None = None) -> None:
+        """The CUDA IPC transport's call on a follower: the owner loaded the bucket; track it."""
+        unknown = sorted(set(names) - set(self._spec))
+        if unknown:
+            raise ValueError(f"update_weights: {len(unknown)} unknown tensor(s): {unknown[:5]}")
         self._publication.arrive(names, version)
 
-    def set_version(self, version: int) -> None:
-        self._publication.version = version
+    def rollback(self, version: int) -> None:
+        """The group's engine refused a publication this stand-in took: follow the owner back."""
+        self._publication = Publication(self._spec, version)
 
-    async def sleep(self) -> None:
-        return None
+    async def sleep(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
+        if WEIGHTS in check_tags(self, tags):
+            self._publication.forget()
 
-    async def wake_up(self) -> None:
-        return None
+    async def wake_up(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
+        check_tags(self, tags)
 
     def stats(self) -> dict[str, Any]:
         return {"policy_version": self.policy_version, "follower": True}
 
     def close(self) -> None:
         return None
-
-    async def load_serialized(self, payloads: Any, names: list[str], version: int) -> None:
-        """The CUDA IPC transport's call on a follower: the owner loaded the bucket; track it."""
-        unknown = sorted(set(names) - set(self._spec))
-        if unknown:
-            raise ValueError(f"update_weights: unknown tensor(s) {unknown[:5]}")
-        self._publication.arrive(names, version)

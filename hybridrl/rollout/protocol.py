@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -88,23 +88,39 @@ class GenerationOutput:
     sampler_contract: int = SAMPLER_CONTRACT_VERSION
 
 
+# What an engine can release between modes and take back (`sleep(tags)` / `wake_up(tags)`); each
+# engine declares the subset it implements in `releasable_tags`.
+WEIGHTS = "weights"          # released weights are discarded: every tensor must be published again
+KV_CACHE = "kv_cache"        # the KV cache (and the prefix cache with it)
+CUDA_GRAPH = "cuda_graph"    # captured CUDA graphs' memory
+MEMORY_TAGS = (WEIGHTS, KV_CACHE, CUDA_GRAPH)
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the agent loop and the hybrid worker use. All coroutines run on one event loop.
 
-    Semantics every backend keeps (refined from the first draft, names unchanged):
+    Semantics every backend keeps:
     - `generate`: cancelling the awaiting task aborts the request inside the engine.
     - `update_weights`: each call is validated whole (names, shapes, dtypes) before any copy, so a
       bad call changes nothing; the policy version changes only when every tensor of the
       backend's weight set has arrived for that version (one version may come in several calls);
-      requests in flight either finish on the version they started with or end with
-      FinishReason.WEIGHTS_UPDATED (the backend says which); no token is ever generated from a
-      partly updated model.
-    - `sleep`: requests in flight end with FinishReason.ABORT.
+      with `digests` (the sender's `tensor_digest` of each tensor) the engine reads every tensor
+      back from its own storage after the copy and counts only the matching ones as arrived,
+      raising `WeightMismatch` naming the others; requests in flight either finish on the version
+      they started with or end with FinishReason.WEIGHTS_UPDATED (the backend says which); no
+      token is ever generated from a partly updated model.
+    - `sleep(tags)`: releases the named memory (`releasable_tags` says which the engine can);
+      requests in flight end with FinishReason.ABORT first. Released weights are gone: the
+      version becomes -1 until a whole version is published again. `wake_up(tags)` takes the
+      memory back.
     """
 
     @property
     def policy_version(self) -> int: ...
+
+    @property
+    def releasable_tags(self) -> frozenset[str]: ...
 
     async def generate(self, token_ids: Sequence[int], sampling: SamplingParams,
                        request_id: str) -> GenerationOutput: ...
@@ -112,38 +128,25 @@ class RolloutEngine(Protocol):
     async def abort(self, request_id: str) -> bool:
         """Abort one request; it finishes with FinishReason.ABORT. False if unknown/finished."""
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+                             digests: Mapping[str, str] | None = None) -> None:
         """Copy HF-named tensors into the live weights; the version changes only when all arrived."""
 
-    async def sleep(self) -> None:
-        """Release the KV cache and generation buffers (weights stay unless the backend says so)."""
+    async def sleep(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
+        """Release the tagged memory (requests in flight end with ABORT)."""
 
-    async def wake_up(self) -> None: ...
+    async def wake_up(self, tags: Iterable[str] = (KV_CACHE,)) -> None: ...
+
+    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...
 
     def stats(self) -> dict[str, Any]: ...
 
 
-def validate_named_tensors(items: Sequence[tuple[str, torch.Tensor]],
-                           spec: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
-    """Check every (name, tensor) against an engine's weight spec (`update_weights` semantics: the call
-    is validated whole before any copy); raise ValueError/TypeError naming the first bad one."""
-    seen: set[str] = set()
-    for entry in items:
-        if not (isinstance(entry, tuple) and len(entry) == 2):
-            raise TypeError(f"update_weights expects (name, tensor) pairs, got {type(entry).__name__}")
-        name, tensor = entry
-        if name not in spec:
-            hint = ""
-            if name == "lm_head.weight" and "model.embed_tokens.weight" in spec:
-                hint = " (this model ties lm_head to model.embed_tokens.weight: send that one only)"
-            raise ValueError(f"update_weights: unknown tensor {name!r}{hint}")
-        if name in seen:
-            raise ValueError(f"update_weights: tensor {name!r} appears twice in one call")
-        seen.add(name)
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        shape, dtype = spec[name]
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
-        if tensor.dtype != dtype:
-            raise ValueError(f"update_weights: tensor {name!r} has dtype {tensor.dtype}, expected {dtype}")
+def check_tags(engine: Any, tags: Iterable[str]) -> list[str]:
+    """The tags as a list, refusing any the engine cannot release (a ValueError naming them)."""
+    tags = list(dict.fromkeys(tags))
+    unknown = [t for t in tags if t not in engine.releasable_tags]
+    if unknown:
+        raise ValueError(f"{type(engine).__name__} cannot release {unknown}: it releases "
+                         f"{sorted(engine.releasable_tags)}")
+    return tags

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,13 @@ from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import to_batch
 from hybridrl.distributed.mesh import Mesh
 from hybridrl.publication import parity
+from hybridrl.distributed.control import ErrorReport
+from hybridrl.publication.buckets import Staging
 from hybridrl.publication.manifest import PublicationError, PublicationRefused, model_hashes
 from hybridrl.publication.publish import publish
+from hybridrl.rollout.protocol import WEIGHTS
 from hybridrl.workers.base import Worker, register
-from hybridrl.workers.modes import Mode, ModeMachine
+from hybridrl.workers.modes import Arrivals, Mode, ModeMachine, PhaseTimeout
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +56,10 @@ class HybridWorker(Worker):
         from hybridrl.envs.tasks import get_task
 
         self.cfg = cfg
-        self.modes = ModeMachine(ctx.device)
+        self.modes = ModeMachine(ctx.device, rank=ctx.rank, deadlines=cfg.hybrid.deadlines(),
+                                 arrivals=Arrivals(ctx.control.store, ctx.rank, range(ctx.world_size),
+                                                   aborted=ctx.control.aborted),
+                                 on_overrun=self._overrun, overrun_grace_s=max(2.0, ctx.cfg.error_grace_s))
         self.loop = asyncio.new_event_loop()
         self.actor = MegatronEngine.from_hf(cfg.model.path, cfg.train, training=True, device=ctx.device)
         self.ref = (MegatronEngine.from_hf(cfg.model.path, cfg.train, training=False, device=ctx.device)
@@ -68,8 +75,10 @@ class HybridWorker(Worker):
                     self.rollout_group = group
         self.engine = self._build_engine()
         self.transport = self._build_transport()
+        self.staging = Staging(ctx.device)
         self.hashes = model_hashes(cfg.model.path)
         self.release = None
+        self._publish_stats = None
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.task = get_task(cfg.task.name, cfg.task)
         tool_names = sorted({t for inst in self.task.validation_split(8) for t in inst.tools})
@@ -78,7 +87,7 @@ class HybridWorker(Worker):
                                   run_id=cfg.run.name, seed=cfg.run.seed)
         self.loss_fn = make_loss_fn(cfg.algo)
         self.spill_dir = Path(cfg.run.dir) / "offload" / f"rank{ctx.rank}" if cfg.hybrid.spill_optimizer else None
-        self._run(self.engine.sleep())     # start in TRAIN: no KV cache held
+        self._run(self.engine.sleep(self.engine.releasable_tags))     # start in TRAIN: the engine holds nothing
         special = [t for t in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id) if t is not None]
         self._probe = parity.probe_prompts(len(self.tokenizer), cfg.publish.parity_prompts,
                                            avoid=special) if cfg.publish.parity_prompts else []
@@ -89,10 +98,14 @@ class HybridWorker(Worker):
         """The rollout group's engine on its first rank; a FollowerEngine on the others."""
         rollout = self.cfg.rollout
         if not self.owns_engine:
+            from hybridrl.backends.native import NativeEngine
             from hybridrl.rollout.follower import FollowerEngine
 
+            # the stand-in releases what the group's engine releases, so both forget the version together
+            tags = rollout.sglang.releasable_tags() if rollout.engine == "sglang" else NativeEngine.releasable_tags
             return FollowerEngine(self.actor.hf_spec(), eos_token_ids=(), vocab_size=self.actor.adapter.spec.vocab_size,
-                                  max_model_len=0, policy_version=-1 if rollout.engine == "sglang" else 0)
+                                  max_model_len=0, releasable_tags=tags,
+                                  policy_version=-1 if rollout.engine == "sglang" else 0)
         if rollout.engine == "native":
             from hybridrl.backends.native import NativeEngine
 
@@ -103,11 +116,12 @@ class HybridWorker(Worker):
         from hybridrl.backends.sglang.engine import SGLangEngine
 
         return SGLangEngine(self.cfg.model.path, rollout.sglang, tp_size=rollout.tp,
-                            base_gpu_id=self.ctx.local_rank, port_offset=self.ctx.rank, seed=self.cfg.run.seed)
+                            base_gpu_id=self.ctx.local_rank, port_offset=self.ctx.rank, seed=self.cfg.run.seed,
+                            drain_timeout_s=self.cfg.hybrid.drain_deadline_s)
 
     def _build_transport(self):
         if self.cfg.rollout.engine == "sglang":
-            from hybridrl.publication.transport_cuda_ipc import CudaIpcTransport
+            from hybridrl.backends.sglang.transport import CudaIpcTransport
 
             return CudaIpcTransport(self.engine, self.rollout_ranks, self.rollout_group)
         from hybridrl.publication.transport_inprocess import InProcessTransport
@@ -130,46 +144,35 @@ class HybridWorker(Worker):
 
     @register(dispatch=OneToAll("rank0"))
     def enter_rollout(self, *, version: int, step: int) -> dict:
-        """TRAIN -> RESHARD -> ROLLOUT; publishes `version` unless the engine already serves it.
+        """TRAIN -> RESHARD -> ROLLOUT; publishes `version` unless every rank's engine already serves it.
         Already in ROLLOUT serving `version` (e.g. after a validation): nothing to do."""
         if self.modes.mode == Mode.ROLLOUT and self.engine.policy_version == version:
             return {"published": False, "policy_version": version}
         self.modes.to(Mode.RESHARD)
+        self.modes.switches += 1
+        tags = self.engine.releasable_tags
+        refused = None
         try:
             with self.modes.phase("offload") as rec:
                 rec.bytes_moved = self.actor.offload(optimizer=True, grads=True, spill_dir=self.spill_dir)
-            published, refused = self.engine.policy_version != version, None
-            previous = self.engine.policy_version
-            if published and hasattr(self.engine, "resume_weights"):
-                self._run(self.engine.resume_weights())     # SGLang: weights were released with the KV cache
-            if published:
-                try:
-                    with self.modes.phase("publish") as rec:
-                        self.release, stats = self._run(publish(
-                            self.actor.iter_hf_groups, spec=self.actor.hf_spec(), engine=self.engine,
-                            transport=self.transport, cfg=self.cfg.publish, version=version, step=step,
-                            hashes=self.hashes))
-                        rec.bytes_moved = stats.bytes_copied
-                    self._publish_stats = stats
-                except PublicationRefused as err:
-                    # refused before any copy: the engine keeps serving the version it has
-                    published, refused = False, str(err)
-                    log.error("rank %d: %s", self.ctx.rank, err)
-                if self.rollout_group is not None and self._any_in_group(refused is not None) and refused is None:
-                    # the group's engine refused it on its owner: this rank's stand-in follows
-                    published, refused = False, "refused by the rollout group's engine"
-                    self.engine.set_version(previous)
-                if refused is not None and self.engine.policy_version < 0:
-                    raise PublicationError(f"publication v{version} refused ({refused}) and the engine holds no "
-                                           "weights to fall back on (SGLang releases them between rollouts): "
-                                           "nothing to serve")
-            with self.modes.phase("wake") as rec:
-                self._run(self.engine.wake_up())
-            probe = self._parity_probe(version) if published and self._probe else {}
+            with self.modes.phase("publish", waits_for="the weights to reach the rollout engine") as rec:
+                # decided together: a rank whose engine forgot its weights (SGLang releases them) and one
+                # whose engine kept them (a validation left it serving) must both take part
+                published = self._any_rank(self.engine.policy_version != version)
+                if published:
+                    self._engine_call(self.engine.wake_up(tags & {WEIGHTS}), "the engine to take its weights back")
+                    refused = self._publish(version, step)
+                    rec.bytes_moved = self._publish_stats.bytes_copied if refused is None else 0
+                    published = refused is None
+            with self.modes.phase("wake", waits_for="the rollout engine to wake up"):
+                self._engine_call(self.engine.wake_up(tags - {WEIGHTS}), "the engine to take its memory back")
+            probe = {}
+            if published and self._probe:       # a check after the switch, timed apart from it
+                with self.modes.phase("probe", waits_for="the parity probe"):
+                    probe = self._parity_probe(version)
         except BaseException:
             self.modes.to(Mode.TRAIN)
-            self._run(self.engine.sleep())
-            self.actor.reload()
+            self._back_to_train(tags)
             raise
         self.modes.to(Mode.ROLLOUT)
         out = {"published": published, "policy_version": self.engine.policy_version, **probe,
@@ -178,22 +181,73 @@ class HybridWorker(Worker):
                   if k in ("offload", "publish", "wake")}}
         if published and self.release is not None:
             out["release"] = self.release.summary()
-            out["switch/publish_verify_s"] = self._publish_stats.verify_s
-            out["switch/publish_copy_s"] = self._publish_stats.copy_s
+            out["switch/publish_prepare_s"] = self._publish_stats.prepare_s
+            out["switch/publish_deliver_s"] = self._publish_stats.deliver_s
+            out["publish/retried_tensors"] = float(self._publish_stats.retries)
         return out
+
+    def _publish(self, version: int, step: int) -> str | None:
+        """Publish `version` into this rank's engine; returns why it was refused (None: published).
+        A refusal happens before any copy, so the engine still serves what it had."""
+        previous, refused = self.engine.policy_version, None
+        try:
+            self.release, self._publish_stats = self._engine_call(publish(
+                self.actor, engine=self.engine, transport=self.transport, cfg=self.cfg.publish, version=version,
+                step=step, hashes=self.hashes, staging=self.staging), "the weights to reach the rollout engine")
+        except PublicationRefused as err:
+            refused = str(err)
+            log.error("rank %d: %s", self.ctx.rank, err)
+        if self.ctx.device.type == "cuda":
+            self.staging.release()                    # the bucket buffers' memory goes to the KV cache
+        if self.rollout_group is not None and self._any_in_group(refused is not None) and refused is None:
+            # the group's engine refused it on its owner: this rank's stand-in stays where the owner is
+            refused = "refused by the rollout group's engine"
+            self.engine.rollback(previous)
+        if refused is not None and self.engine.policy_version < 0:
+            raise PublicationError(f"publication v{version} refused ({refused}) and the engine holds no "
+                                   "weights to fall back on (SGLang releases them between rollouts): nothing to serve")
+        return refused
 
     @register(dispatch=OneToAll("rank0"))
     def enter_train(self) -> dict:
-        """ROLLOUT -> TRAIN: the engine releases its KV cache, optimizer state and gradients return."""
+        """ROLLOUT -> TRAIN: the engine releases its memory (KV cache; SGLang its weights and CUDA graphs
+        too), optimizer state and gradients return."""
         self.modes.require(Mode.ROLLOUT)
-        with self.modes.phase("sleep"):
-            self._run(self.engine.sleep())
-            if hasattr(self.engine, "release_weights"):
-                self._run(self.engine.release_weights())   # SGLang: its weights go too (republished next time)
+        self.modes.switches += 1
+        with self.modes.phase("sleep", waits_for="the rollout engine to drain and release its memory"):
+            self._engine_call(self.engine.sleep(self.engine.releasable_tags), "the engine to drain and release")
         with self.modes.phase("reload") as rec:
             rec.bytes_moved = self.actor.reload()
         self.modes.to(Mode.TRAIN)
         return {f"switch/{k}_s": v["seconds"] for k, v in self.modes.last().items() if k in ("sleep", "reload")}
+
+    def _back_to_train(self, tags) -> None:
+        """After a failed switch: release what the engine took, bring training state back (bounded)."""
+        try:
+            self._run(asyncio.wait_for(self.engine.sleep(tags), self.cfg.hybrid.drain_deadline_s))
+        except Exception as err:  # noqa: BLE001 - the switch's own error is the one to report
+            log.error("rank %d: the engine did not go back to sleep after a failed switch: %r", self.ctx.rank, err)
+        self.actor.reload()
+
+    def _engine_call(self, coro, waits_for: str):
+        """Run an engine coroutine within what is left of the current phase's deadline."""
+        remaining = self.modes.remaining()
+        try:
+            return self._run(asyncio.wait_for(coro, remaining) if remaining is not None else coro)
+        except asyncio.TimeoutError:
+            raise PhaseTimeout(self.modes.timeout_message(waits_for)) from None
+
+    def _overrun(self, message: str) -> None:
+        """A phase ran past its deadline where it cannot be interrupted (a collective, an offload): report
+        it as this rank's error and abort the run, so that every rank exits (from a timer thread)."""
+        control = self.ctx.control.clone()
+        control.report_error(ErrorReport(self.ctx.rank, "mode switch", "timeout", message, "", time.time()))
+        control.abort(message)
+
+    def _any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.control_group)
+        return bool(t.item())
 
     def _any_in_group(self, flag: bool) -> bool:
         t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
@@ -271,6 +325,7 @@ class HybridWorker(Worker):
 
         return {"mode": self.modes.mode.value, **held_bytes(self.actor),
                 "kv_cache_bytes": int(self.engine.stats().get("kv_cache_bytes", 0)),
+                "staging_bytes": self.staging.nbytes,    # publication's bucket buffers (kept on a CPU device)
                 "rss_bytes": psutil.Process().memory_info().rss,
                 "phases": self.modes.summary()}
 

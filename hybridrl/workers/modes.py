@@ -7,6 +7,15 @@ every phase of a switch is timed with its memory.
 
 A failed RESHARD returns to TRAIN (the engine keeps its previous version). Any other move raises
 `IllegalTransition`. Each phase records wall time, bytes moved and peak memory.
+
+Every phase of a switch (offload, publish, wake, sleep, reload) has a deadline (`hybrid.*_deadline_s`).
+Inside it, the worker waits only in bounded ways: for the other ranks to arrive (`Arrivals`: a
+barrier on the control plane's store, so a rank that stops coming is named instead of waited for
+inside a collective) and for the engine (`remaining()` bounds each await). Work that cannot be
+interrupted (a collective, an offload) is covered by a backstop: past the deadline plus a grace,
+the phase is reported as this rank's error and the run is aborted, so every rank exits. Either
+way the error names the rank, the phase and what it waited for; the run resumes from its last
+checkpoint.
 """
 
 from __future__ import annotations
@@ -14,9 +23,11 @@ from __future__ import annotations
 import contextlib
 import enum
 import statistics
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -40,6 +51,39 @@ class IllegalTransition(RuntimeError):
     pass
 
 
+class PhaseTimeout(RuntimeError):
+    """A phase of a mode switch ran past its deadline; the message names the rank, phase and what it waited for."""
+
+
+class Arrivals:
+    """A barrier on a key-value store (the control plane's) that gives up at a deadline and says who is
+    missing. `aborted()` is polled too, so a run aborted elsewhere ends the wait at once."""
+
+    def __init__(self, store, rank: int, ranks: Sequence[int], aborted: Callable[[], str | None] = lambda: None):
+        self.store, self.rank, self.ranks, self.aborted = store, rank, list(ranks), aborted
+
+    def wait(self, key: str, deadline: float | None) -> list[int]:
+        """Mark this rank arrived at `key`; wait for the others until `deadline` (time.monotonic()).
+        Returns the ranks still missing (empty when all arrived)."""
+        self.store.set(f"arrive/{key}/{self.rank}", b"1")
+        missing, pause = list(self.ranks), 0.001
+        while True:
+            missing = [r for r in missing if not self.store.check([f"arrive/{key}/{r}"])]
+            if not missing or (deadline is not None and time.monotonic() > deadline):
+                return missing
+            reason = self.aborted()
+            if reason is not None:
+                raise RuntimeError(f"rank {self.rank}: the run was aborted while waiting at {key}: {reason}")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def forget(self, key: str) -> None:
+        try:
+            self.store.delete_key(f"arrive/{key}/{self.rank}")
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+
 @dataclass
 class PhaseRecord:
     seconds: float
@@ -48,10 +92,19 @@ class PhaseRecord:
 
 
 class ModeMachine:
-    def __init__(self, device: torch.device | None = None, start: Mode = Mode.TRAIN):
+    def __init__(self, device: torch.device | None = None, start: Mode = Mode.TRAIN, *, rank: int = 0,
+                 deadlines: Mapping[str, float] | None = None, arrivals: Arrivals | None = None,
+                 on_overrun: Callable[[str], None] | None = None, overrun_grace_s: float = 2.0):
         self.mode = start
         self.device = device
         self.history: dict[str, list[PhaseRecord]] = defaultdict(list)
+        self.rank = rank
+        self.deadlines = dict(deadlines or {})
+        self.arrivals = arrivals
+        self.on_overrun = on_overrun
+        self.overrun_grace_s = overrun_grace_s
+        self.switches = 0                  # mode switches begun (SPMD: the same count on every rank)
+        self._current: tuple[str, float | None] | None = None     # (phase, monotonic deadline)
 
     def require(self, *modes: Mode) -> None:
         if self.mode not in modes:
@@ -64,19 +117,54 @@ class ModeMachine:
         self.mode = target
 
     @contextlib.contextmanager
-    def phase(self, name: str):
-        """Time a phase; the body sets `rec.bytes_moved`. Yields a mutable record."""
+    def phase(self, name: str, *, waits_for: str = "its work"):
+        """Time a phase; the body sets `rec.bytes_moved`. Yields a mutable record.
+
+        A phase with a deadline is a phase of a mode switch, which every rank runs: with arrivals it
+        starts by waiting for every rank (bounded by the deadline). Phases without one (generation,
+        a train step) are only timed: ranks may skip them (a rank that holds no engine)."""
         rec = PhaseRecord(0.0, 0, 0)
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        with PeakMemory(self.device) as peak:
-            start = time.perf_counter()
-            yield rec
+        limit = self.deadlines.get(name)
+        deadline = time.monotonic() + limit if limit else None
+        self._current = (name, deadline)
+        backstop = None
+        if limit and self.on_overrun is not None:
+            message = self.timeout_message(waits_for) + " (stuck where it cannot be interrupted)"
+            backstop = threading.Timer(limit + self.overrun_grace_s, self.on_overrun, args=(message,))
+            backstop.daemon = True
+            backstop.start()
+        try:
+            if self.arrivals is not None and limit:       # a phase of a switch: every rank runs it
+                missing = self.arrivals.wait(f"{self.switches}/{name}", deadline)
+                # every rank has passed the barrier of two switches ago: its key is no longer read
+                self.arrivals.forget(f"{self.switches - 2}/{name}")
+                if missing:
+                    raise PhaseTimeout(self.timeout_message(f"rank(s) {missing} to arrive"))
             if self.device is not None and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            rec.seconds = time.perf_counter() - start
-        rec.peak_mem_bytes = peak.peak_bytes
-        self.history[name].append(rec)
+            with PeakMemory(self.device) as peak:
+                start = time.perf_counter()
+                yield rec
+                if self.device is not None and self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                rec.seconds = time.perf_counter() - start
+            rec.peak_mem_bytes = peak.peak_bytes
+            self.history[name].append(rec)
+        finally:
+            self._current = None
+            if backstop is not None:
+                backstop.cancel()
+
+    def remaining(self) -> float | None:
+        """Seconds left before the current phase's deadline (None: no deadline)."""
+        if self._current is None or self._current[1] is None:
+            return None
+        return max(0.0, self._current[1] - time.monotonic())
+
+    def timeout_message(self, waits_for: str) -> str:
+        name = self._current[0] if self._current else "?"
+        return (f"rank {self.rank}: phase '{name}' of a mode switch exceeded its {self.deadlines.get(name, 0):g}s "
+                f"deadline (hybrid.{name}_deadline_s) waiting for {waits_for}")
 
     def last(self) -> dict[str, dict[str, float]]:
         return {name: {"seconds": recs[-1].seconds, "bytes": recs[-1].bytes_moved,

@@ -26,11 +26,20 @@ def checkpoint_tensors(model_dir: Path, dtype: torch.dtype, device: str) -> list
     return out
 
 
+def on_loop(engine, coro):
+    """Run `coro` on the engine's one event loop: SGLang's tokenizer manager binds to the first loop that
+    uses it, so an engine is driven from one loop for its whole life (as the hybrid worker does)."""
+    loop = getattr(engine, "_contract_loop", None)
+    if loop is None:
+        loop = engine._contract_loop = asyncio.new_event_loop()
+    return loop.run_until_complete(coro)
+
+
 def run(engine, prompts, sampling, tag="r"):
     async def go():
         return await asyncio.gather(*[engine.generate(p, sampling, f"{tag}{i}") for i, p in enumerate(prompts)])
 
-    return asyncio.run(go())
+    return on_loop(engine, go())
 
 
 class EngineContract:
@@ -77,9 +86,9 @@ class EngineContract:
         prompt = prompts_of([20], seed=3)[0]
         greedy = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
         half = len(new) // 2
-        asyncio.run(engine.update_weights(new[:half], 1))
+        on_loop(engine, engine.update_weights(new[:half], 1))
         assert engine.policy_version == 0
-        asyncio.run(engine.update_weights(new[half:], 1))
+        on_loop(engine, engine.update_weights(new[half:], 1))
         assert engine.policy_version == 1
         out = run(engine, [prompt], greedy)[0]
         assert out.policy_version == 1
@@ -99,7 +108,7 @@ class EngineContract:
                              ([*new[:-1], (name, t.double())], "dtype"),
                              ([*new, ("model.layers.99.mlp.up_proj.weight", t)], "unknown")):
             with pytest.raises((ValueError, TypeError), match=message):
-                asyncio.run(engine.update_weights(bad, 1))
+                on_loop(engine, engine.update_weights(bad, 1))
         assert engine.policy_version == 0
         after = run(engine, [prompt], greedy, tag="after")[0]
         assert (after.token_ids, after.policy_version) == (before.token_ids, 0)
@@ -119,11 +128,11 @@ class EngineContract:
             await engine.sleep()
             return await task
 
-        aborted = asyncio.run(sleep_during_a_request())
+        aborted = on_loop(engine, sleep_during_a_request())
         assert aborted.finish_reason == FinishReason.ABORT and len(aborted.token_ids) < 1500
         with pytest.raises(RuntimeError, match="asleep"):
             run(engine, [prompt], greedy)
-        asyncio.run(engine.wake_up())
+        on_loop(engine, engine.wake_up())
         again = run(engine, [prompt], greedy, tag="again")[0]
         assert again.token_ids == before.token_ids
 
@@ -139,6 +148,6 @@ class EngineContract:
             assert await engine.abort("a") is False and await engine.abort("nobody") is False
             return out
 
-        out = asyncio.run(main())
+        out = on_loop(engine, main())
         assert out.finish_reason == FinishReason.ABORT and len(out.token_ids) < 1500
         assert len(out.logprobs) == len(out.token_ids)

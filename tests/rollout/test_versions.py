@@ -13,6 +13,11 @@ def test_version_switches_only_when_every_tensor_arrived():
     assert p.arrive(["c", "a"], 1) and p.version == 1
     assert not p.arrive(["a", "b"], 2)
     assert not p.arrive(["a"], 3) and p.version == 1       # a newer version supersedes an incomplete one
-    with pytest.raises(ValueError, match="go forward"):
+    with pytest.raises(ValueError, match=r"version 2 is older than an update in progress \(version 3\)"):
         p.arrive(["c"], 2)
-    assert p.arrive(["b", "c"], 3) and p.version == 3
+    assert p.arrive(["b", "c"], 3) and p.version == 3 and p.pending is None
+    with pytest.raises(ValueError, match=r"older than the current policy \(version 3\)"):
+        p.check(2)
+    p.forget()                                               # the engine dropped its weights
+    assert p.version == -1 and not p.arrive(["a", "b"], 3) and p.pending == 3
+    assert p.arrive(["c"], 3) and p.version == 3

@@ -10,7 +10,7 @@ import torch
 from hybridrl.controller.worker_group import WorkerGroupError
 from hybridrl.data.batch import Batch
 from hybridrl.jobs import Job
-from hybridrl.distributed.dispatch import ONE_TO_ALL
+from hybridrl.distributed.dispatch import ONE_TO_ALL, OneToAll
 from hybridrl.workers.base import register
 from hybridrl.workers.hybrid import HybridWorker
 from hybridrl.workers.modes import IllegalTransition  # noqa: F401  (re-exported for tests)
@@ -20,15 +20,21 @@ PROMPTS = [[1, 276, 201, 19, 20, 21], [1, 312, 201, 318, 311, 22, 23, 24, 12, 25
 
 class FaultyHybridWorker(HybridWorker):
     @register(dispatch=ONE_TO_ALL)
-    def set_fault(self, name: str | None) -> None:
-        """Corrupt tensor `name` in transit (one element moved by 1.0), or stop corrupting (None)."""
-        def corrupt(n, t):
-            if n != name:
-                return t
-            bad = t.clone()
-            bad.view(-1)[0] += 1.0
-            return bad
-        self.transport.fault = corrupt if name else None
+    def set_fault(self, name: str | None, times: int = 1) -> None:
+        """Damage the engine's own storage of tensor `name` right after the engine copied it (`times` copies;
+        -1: every copy; None: stop). The sender and the verifier are untouched."""
+        core = self.engine.core
+        real = getattr(core, "_real_copy", None) or core.copy_into_storage
+        core._real_copy = real
+        left = [float("inf") if times < 0 else times]
+
+        def faulty(items):
+            real(items)
+            if name is not None and left[0] > 0 and any(n == name for n, _ in items):
+                core.views[name].view(-1)[0] += 1.0
+                left[0] -= 1
+
+        core.copy_into_storage = faulty
 
 
 def _write(cfg, result):
@@ -62,26 +68,27 @@ def publish_then_sample(cfg, wg):
     _write(cfg, {"prompts": PROMPTS, "before": before, "after": after, "switch": switch, "update": update})
 
 
+CORRUPTED = "model.layers.0.mlp.down_proj.weight"
+
+
 def corrupted_publication(cfg, wg):
     wg.call(HybridWorker.enter_rollout, version=0, step=0)
     v0 = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=8)
     wg.call(HybridWorker.enter_train)
     _train_once(wg, vocab=500)
-    wg.call(FaultyHybridWorker.set_fault, name="model.layers.0.mlp.down_proj.weight")
-    refused = wg.call(HybridWorker.enter_rollout, version=1, step=1)
-    still_v0 = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=8)
-    wg.call(HybridWorker.enter_train)
-    wg.call(FaultyHybridWorker.set_fault, name=None)
-    accepted = wg.call(HybridWorker.enter_rollout, version=1, step=1)
+    wg.call(FaultyHybridWorker.set_fault, name=CORRUPTED, times=1)     # one bad copy: copied again, verified
+    retried = wg.call(HybridWorker.enter_rollout, version=1, step=1)
     v1 = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=8)
-    try:                       # an illegal call order is an error naming the modes
-        wg.call(HybridWorker.train_step, Batch({"input_ids": torch.zeros(2, 4, dtype=torch.long)}))
-        illegal = None
+    wg.call(HybridWorker.enter_train)
+    _train_once(wg, vocab=500, seed=1)
+    wg.call(FaultyHybridWorker.set_fault, name=CORRUPTED, times=-1)    # every copy bad: the step stops
+    try:
+        wg.call(HybridWorker.enter_rollout, version=2, step=2)
+        failure = None
     except WorkerGroupError as err:
-        illegal = str(err)
-    _write(cfg, {"v0": v0, "refused": refused, "still_v0": still_v0, "accepted": accepted, "v1": v1,
-                 "illegal": illegal})
-    if illegal:
+        failure = str(err)
+    _write(cfg, {"v0": v0, "retried": retried, "v1": v1, "failure": failure})
+    if failure:
         raise RuntimeError("expected failure recorded")   # the group is aborted after a worker error
 
 
@@ -102,23 +109,119 @@ CORRUPT = Job("corrupt", FaultyHybridWorker, corrupted_publication)
 MEMORY = Job("memory", HybridWorker, memory)
 
 
+
+
+class StuckHybridWorker(HybridWorker):
+    """Faults for the bounded-switch tests: a rank that stops arriving, an engine that never drains."""
+
+    @register(dispatch=ONE_TO_ALL)
+    def stall_next_switch(self, rank: int, seconds: float) -> None:
+        self._stall = (rank, seconds)
+
+    @register(dispatch=ONE_TO_ALL)
+    def engine_never_drains(self) -> None:
+        import asyncio
+
+        async def sleep_forever(tags=()):
+            await asyncio.Event().wait()       # the aborted requests never end
+
+        self.engine.sleep = sleep_forever
+
+    @register(dispatch=OneToAll("rank0"))
+    def enter_rollout(self, *, version: int, step: int) -> dict:
+        import time
+
+        stall = getattr(self, "_stall", None)
+        if stall is not None and stall[0] == self.ctx.rank:
+            time.sleep(stall[1])              # this rank stops arriving
+        return super().enter_rollout(version=version, step=step)
+
+
+def _timed_failure(call) -> dict:
+    import time
+
+    started = time.monotonic()
+    try:
+        call()
+        return {"failure": None}
+    except WorkerGroupError as err:
+        return {"failure": str(err), "seconds": time.monotonic() - started}
+
+
+def rank_stops_arriving(cfg, wg):
+    wg.call(StuckHybridWorker.stall_next_switch, rank=1, seconds=600)
+    result = _timed_failure(lambda: wg.call(HybridWorker.enter_rollout, version=1, step=1))
+    _write(cfg, result)
+    raise RuntimeError("expected failure recorded")
+
+
+def engine_never_drains(cfg, wg):
+    wg.call(HybridWorker.enter_rollout, version=1, step=1)
+    wg.call(StuckHybridWorker.engine_never_drains)
+    result = _timed_failure(lambda: wg.call(HybridWorker.enter_train))
+    _write(cfg, result)
+    raise RuntimeError("expected failure recorded")
+
+
+STALLED_RANK = Job("stalled_rank", StuckHybridWorker, rank_stops_arriving)
+NEVER_DRAINS = Job("never_drains", StuckHybridWorker, engine_never_drains)
+
+
+class GroupedHybridWorker(StuckHybridWorker):
+    """Records, on every rank, what each switch decided: (version asked, published, engine version)."""
+
+    @register(dispatch=OneToAll("rank0"))
+    def enter_rollout(self, *, version: int, step: int) -> dict:
+        out = super().enter_rollout(version=version, step=step)
+        self._switches = [*getattr(self, "_switches", []), [version, out["published"], self.engine.policy_version]]
+        return out
+
+    @register(dispatch=ONE_TO_ALL)
+    def switch_log(self) -> list:
+        return getattr(self, "_switches", [])
+
+
 def grouped_rollout(cfg, wg):
-    """rollout.tp=2 with the native engine: one engine on rank 0 serves the group of 2 ranks."""
-    first = wg.call(HybridWorker.enter_rollout, version=0, step=0)
-    per_rank = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=6)
-    wg.call(HybridWorker.enter_train)
-    _train_once(wg, vocab=500)
-    switch = wg.call(HybridWorker.enter_rollout, version=1, step=1)
+    """rollout.tp=2 with the native engine: one engine on rank 0 serves the group of 2 ranks (rank 1
+    holds a FollowerEngine). Then the trainer's own order of calls around a validation followed by a
+    checkpoint and around a step whose batch is empty, every rank recording what it decided; at the
+    end rank 1 stops arriving at a switch (run with hybrid.offload_deadline_s=3)."""
     from hybridrl.controller.metrics import episode_rows
     from hybridrl.data.trajectory import from_batch
     from hybridrl.envs.tasks import get_task
 
     task = get_task(cfg.task.name, cfg.task)
+    first = wg.call(HybridWorker.enter_rollout, version=0, step=0)
+    per_rank = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=6)
+    wg.call(HybridWorker.enter_train)
+    _train_once(wg, vocab=500)
+    switch = wg.call(HybridWorker.enter_rollout, version=1, step=1)            # step 1
     trajectories = from_batch(wg.call(HybridWorker.rollout, episode_rows(task.train_split(2), 2, 1)))
     after = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=6)
-    _write(cfg, {"first": first, "per_rank": per_rank, "switch": switch, "after": after,
+    wg.call(HybridWorker.enter_train)
+    # validation (trainer.validate): from TRAIN into ROLLOUT at the current version, left there
+    wg.call(HybridWorker.enter_rollout, version=1, step=1)
+    wg.call(HybridWorker.rollout, episode_rows(task.validation_split(1), 1, "val1"), temperature=0.0)
+    # checkpoint (RunState.save_checkpoint): back to TRAIN, then save
+    wg.call(HybridWorker.enter_train)
+    wg.call(HybridWorker.save_checkpoint, path=str(Path(cfg.run.dir) / "ckpt"), extra={"step": 1})
+    # step 2: its batch is empty (every group filtered out): no train step, the version stays
+    wg.call(HybridWorker.enter_rollout, version=1, step=2)
+    wg.call(HybridWorker.enter_train)
+    # step 3: still nothing new to publish; its update makes version 2, published at step 4
+    wg.call(HybridWorker.enter_rollout, version=1, step=3)
+    wg.call(HybridWorker.enter_train)
+    _train_once(wg, vocab=500, seed=1)
+    wg.call(HybridWorker.enter_rollout, version=2, step=4)
+    v2 = wg.call(HybridWorker.sample, prompts=PROMPTS[:1], max_new_tokens=4)
+    switches = wg.call(GroupedHybridWorker.switch_log)
+    wg.call(HybridWorker.enter_train)
+    wg.call(StuckHybridWorker.stall_next_switch, rank=1, seconds=600)
+    stalled = _timed_failure(lambda: wg.call(HybridWorker.enter_rollout, version=2, step=5))
+    _write(cfg, {"first": first, "per_rank": per_rank, "switch": switch, "after": after, "v2": v2,
                  "versions": sorted({v for t in trajectories for v in t.versions}),
-                 "episodes": len(trajectories)})
+                 "episodes": len(trajectories), "switches": switches, "stalled": stalled})
+    raise RuntimeError("expected failure recorded")   # the group is aborted after a worker error
 
 
-GROUPED = Job("grouped", HybridWorker, grouped_rollout)
+GROUPED = Job("grouped", GroupedHybridWorker, grouped_rollout)

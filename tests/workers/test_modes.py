@@ -32,3 +32,42 @@ def test_phases_are_timed_and_summarised():
     s = m.summary()["offload"]
     assert s["count"] == 3 and s["bytes"] == 200 and 0.015 < s["median_s"] < 0.2 and s["peak_mem_bytes"] > 0
     assert m.last()["offload"]["bytes"] == 300
+
+
+def test_a_switch_phase_waits_for_every_rank_until_its_deadline_and_names_who_is_missing():
+    """Two ranks' machines on one store: rank 1 never comes, so rank 0's bounded phase ends at its
+    deadline naming rank 1; a phase without a deadline (generation) waits for nobody; an arrival
+    key is deleted once no rank can still be reading it."""
+    import torch.distributed as dist
+
+    from hybridrl.workers.modes import Arrivals, PhaseTimeout
+
+    store = dist.HashStore()
+    m = ModeMachine(rank=0, deadlines={"offload": 0.3}, arrivals=Arrivals(store, 0, [0, 1]))
+    started = time.monotonic()
+    with pytest.raises(PhaseTimeout, match=r"rank 0: phase 'offload' of a mode switch exceeded its 0.3s deadline "
+                                           r"\(hybrid.offload_deadline_s\) waiting for rank\(s\) \[1\] to arrive"):
+        with m.phase("offload"):
+            pass
+    assert 0.3 <= time.monotonic() - started < 2.0
+    with m.phase("generate"):                   # no deadline: not a switch phase, rank 1 is not awaited
+        pass
+    for switch in (1, 2, 3):                    # rank 1 arrives now: the phase passes
+        m.switches = switch
+        store.set(f"arrive/{switch}/offload/1", b"1")
+        with m.phase("offload"):
+            pass
+    assert store.check(["arrive/3/offload/0", "arrive/2/offload/0"]) and not store.check(["arrive/1/offload/0"])
+
+
+def test_work_that_cannot_be_interrupted_is_reported_past_its_deadline_plus_grace():
+    reports = []
+    m = ModeMachine(rank=3, deadlines={"reload": 0.1}, on_overrun=reports.append, overrun_grace_s=0.1)
+    with m.phase("reload", waits_for="the optimizer state"):
+        time.sleep(1.0)                         # stuck where nothing polls (a collective, a copy)
+    assert reports == ["rank 3: phase 'reload' of a mode switch exceeded its 0.1s deadline "
+                       "(hybrid.reload_deadline_s) waiting for the optimizer state (stuck where it cannot be interrupted)"]
+    with m.phase("reload"):                     # in time: the backstop is cancelled
+        pass
+    time.sleep(0.3)
+    assert len(reports) == 1

@@ -327,6 +327,21 @@ class MegatronEngine:
             yield from iter_hf_groups(self.adapter, self.params, self._owners, dtype=DTYPES[self.cfg.dtype],
                                       device=self.device)
 
+    def hf_group_specs(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+        """The exported fused groups (a slot's HF tensors, e.g. q/k/v of one layer) as (name, shape,
+        dtype), in model order, known without gathering: what a publication plans its buckets from."""
+        spec = self.hf_spec()
+        return [[(name, *spec[name]) for name in slot.hf_names] for slot in self.adapter.slots() if slot.exported]
+
+    def write_hf_group(self, index: int, out: dict[str, torch.Tensor]) -> None:
+        """Write group `index` of `hf_group_specs()` into `out[name]` (contiguous tensors of those
+        shapes), un-fusing in place. Every rank of the model-parallel group calls it, in order."""
+        from hybridrl.backends.megatron.weights import write_hf_group
+
+        slot = [s for s in self.adapter.slots() if s.exported][index]
+        with self._scope(), torch.no_grad():
+            write_hf_group(self.adapter, slot, self.params.get(slot), self._owners[slot], out)
+
     def hf_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> (shape, dtype) of every tensor `iter_hf_tensors` yields, known without gathering."""
         from hybridrl.backends.megatron.model import DTYPES

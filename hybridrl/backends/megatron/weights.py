@@ -164,3 +164,23 @@ def iter_hf_groups(adapter: DecoderAdapter, params: Mapping[Slot, torch.nn.Param
         if slot.exported:
             full = gather_slot(adapter, slot, params.get(slot), owners[slot], shapes, dtype, device)
             yield [(name, full[name]) for name in slot.hf_names]
+
+
+def write_hf_group(adapter: DecoderAdapter, slot: Slot, param: torch.Tensor | None, owner: int,
+                   out: Mapping[str, torch.Tensor]) -> None:
+    """`gather_slot` written straight into the caller's tensors `out[name]` (a publication's flat
+    bucket) on every rank of this model-parallel group: the owning stage gathers over TP and
+    un-fuses into `out` (`adapter.write_hf`), then broadcasts `out` over PP."""
+    pp_group = ps.get_pipeline_model_parallel_group()
+    if ps.get_pipeline_model_parallel_rank() == owner:
+        local = param.detach()
+        if slot.split is Split.NONE or adapter.tp == 1:
+            shards = [local]
+        else:
+            shards = [torch.empty_like(local) for _ in range(adapter.tp)]
+            dist.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+        adapter.write_hf(slot, shards, out)
+    if dist.get_world_size(pp_group) > 1:
+        src = dist.get_global_rank(pp_group, owner)
+        for name in slot.hf_names:
+            dist.broadcast(out[name], src=src, group=pp_group)

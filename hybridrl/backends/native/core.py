@@ -12,7 +12,7 @@ import math
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence as Seq
+from typing import Any, Mapping, Sequence as Seq
 
 import torch
 
@@ -24,7 +24,10 @@ from hybridrl.backends.native.sampler import request_seed
 from hybridrl.backends.native.scheduler import Scheduler, Sequence, SeqStatus
 from hybridrl.backends.model_spec import ModelSpec
 from hybridrl.backends.native.weights import ModelWeights, hf_views, load_checkpoint
+from hybridrl.publication.digest import tensor_digests
 from hybridrl.rollout.protocol import FinishReason, GenerationOutput, GenerationTimings, SamplingParams
+from hybridrl.rollout.versions import Publication
+from hybridrl.rollout.weight_spec import WeightMismatch
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +69,12 @@ class EngineCore:
                                   device=device)
         self.runner.allocate_kv()
         self.requests: dict[str, Sequence] = {}
-        self.policy_version = policy_version
+        self.publication = Publication(self.views, policy_version)     # the version and what has arrived
         self.scheduler.version = policy_version
-        self.pending_version: int | None = None      # a weight update in progress (incomplete)
-        self.arrived: set[str] = set()
         self.asleep = False
         self.counters = {"steps": 0, "step_time_s": 0.0, "requests_finished": 0, "requests_aborted": 0,
-                         "weight_updates": 0, "weight_tensors_copied": 0, "prefix_cache_invalidations": 0}
+                         "weight_updates": 0, "weight_tensors_copied": 0, "weight_tensors_mismatched": 0,
+                         "prefix_cache_invalidations": 0}
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, cfg: NativeEngineConfig, *, device: torch.device,
@@ -207,37 +209,46 @@ class EngineCore:
     def weight_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {name: (tuple(t.shape), t.dtype) for name, t in self.views.items()}
 
-    def check_update_version(self, version: int) -> None:
-        floor = self.pending_version if self.pending_version is not None else self.policy_version
-        if version < floor:
-            what = "an update in progress" if self.pending_version is not None else "the current policy"
-            raise ValueError(f"update_weights: version {version} is older than {what} (version {floor})")
+    @property
+    def policy_version(self) -> int:
+        return self.publication.version
 
-    def apply_update(self, items: Seq[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy validated tensors in place. Call only when no started request is in the engine."""
-        self.check_update_version(version)
-        if self.pending_version != version:
-            self.pending_version = version
-            self.arrived = set()
-        with torch.no_grad():
-            for name, tensor in items:
-                self.views[name].copy_(tensor)
+    def apply_update(self, items: Seq[tuple[str, torch.Tensor]], version: int,
+                     digests: Mapping[str, str] | None = None) -> None:
+        """Copy validated tensors in place. Call only when no started request is in the engine.
+
+        With `digests` (the sender's), every tensor is read back from this engine's storage after
+        the copy and only the matching ones count as arrived; the others raise WeightMismatch.
+        The version switches once every tensor has arrived (verified)."""
+        self.publication.check(version)
+        self.copy_into_storage(items)
         self.counters["weight_tensors_copied"] += len(items)
         self.pool.invalidate()
         self.counters["prefix_cache_invalidations"] += 1
-        self.arrived.update(name for name, _ in items)
-        if len(self.arrived) == len(self.views):
-            self.policy_version = version
-            self.pending_version = None
-            self.arrived = set()
+        bad = []
+        if digests is not None:
+            held = tensor_digests([(name, self.views[name]) for name, _ in items])
+            bad = [name for name, _ in items if held[name] != digests.get(name)]
+        if self.publication.arrive([name for name, _ in items if name not in bad], version):
             self.scheduler.version = version
             self.scheduler.admit_new = True
             self.counters["weight_updates"] += 1
+        if bad:
+            self.counters["weight_tensors_mismatched"] += len(bad)
+            raise WeightMismatch(bad, f"update_weights v{version}: {len(bad)} tensor(s) read back from the engine's "
+                                      f"storage differ from the sender's digest: {bad[:5]}")
+
+    def copy_into_storage(self, items: Seq[tuple[str, torch.Tensor]]) -> None:
+        """Copy into the views; tensors that lie back to back in memory on both sides (a flat bucket
+        into the flat weight buffer) go as one copy."""
+        with torch.no_grad():
+            for dst, src in _runs([(self.views[name], t) for name, t in items]):
+                dst.copy_(src)
 
     # -- memory -------------------------------------------------------------------------------
 
     def sleep(self) -> int:
-        """Abort everything in flight (ABORT), free the KV cache. Returns the bytes released."""
+        """Abort everything in flight (ABORT), free the KV cache (tag "kv_cache"). Returns the bytes released."""
         self.abort_all(FinishReason.ABORT)
         freed = self.runner.kv_cache_bytes
         self.runner.free_kv()
@@ -269,7 +280,7 @@ class EngineCore:
         out.update(self.counters)
         out.update({
             "policy_version": self.policy_version,
-            "pending_version": self.pending_version,
+            "pending_version": self.publication.pending,
             "requests_running": len(sched.running),
             "requests_waiting": len(sched.waiting),
             "kv_blocks_total": self.num_blocks,
@@ -283,3 +294,24 @@ class EngineCore:
             "asleep": self.asleep,
         })
         return out
+
+
+def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.device == b.device and a.is_contiguous() and b.is_contiguous()
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() + a.numel() == b.storage_offset())
+
+
+def _runs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Merge consecutive (dst, src) pairs whose dsts and srcs each lie back to back into one flat pair."""
+    merged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    i = 0
+    while i < len(pairs):
+        dst, src = pairs[i]
+        j, n = i + 1, dst.numel()
+        while j < len(pairs) and _adjacent(pairs[j - 1][0], pairs[j][0]) and _adjacent(pairs[j - 1][1], pairs[j][1]):
+            n += pairs[j][0].numel()
+            j += 1
+        merged.append((dst.as_strided((n,), (1,)), src.as_strided((n,), (1,))) if j > i + 1 else (dst, src))
+        i = j
+    return merged

@@ -30,14 +30,15 @@ import asyncio
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Iterable, Sequence as Seq
+from typing import Any, Iterable, Mapping, Sequence as Seq
 
 import torch
 
 from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.backends.native.core import EngineCore
 from hybridrl.backends.native.scheduler import Sequence
-from hybridrl.rollout.protocol import FinishReason, GenerationOutput, SamplingParams, validate_named_tensors
+from hybridrl.rollout.protocol import KV_CACHE, FinishReason, GenerationOutput, SamplingParams, check_tags
+from hybridrl.rollout.weight_spec import validate_named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ class NativeEngine:
         return cls(core)
 
     # -- properties ---------------------------------------------------------------------------
+
+    releasable_tags = frozenset({KV_CACHE})     # weights stay (on a CPU there is nowhere else to put them)
 
     @property
     def policy_version(self) -> int:
@@ -180,24 +183,31 @@ class NativeEngine:
         """End a request now (FinishReason.ABORT, with the tokens it has). False if unknown or finished."""
         return await self._call("abort", request_id, FinishReason.ABORT)
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+                             digests: Mapping[str, str] | None = None) -> None:
         """Copy HF-named tensors into the live weights (in place). Validated whole first: a bad call raises
-        ValueError naming the tensor and changes nothing. See the module doc for requests in flight."""
+        ValueError naming the tensor and changes nothing. With the sender's `digests`, each tensor is read
+        back from the engine's storage after the copy; mismatches raise WeightMismatch and do not count
+        as arrived. See the module doc for requests in flight."""
         items = list(named_tensors)
         validate_named_tensors(items, self._core.weight_spec())
-        if not isinstance(version, int) or version < 0:
-            raise ValueError(f"update_weights: version must be an int >= 0, got {version!r}")
-        await self._call("update", items, version)
+        self._core.publication.check(version)
+        if digests is not None and set(digests) < {n for n, _ in items}:
+            raise ValueError("update_weights: digests must cover every tensor of the call")
+        await self._call("update", items, version, digests)
 
-    async def sleep(self) -> None:
-        """Abort every request in flight (FinishReason.ABORT) and free the KV cache; weights stay."""
-        await self._call("sleep")
-        self._asleep = True
+    async def sleep(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
+        """Release the tagged memory: "kv_cache" aborts every request in flight (FinishReason.ABORT)
+        and frees the KV cache; the weights stay."""
+        if KV_CACHE in check_tags(self, tags):
+            await self._call("sleep")
+            self._asleep = True
 
-    async def wake_up(self) -> None:
+    async def wake_up(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
         """Re-allocate the KV cache and serve again."""
-        await self._call("wake_up")
-        self._asleep = False
+        if KV_CACHE in check_tags(self, tags) and self._asleep:
+            await self._call("wake_up")
+            self._asleep = False
 
     async def run_in_engine(self, fn, *args) -> Any:
         """Run fn(core, *args) on the engine thread between steps (tests, diagnostics)."""
@@ -320,12 +330,12 @@ class NativeEngine:
                 if waiter is not None:
                     waiter.settle(found)
             elif kind == "update":
-                items, version = args[0], args[1]
-                core.check_update_version(version)
+                items, version, digests = args[0], args[1], args[2]
+                core.publication.check(version)
                 core.scheduler.admit_new = False
                 if core.cfg.on_weight_update == "abort":
                     core.abort_all(FinishReason.WEIGHTS_UPDATED, started_only=True)
-                self._pending_updates.append((items, version, waiter))
+                self._pending_updates.append((items, version, digests, waiter))
             elif kind == "sleep":
                 freed = core.sleep()
                 log.debug("native engine asleep: released %.1f MiB of KV cache", freed / 2**20)
@@ -346,13 +356,13 @@ class NativeEngine:
     def _apply_ready_updates(self) -> None:
         core = self._core
         while self._pending_updates and core.scheduler.num_started() == 0:
-            items, version, waiter = self._pending_updates.pop(0)
+            items, version, digests, waiter = self._pending_updates.pop(0)
             try:
-                core.apply_update(items, version)
+                core.apply_update(items, version, digests)
                 waiter.settle(None)
             except Exception as err:  # noqa: BLE001
                 waiter.settle(error=err)
-        if not self._pending_updates and core.pending_version is None:
+        if not self._pending_updates and core.publication.pending is None:
             core.scheduler.admit_new = True
 
     def _step(self) -> None:
@@ -372,7 +382,7 @@ class NativeEngine:
 
     def _shutdown(self) -> None:
         self._core.abort_all(FinishReason.ABORT)
-        for items, version, waiter in self._pending_updates:
+        for *_, waiter in self._pending_updates:
             waiter.settle(error=RuntimeError("the native engine was closed before the update was applied"))
         self._pending_updates.clear()
         self._core.runner.free_kv()

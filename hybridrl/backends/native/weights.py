@@ -40,25 +40,40 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor                  # [hidden]
     lm_head: torch.Tensor               # [vocab, hidden]; the embedding itself when tied
+    flat: torch.Tensor | None = None    # [total]: the one buffer every tensor above is a view of
 
     @classmethod
     def empty(cls, spec: ModelSpec, *, dtype: torch.dtype, device: torch.device) -> "ModelWeights":
-        def new(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
+        """Every tensor a view of one flat buffer, laid out in the order a publication sends them
+        (embedding; per layer: input norm, q/k/v, their biases, o, post norm, gate/up, down; final
+        norm; LM head), so a bucket of consecutive tensors lands with one copy."""
         h, inter = spec.hidden_size, spec.intermediate_size
         qkv_rows = spec.q_size + 2 * spec.kv_size
-        layers = [
-            LayerWeights(
-                input_norm=new(h), qkv=new(qkv_rows, h), qkv_bias=new(qkv_rows) if spec.qkv_bias else None,
-                o=new(h, spec.q_size), o_bias=new(h) if spec.o_bias else None, post_norm=new(h),
-                gate_up=new(2 * inter, h), gate_up_bias=new(2 * inter) if spec.mlp_bias else None,
-                down=new(h, inter), down_bias=new(h) if spec.mlp_bias else None)
-            for _ in range(spec.num_layers)
-        ]
-        embed = new(spec.vocab_size, h)
-        lm_head = embed if spec.tie_word_embeddings else new(spec.vocab_size, h)
-        return cls(embed=embed, layers=layers, norm=new(h), lm_head=lm_head)
+        shapes: list[tuple[int, ...] | None] = [(spec.vocab_size, h)]
+        for _ in range(spec.num_layers):
+            shapes += [(h,), (qkv_rows, h), (qkv_rows,) if spec.qkv_bias else None, (h, spec.q_size),
+                       (h,) if spec.o_bias else None, (h,), (2 * inter, h), (2 * inter,) if spec.mlp_bias else None,
+                       (h, inter), (h,) if spec.mlp_bias else None]
+        shapes += [(h,), None if spec.tie_word_embeddings else (spec.vocab_size, h)]
+        flat = torch.zeros(sum(torch.Size(s).numel() for s in shapes if s), dtype=dtype, device=device)
+        views, offset = [], 0
+        for shape in shapes:
+            if shape is None:
+                views.append(None)
+                continue
+            n = torch.Size(shape).numel()
+            views.append(flat[offset: offset + n].view(shape))
+            offset += n
+        embed, rest = views[0], views[1:]
+        layers = []
+        for i in range(spec.num_layers):
+            (input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down,
+             down_bias) = rest[10 * i: 10 * i + 10]
+            layers.append(LayerWeights(input_norm=input_norm, qkv=qkv, qkv_bias=qkv_bias, o=o, o_bias=o_bias,
+                                       post_norm=post_norm, gate_up=gate_up, gate_up_bias=gate_up_bias, down=down,
+                                       down_bias=down_bias))
+        norm, lm_head = rest[-2], rest[-1]
+        return cls(embed=embed, layers=layers, norm=norm, lm_head=embed if lm_head is None else lm_head, flat=flat)
 
     def num_bytes(self) -> int:
         seen: dict[int, int] = {}

@@ -19,7 +19,8 @@ class SGLangConfig:
     load_format: str = knob("dummy", "'dummy': start without weights, they arrive with the first publication")
     base_port: int = knob(31000, "first of the ports the engines use (each rank offsets it; pass unique ports)")
     context_length: int = knob(0, "max context; 0 = the model's")
-    cuda_graph: bool = knob(True, "capture CUDA graphs (released with the KV cache when the memory saver allows)")
+    cuda_graph: bool = knob(True, "capture CUDA graphs; with the memory saver their memory is released between "
+                                  "modes too (tag cuda_graph)")
     engine_args: dict[str, Any] = knob(factory=dict, help="extra sglang.Engine(**kwargs), passed through unchecked")
 
     def __post_init__(self) -> None:
@@ -27,3 +28,10 @@ class SGLangConfig:
             raise ConfigValueError("mem_fraction_static", f"must be in (0, 1), got {self.mem_fraction_static}")
         check_choice("dtype", self.dtype, ("bfloat16", "float16", "float32"))
         check_choice("load_format", self.load_format, ("dummy", "auto"))
+
+    def releasable_tags(self) -> frozenset[str]:
+        """What the engine releases between modes: weights, KV cache and CUDA graphs (when captured), all
+        through the memory saver (nothing without it)."""
+        if not self.enable_memory_saver:
+            return frozenset()
+        return frozenset({"weights", "kv_cache"} | ({"cuda_graph"} if self.cuda_graph else set()))

@@ -1,37 +1,48 @@
 """`SGLangEngine`: the RolloutEngine protocol over an in-process `sglang.Engine` (GPU extra).
 
-Written against sglang 0.5.x from its source (it cannot run where hybridrl is developed):
-generation through `async_generate(input_ids=..., return_logprob=True, rid=...)`; memory through
-the tokenizer manager's `release_memory_occupation` / `resume_memory_occupation` with tags
-"weights" and "kv_cache" (the Engine's own sync wrappers call run_until_complete and cannot be
-used inside our event loop); weights through `update_weights_from_tensor` with one serialized
-payload per TP rank and `flush_cache` once the whole publication has arrived.
+Written against the pinned sglang release (`requests.SGLANG_VERSION`) from its source; it has not
+run on a GPU yet. Generation through `async_generate(input_ids=..., return_logprob=True, rid=...)`;
+everything else through the tokenizer manager's coroutines (the Engine's own sync wrappers call
+`run_until_complete` and cannot be used inside our event loop), which bind to the first event loop
+that uses them: one engine, one loop, for its whole life. Memory by tags ("weights", "kv_cache",
+"cuda_graph"; `release/resume_memory_occupation`); weights through `update_weights_from_tensor`
+inside a weight-update session (begin at a version's first bucket, end once every tensor has
+arrived, then `flush_cache`), one serialized flat bucket per TP rank.
 
-Lifecycle in the hybrid worker: start with dummy weights; per rollout: resume weights -> push
-every tensor (version bumps when all arrived) -> resume KV cache -> generate -> release all.
+Lifecycle in the hybrid worker: start with dummy weights; per rollout: resume weights -> push every
+bucket (the version switches when all arrived) -> resume KV cache and CUDA graphs -> generate ->
+abort, drain, release all. SGLang asserts its server is idle when memory is released (the
+assertion ends its scheduler process), so `sleep` never releases while one of our requests is
+still running: past `drain_timeout_s` it raises instead.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from hybridrl.backends.sglang import convert
+from hybridrl.backends.sglang import convert, requests
 from hybridrl.backends.sglang.config import SGLangConfig
-from hybridrl.publication.manifest import PublicationError, check_specs
-from hybridrl.publication.transport_cuda_ipc import CudaIpcTransport
-from hybridrl.rollout.protocol import GenerationOutput, GenerationTimings, SamplingParams, validate_named_tensors
+from hybridrl.publication.manifest import PublicationError
+from hybridrl.rollout.protocol import (
+    CUDA_GRAPH,
+    KV_CACHE,
+    WEIGHTS,
+    GenerationOutput,
+    GenerationTimings,
+    SamplingParams,
+    check_tags,
+)
 from hybridrl.rollout.versions import Publication
+from hybridrl.rollout.weight_spec import validate_named_tensors
 
 log = logging.getLogger(__name__)
-
-_TAGS = ("weights", "kv_cache")
 
 
 def checkpoint_spec(model_dir: str | Path, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -50,30 +61,27 @@ def checkpoint_spec(model_dir: str | Path, dtype: torch.dtype) -> dict[str, tupl
 
 class SGLangEngine:
     def __init__(self, model_path: str, cfg: SGLangConfig, *, tp_size: int = 1, base_gpu_id: int = 0,
-                 port_offset: int = 0, seed: int = 0, max_model_len: int | None = None):
+                 port_offset: int = 0, seed: int = 0, max_model_len: int | None = None,
+                 drain_timeout_s: float = 60.0):
         import sglang
 
         self.cfg = cfg
         self.tp_size = tp_size
         self.dtype = getattr(torch, cfg.dtype)
-        kwargs: dict[str, Any] = dict(
-            model_path=model_path, tokenizer_path=model_path, skip_tokenizer_init=True, tp_size=tp_size,
-            base_gpu_id=base_gpu_id, mem_fraction_static=cfg.mem_fraction_static,
-            enable_memory_saver=cfg.enable_memory_saver, load_format=cfg.load_format, dtype=cfg.dtype,
-            port=cfg.base_port + 16 * port_offset, nccl_port=cfg.base_port + 16 * port_offset + 8,
-            random_seed=seed, log_level="error", disable_cuda_graph=not cfg.cuda_graph)
-        if cfg.context_length:
-            kwargs["context_length"] = cfg.context_length
-        kwargs.update(cfg.engine_args)
-        self._engine = sglang.Engine(**kwargs)
+        self.drain_timeout_s = drain_timeout_s
+        self.releasable_tags = cfg.releasable_tags()
+        if CUDA_GRAPH in self.releasable_tags:
+            os.environ.setdefault("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "true")   # read by the scheduler processes
+        self._engine = sglang.Engine(**engine_kwargs(model_path, cfg, tp_size=tp_size, base_gpu_id=base_gpu_id,
+                                                     port_offset=port_offset, seed=seed))
         self._tm = self._engine.tokenizer_manager
         self._spec = checkpoint_spec(model_path, self.dtype)
         self._publication = Publication(self._spec, -1 if cfg.load_format == "dummy" else 0)
         self._released: set[str] = set()
         self._in_flight: set[str] = set()
+        self._session = False            # a weight-update session is open in the scheduler
         self.eos_token_ids = tuple(self._eos_ids(model_path))
         self.max_model_len = max_model_len or int(self._engine.server_args.context_length or 0) or None
-        self._transport = CudaIpcTransport(self, [0], None)   # single-rank group by default
 
     # ---------------------------------------------------------------- protocol
 
@@ -87,7 +95,7 @@ class SGLangEngine:
     async def generate(self, token_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> GenerationOutput:
         if self.policy_version < 0:
             raise RuntimeError("SGLang engine has no weights yet: publish a policy before generating")
-        if "kv_cache" in self._released:
+        if self._released & {KV_CACHE, WEIGHTS}:
             raise RuntimeError("SGLang engine is asleep: call wake_up() before generating")
         version = self.policy_version
         started = time.perf_counter()
@@ -111,56 +119,79 @@ class SGLangEngine:
         self._tm.abort_request(rid=request_id)
         return True
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+                             digests: Mapping[str, str] | None = None) -> None:
         """Validated whole against the checkpoint's names, shapes and the engine dtype before anything
-        is sent (a bad call changes nothing), then pushed as one bucket over CUDA IPC."""
+        is sent (a bad call changes nothing), then pushed as (name, tensor) pairs over CUDA IPC."""
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        if digests is not None:
+            raise ValueError("the SGLang engine cannot read its weights back after the copy (they live in its "
+                             "scheduler processes, in its own layout): publish with publish.verify=structure")
         items = list(named_tensors)
         validate_named_tensors(items, self._spec)
-        if not isinstance(version, int) or version < 0:
-            raise ValueError(f"update_weights: version must be an int >= 0, got {version!r}")
-        await self._transport.send(items, version)
+        self._publication.check(version)
+        payload = MultiprocessingSerializer.serialize([(n, t.detach().contiguous()) for n, t in items])
+        await self.load_serialized([payload] * self.tp_size, [n for n, _ in items], version)
+        torch.cuda.ipc_collect()
 
-    async def load_serialized(self, payloads: list[Any], names: list[str], version: int) -> None:
-        """Load one bucket: `payloads[i]` is SGLang TP rank i's serialized list of (name, tensor)."""
-        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    async def load_serialized(self, payloads: list[bytes], names: list[str], version: int, *,
+                              load_format: str | None = None) -> None:
+        """Load one bucket: `payloads[i]` is SGLang TP rank i's serialized bucket."""
+        from sglang.srt.managers import io_struct
 
         unknown = sorted(set(names) - set(self._spec))
         if unknown:
             raise PublicationError(f"unknown tensor(s) for this engine: {unknown[:5]}")
-        if "weights" in self._released:
-            raise RuntimeError("weights are released: call resume_weights() before pushing a publication")
-        fields = {f.name for f in dataclasses.fields(UpdateWeightsFromTensorReqInput)}
-        kwargs: dict[str, Any] = {"serialized_named_tensors": payloads, "load_format": None, "flush_cache": False}
-        if "weight_version" in fields:
-            kwargs["weight_version"] = str(version)
-        result = await self._tm.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(**kwargs), None)
-        success, message = (result[0], result[1]) if isinstance(result, tuple) else (result.success, result.message)
-        if not success:
-            raise PublicationError(f"SGLang refused bucket for v{version}: {message}")
+        if WEIGHTS in self._released:
+            raise RuntimeError("the weights are released: wake_up(['weights']) before publishing")
+        self._publication.check(version)
+        if not self._session:
+            await self._expect(self._tm.begin_weight_update(requests.begin_update(io_struct), None),
+                               "begin_weight_update")
+            self._session = True
+        result = await self._tm.update_weights_from_tensor(
+            requests.update_from_tensor(io_struct, payloads, version, load_format=load_format), None)
+        ok, message = requests.result_ok(result)
+        if not ok:
+            raise PublicationError(f"SGLang refused a bucket of v{version}: {message}")
         if self._publication.completes(names, version):
+            await self._expect(self._tm.end_weight_update(requests.end_update(io_struct), None), "end_weight_update")
+            self._session = False
             await self._flush()        # before the version switches: no request sees stale KV
         self._publication.arrive(names, version)
 
-    async def sleep(self) -> None:
-        """Abort the requests in flight (they end with FinishReason.ABORT), then release the KV cache."""
+    async def sleep(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
+        """Abort the requests in flight (they end with FinishReason.ABORT), wait until they have ended
+        (at most `drain_timeout_s`: SGLang's scheduler asserts it is idle when memory is released, so
+        it never releases under a running request; past the timeout this raises), then release the
+        tagged memory. Released weights are gone: the version becomes -1."""
+        tags = [t for t in check_tags(self, tags) if t not in self._released]
+        if not tags:
+            return
         for rid in list(self._in_flight):
             self._tm.abort_request(rid=rid)
-        for _ in range(200):
-            if not self._in_flight:
-                break
-            await asyncio.sleep(0.05)
-        await self._release(["kv_cache"])
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._in_flight:
+            raise RuntimeError(f"SGLang engine: {len(self._in_flight)} aborted request(s) still running after "
+                               f"{self.drain_timeout_s:g}s (hybrid.drain_deadline_s); memory not released, "
+                               "since SGLang's scheduler asserts it is idle when it releases")
+        from sglang.srt.managers import io_struct
 
-    async def wake_up(self) -> None:
-        await self._resume(["kv_cache"])
+        await self._tm.release_memory_occupation(requests.release(io_struct, tags), None)
+        self._released.update(tags)
+        if WEIGHTS in tags:
+            self._publication.forget()
 
-    async def release_weights(self) -> None:
-        """Free the weights too (they are discarded: every tensor must be pushed again)."""
-        await self._release(["weights"])
-        self._publication.version = -1
+    async def wake_up(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
+        from sglang.srt.managers import io_struct
 
-    async def resume_weights(self) -> None:
-        await self._resume(["weights"])
+        tags = [t for t in check_tags(self, tags) if t in self._released]
+        if tags:
+            await self._tm.resume_memory_occupation(requests.resume(io_struct, tags), None)
+            self._released.difference_update(tags)
 
     def stats(self) -> dict[str, Any]:
         return {"policy_version": self.policy_version, "released": sorted(self._released),
@@ -174,24 +205,10 @@ class SGLangEngine:
 
     # ---------------------------------------------------------------- internals
 
-    async def _release(self, tags: list[str]) -> None:
-        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
-
-        tags = [t for t in tags if t not in self._released]
-        if not tags:
-            return
-        if self._in_flight:
-            raise RuntimeError(f"cannot release {tags} with {len(self._in_flight)} request(s) in flight")
-        await self._tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=tags), None)
-        self._released.update(tags)
-
-    async def _resume(self, tags: list[str]) -> None:
-        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
-
-        tags = [t for t in tags if t in self._released]
-        if tags:
-            await self._tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags), None)
-            self._released.difference_update(tags)
+    async def _expect(self, call, what: str) -> None:
+        ok, message = requests.result_ok(await call)
+        if not ok:
+            raise PublicationError(f"SGLang {what} failed: {message}")
 
     async def _flush(self) -> None:
         for _ in range(100):
@@ -214,6 +231,16 @@ class SGLangEngine:
         return sorted(set(ids))
 
 
-def check_publication(engine: SGLangEngine, published: dict[str, tuple[tuple[int, ...], str]]) -> list[str]:
-    """Structure problems of a publication against the engine (empty when it fits)."""
-    return check_specs(published.items(), engine.weight_spec())
+def engine_kwargs(model_path: str, cfg: SGLangConfig, *, tp_size: int, base_gpu_id: int, port_offset: int,
+                  seed: int) -> dict[str, Any]:
+    """`sglang.Engine(**kwargs)` for one engine of a rollout group (unique ports per engine)."""
+    kwargs: dict[str, Any] = dict(
+        model_path=model_path, tokenizer_path=model_path, skip_tokenizer_init=True, tp_size=tp_size,
+        base_gpu_id=base_gpu_id, mem_fraction_static=cfg.mem_fraction_static,
+        enable_memory_saver=cfg.enable_memory_saver, load_format=cfg.load_format, dtype=cfg.dtype,
+        port=cfg.base_port + 16 * port_offset, nccl_port=cfg.base_port + 16 * port_offset + 8,
+        random_seed=seed, log_level="error", disable_cuda_graph=not cfg.cuda_graph)
+    if cfg.context_length:
+        kwargs["context_length"] = cfg.context_length
+    kwargs.update(cfg.engine_args)
+    return kwargs

@@ -99,3 +99,25 @@ def test_rope_base_and_norm_eps_come_from_the_config():
 def test_unsupported_configs_fail_with_a_named_reason(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+@pytest.mark.parametrize("family,tp", [("qwen2", 1), ("qwen2", 2), ("llama", 2)])
+def test_write_hf_into_a_flat_bucket_equals_to_hf(tiny_models, family, tp):
+    """What publication uses: every slot's HF tensors written (q/k/v un-fused) straight into the views of
+    one flat bucket, bitwise equal to `to_hf`."""
+    from hybridrl.publication.buckets import FlatBucket, plan_buckets
+
+    path = tiny_models(family, init_std=0.1)
+    hf = load_file(str(path / "model.safetensors"))
+    adapter = adapter_for(ModelSpec.from_dir(path), tp=tp)
+    shards = [adapter.shard_state_dict(hf, rank) for rank in range(tp)]
+    slots = [s for s in adapter.slots() if s.exported]
+    shapes = adapter.hf_shapes()
+    plan = plan_buckets([[(n, shapes[n], torch.float32) for n in s.hf_names] for s in slots], 1 << 40)[0]
+    bucket = FlatBucket(plan, torch.full((plan.nbytes,), 255, dtype=torch.uint8))
+    for slot in slots:
+        adapter.write_hf(slot, [shards[0][slot]] if slot.split is Split.NONE else [s[slot] for s in shards],
+                         bucket.views)
+    assert [e.name for e in plan.entries] == [n for s in slots for n in s.hf_names]
+    for name, tensor in hf.items():
+        assert torch.equal(bucket.views[name], tensor), name

@@ -217,6 +217,45 @@ class DecoderAdapter:
             return {names[0]: _join([h[0] for h in halves], 0), names[1]: _join([h[1] for h in halves], 0)}
         raise AssertionError(f"unhandled split {split}")
 
+    def write_hf(self, slot: Slot, shards: Sequence[torch.Tensor], out: Mapping[str, torch.Tensor]) -> None:
+        """`to_hf` written straight into the caller's contiguous tensors `out[name]` (a publication's
+        flat bucket): shards are copied (and q/k/v un-fused) into place, no HF tensor is built."""
+        split, names, s = slot.split, slot.hf_names, self.spec
+        if split is Split.NONE:
+            out[names[0]].copy_(shards[0])
+        elif split in (Split.VOCAB, Split.COLUMN):      # dim 0 in rank order; the vocabulary padding dropped
+            dst, row = out[names[0]], 0
+            for shard in shards:
+                n = min(shard.shape[0], dst.shape[0] - row)
+                dst[row: row + n].copy_(shard[:n])
+                row += n
+        elif split is Split.ROW:
+            dst, col = out[names[0]], 0
+            for shard in shards:
+                dst[:, col: col + shard.shape[1]].copy_(shard)
+                col += shard.shape[1]
+        elif split is Split.QKV:                          # each shard holds whole KV groups: [q..., k, v] each
+            q_rows = s.heads_per_group * s.head_dim
+            tail = out[names[0]].shape[1:]
+            q, k, v = (out[n].view(s.num_kv_heads, -1, *tail) for n in names)
+            group = 0
+            for shard in shards:
+                grouped = shard.reshape(-1, q_rows + 2 * s.head_dim, *tail)
+                g = slice(group, group + grouped.shape[0])
+                q[g].copy_(grouped[:, :q_rows])
+                k[g].copy_(grouped[:, q_rows: q_rows + s.head_dim])
+                v[g].copy_(grouped[:, q_rows + s.head_dim:])
+                group += grouped.shape[0]
+        elif split is Split.GATE_UP:                      # each shard is [gate_r; up_r]
+            row = 0
+            for shard in shards:
+                gate, up = shard.chunk(2, dim=0)
+                out[names[0]][row: row + gate.shape[0]].copy_(gate)
+                out[names[1]][row: row + up.shape[0]].copy_(up)
+                row += gate.shape[0]
+        else:
+            raise AssertionError(f"unhandled split {split}")
+
     def _fuse_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s = self.spec
         tail = q.shape[1:]                                         # (hidden,) for weights, () for biases
