@@ -59,14 +59,3 @@ class AlgoConfig:
     @property
     def uses_reference(self) -> bool:
         return self.kl_coef > 0
-
-    @property
-    def updates_per_batch(self) -> int:
-        return self.ppo_epochs * self.ppo_mini_batches
-
-    @property
-    def needs_old_logprob_forward(self) -> bool:
-        """A forward of the policy before the update: PPO with more than one step per batch (the ratio
-        is to the policy before the first), or a KL penalty in the reward (the advantages need it
-        before the training forward). Otherwise the training forward's own logprobs serve."""
-        return self.updates_per_batch > 1 or (self.uses_reference and self.kl_in == "reward")

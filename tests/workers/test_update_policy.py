@@ -66,3 +66,19 @@ def test_same_global_batch_same_update_at_any_data_parallel_and_micro_batch_spli
     assert rows_a == pytest.approx(rows_b, abs=1e-6)
     flat = lambda x: [v for row in x for v in row]   # noqa: E731
     assert flat(a["probe"]) == pytest.approx(flat(b["probe"]), abs=1e-5)   # the same weights after 8 steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["train.tp=2", "train.pp=2"])
+def test_same_update_under_tensor_and_pipeline_parallelism(tmp_path, runs, model, layout):
+    """TP: every TP rank of the last stage holds the same logprobs; PP: the loss, advantages and
+    mismatch live on the last stage only. The same global batch gives the same updates as DP=1."""
+    proc, r = run_job(tmp_path, "PPO", model, "publish.parity_prompts=0", "train.micro_batch_size=3", layout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    base = runs["dp1"]
+    for sa, sb in zip(r["ppo"]["per_update"], base["ppo"]["per_update"], strict=True):
+        for key in ("loss", "grad_norm", "clip_fraction", "ratio_max", "ratio_min", "num_tokens"):
+            assert sa[key] == pytest.approx(sb[key], rel=1e-4, abs=1e-6), key
+    assert r["one"]["metrics"]["passes/old_logprobs"] == 0
+    flat = lambda x: [v for row in x for v in row]   # noqa: E731
+    assert flat(r["probe"]) == pytest.approx(flat(base["probe"]), abs=1e-5)
