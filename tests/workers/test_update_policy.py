@@ -81,4 +81,5 @@ def test_same_update_under_tensor_and_pipeline_parallelism(tmp_path, runs, model
             assert sa[key] == pytest.approx(sb[key], rel=1e-4, abs=1e-6), key
     assert r["one"]["metrics"]["passes/old_logprobs"] == 0
     flat = lambda x: [v for row in x for v in row]   # noqa: E731
-    assert flat(r["probe"]) == pytest.approx(flat(base["probe"]), abs=1e-5)
+    # TP sums in another order: float32 noise after 8 Adam steps at lr 1e-2 (measured 1.8e-5 on -8.08)
+    assert flat(r["probe"]) == pytest.approx(flat(base["probe"]), rel=1e-5, abs=1e-5)
