@@ -26,11 +26,12 @@ from hybridrl.demo import BASE_MODEL_ARGS  # noqa: E402  (the demo's base model)
 
 
 def run(checkout: Path, model: str, steps: int, out: Path, overrides: list[str]) -> dict:
+    """e2e.py of `checkout` with its virtual environment and its own package first on the path."""
     python = checkout / ".venv" / "bin" / "python"
     load_before = os.getloadavg()[0]
     proc = subprocess.run([str(python), str(checkout / "benchmarks" / "e2e.py"), "--json", str(out),
                            "--model", model, "--steps", str(steps), *overrides], cwd=checkout,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(checkout)})
     if proc.returncode != 0:
         raise SystemExit(f"{checkout}: e2e.py failed\n{proc.stderr[-3000:]}")
     result = json.loads(out.read_text())
