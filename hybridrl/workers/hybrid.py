@@ -371,9 +371,10 @@ class HybridWorker(Worker):
         `algo.minibatches` (tensors: input_ids, attention_mask, loss_mask, behavior_logprobs,
         reward, group_index), in one call:
 
-          reference logprobs (KL configured) -> old logprobs (only when `algo.needs_old_logprob_forward`
-          for the steps this batch takes; otherwise the first training forward's detached logprobs
-          serve, and the rollout/trainer mismatch comes from that forward) -> KL-in-reward ->
+          reference logprobs (KL configured) -> old logprobs (a forward only when this batch takes
+          more than one optimizer step or the KL goes into the reward; otherwise the first training
+          forward's detached logprobs serve, and the rollout/trainer mismatch comes from that
+          forward) -> KL-in-reward ->
           advantages (group and batch statistics summed over the data-parallel ranks: exact when a
           group is split) -> ppo_epochs x len(mini_batch_rows) optimizer steps.
 
