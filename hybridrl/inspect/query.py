@@ -166,6 +166,8 @@ class RunLedger:
             text = data["text"] or {}
             out["text"] = {"prompt": text.get("prompt"), "pieces": text.get("pieces"), "answer": text.get("answer")}
             out["tool_calls"] = data["tool_calls"]
+            out["spans"] = [{"kind": e["span"], "turn": e.get("turn", -1), "start": e["start"], "end": e["end"]}
+                            for e in trace if e["span"] in ("generate", "observation")]
         return out
 
     def _policy(self, index: dict, data: dict | None, trace: list, releases: dict) -> dict:
