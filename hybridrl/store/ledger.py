@@ -23,10 +23,10 @@ release of that step's `version_after`.
 
 Shards are written to a temporary name and renamed (a crash never leaves half a shard under a
 real name), then made read-only. A run resumed from step k does steps k+1.. again: the first
-record of a step moves the earlier attempt's shards of that step and later ones to abandoned/
-and drops their index rows, so a trajectory id is in the live ledger exactly once (the `events`
-table says what was abandoned). Retention (`store.keep_steps`, `store.max_mb`) deletes old
-shards, never the index rows.
+record of the process (a step, or a validation's switch) moves the earlier attempt's shards of
+that step and later ones to abandoned/ and drops their index rows, so a trajectory id is in the
+live ledger exactly once (the `events` table says what was abandoned). Retention
+(`store.keep_steps`, `store.max_mb`) deletes old shards, never the index rows.
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ class Ledger:
 
     def record_switch(self, step: int, switch: dict | None) -> None:
         """A mode switch's result: the release it published, if any."""
+        self._first_record(step)
         release = (switch or {}).get("release")
         if not release:
             return
@@ -135,9 +136,7 @@ class Ledger:
         stages = {k[len("time/T_"):]: v for k, v in metrics.items() if k.startswith("time/T_")}
         wall_s = metrics.get("time/step_s", 0.0)
         started = time.perf_counter()
-        if not self._rewound:
-            self._rewind(step)
-            self._rewound = True
+        self._first_record(step)
         self.record_switch(step, switch)
         reasons = {id(t): reason for reason, ts in (kept.rejected if kept is not None else {}).items() for t in ts}
         rows_of = {}
@@ -281,6 +280,12 @@ class Ledger:
         return _seal(tmp, path)
 
     # ------------------------------------------------------------------ resume and retention
+
+    def _first_record(self, step: int) -> None:
+        """This process's first record (a step, or a validation's switch) is where it took over."""
+        if not self._rewound:
+            self._rewound = True
+            self._rewind(step)
 
     def _rewind(self, step: int) -> None:
         """Steps >= `step` recorded by an earlier attempt (a resumed run does them again): moved aside."""

@@ -121,7 +121,11 @@ def test_a_resumed_run_moves_the_abandoned_attempt_aside_and_ids_stay_unique(tmp
     for step in (1, 2, 3):
         one_step(first, step, step_trajectories(step, version=step - 1), algo, version=step - 1)
     again = Ledger(tmp_path, StoreConfig(), tokenizer=Tok(), algo=algo)       # resumed from step 1's checkpoint
+    # its first record may be a validation's switch (step 2 validates before the step is recorded)
+    again.record_switch(2, {"release": {"policy_version": 2, "training_step": 2, "checkpoint_hash": "again"}})
     one_step(again, 2, step_trajectories(2, version=1), algo, version=1)
+    assert {v: r["checkpoint_hash"] for v, r in RunLedger(tmp_path).releases().items()} == {0: "h0", 1: "h1",
+                                                                                             2: "again"}
     view = RunLedger(tmp_path)
     assert [s["step"] for s in view.steps()] == [1, 2]
     ids = [r["id"] for r in view.select()]
