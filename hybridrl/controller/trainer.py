@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
 from tqdm import tqdm
 
 from hybridrl.algo.filters import filter_trajectories
@@ -65,6 +66,8 @@ def train(cfg, wg) -> dict:
                                num_groups=int(sent["group_index"].max()) + 1)
                 update = outs[0]["metrics"]
                 record_rows(kept.kept, outs, layout)
+                if cfg.store.enabled:       # the ledger keeps per-token old logprobs and advantages
+                    attach_lineage(batch, wg.call(HybridWorker.update_lineage), wg.mesh("train"), layout)
         if batch is not None:
             run.version += 1
 
@@ -108,6 +111,18 @@ def record_rows(trajectories: list, outs: list[dict], layout) -> None:
         t = trajectories[layout.order[position]]
         for key, values in rows.items():
             t.metadata[key] = values[position]
+
+
+def attach_lineage(batch: Batch, per_rank: list, mesh, layout) -> None:
+    """The update's per-token tensors (each output rank's share of the laid-out batch, in data-parallel
+    order) set on `batch` in its own row order."""
+    owners = sorted(mesh.output_ranks(), key=mesh.dp_rank)
+    laid = Batch.concat([per_rank[r] for r in owners])
+    positions = torch.tensor(layout.real_positions, dtype=torch.long)
+    rows = torch.empty(len(batch), dtype=torch.long)
+    rows[torch.tensor([layout.order[p] for p in layout.real_positions], dtype=torch.long)] = positions
+    for name, values in laid.tensors.items():
+        batch.set(name, values[rows])
 
 
 def validate(cfg, wg, run: RunState, step: int) -> dict:

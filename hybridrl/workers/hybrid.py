@@ -371,9 +371,10 @@ class HybridWorker(Worker):
         `algo.minibatches` (tensors: input_ids, attention_mask, loss_mask, behavior_logprobs,
         reward, group_index), in one call:
 
-          reference logprobs (KL configured) -> old logprobs (only when `algo.needs_old_logprob_forward`
-          for the steps this batch takes; otherwise the first training forward's detached logprobs
-          serve, and the rollout/trainer mismatch comes from that forward) -> KL-in-reward ->
+          reference logprobs (KL configured) -> old logprobs (a forward only when this batch takes
+          more than one optimizer step or the KL goes into the reward; otherwise the first training
+          forward's detached logprobs serve, and the rollout/trainer mismatch comes from that
+          forward) -> KL-in-reward ->
           advantages (group and batch statistics summed over the data-parallel ranks: exact when a
           group is split) -> ppo_epochs x len(mini_batch_rows) optimizer steps.
 
@@ -475,12 +476,24 @@ class HybridWorker(Worker):
                         "optimizer_steps": float(len(per_update)), "mismatch/max_abs": float(worst[0]),
                         "mismatch/mean_abs": float(total[1]) / n, "mismatch/k3": float(total[2]) / n,
                         **timings, **{k: float(v) for k, v in passes.items()}})
+        if actor.is_output_rank:     # the lineage's per-token values, fetched by `update_lineage`
+            kept = {"old_logprobs": old, "advantages": advantages.to(torch.float32),
+                    **({"ref_logprobs": batch["ref_logprobs"]} if algo.uses_reference else {})}
+            self._lineage = Batch({k: v.detach().float().cpu() for k, v in kept.items()})
         on = mask > 0
         tokens = on.sum(dim=1).clamp(min=1)
         per_row = {"advantage": ((advantages * on).sum(dim=1) / tokens).tolist(),
                    "mismatch_max_abs": torch.where(on, (old - batch["behavior_logprobs"]).abs(),
                                                    torch.zeros_like(old)).max(dim=1).values.tolist()}
         return {"metrics": metrics, "per_update": per_update, "rows": per_row}
+
+    @register(dispatch=ONE_TO_ALL)
+    def update_lineage(self) -> Batch | None:
+        """The last `update_policy`'s per-token old logprobs, advantages (and reference logprobs) of this
+        rank's share, in its row order, on the train mesh's output ranks (None elsewhere): what the run
+        ledger records per trajectory. Handed out once."""
+        out, self._lineage = getattr(self, "_lineage", None), None
+        return out
 
     def _temperature(self) -> float:
         """Training logprobs use the rollout temperature, as the sampler contract defines them."""

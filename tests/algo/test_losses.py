@@ -95,6 +95,10 @@ def test_config_validation():
         AlgoConfig(dual_clip=0.5)
     with pytest.raises(ConfigValueError):
         AlgoConfig(kl_in="advantage")
+    for key in ("ppo_epochs", "ppo_mini_batches"):
+        with pytest.raises(ConfigValueError, match="must be > 0") as err:
+            AlgoConfig(**{key: 0})
+        assert err.value.field == key
 
 
 def test_old_logprobs_from_the_training_forward_give_ratio_one_and_the_policy_gradient():

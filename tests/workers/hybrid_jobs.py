@@ -261,8 +261,12 @@ def ppo_updates(cfg, wg):
     layout = plan(len(batch), wg.mesh("train").dp_size, 4)
     ppo = wg.call(HybridWorker.update_policy, lay_out(batch, layout), mini_batch_rows=layout.rows_per_rank,
                   num_groups=6, ppo_epochs=2)
+    from hybridrl.controller.trainer import attach_lineage
+
+    attach_lineage(batch, wg.call(HybridWorker.update_lineage), wg.mesh("train"), layout)
     result = {"ppo": ppo[0], "rows": [v for out in ppo for v in out["rows"]["advantage"]],
-              "order": layout.order, "probe": _probe_logprobs(wg, vocab=500)}
+              "order": layout.order, "probe": _probe_logprobs(wg, vocab=500),
+              "lineage": {k: batch[k].tolist() for k in ("advantages", "old_logprobs", "loss_mask")}}
     single = plan(len(batch), wg.mesh("train").dp_size, 1)
     one = wg.call(HybridWorker.update_policy, lay_out(_ppo_batch(vocab=500, seed=1), single),
                   mini_batch_rows=single.rows_per_rank, num_groups=6, ppo_epochs=1)

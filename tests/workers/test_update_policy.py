@@ -66,6 +66,15 @@ def test_same_global_batch_same_update_at_any_data_parallel_and_micro_batch_spli
     assert rows_a == pytest.approx(rows_b, abs=1e-6)
     flat = lambda x: [v for row in x for v in row]   # noqa: E731
     assert flat(a["probe"]) == pytest.approx(flat(b["probe"]), abs=1e-5)   # the same weights after 8 steps
+    # the ledger's per-token values, back in the batch's own row order: the same at both splits, and
+    # each row's advantage (GRPO: one value per sequence) is the per-row value update_policy returned
+    for key in ("advantages", "old_logprobs"):
+        assert flat(a["lineage"][key]) == pytest.approx(flat(b["lineage"][key]), abs=1e-5), key
+    for i, (adv, mask) in enumerate(zip(a["lineage"]["advantages"], a["lineage"]["loss_mask"])):
+        on = [x for x, m in zip(adv, mask) if m]
+        assert on and all(x == pytest.approx(rows_a[i], abs=1e-6) for x in on)
+        assert all(x == 0 for x, m in zip(adv, mask) if not m)
+    assert any(abs(x) > 0.1 for x in rows_a.values())
 
 
 @pytest.mark.slow
