@@ -80,6 +80,7 @@ def connect(run_dir: str | Path, *, create: bool = False) -> sqlite3.Connection:
     db.row_factory = sqlite3.Row
     if create:
         db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")   # WAL: a crash of the process loses nothing committed
         db.executescript(_SCHEMA)
         db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
     return db
@@ -114,6 +115,7 @@ class Ledger:
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self.db = connect(run_dir, create=True)
         self._rewound = False
+        self._piece: dict[int, str] = {}
 
     # ------------------------------------------------------------------ writing
 
@@ -153,7 +155,7 @@ class Ledger:
             "behavior_logprobs", "old_logprobs", "ref_logprobs", "advantages", "reward", "rewards",
             "reward_evaluators", "status", "truncation", "sampler_contract", "timings", "tool_calls", "trace",
             "metadata", "consumed_step", "batch_row")}
-        index_rows, texts = [], []
+        index_rows, texts, prompts = [], [], {}
         for shard_row, t in enumerate(trajectories):
             tid = t.trajectory_id
             row = rows_of.get(tid)
@@ -196,7 +198,7 @@ class Ledger:
                 step if row is not None else None, row, _json(explain.get(tid)) if tid in explain else None,
                 shard_row))
             if self.cfg.text and self.tokenizer is not None:
-                texts.append(self._text_record(t, answer))
+                texts.append(self._text_record(t, answer, prompts))
 
         shard = self._write_parquet(step, columns)
         text_shard = self._write_text(step, texts) if texts else None
@@ -251,11 +253,23 @@ class Ledger:
                 out[batch["trajectory_id"][i]] = entry
         return out
 
-    def _text_record(self, t: Any, answer: Any) -> dict:
-        tok = self.tokenizer
-        return {"id": t.trajectory_id, "prompt": tok.decode(t.prompt_ids),
-                "pieces": tok.batch_decode([[i] for i in t.response_ids]) if t.response_ids else [],
+    def _text_record(self, t: Any, answer: Any, prompts: dict) -> dict:
+        key = tuple(t.prompt_ids)
+        if key not in prompts:                  # a group's samples share their prompt
+            prompts[key] = self.tokenizer.decode(t.prompt_ids)
+        return {"id": t.trajectory_id, "prompt": prompts[key], "pieces": self._pieces(t.response_ids),
                 "answer": answer}
+
+    def _pieces(self, ids: list[int]) -> list[str]:
+        """Each token decoded on its own (for display), through a cache of the token ids seen so far."""
+        missing = [i for i in set(ids) if i not in self._piece]
+        if missing:
+            fast = getattr(self.tokenizer, "backend_tokenizer", None)     # the tokenizers library, no wrapper
+            rows = [[i] for i in missing]
+            texts = (fast.decode_batch(rows, skip_special_tokens=False) if fast is not None
+                     else self.tokenizer.batch_decode(rows))
+            self._piece.update(zip(missing, texts))
+        return [self._piece[i] for i in ids]
 
     def _write_parquet(self, step: int, columns: dict[str, list]) -> Path:
         import pyarrow as pa
