@@ -148,7 +148,7 @@ class Ledger:
             adv = batch["advantages"] if "advantages" in batch else None
             old = batch["old_logprobs"] if "old_logprobs" in batch else None
             ref = batch["ref_logprobs"] if "ref_logprobs" in batch else None
-        explain = self._advantage_explanations(batch) if batch is not None else {}
+        explain = self._advantage_explanations(batch, kept.kept) if batch is not None else {}
 
         columns: dict[str, list] = {k: [] for k in (
             "id", "trace_id", "step", "prompt_ids", "response_ids", "response_mask", "policy_versions",
@@ -216,8 +216,12 @@ class Ledger:
         self.db.execute("UPDATE steps SET write_s = ? WHERE step = ?", (seconds, step))
         return seconds
 
-    def _advantage_explanations(self, batch: Any) -> dict[str, dict]:
-        """How each admitted trajectory's advantage was computed: estimator, its group's rewards and stats."""
+    def _advantage_explanations(self, batch: Any, admitted: Sequence[Any]) -> dict[str, dict]:
+        """How each admitted trajectory's advantage was computed: estimator, its group's rewards and stats.
+        The value is the batch's per-token advantage at the first policy token when the controller holds
+        it, else what the update reported for the row (`metadata["advantage"]`: its mean over the
+        row's policy tokens, the same scalar on every token for outcome estimators)."""
+        reported = {t.trajectory_id: t.metadata.get("advantage") for t in admitted}
         import statistics
 
         algo = self.algo
@@ -234,7 +238,10 @@ class Ledger:
             std = statistics.stdev(values) if len(values) > 1 else 0.0
             for i in rows:
                 first = mask[i].nonzero()
-                value = float(adv[i, int(first[0])]) if adv is not None and len(first) else 0.0
+                if adv is not None:
+                    value = float(adv[i, int(first[0])]) if len(first) else 0.0
+                else:
+                    value = reported.get(batch["trajectory_id"][i])
                 entry = {"estimator": estimator, "group": g, "group_size": len(rows),
                          "group_rewards": values, "reward": rewards[i], "group_mean": mean, "group_std": std,
                          "value": value}
