@@ -10,8 +10,10 @@
 A trajectory's id is `Trajectory.trajectory_id` (run / task / group / attempt; the group names the
 step), its trace id `Trajectory.trace_id`. A data shard holds, per trajectory: the prompt and
 response token ids, the response mask (1 = sampled by the policy), the policy version of every
-token, the behaviour logprobs (what the engine returned), the trainer's recomputed logprobs and
-the reference's (admitted trajectories), the per-token advantages, the reward, its components and
+token, the behaviour logprobs (what the engine returned), and, where the controller holds them
+(admitted trajectories), the trainer's recomputed logprobs, the reference's and the per-token
+advantages (with `HybridWorker.update_policy` they stay on the ranks: the columns are null and
+the index keeps the advantage the update reported for the row), the reward, its components and
 the evaluator of each, status, timings, tool calls and the trace events (`hybridrl.data.trace`).
 
 The index says, per trajectory, which update consumed it (`consumed_step`, its row in that
