@@ -154,7 +154,8 @@ def format_trajectory(e: dict) -> str:
     if a.get("computed") is False:
         lines.append(f"6. advantage: none ({a['why']})")
     else:
-        lines.append(f"6. advantage {a['value']:.4g}: {a['estimator']}, {a['formula']}; group {a['group']} of "
+        value = "?" if a["value"] is None else f"{a['value']:.4g}"
+        lines.append(f"6. advantage {value}: {a['estimator']}, {a['formula']}; group {a['group']} of "
                      f"{a['group_size']}, rewards {a['group_rewards']}, mean {a['group_mean']:.4g}, "
                      f"std {a['group_std']:.4g}" + (f", baseline {a['baseline']:.4g}" if "baseline" in a else ""))
     u = e["update"]

@@ -226,9 +226,10 @@ const VCOL = (v, a) => `hsla(${(v * 67) % 360}, 75%, 50%, ${a === undefined ? 1 
         const p = Math.exp(lp);
         attrs.style = `background:${VCOL(v, 0.2 + 0.8 * p)};border-bottom:2px solid ${VCOL(v)}`;
         attrs["data-version"] = v; attrs["data-logprob"] = lp.toFixed(4);
-        const old = tk.old_logprobs ? tk.old_logprobs[i] : null, adv = tk.advantages ? tk.advantages[i] : null;
+        const old = tk.old_logprobs ? tk.old_logprobs[i] : null;
+        const adv = tk.advantages ? tk.advantages[i] : (e.advantage && e.advantage.computed !== false ? e.advantage.value : null);
         attrs.title = `${JSON.stringify(pieces[i])} · id ${tk.response_ids[i]} · policy v${v} · logprob ${lp.toFixed(4)}` +
-                      (old !== null ? ` · trainer ${old.toFixed(4)}` : "") + (adv !== null ? ` · advantage ${adv.toFixed(4)}` : "");
+                      (old !== null ? ` · trainer ${old.toFixed(4)}` : "") + (adv !== null && adv !== undefined ? ` · advantage ${adv.toFixed(4)}` : "");
       } else attrs.title = `observation / template token ${tk.response_ids[i]} (mask 0, not trained)`;
       el("span", attrs, cur, pieces[i]);
     }

@@ -10,8 +10,10 @@
 A trajectory's id is `Trajectory.trajectory_id` (run / task / group / attempt; the group names the
 step), its trace id `Trajectory.trace_id`. A data shard holds, per trajectory: the prompt and
 response token ids, the response mask (1 = sampled by the policy), the policy version of every
-token, the behaviour logprobs (what the engine returned), the trainer's recomputed logprobs and
-the reference's (admitted trajectories), the per-token advantages, the reward, its components and
+token, the behaviour logprobs (what the engine returned), and, where the controller holds them
+(admitted trajectories), the trainer's recomputed logprobs, the reference's and the per-token
+advantages (with `HybridWorker.update_policy` they stay on the ranks: the columns are null and
+the index keeps the advantage the update reported for the row), the reward, its components and
 the evaluator of each, status, timings, tool calls and the trace events (`hybridrl.data.trace`).
 
 The index says, per trajectory, which update consumed it (`consumed_step`, its row in that
@@ -80,6 +82,7 @@ def connect(run_dir: str | Path, *, create: bool = False) -> sqlite3.Connection:
     db.row_factory = sqlite3.Row
     if create:
         db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")   # WAL: a crash of the process loses nothing committed
         db.executescript(_SCHEMA)
         db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
     return db
@@ -114,6 +117,7 @@ class Ledger:
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self.db = connect(run_dir, create=True)
         self._rewound = False
+        self._piece: dict[int, str] = {}
 
     # ------------------------------------------------------------------ writing
 
@@ -146,14 +150,14 @@ class Ledger:
             adv = batch["advantages"] if "advantages" in batch else None
             old = batch["old_logprobs"] if "old_logprobs" in batch else None
             ref = batch["ref_logprobs"] if "ref_logprobs" in batch else None
-        explain = self._advantage_explanations(batch) if batch is not None else {}
+        explain = self._advantage_explanations(batch, kept.kept) if batch is not None else {}
 
         columns: dict[str, list] = {k: [] for k in (
             "id", "trace_id", "step", "prompt_ids", "response_ids", "response_mask", "policy_versions",
             "behavior_logprobs", "old_logprobs", "ref_logprobs", "advantages", "reward", "rewards",
             "reward_evaluators", "status", "truncation", "sampler_contract", "timings", "tool_calls", "trace",
             "metadata", "consumed_step", "batch_row")}
-        index_rows, texts = [], []
+        index_rows, texts, prompts = [], [], {}
         for shard_row, t in enumerate(trajectories):
             tid = t.trajectory_id
             row = rows_of.get(tid)
@@ -196,7 +200,7 @@ class Ledger:
                 step if row is not None else None, row, _json(explain.get(tid)) if tid in explain else None,
                 shard_row))
             if self.cfg.text and self.tokenizer is not None:
-                texts.append(self._text_record(t, answer))
+                texts.append(self._text_record(t, answer, prompts))
 
         shard = self._write_parquet(step, columns)
         text_shard = self._write_text(step, texts) if texts else None
@@ -214,8 +218,12 @@ class Ledger:
         self.db.execute("UPDATE steps SET write_s = ? WHERE step = ?", (seconds, step))
         return seconds
 
-    def _advantage_explanations(self, batch: Any) -> dict[str, dict]:
-        """How each admitted trajectory's advantage was computed: estimator, its group's rewards and stats."""
+    def _advantage_explanations(self, batch: Any, admitted: Sequence[Any]) -> dict[str, dict]:
+        """How each admitted trajectory's advantage was computed: estimator, its group's rewards and stats.
+        The value is the batch's per-token advantage at the first policy token when the controller holds
+        it, else what the update reported for the row (`metadata["advantage"]`: its mean over the
+        row's policy tokens, the same scalar on every token for outcome estimators)."""
+        reported = {t.trajectory_id: t.metadata.get("advantage") for t in admitted}
         import statistics
 
         algo = self.algo
@@ -232,7 +240,10 @@ class Ledger:
             std = statistics.stdev(values) if len(values) > 1 else 0.0
             for i in rows:
                 first = mask[i].nonzero()
-                value = float(adv[i, int(first[0])]) if adv is not None and len(first) else 0.0
+                if adv is not None:
+                    value = float(adv[i, int(first[0])]) if len(first) else 0.0
+                else:
+                    value = reported.get(batch["trajectory_id"][i])
                 entry = {"estimator": estimator, "group": g, "group_size": len(rows),
                          "group_rewards": values, "reward": rewards[i], "group_mean": mean, "group_std": std,
                          "value": value}
@@ -251,11 +262,23 @@ class Ledger:
                 out[batch["trajectory_id"][i]] = entry
         return out
 
-    def _text_record(self, t: Any, answer: Any) -> dict:
-        tok = self.tokenizer
-        return {"id": t.trajectory_id, "prompt": tok.decode(t.prompt_ids),
-                "pieces": tok.batch_decode([[i] for i in t.response_ids]) if t.response_ids else [],
+    def _text_record(self, t: Any, answer: Any, prompts: dict) -> dict:
+        key = tuple(t.prompt_ids)
+        if key not in prompts:                  # a group's samples share their prompt
+            prompts[key] = self.tokenizer.decode(t.prompt_ids)
+        return {"id": t.trajectory_id, "prompt": prompts[key], "pieces": self._pieces(t.response_ids),
                 "answer": answer}
+
+    def _pieces(self, ids: list[int]) -> list[str]:
+        """Each token decoded on its own (for display), through a cache of the token ids seen so far."""
+        missing = [i for i in set(ids) if i not in self._piece]
+        if missing:
+            fast = getattr(self.tokenizer, "backend_tokenizer", None)     # the tokenizers library, no wrapper
+            rows = [[i] for i in missing]
+            texts = (fast.decode_batch(rows, skip_special_tokens=False) if fast is not None
+                     else self.tokenizer.batch_decode(rows))
+            self._piece.update(zip(missing, texts))
+        return [self._piece[i] for i in ids]
 
     def _write_parquet(self, step: int, columns: dict[str, list]) -> Path:
         import pyarrow as pa

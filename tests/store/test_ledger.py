@@ -161,3 +161,22 @@ def test_bad_store_config_names_the_key():
         StoreConfig(compression="lz5")
     with pytest.raises(ConfigValueError):
         StoreConfig(keep_steps=-1)
+
+
+def test_selections_lagged_failed_reward(tmp_path):
+    ledger = Ledger(tmp_path, StoreConfig(), tokenizer=Tok(), algo=AlgoConfig())
+    trajs = [make(1, "a", 0, 1.0, version=2), make(1, "a", 1, 0.0, version=1),      # one token set a version behind
+             make(1, "b", 0, 0.0, version=2, status=TrajectoryStatus.INFRA_INVALID),
+             make(1, "b", 1, 0.5, version=2, status=TrajectoryStatus.FAILED)]
+    kept = filter_trajectories(trajs, drop_truncated=True, drop_all_equal_groups=False)
+    ledger.record_step(1, trajectories=trajs, kept=kept, batch=None, switch=None, rollout_version=2, version_after=2)
+    view = RunLedger(tmp_path)
+    assert [r["id"] for r in view.select(lagged=True)] == ["r/a/a@1/1"]
+    assert view.select(lagged=True)[0]["lag"] == 1
+    assert [r["id"] for r in view.select(failed=True)] == ["r/b/b@1/0", "r/b/b@1/1"]
+    assert [r["id"] for r in view.select(reward=0.0)] == ["r/a/a@1/1", "r/b/b@1/0"]
+    assert [r["id"] for r in view.select(reward=0.0, failed=True, step=1)] == ["r/b/b@1/0"]
+    assert view.select(step=2) == []
+    e = view.explain("r/b/b@1/0")          # a step without an update: nothing consumed, the reason said
+    assert e["update"] == {"consumed": False, "filter_reason": "infra_invalid"}
+    assert e["checkpoint"] == {"resulted": None, "why": "no update consumed this trajectory"}
