@@ -148,15 +148,16 @@ def test_infinite_loop_hits_the_cpu_limit_and_sleeping_hits_the_wall_clock():
     async def go():
         pool = await started(config(cpu_s=1), need_namespaces=False)
         try:
-            spin = await pool.run("while True:\n    pass", timeout_s=20)
+            # 1 CPU-second may take many wall seconds on a loaded machine: the wall-clock limit is far off
+            spin = await pool.run("while True:\n    pass", timeout_s=300)
             sleep = await pool.run("import time\ntime.sleep(60)", timeout_s=0.5)
             return spin, sleep
         finally:
             await pool.close()
 
     spin, sleep = run(go())
-    assert spin.limit_hit == "cpu" and not spin.timed_out and spin.wall_s < 10
-    assert sleep.timed_out and sleep.limit_hit == "wall_clock" and sleep.wall_s < 5
+    assert spin.limit_hit == "cpu" and not spin.timed_out
+    assert sleep.timed_out and sleep.limit_hit == "wall_clock" and sleep.wall_s < 60
 
 
 def test_a_100_mb_print_is_cut_at_the_output_limit():
@@ -246,17 +247,21 @@ def test_pool_bounds_concurrency_and_uses_warm_sandboxes():
     async def go():
         pool = await started(config(pool_size=2, warm=2), need_namespaces=False)
         try:
-            await asyncio.sleep(0.3)                   # let the warm sandboxes come up
-            t0 = time.monotonic()
-            results = await asyncio.gather(*[pool.run("import time\ntime.sleep(0.4)\nprint('ok')")
-                                             for _ in range(6)])
-            return time.monotonic() - t0, results, pool.stats()
+            while len(pool._warm) < 2:                  # let the warm sandboxes come up
+                await asyncio.sleep(0.05)
+            results = await asyncio.gather(*[pool.run("import time\nt0 = time.time()\ntime.sleep(0.4)\n"
+                                                      "print(t0, time.time())") for _ in range(6)])
+            return results, pool.stats()
         finally:
             await pool.close()
 
-    wall, results, stats = run(go())
-    assert all(r.ok and r.stdout == "ok\n" for r in results)
-    assert 1.2 <= wall < 4.0, wall                      # 3 waves of 2
+    results, stats = run(go())
+    assert all(r.ok for r in results), [r.stderr for r in results]
+    # the programs' own start/end times (the realtime clock is not namespaced): never more than
+    # pool_size of them running at once, whatever the machine's load (no bound on the wall time)
+    spans = [tuple(map(float, r.stdout.split())) for r in results]
+    most = max(sum(1 for a, b in spans if a <= t < b) for t, _ in spans)
+    assert 1 <= most <= 2, spans
     assert stats["runs"] == 6 and stats["warm_hits"] >= 2
 
 
@@ -339,9 +344,11 @@ from hybridrl.agent.sandbox.pool import SandboxPool
 async def main():
     async with SandboxPool(ToolsConfig(python=sys.executable, cpu_s=1, max_processes=8)) as pool:
         out = [pool.mode]
-        for code in ("import socket\\nsocket.create_connection(('127.0.0.1', 9), 1)", "open('/tmp/x', 'w')",
-                     "while True:\\n    pass"):
-            r = await pool.run(code, timeout_s=3)
+        # the spin's wall-clock limit is far above its 1 CPU-second: on a busy machine one CPU-second
+        # can take many wall seconds, and the CPU limit must still be the one that stops it
+        for code, timeout in (("import socket\\nsocket.create_connection(('127.0.0.1', 9), 1)", 30),
+                              ("open('/tmp/x', 'w')", 30), ("while True:\\n    pass", 300)):
+            r = await pool.run(code, timeout_s=timeout)
             out.append(r.limit_hit or r.stderr.strip().splitlines()[-1])
         print(out)
 

@@ -213,14 +213,34 @@ def reap_orphans():
 
 
 _child = 0
+_terminating = False
 
 
-def _on_sigterm(signum, frame):
+def _kill_child():
     if _child:
         try:
             os.kill(_child, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _on_sigterm(signum, frame):
+    global _terminating
+    _terminating = True
+    _kill_child()
+
+
+def _fork_child():
+    """fork; in the parent, a SIGTERM that came before `_child` was set still kills the child."""
+    global _child
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        return 0
+    _child = pid
+    if _terminating:
+        _kill_child()
+    return pid
 
 
 def main():
@@ -237,8 +257,7 @@ def main():
         if mode == "none":
             _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
             _emit(status_fd, {"event": "ready", "mode": mode})
-            _child = os.fork()
-            if _child == 0:
+            if _fork_child() == 0:
                 exec_tool(spec, status_fd)
             _, status = os.waitpid(_child, 0)
             _child = 0
@@ -253,9 +272,7 @@ def main():
         except BaseException as err:  # noqa: BLE001
             _emit(status_fd, {"event": "setup_error", "error": f"{type(err).__name__}: {err}"})
             return 125
-        _child = os.fork()
-        if _child == 0:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if _fork_child() == 0:
             run_pid1(spec, status_fd)
         _, status = os.waitpid(_child, 0)
         _child = 0

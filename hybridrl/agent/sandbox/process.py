@@ -134,10 +134,21 @@ class SandboxProcess:
             os.close(status_w)                  # only the sandbox holds the write end now
         budget = _Budget(max_output_bytes)
         pipes = {}
-        for name, fileobj, cap in (("stdout", popen.stdout, budget), ("stderr", popen.stderr, budget),
-                                   ("status", os.fdopen(status_r, "rb", 0), None)):
-            pipes[name] = await loop.connect_read_pipe(lambda cap=cap: _Capture(cap), fileobj)
-        stdin, _ = await loop.connect_write_pipe(asyncio.Protocol, popen.stdin)
+        status = os.fdopen(status_r, "rb", 0)
+        try:
+            for name, fileobj, cap in (("stdout", popen.stdout, budget), ("stderr", popen.stderr, budget),
+                                       ("status", status, None)):
+                pipes[name] = await loop.connect_read_pipe(lambda cap=cap: _Capture(cap), fileobj)
+            stdin, _ = await loop.connect_write_pipe(asyncio.Protocol, popen.stdin)
+        except BaseException:
+            # cancelled (e.g. the event loop of a warm-up ends) or out of fds between Popen and the
+            # pipes: nobody else knows this process, so it is ended and reaped here
+            for transport, _ in pipes.values():
+                transport.close()
+            status.close()
+            _end_boot(popen, spec["mode"], spec["uid"])
+            shutil.rmtree(spec["stage_dir"], ignore_errors=True)
+            raise
         return cls(popen, spec["mode"], spec["stage_dir"], spec["uid"], pipes, stdin)
 
     @property
@@ -178,22 +189,18 @@ class SandboxProcess:
             wall_s=time.monotonic() - started, isolation=self.mode)
 
     def kill(self) -> None:
-        """Namespaces: SIGKILL the group (pid 1 dies, so does its namespace). Mode none: SIGTERM
-        boot, which kills and reaps every descendant; `close` escalates if it does not finish."""
-        sig = signal.SIGTERM if self.mode == "none" else signal.SIGKILL
+        """Ask boot to end the sandbox (SIGTERM): it SIGKILLs pid 1 (namespaces) or the tool and its
+        descendants (mode none) and exits only once they are reaped, so the end of the status
+        channel means nothing of the sandbox is left. `close` escalates if boot does not finish."""
         try:
-            os.killpg(self.popen.pid, sig) if sig == signal.SIGKILL else self.popen.send_signal(sig)
+            self.popen.send_signal(signal.SIGTERM)
         except (ProcessLookupError, PermissionError):
             pass
 
     def _kill_all(self) -> None:
-        """SIGKILL the sandbox's process group (without namespaces also every process of its uid)."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if self.mode == "none" and self.uid >= 0:
-            kill_uid(self.uid)
+        """Last resort: SIGKILL the sandbox's process group (without namespaces also every
+        process of its uid)."""
+        _kill_group(self.popen, self.mode, self.uid)
 
     async def close(self) -> None:
         """End the sandbox if still running, reap it, release pipes and the host directory."""
@@ -201,7 +208,8 @@ class SandboxProcess:
         if not ended.done():
             self.kill()
             try:
-                await asyncio.wait_for(asyncio.shield(ended), timeout=2.0)
+                # generous: a loaded machine may take seconds to schedule boot and reap pid 1
+                await asyncio.wait_for(asyncio.shield(ended), timeout=KILL_GRACE_S)
             except asyncio.TimeoutError:
                 self._kill_all()
         for name in ("stdout", "stderr"):               # normally closed with the last process
@@ -212,19 +220,20 @@ class SandboxProcess:
                 transport.close()
         self.pipes["status"][0].close()
         self.stdin.close()
-        for _ in range(2000):                            # boot exits right after its last write
-            if self.popen.poll() is not None:
+        deadline = time.monotonic() + KILL_GRACE_S
+        while self.popen.poll() is None:                 # boot exits right after its last write
+            if time.monotonic() > deadline:
+                self._kill_all()
+                self.popen.wait()
                 break
-            await asyncio.sleep(0.001)
-        else:
-            self.popen.kill()
-            self.popen.wait()
+            await asyncio.sleep(0.002)
         shutil.rmtree(self.host_dir, ignore_errors=True)
 
-
     def abandon(self) -> None:
-        """End the sandbox without an event loop (its loop is gone): kill, reap, release."""
-        self._kill_all()
+        """End the sandbox without an event loop (its loop is gone): kill, reap, release. Returns
+        only when boot has exited, and boot exits only after pid 1 (and with it every process of
+        the namespace) is reaped."""
+        _end_boot(self.popen, self.mode, self.uid)
         for transport, _ in self.pipes.values():
             try:
                 transport.close()
@@ -233,8 +242,34 @@ class SandboxProcess:
         for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             if pipe is not None:
                 pipe.close()
-        self.popen.wait()
         shutil.rmtree(self.host_dir, ignore_errors=True)
+
+
+KILL_GRACE_S = 10.0
+
+
+def _kill_group(popen: subprocess.Popen, mode: str, uid: int) -> None:
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if mode == "none" and uid >= 0:
+        kill_uid(uid)
+
+
+def _end_boot(popen: subprocess.Popen, mode: str, uid: int) -> None:
+    """Synchronously: SIGTERM boot and wait for it (it reaps the sandbox before it exits); SIGKILL
+    the group only if it does not finish within KILL_GRACE_S."""
+    if popen.poll() is None:
+        try:
+            popen.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            popen.wait(timeout=KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            _kill_group(popen, mode, uid)
+            popen.wait()
 
 
 def kill_uid(uid: int) -> int:
