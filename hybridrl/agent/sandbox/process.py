@@ -51,6 +51,8 @@ class SandboxResult:
     setup_error: str | None = None     # the sandbox could not be built (not the tool's fault)
     wall_s: float = 0.0
     isolation: str = "none"
+    cpu_s: float | None = None         # the tool's CPU time, measured by its (trusted) parent
+    cpu_limit_s: float | None = None   # its RLIMIT_CPU
 
     @property
     def ok(self) -> bool:
@@ -59,16 +61,21 @@ class SandboxResult:
 
     @property
     def limit_hit(self) -> str | None:
-        """Which limit stopped the tool, if one did: wall_clock | output | cpu | memory | file_size."""
+        """Which limit stopped the tool, decided only from what the trusted side observed (its own
+        timers, the output budget, the exit signal and the CPU time measured by the tool's parent),
+        never from the tool's output, which the tool controls: wall_clock | output | cpu | file_size.
+
+        Running out of address space (RLIMIT_AS) is an allocation failure inside the tool (Python's
+        MemoryError): the tool sees and may print it, but nothing outside the tool can tell it from a
+        program that prints the same text, so it is not reported as a limit here."""
         if self.timed_out:
             return "wall_clock"
         if self.output_truncated:
             return "output"
-        if self.signal in (signal.SIGXCPU, signal.SIGKILL):
+        if (self.signal in (signal.SIGXCPU, signal.SIGKILL) and self.cpu_s is not None
+                and self.cpu_limit_s is not None and self.cpu_s >= 0.9 * self.cpu_limit_s):
             return "cpu"
-        if "MemoryError" in self.stderr:
-            return "memory"
-        if "File too large" in self.stderr or self.signal == signal.SIGXFSZ:
+        if self.signal == signal.SIGXFSZ:
             return "file_size"
         return None
 
@@ -116,22 +123,35 @@ class SandboxProcess:
         self.pipes = pipes                      # name -> (transport, _Capture)
         self.stdin = stdin
         self.budget: _Budget = pipes["stdout"][1].budget
+        self.cpu_limit_s: float | None = None
 
     @classmethod
     async def spawn(cls, python: str, spec: dict[str, Any], *, max_output_bytes: int) -> "SandboxProcess":
         """Start boot with `spec` (its "status_fd" is filled in here); the tool then waits for code."""
         loop = asyncio.get_running_loop()
         status_r, status_w = os.pipe()
+        spec_r, spec_w = os.pipe()
         try:
+            # the spec goes over a pipe (it fits in the pipe's buffer), not argv: nothing in the
+            # sandbox can read it from /proc/*/cmdline
+            data = json.dumps({**spec, "status_fd": status_w}).encode()
+            if len(data) > 60000:
+                raise ValueError(f"sandbox spec of {len(data)} bytes is too large for a pipe")
+            os.write(spec_w, data)
+            os.close(spec_w)
+            spec_w = -1
             popen = subprocess.Popen(
-                [python, "-I", "-S", BOOT, json.dumps({**spec, "status_fd": status_w})],
+                [python, "-I", "-S", BOOT, str(spec_r)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env={"PATH": "/usr/bin:/bin"}, cwd="/", pass_fds=(status_w,), start_new_session=True)
+                env={"PATH": "/usr/bin:/bin"}, cwd="/", pass_fds=(status_w, spec_r), start_new_session=True)
         except BaseException:
             os.close(status_r)
             raise
         finally:
             os.close(status_w)                  # only the sandbox holds the write end now
+            os.close(spec_r)
+            if spec_w >= 0:
+                os.close(spec_w)
         budget = _Budget(max_output_bytes)
         pipes = {}
         status = os.fdopen(status_r, "rb", 0)
@@ -149,7 +169,9 @@ class SandboxProcess:
             _end_boot(popen, spec["mode"], spec["uid"])
             shutil.rmtree(spec["stage_dir"], ignore_errors=True)
             raise
-        return cls(popen, spec["mode"], spec["stage_dir"], spec["uid"], pipes, stdin)
+        sbx = cls(popen, spec["mode"], spec["stage_dir"], spec["uid"], pipes, stdin)
+        sbx.cpu_limit_s = spec["limits"]["cpu_s"]
+        return sbx
 
     @property
     def alive(self) -> bool:
@@ -157,7 +179,9 @@ class SandboxProcess:
 
     async def execute(self, code: str, timeout_s: float) -> SandboxResult:
         started = time.monotonic()
-        self.stdin.write(code.encode())
+        # a lone surrogate in the code is the program's problem (Python reports it as a SyntaxError
+        # the policy sees), not an exception of ours
+        self.stdin.write(code.encode("utf-8", "surrogatepass"))
         self.stdin.close()
         ended = self.pipes["status"][1].closed
         overflow = asyncio.ensure_future(self.budget.overflow.wait())
@@ -186,7 +210,8 @@ class SandboxProcess:
             exit_code=None if killed or exit_event is None else exit_event["code"],
             signal=signal.SIGKILL if killed else (exit_event or {}).get("signal"),
             timed_out=timed_out, output_truncated=truncated, setup_error=setup,
-            wall_s=time.monotonic() - started, isolation=self.mode)
+            wall_s=time.monotonic() - started, isolation=self.mode,
+            cpu_s=(exit_event or {}).get("cpu_s"), cpu_limit_s=self.cpu_limit_s)
 
     def kill(self) -> None:
         """Ask boot to end the sandbox (SIGTERM): it SIGKILLs pid 1 (namespaces) or the tool and its
