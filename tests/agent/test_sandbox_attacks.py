@@ -135,3 +135,18 @@ def test_sandbox_check_prints_pass_or_fail_per_attack(capsys):
 def test_the_attack_names_are_unique():
     names = [a.name for a in ATTACKS]
     assert len(names) == len(set(names)) and set(REPORTED) <= set(names)
+
+
+def test_the_sandbox_isolation_is_a_run_metric():
+    from types import SimpleNamespace
+
+    from hybridrl.controller.metrics import engine_metrics
+
+    ranks = [{"engine": {}, "agent": {"tool_calls": 3}, "sandbox": {"isolation": "root"}},
+             {"engine": {}, "agent": {"tool_calls": 1}, "sandbox": {"isolation": "userns"}},
+             {"engine": {}, "agent": {}, "sandbox": {"isolation": "root"}}]
+    run = SimpleNamespace(counters={})
+    for _ in range(2):                                  # a gauge, reported every step (not a delta)
+        m = engine_metrics(ranks, run)
+        assert m["sandbox/isolation_root"] == 2.0 and m["sandbox/isolation_userns"] == 1.0
+    assert "sandbox/isolation_none" not in m

@@ -122,6 +122,10 @@ for binary in found[:1] + {extra_setuid!r}:
     if any(e != os.geteuid() for e in euids) or b"euid=" in out:
         print("EUID_CHANGED", binary)
     print("ran", binary, sorted(euids), out.strip()[:20])
+for line in open("/proc/self/mountinfo"):
+    fields = line.split()
+    if "nosuid" not in fields[5].split(","):
+        print("SUID_MOUNT", fields[4])
 status = open("/proc/self/status").read()
 if "NoNewPrivs:\\t1" not in status:
     print("NO_NNP")
@@ -221,7 +225,7 @@ ATTACKS: list[Attack] = [
     Attack("host_files", "an allow-listed root: the project, run directories and virtualenv do not exist",
            HOST_FILES, lambda r, ctx: _done(r) and "SEES" not in r.stdout and "READ" not in r.stdout),
     Attack("setuid", "nosuid mounts and no_new_privs: a setuid-root binary runs without euid 0",
-           SETUID, lambda r, ctx: _done(r) and not any(m in r.stdout for m in ("EUID_CHANGED", "NO_NNP", "HAS_CAPS")),
+           SETUID, lambda r, ctx: _done(r) and not any(m in r.stdout for m in ("EUID_CHANGED", "SUID_MOUNT", "NO_NNP", "HAS_CAPS")),
            modes=ALL_MODES),
     Attack("keyring", "fresh keyrings per call: a key stored by one call is not found by the next",
            KEY_READ, _absent("FOUND"), before=KEY_STORE),

@@ -8,12 +8,15 @@ Process tree (mode "root" or "userns"):
      └ pid1     pid 1 of a new pid namespace; unshare(mount, net, ipc, uts); private mounts,
         │       then forks the tool and reaps; when it exits the kernel kills everything left
         │       in the namespace
-        └ tool  rlimits, own uid (root mode), clean env, cwd = private tmpfs; execs the runner
+        └ tool  rlimits, own uid (root mode), no capabilities, clean env, cwd = private tmpfs;
+                execs the runner
 
-Mounts inside (never visible outside): every existing mount is remounted read-only; each
-`hidden` directory is covered by an empty read-only tmpfs (paths in `expose` are bind-mounted
-back, read-only, e.g. the interpreter when it lives under /root); the tool's working directory
-is a fresh size-limited tmpfs owned by the tool's uid; /proc shows only the sandbox's pids.
+Mounts inside (never visible outside; `setup_mounts`): a fresh tmpfs root holding only the
+allow-listed `visible` paths and the interpreter (`expose`), read-only, nosuid, nodev; `hidden`
+directories under them covered by an empty tmpfs; a minimal /dev; the pid namespace's /proc with
+/proc/sys read-only; the tool's working directory /tmp, a size-limited tmpfs owned by its uid.
+pid 1 `pivot_root`s into it and detaches the host's root. The tool runs with no capabilities,
+no_new_privs, fresh keyrings and no SysV IPC (`drop_privileges`, `limit_ipc`).
 The network namespace has only a loopback device that is down: no connection can be made,
 not even to 127.0.0.1.
 

@@ -1,11 +1,12 @@
 """A pool of sandboxed Python processes for tools (see `boot.py` for what a sandbox is).
 
-- Isolation is probed once at `start()`: "root" (namespaces + a dedicated uid per slot),
-  "userns" (namespaces inside a user namespace, for non-root users), or "none" (the OS refused
-  namespaces: rlimits, clean environment, private directory and process-group kill only; no
-  network or filesystem isolation). The fallback is logged as a warning and reported in
-  `stats()["isolation"]` and in every `SandboxResult.isolation`; `require_isolation` turns it
-  into an error instead.
+- Isolation is probed once at `start()`: "root" (namespaces + a dedicated uid per slot) when
+  running as root, which otherwise refuses to start (`SandboxUnavailable`, naming why; never a
+  weaker mode unless isolation=none is configured); for other users "userns" (namespaces inside
+  a user namespace), or "none" (the OS refused namespaces: rlimits, clean environment, private
+  directory and process-group kill only; no network or filesystem isolation), logged as a warning
+  (`require_isolation` turns it into an error). The mode is in `stats()["isolation"]` and in every
+  `SandboxResult.isolation`.
 - Fork bombs: RLIMIT_NPROC does not bind root, so as root each sandbox runs under its own
   uid (leased from `uid_base` up, exclusive across processes of the host: `uids.py`), where
   RLIMIT_NPROC does bind, inside its own pid namespace, whose
