@@ -22,7 +22,7 @@ from tests.launch import ROOT
 
 # the attacks of the red-team report; the limits (fork bomb, memory, cpu, output) have their own tests
 REPORTED = ["remount_rw", "umount", "host_files", "setuid", "keyring", "sysv_shm", "shm_survives", "spec_visible",
-            "limit_spoof", "environment"]
+            "limit_spoof", "environment", "kill_sandbox"]
 
 
 def config(**kwargs) -> ToolsConfig:

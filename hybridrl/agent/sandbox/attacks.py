@@ -237,6 +237,11 @@ ATTACKS: list[Attack] = [
            SPEC, _absent("SPEC"), modes=ALL_MODES),
     Attack("limit_spoof", "limit_hit is decided outside the tool: printed errors and self-sent signals do not count",
            SPOOF, lambda r, ctx: r.limit_hit is None, modes=ALL_MODES),
+    Attack("kill_sandbox", "the tool's own process group: signalling its group cannot kill boot, so the call "
+                           "cannot turn into an infrastructure error",
+           "import os, signal\nfor sig in (signal.SIGTERM, signal.SIGKILL):\n    try:\n        os.kill(0, sig)\n"
+           "    except OSError:\n        pass",
+           lambda r, ctx: r.setup_error is None and r.exit_code is None and r.signal == 15),
     Attack("network", "a network namespace without interfaces: not even 127.0.0.1",
            "import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), 2)\n    print('CONNECTED')\n"
            "except OSError:\n    pass\nprint('DONE')", _absent("CONNECTED")),

@@ -241,6 +241,10 @@ def exec_tool(spec, status_fd):
             resource.setrlimit(res, (value, value))
         resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
         drop_privileges(spec)
+        if spec["mode"] != "none":
+            # its own session and process group: kill(0, ...) cannot reach boot (outside the pid
+            # namespace, but in userns mode of the same host uid) and turn the call into a setup error
+            os.setsid()
         os.chdir(spec["workdir"])
         os.umask(0o077)
         os.execve(spec["argv"][0], spec["argv"], spec["env"])
