@@ -18,7 +18,7 @@ endif
 
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-slow test-gpu gpu-check sglang-types slurm-install slurm-up slurm-down test-slurm clean
+.PHONY: install demo test test-loaded test-slow test-gpu gpu-check sglang-types slurm-install slurm-up slurm-down test-slurm clean
 
 install: $(STAMP)
 
@@ -40,6 +40,12 @@ demo: install
 test: install
 	-@$(MAKE) --no-print-directory sglang-types >/dev/null 2>&1 || echo "(sglang types not installed: their test skips)"
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The default suite while the machine is busy (two busy loops per core beside pytest, always
+# killed at exit): a test that fails here depends on an idle machine, which is a defect.
+test-loaded: install
+	-@$(MAKE) --no-print-directory sglang-types >/dev/null 2>&1 || echo "(sglang types not installed: their test skips)"
+	$(BIN)/python tests/run_loaded.py $(PYTEST_ARGS)
 
 test-slow: install
 	HYBRIDRL_SLOW=1 $(BIN)/python -m pytest $(PYTEST_ARGS)

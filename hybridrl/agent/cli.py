@@ -1,6 +1,6 @@
 """`hybridrl agent ...`: check the tool sandbox, dump task data, run episodes.
 
-    hybridrl agent sandbox-check [RECIPE | --config RECIPE] [k=v ...] [--json]
+    hybridrl agent sandbox-check [RECIPE | --config RECIPE] [k=v ...] [--json] [--attack NAME ...]
     hybridrl agent tasks [RECIPE | --config RECIPE] [k=v ...] [--split train|validation|sft] [-n N] [--out FILE]
     hybridrl agent rollout [RECIPE | --config RECIPE] [k=v ...] [--engine scripted|native] [-n N]
                            [--group-size G] [--split train|validation] [--temperature T] [--json OUT]
@@ -25,9 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     def common(p):
         add_recipe_arguments(p)        # RECIPE or --config RECIPE, then section.key=value
 
-    p = sub.add_parser("sandbox-check", help="probe the tool sandbox's isolation and limits on this machine")
+    p = sub.add_parser("sandbox-check", help="run the attack set against the tool sandbox on this machine: "
+                                             "PASS/FAIL per attack, exit 1 on any FAIL")
     common(p)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--attack", action="append", default=[], metavar="NAME",
+                   help="run only this attack (repeatable); default: all")
     p = sub.add_parser("tasks", help="print task instances or SFT demonstrations as JSON lines")
     common(p)
     p.add_argument("--split", choices=["train", "validation", "sft"], default="train")
@@ -63,57 +66,44 @@ def main(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-_PROBES = {
-    "network": ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), 2)\n    print('open')\n"
-                "except OSError as e:\n    print('closed', e.errno)", lambda r: r.stdout.startswith("closed")),
-    "write_outside": ("import os\nbad = []\nfor p in ('/tmp/hybridrl-probe', '/var/tmp/hybridrl-probe', "
-                      "'/hybridrl-probe'):\n    try:\n        open(p, 'w').close(); os.unlink(p); bad.append(p)\n"
-                      "    except OSError:\n        pass\nprint(bad)", lambda r: r.stdout.strip() == "[]"),
-    "environment": ("import os\nprint('HYBRIDRL_PROBE_SECRET' in os.environ)",
-                    lambda r: r.stdout.strip() == "False"),
-    "fork_bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
-                  lambda r: r.timed_out),
-    "memory": ("x = bytearray(8 << 30)", lambda r: r.limit_hit == "memory"),
-    "cpu": ("while True:\n    pass", lambda r: r.limit_hit in ("cpu", "wall_clock")),
-    "output_flood": ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)",
-                     lambda r: r.output_truncated),
-}
-
-
 def _sandbox_check(cfg, args) -> int:
-    import asyncio
+    """Run the attack set (`hybridrl/agent/sandbox/attacks.py`) against this machine's configuration:
+    PASS / FAIL per attack; exit 1 when an attack the chosen isolation promises to contain was not."""
     import dataclasses
-    import os
     import socket
 
-    from hybridrl.agent.sandbox.pool import SandboxPool
+    from hybridrl.agent.sandbox.attacks import ATTACKS, attack_context, run_attack_set
+    from hybridrl.agent.sandbox.pool import SandboxUnavailable
 
-    os.environ["HYBRIDRL_PROBE_SECRET"] = "visible-only-to-the-parent"
+    names = args.attack or None
+    unknown = sorted(set(names or ()) - {a.name for a in ATTACKS})
+    if unknown:
+        print(f"hybridrl: unknown attack(s) {unknown}; known: {[a.name for a in ATTACKS]}", file=sys.stderr)
+        return 2
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
-    port = listener.getsockname()[1]
     tools = dataclasses.replace(cfg.tools, cpu_s=min(cfg.tools.cpu_s, 2))
-
-    async def go():
-        async with SandboxPool(tools) as pool:
-            out = {}
-            for name, (code, passed) in _PROBES.items():
-                r = await pool.run(code.format(port=port), timeout_s=3.0)
-                out[name] = {"ok": bool(passed(r)), "limit": r.limit_hit, "stdout": r.stdout[-200:].strip()}
-            return pool.mode, out
-
-    mode, results = asyncio.run(go())
-    listener.close()
-    expected_weak = {"network", "write_outside"} if mode == "none" else set()
-    failed = [n for n, r in results.items() if not r["ok"] and n not in expected_weak]
+    try:
+        mode, verdicts = run_attack_set(tools, attack_context(tools, port=listener.getsockname()[1]), names)
+    except SandboxUnavailable as err:
+        print(f"FAIL sandbox: {err}")
+        return 1
+    finally:
+        listener.close()
+    failed = [v.name for v in verdicts if v.status == "FAIL"]
     if args.json:
-        print(json.dumps({"isolation": mode, "probes": results, "failed": failed}, indent=2))
+        print(json.dumps({"isolation": mode, "failed": failed,
+                          "attacks": {v.name: {"status": v.status, "what": v.what, "detail": v.detail, **v.result}
+                                      for v in verdicts}}, indent=2))
     else:
         print(f"tool sandbox isolation: {mode}")
-        for name, r in results.items():
-            verdict = "ok" if r["ok"] else ("NOT ISOLATED (isolation=none)" if name in expected_weak else "FAILED")
-            print(f"  {name:14s} {verdict}" + (f"  [{r['limit']}]" if r["limit"] else ""))
+        for v in verdicts:
+            print(f"{v.status:4s} {v.name:14s} {v.what}")
+            if v.status != "PASS":
+                print(f"     {v.detail}")
+        print(f"{len(verdicts) - len(failed)}/{len(verdicts)} attacks contained or not promised"
+              if not failed else f"{len(failed)} attack(s) NOT contained: {', '.join(failed)}")
     return 1 if failed else 0
 
 

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, check_range, knob
 
 DEFAULT_HIDDEN_PATHS = ["/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run"]
+# what a tool's root holds besides the interpreter, its own /tmp, /dev (null, zero, full, random,
+# urandom) and /proc: the system's programs, libraries and configuration, read-only
+DEFAULT_VISIBLE_PATHS = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"]
 
 
 @dataclass(kw_only=True)
@@ -69,8 +72,14 @@ class ToolsConfig:
     max_output_bytes: int = knob(65536, "stdout + stderr bytes kept; more kills the tool (output_truncated)")
     uid_base: int = knob(61000,
                          "when run as root, each sandbox slot runs as its own uid, leased from uid_base up")
+    visible_paths: list[str] = knob(
+        help="the allow-list of host paths bound read-only (nosuid, nodev) into the tool's own root, besides "
+             "the interpreter (namespaces only; everything else of the host, e.g. the project, run directories "
+             "and the virtualenv, does not exist there)",
+        factory=lambda: list(DEFAULT_VISIBLE_PATHS))
     hidden_paths: list[str] = knob(
-        help="directories replaced by an empty read-only tmpfs inside the sandbox (namespaces only)",
+        help="directories under visible_paths replaced by an empty read-only tmpfs inside the sandbox "
+             "(namespaces only)",
         factory=lambda: list(DEFAULT_HIDDEN_PATHS))
     python: str = knob("", "interpreter for tools (empty: the base interpreter of this Python)")
     calculator_max_chars: int = knob(256, "longest expression the calculator accepts")
@@ -87,3 +96,7 @@ class ToolsConfig:
             if not path.startswith("/") or path == "/":
                 raise ConfigValueError("hidden_paths", f"entries must be absolute directories other than /, "
                                                        f"got {path!r}")
+        for path in self.visible_paths:
+            if not path.startswith("/") or path.rstrip("/") == "" or ".." in path.split("/"):
+                raise ConfigValueError("visible_paths", f"entries must be absolute paths other than / "
+                                                        f"(without '..'), got {path!r}")

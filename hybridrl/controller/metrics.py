@@ -86,7 +86,13 @@ def engine_metrics(per_rank: list[dict], run) -> dict[str, float]:
     run.counters = dict(totals)
     keep = ("prefill_tokens", "prefix_hit_tokens", "decode_tokens", "preemptions", "episodes", "malformed_actions",
             "unauthorized_actions", "invalid_arguments", "tool_errors", "tool_calls")
-    return {k: float(v) for k, v in deltas.items() if any(k.endswith(s) for s in keep)}
+    out = {k: float(v) for k, v in deltas.items() if any(k.endswith(s) for s in keep)}
+    # the tool sandbox's isolation (root | userns | none): ranks running in each mode, every step
+    for stats in per_rank:
+        mode = (stats.get("sandbox") or {}).get("isolation")
+        if mode:
+            out[f"sandbox/isolation_{mode}"] = out.get(f"sandbox/isolation_{mode}", 0.0) + 1.0
+    return out
 
 
 def postfix(m: dict[str, float]) -> str:

@@ -164,7 +164,9 @@ def _power(base: Fraction, exponent: Fraction, pos: int) -> Fraction:
     if base == 0 and e < 0:
         raise ArithmeticError_(f"division by zero (0 to a negative power) at position {pos}")
     size = max(abs(base.numerator), base.denominator)
-    if size > 1 and abs(e) * math.log10(size) > MAX_DIGITS:
+    # size >= 2 has log10(size) >= 0.30: an exponent above 4 * MAX_DIGITS is too large before any float
+    # arithmetic (which would overflow for exponents like 10^400)
+    if size > 1 and (abs(e) > 4 * MAX_DIGITS or abs(e) * math.log10(size) > MAX_DIGITS):
         raise ArithmeticError_(f"result has more than {MAX_DIGITS} digits")
     return _check(base ** e)
 

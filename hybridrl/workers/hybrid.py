@@ -338,7 +338,9 @@ class HybridWorker(Worker):
     @register(dispatch=ONE_TO_ALL)
     def rollout_stats(self) -> dict:
         """Engine counters and agent-loop counters of this rank (cumulative)."""
-        return {"engine": dict(self.engine.stats()), "agent": dict(self.runner.counts)}
+        pool = getattr(self.tools, "pool", None)
+        return {"engine": dict(self.engine.stats()), "agent": dict(self.runner.counts),
+                "sandbox": {"isolation": pool.mode if pool is not None else None}}
 
     # ------------------------------------------------------------------ training
 

@@ -140,7 +140,10 @@ def test_memory_hog_stops_at_the_address_space_limit():
             await pool.close()
 
     for result in run(go()):
-        assert not result.ok and result.limit_hit == "memory", (result.stdout, result.stderr)
+        # the allocation fails inside the tool (MemoryError, which the tool sees); the pool does not
+        # call it a limit, since a program could print the same text (limit_hit is decided outside)
+        assert not result.ok and "MemoryError" in result.stderr, (result.stdout, result.stderr)
+        assert result.limit_hit is None and result.cpu_s < 2
         assert "allocated" not in result.stdout
 
 
@@ -148,15 +151,16 @@ def test_infinite_loop_hits_the_cpu_limit_and_sleeping_hits_the_wall_clock():
     async def go():
         pool = await started(config(cpu_s=1), need_namespaces=False)
         try:
-            spin = await pool.run("while True:\n    pass", timeout_s=20)
+            # 1 CPU-second may take many wall seconds on a loaded machine: the wall-clock limit is far off
+            spin = await pool.run("while True:\n    pass", timeout_s=300)
             sleep = await pool.run("import time\ntime.sleep(60)", timeout_s=0.5)
             return spin, sleep
         finally:
             await pool.close()
 
     spin, sleep = run(go())
-    assert spin.limit_hit == "cpu" and not spin.timed_out and spin.wall_s < 10
-    assert sleep.timed_out and sleep.limit_hit == "wall_clock" and sleep.wall_s < 5
+    assert spin.limit_hit == "cpu" and not spin.timed_out
+    assert sleep.timed_out and sleep.limit_hit == "wall_clock" and sleep.wall_s < 60
 
 
 def test_a_100_mb_print_is_cut_at_the_output_limit():
@@ -170,7 +174,8 @@ def test_a_100_mb_print_is_cut_at_the_output_limit():
 
 def test_writes_outside_the_tool_directory_fail():
     marker = uuid.uuid4().hex
-    targets = [f"/tmp/escape-{marker}", f"{ROOT}/escape-{marker}", f"/escape-{marker}",
+    # /tmp inside is the tool's own tmpfs (its working directory): a write there reaches no host path
+    targets = [f"{ROOT}/escape-{marker}", f"/escape-{marker}", f"/usr/escape-{marker}", f"/etc/escape-{marker}",
                f"/dev/shm/escape-{marker}", f"/var/tmp/escape-{marker}"]
     code = f"""
 import os
@@ -184,6 +189,7 @@ for path in {targets!r}:
 with open("inside.txt", "w") as f:
     f.write("fine")
 print("inside", open("inside.txt").read(), os.getcwd() == os.environ["HOME"])
+open("/tmp/escape-{marker}", "w").write("x")
 try:
     with open("big.bin", "wb") as f:
         f.write(b"x" * (2 << 20))
@@ -197,7 +203,7 @@ except OSError as err:
     assert "WROTE" not in result.stdout and result.stdout.count("denied") == len(targets)
     assert "inside fine True" in result.stdout
     assert "big refused File too large" in result.stdout
-    for path in targets:
+    for path in targets + [f"/tmp/escape-{marker}"]:
         assert not os.path.exists(path)
 
 
@@ -246,17 +252,21 @@ def test_pool_bounds_concurrency_and_uses_warm_sandboxes():
     async def go():
         pool = await started(config(pool_size=2, warm=2), need_namespaces=False)
         try:
-            await asyncio.sleep(0.3)                   # let the warm sandboxes come up
-            t0 = time.monotonic()
-            results = await asyncio.gather(*[pool.run("import time\ntime.sleep(0.4)\nprint('ok')")
-                                             for _ in range(6)])
-            return time.monotonic() - t0, results, pool.stats()
+            while len(pool._warm) < 2:                  # let the warm sandboxes come up
+                await asyncio.sleep(0.05)
+            results = await asyncio.gather(*[pool.run("import time\nt0 = time.time()\ntime.sleep(0.4)\n"
+                                                      "print(t0, time.time())") for _ in range(6)])
+            return results, pool.stats()
         finally:
             await pool.close()
 
-    wall, results, stats = run(go())
-    assert all(r.ok and r.stdout == "ok\n" for r in results)
-    assert 1.2 <= wall < 4.0, wall                      # 3 waves of 2
+    results, stats = run(go())
+    assert all(r.ok for r in results), [r.stderr for r in results]
+    # the programs' own start/end times (the realtime clock is not namespaced): never more than
+    # pool_size of them running at once, whatever the machine's load (no bound on the wall time)
+    spans = [tuple(map(float, r.stdout.split())) for r in results]
+    most = max(sum(1 for a, b in spans if a <= t < b) for t, _ in spans)
+    assert 1 <= most <= 2, spans
     assert stats["runs"] == 6 and stats["warm_hits"] >= 2
 
 
@@ -309,10 +319,15 @@ def test_isolation_none_still_limits_and_reaps_but_has_network():
 
 
 def test_required_isolation_fails_loudly_and_auto_falls_back_with_a_warning(monkeypatch, caplog):
+    """An unprivileged user's pool: userns, else none with a warning (or an error when required)."""
+    tried = []
+
     async def refuse(self, mode):
+        tried.append(mode)
         return "unshare: Operation not permitted" if mode != "none" else None
 
     monkeypatch.setattr(SandboxPool, "_try", refuse)
+    monkeypatch.setattr(SandboxPool, "_as_root", lambda self: False)
 
     async def go(cfg):
         pool = SandboxPool(cfg)
@@ -329,6 +344,47 @@ def test_required_isolation_fails_loudly_and_auto_falls_back_with_a_warning(monk
     with caplog.at_level(logging.WARNING, logger="hybridrl.agent.sandbox.pool"):
         assert run(go(config())) == "none"
     assert "NO network or filesystem isolation" in caplog.text
+    assert "root" not in tried
+
+
+def test_as_root_the_pool_runs_in_root_mode_or_refuses(monkeypatch):
+    """As root a failed root-mode probe is an error naming why, never a silent fall back to userns
+    (whose uid 0 is the host's root) or none; isolation=none stays possible when asked for."""
+    tried = []
+
+    async def refuse_root(self, mode):
+        tried.append(mode)
+        return "mount tmpfs on /x: Permission denied" if mode == "root" else None
+
+    monkeypatch.setattr(SandboxPool, "_try", refuse_root)
+    monkeypatch.setattr(SandboxPool, "_as_root", lambda self: True)
+
+    async def go(cfg):
+        pool = SandboxPool(cfg)
+        try:
+            await pool.start()
+            return pool.mode
+        finally:
+            await pool.close()
+
+    with pytest.raises(SandboxUnavailable, match=r"running as root.*mount tmpfs on /x: Permission denied"):
+        run(go(config()))
+    assert tried == ["root"]
+    assert run(go(config(isolation="none"))) == "none"
+
+
+def test_root_mode_works_with_a_private_temporary_directory(monkeypatch, tmp_path):
+    """The pool's host directories under a 0700 TMPDIR (e.g. /root/tmp) do not stop root mode: the
+    tool's uid never needs to reach them (its root is its own tmpfs)."""
+    if os.geteuid() != 0:
+        pytest.skip("root mode needs root")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    os.chmod(tmp_path, 0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    result = run_once("import os\nprint(os.getuid() != 0, os.getcwd())")
+    assert result.isolation == "root" and result.ok, result.stderr
+    assert result.stdout.split() == ["True", "/tmp"]
 
 
 USERNS_PROBE = """
@@ -339,9 +395,11 @@ from hybridrl.agent.sandbox.pool import SandboxPool
 async def main():
     async with SandboxPool(ToolsConfig(python=sys.executable, cpu_s=1, max_processes=8)) as pool:
         out = [pool.mode]
-        for code in ("import socket\\nsocket.create_connection(('127.0.0.1', 9), 1)", "open('/tmp/x', 'w')",
-                     "while True:\\n    pass"):
-            r = await pool.run(code, timeout_s=3)
+        # the spin's wall-clock limit is far above its 1 CPU-second: on a busy machine one CPU-second
+        # can take many wall seconds, and the CPU limit must still be the one that stops it
+        for code, timeout in (("import socket\\nsocket.create_connection(('127.0.0.1', 9), 1)", 30),
+                              ("open('/usr/x', 'w')", 30), ("while True:\\n    pass", 300)):
+            r = await pool.run(code, timeout_s=timeout)
             out.append(r.limit_hit or r.stderr.strip().splitlines()[-1])
         print(out)
 

@@ -122,7 +122,7 @@ PINNED_KEYS = [
     "agent.max_tool_calls_per_turn", "agent.max_observation_chars", "agent.on_weights_updated", "agent.abort_grace_s",
     "tools.pool_size", "tools.warm", "tools.isolation", "tools.require_isolation", "tools.timeout_s", "tools.cpu_s",
     "tools.memory_mb", "tools.max_processes", "tools.max_open_files", "tools.max_file_mb", "tools.tmpfs_mb",
-    "tools.max_output_bytes", "tools.uid_base", "tools.hidden_paths", "tools.python", "tools.calculator_max_chars",
+    "tools.max_output_bytes", "tools.uid_base", "tools.visible_paths", "tools.hidden_paths", "tools.python", "tools.calculator_max_chars",
     "task.name", "task.seed", "task.train_size", "task.validation_size", "task.format_weight",
     "task.sft_tool_use_fraction", "task.sft_guess_correct_fraction",       # task.options: a free mapping
     "env.db_path", "env.lease_ttl_s", "env.synchronous", "env.step_timeout_s", "env.max_retries",

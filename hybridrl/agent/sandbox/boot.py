@@ -1,4 +1,5 @@
-"""Sandbox bootstrap: runs as `python -I -S boot.py SPEC_JSON`, standard library only.
+"""Sandbox bootstrap: runs as `python -I -S boot.py SPEC_FD` (the JSON spec is read from that pipe,
+so it never appears in a command line), standard library only.
 
 Process tree (mode "root" or "userns"):
 
@@ -7,12 +8,15 @@ Process tree (mode "root" or "userns"):
      └ pid1     pid 1 of a new pid namespace; unshare(mount, net, ipc, uts); private mounts,
         │       then forks the tool and reaps; when it exits the kernel kills everything left
         │       in the namespace
-        └ tool  rlimits, own uid (root mode), clean env, cwd = private tmpfs; execs the runner
+        └ tool  rlimits, own uid (root mode), no capabilities, clean env, cwd = private tmpfs;
+                execs the runner
 
-Mounts inside (never visible outside): every existing mount is remounted read-only; each
-`hidden` directory is covered by an empty read-only tmpfs (paths in `expose` are bind-mounted
-back, read-only, e.g. the interpreter when it lives under /root); the tool's working directory
-is a fresh size-limited tmpfs owned by the tool's uid; /proc shows only the sandbox's pids.
+Mounts inside (never visible outside; `setup_mounts`): a fresh tmpfs root holding only the
+allow-listed `visible` paths and the interpreter (`expose`), read-only, nosuid, nodev; `hidden`
+directories under them covered by an empty tmpfs; a minimal /dev; the pid namespace's /proc with
+/proc/sys read-only; the tool's working directory /tmp, a size-limited tmpfs owned by its uid.
+pid 1 `pivot_root`s into it and detaches the host's root. The tool runs with no capabilities,
+no_new_privs, fresh keyrings and no SysV IPC (`drop_privileges`, `limit_ipc`).
 The network namespace has only a loopback device that is down: no connection can be made,
 not even to 127.0.0.1.
 
@@ -85,38 +89,144 @@ def _under(path, roots):
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
-def setup_mounts(spec):
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
-    hidden = [p for p in spec["hidden"] if os.path.isdir(p)]
-    exposed = [p for p in spec["expose"] if _under(p, hidden) and os.path.isdir(p)]
-    staged = []
-    for i, path in enumerate(exposed):
-        # bind what a mask will cover onto a stage and hold it by an O_PATH fd: the stage
-        # itself may lie under a mask (it is in the host's /tmp)
-        stage = os.path.join(spec["stage_dir"], f"expose{i}")
-        os.mkdir(stage, 0o700)
-        mount(path, stage, None, MS_BIND | MS_REC)
-        staged.append((os.open(stage, os.O_PATH), path))
-    for path in hidden:
-        if os.path.isdir(path):                 # a hidden path under another one is gone already
-            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
-    for fd, path in staged:
-        os.makedirs(path, 0o755, exist_ok=True)
-        mount(f"/proc/self/fd/{fd}", path, None, MS_MOVE)
-        os.close(fd)
-    os.makedirs(spec["workdir"], 0o755, exist_ok=True)
+# syscalls glibc has no wrapper for, by machine
+_SYSCALLS = {"x86_64": {"pivot_root": 155, "keyctl": 250},
+             "aarch64": {"pivot_root": 41, "keyctl": 219}}
+MNT_DETACH = 2
+PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 24, 47, 4
+PR_SET_DUMPABLE = 4
+KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR = 1, 7
+KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = -4, -5
+# SysV IPC inside the sandbox's own IPC namespace: no shared memory segments, message queues or
+# semaphore sets at all (their memory is not counted by RLIMIT_AS)
+IPC_LIMITS = {"kernel/shmall": "0", "kernel/shmmni": "0", "kernel/msgmni": "0", "kernel/sem": "0 0 0 0"}
+DEVICES = ("null", "zero", "full", "random", "urandom")
+
+
+def _syscall(name, *args):
+    nr = _SYSCALLS.get(os.uname().machine, {}).get(name)
+    if nr is None:
+        raise OSError(38, f"{name}: no syscall number known for {os.uname().machine}")
+    ret = _libc.syscall(ctypes.c_long(nr), *args)
+    if ret == -1:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name}: {os.strerror(err)}")
+    return ret
+
+
+def _bind(source, root):
+    """Recreate `source` (a symlink, directory or file) at the same path under `root`, bound read-only
+    later (`_seal`)."""
+    target = root + source
+    os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
+    if os.path.islink(source):
+        if not os.path.lexists(target):
+            os.symlink(os.readlink(source), target)
+        return
+    if os.path.isdir(source):
+        os.makedirs(target, 0o755, exist_ok=True)
+    elif os.path.exists(source):
+        if not os.path.exists(target):
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o644))
+    else:
+        return
+    mount(source, target, None, MS_BIND | MS_REC)
+
+
+def _seal(root, keep_writable):
+    """Every mount under `root`: read-only, nosuid, nodev (but device nodes), flags it already has kept
+    (a user namespace may not clear them)."""
     for point, flags in _mount_points():
-        if _under(point, ["/proc"]):
+        if not _under(point, [root]) or point == root or _under(point, keep_writable):
             continue
-        try:
-            mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
-        except OSError:
-            if point == "/":
-                raise
-    owner = f",uid={spec['uid']},gid={spec['gid']}" if spec["uid"] >= 0 else ""
-    mount("tmpfs", spec["workdir"], "tmpfs", MS_NOSUID | MS_NODEV,
-          f"size={spec['tmpfs_bytes']},mode=700{owner}")
-    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        extra = MS_RDONLY | MS_NOSUID
+        if not _under(point, [root + "/dev"]):
+            extra |= MS_NODEV
+        mount(None, point, None, MS_REMOUNT | MS_BIND | flags | extra)
+
+
+def setup_mounts(spec):
+    """Build the tool's root on a fresh tmpfs from an allow-list, pivot into it, detach the host's.
+
+    Inside: `visible` paths and the interpreter (`expose`) bound read-only, nosuid, nodev; `hidden`
+    ones under them covered by an empty tmpfs; a minimal /dev; this pid namespace's /proc; the tool's
+    working directory (a size-limited tmpfs owned by its uid) at `workdir`. Nothing else of the host's
+    filesystem (the project, run directories, the virtualenv, home directories) exists in the tool's
+    mount namespace."""
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    root = spec["stage_dir"]
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for path in sorted(set(spec["visible"]) | set(spec["expose"]), key=len):
+        _bind(path, root)
+    os.makedirs(root + "/dev", 0o755, exist_ok=True)
+    mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=755")
+    for dev in DEVICES:
+        if os.path.exists("/dev/" + dev):
+            _bind("/dev/" + dev, root)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, root + "/dev/" + name)
+    mount(None, root + "/dev", None, MS_REMOUNT | MS_NOSUID | MS_NOEXEC | MS_RDONLY)
+    workdir = root + spec["workdir"]
+    os.makedirs(workdir, 0o755, exist_ok=True)
+    owner = f",uid={spec['uid']},gid={spec['gid']}" if spec["uid"] >= 0 and spec["mode"] != "userns" else ""
+    mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['tmpfs_bytes']},mode=700{owner}")
+    os.makedirs(root + "/proc", 0o555, exist_ok=True)
+    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    limit_ipc(root + "/proc/sys/")
+    # /proc/sys read-only: in a user namespace, uid 0 (even without capabilities) may write the
+    # sysctls of its own IPC namespace
+    mount(root + "/proc/sys", root + "/proc/sys", None, MS_BIND | MS_REC)
+    _seal(root, [workdir, root + "/proc"])
+    for path in spec["hidden"]:                 # after sealing: a covered mount cannot be remounted by path
+        if os.path.isdir(root + path) and not os.path.islink(root + path) and \
+                not any(_under(e, [path]) for e in spec["expose"] + [spec["workdir"]]) and \
+                not _under(path, [spec["workdir"], "/proc", "/dev"]):
+            mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=755")
+    mount(None, root + "/proc/sys", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.chdir(root)
+    _syscall("pivot_root", b".", b".")          # the host's root now lies under ours; detach it
+    _check(_libc.umount2(b".", MNT_DETACH), "umount2 of the host's root")
+    os.chdir("/")
+    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def limit_ipc(sysctl_dir):
+    """In the sandbox's new IPC namespace (the sysctls show the writer's): no SysV IPC objects."""
+    for key, value in IPC_LIMITS.items():
+        with open(sysctl_dir + key, "w") as f:
+            f.write(value)
+
+
+def drop_privileges(spec):
+    """No capabilities, now or after any exec (setuid/file capabilities included); own uid in root
+    mode; fresh keyrings. Before the exec of the tool, in the tool process."""
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
+    for cap in range(64):
+        if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == 22:
+            break                                # EINVAL: past the last capability of this kernel
+    _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    if spec["uid"] >= 0 and spec["mode"] != "userns":
+        os.setgroups([])
+        os.setgid(spec["gid"])
+        os.setuid(spec["uid"])
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)                # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = (ctypes.c_uint32 * 6)()                               # effective, permitted, inheritable x 2
+    _check(_libc.capset(header, data), "capset")
+    _fresh_keyrings(spec)
+
+
+def _fresh_keyrings(spec):
+    """A new session keyring; the uid's user keyrings emptied when the uid is the sandbox's own (a
+    dedicated uid, or uid 0 of a fresh user namespace): what one call stored, the next cannot read."""
+    try:
+        _syscall("keyctl", ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), ctypes.c_void_p(None))
+        if spec["uid"] >= 0 or spec["mode"] == "userns":
+            for ring in (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING):
+                _syscall("keyctl", ctypes.c_long(KEYCTL_CLEAR), ctypes.c_long(ring))
+    except OSError as err:
+        if err.errno not in (38, 1):             # ENOSYS / EPERM: no keyrings for anyone here
+            raise
 
 
 def exec_tool(spec, status_fd):
@@ -127,13 +237,14 @@ def exec_tool(spec, status_fd):
         for res, value in ((resource.RLIMIT_AS, limits["as_bytes"]), (resource.RLIMIT_NOFILE,
                                                                       limits["nofile"]),
                            (resource.RLIMIT_FSIZE, limits["fsize_bytes"]), (resource.RLIMIT_CORE, 0),
-                           (resource.RLIMIT_NPROC, limits["nproc"])):
+                           (resource.RLIMIT_MSGQUEUE, 0), (resource.RLIMIT_NPROC, limits["nproc"])):
             resource.setrlimit(res, (value, value))
         resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
-        if spec["uid"] >= 0 and spec["mode"] != "userns":
-            os.setgroups([])
-            os.setgid(spec["gid"])
-            os.setuid(spec["uid"])
+        drop_privileges(spec)
+        if spec["mode"] != "none":
+            # its own session and process group: kill(0, ...) cannot reach boot (outside the pid
+            # namespace, but in userns mode of the same host uid) and turn the call into a setup error
+            os.setsid()
         os.chdir(spec["workdir"])
         os.umask(0o077)
         os.execve(spec["argv"][0], spec["argv"], spec["env"])
@@ -156,6 +267,7 @@ def run_pid1(spec, status_fd):
     """pid 1 of the namespace: mounts, fork the tool, reap until it exits."""
     try:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)      # the tool cannot ptrace or read pid 1
         _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
         setup_mounts(spec)
     except BaseException as err:  # noqa: BLE001
@@ -166,9 +278,10 @@ def run_pid1(spec, status_fd):
     if tool == 0:
         exec_tool(spec, status_fd)
     while True:
-        pid, status = os.wait()
+        pid, status, usage = os.wait4(-1, 0)
         if pid == tool:
             event = _exit_event(status)
+            event["cpu_s"] = usage.ru_utime + usage.ru_stime      # measured here, not by the tool
             _emit(status_fd, event)
             os._exit(0)
 
@@ -213,9 +326,10 @@ def reap_orphans():
 
 
 _child = 0
+_terminating = False
 
 
-def _on_sigterm(signum, frame):
+def _kill_child():
     if _child:
         try:
             os.kill(_child, signal.SIGKILL)
@@ -223,9 +337,29 @@ def _on_sigterm(signum, frame):
             pass
 
 
+def _on_sigterm(signum, frame):
+    global _terminating
+    _terminating = True
+    _kill_child()
+
+
+def _fork_child():
+    """fork; in the parent, a SIGTERM that came before `_child` was set still kills the child."""
+    global _child
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        return 0
+    _child = pid
+    if _terminating:
+        _kill_child()
+    return pid
+
+
 def main():
     global _child
-    spec = json.loads(sys.argv[1])
+    with os.fdopen(int(sys.argv[1]), "rb") as f:        # over a pipe: never in /proc/*/cmdline
+        spec = json.loads(f.read())
     status_fd = spec["status_fd"]
     mode = spec["mode"]
     parent = os.getppid()
@@ -237,13 +371,12 @@ def main():
         if mode == "none":
             _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
             _emit(status_fd, {"event": "ready", "mode": mode})
-            _child = os.fork()
-            if _child == 0:
+            if _fork_child() == 0:
                 exec_tool(spec, status_fd)
-            _, status = os.waitpid(_child, 0)
+            _, status, usage = os.wait4(_child, 0)
             _child = 0
             reap_orphans()
-            _emit(status_fd, _exit_event(status))
+            _emit(status_fd, {**_exit_event(status), "cpu_s": usage.ru_utime + usage.ru_stime})
             return 0
         try:
             uid, gid = os.getuid(), os.getgid()
@@ -253,9 +386,7 @@ def main():
         except BaseException as err:  # noqa: BLE001
             _emit(status_fd, {"event": "setup_error", "error": f"{type(err).__name__}: {err}"})
             return 125
-        _child = os.fork()
-        if _child == 0:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if _fork_child() == 0:
             run_pid1(spec, status_fd)
         _, status = os.waitpid(_child, 0)
         _child = 0

@@ -1,11 +1,12 @@
 """A pool of sandboxed Python processes for tools (see `boot.py` for what a sandbox is).
 
-- Isolation is probed once at `start()`: "root" (namespaces + a dedicated uid per slot),
-  "userns" (namespaces inside a user namespace, for non-root users), or "none" (the OS refused
-  namespaces: rlimits, clean environment, private directory and process-group kill only; no
-  network or filesystem isolation). The fallback is logged as a warning and reported in
-  `stats()["isolation"]` and in every `SandboxResult.isolation`; `require_isolation` turns it
-  into an error instead.
+- Isolation is probed once at `start()`: "root" (namespaces + a dedicated uid per slot) when
+  running as root, which otherwise refuses to start (`SandboxUnavailable`, naming why; never a
+  weaker mode unless isolation=none is configured); for other users "userns" (namespaces inside
+  a user namespace), or "none" (the OS refused namespaces: rlimits, clean environment, private
+  directory and process-group kill only; no network or filesystem isolation), logged as a warning
+  (`require_isolation` turns it into an error). The mode is in `stats()["isolation"]` and in every
+  `SandboxResult.isolation`.
 - Fork bombs: RLIMIT_NPROC does not bind root, so as root each sandbox runs under its own
   uid (leased from `uid_base` up, exclusive across processes of the host: `uids.py`), where
   RLIMIT_NPROC does bind, inside its own pid namespace, whose
@@ -33,6 +34,7 @@ from hybridrl.agent.sandbox.uids import UidLease
 log = logging.getLogger(__name__)
 
 MODES = ("root", "userns", "none")
+SANDBOX_WORKDIR = "/tmp"          # the tool's private tmpfs, inside its own root (namespaces)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -163,6 +165,9 @@ class SandboxPool:
     async def _spawn(self, mode: str) -> SandboxProcess:
         slot = self._free_ids.pop(0)
         uid = self._uid(slot, mode)
+        # namespaces: the host directory becomes the tool's root (a tmpfs mounted over it inside the
+        # sandbox's own mount namespace) and its working directory is /tmp there; none: the tool
+        # works in host_dir/work
         host_dir = tempfile.mkdtemp(prefix="hybridrl-sbx-")
         workdir = os.path.join(host_dir, "work")
         os.mkdir(workdir, 0o700)
@@ -170,14 +175,16 @@ class SandboxPool:
             os.chmod(host_dir, 0o711)
             os.chown(workdir, uid, uid)
         c = self.cfg
+        spec_workdir = workdir if mode == "none" else SANDBOX_WORKDIR
         spec = {
             "mode": mode, "uid": uid, "gid": uid,
             "limits": {"cpu_s": c.cpu_s, "as_bytes": c.memory_mb << 20, "nproc": c.max_processes,
                        "nofile": c.max_open_files, "fsize_bytes": c.max_file_mb << 20},
-            "hidden": list(c.hidden_paths), "expose": self.expose, "stage_dir": host_dir,
-            "workdir": workdir, "tmpfs_bytes": c.tmpfs_mb << 20,
+            "visible": list(c.visible_paths), "hidden": list(c.hidden_paths), "expose": self.expose,
+            "stage_dir": host_dir, "workdir": spec_workdir,
+            "tmpfs_bytes": c.tmpfs_mb << 20,
             "argv": [self.python, "-I", "-S", "-c", RUNNER],
-            "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
+            "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": spec_workdir, "TMPDIR": spec_workdir,
                     "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
                     "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"},
         }
@@ -213,22 +220,37 @@ class SandboxPool:
                 log.warning("could not start a warm sandbox: %s", err)
                 return
 
+    def _as_root(self) -> bool:
+        return os.geteuid() == 0
+
     async def _probe(self) -> str:
+        """The isolation this pool runs with. As root: "root" or an error, never a weaker mode (a user
+        namespace's uid 0 would be the host's root; mode none would run tools with the host's
+        filesystem and network), unless isolation=none was asked for. Otherwise "userns", else
+        "none" with a warning (or an error with isolation=namespaces / require_isolation)."""
         cfg = self.cfg
-        problems = []
         if cfg.isolation != "none":
-            for mode in (["root"] if os.geteuid() == 0 else []) + ["userns"]:
-                problem = await self._try(mode)
+            if self._as_root():
+                problem = await self._try("root")
                 if problem is None:
-                    log.info("tool sandbox isolation: %s (namespaces: mount, net, pid, ipc, uts)", mode)
-                    return mode
-                problems.append(f"{mode}: {problem}")
-            detail = "; ".join(problems)
+                    log.info("tool sandbox isolation: root (namespaces: user-less mount, net, pid, ipc, uts; "
+                             "a uid per slot)")
+                    return "root"
+                raise SandboxUnavailable(
+                    f"tool sandbox: running as root, the sandbox must use isolation=root (namespaces and a "
+                    f"dedicated uid per slot), and it could not start here: {problem}. A user namespace would "
+                    f"map the tool to the host's root, so there is no fallback; fix the cause, or run the "
+                    f"trainer as an unprivileged user (isolation through user namespaces), or set "
+                    f"tools.isolation=none to accept tools WITHOUT filesystem or network isolation")
+            problem = await self._try("userns")
+            if problem is None:
+                log.info("tool sandbox isolation: userns (namespaces: user, mount, net, pid, ipc, uts)")
+                return "userns"
             if cfg.isolation == "namespaces" or cfg.require_isolation:
-                raise SandboxUnavailable(f"tool sandbox: namespaces are not available here ({detail})")
-            log.warning("tool sandbox: namespaces are not available (%s); falling back to isolation=none: "
+                raise SandboxUnavailable(f"tool sandbox: namespaces are not available here (userns: {problem})")
+            log.warning("tool sandbox: namespaces are not available (userns: %s); falling back to isolation=none: "
                         "rlimits, clean environment and private directory only, NO network or filesystem "
-                        "isolation", detail)
+                        "isolation", problem)
         if self._none_drops_uid and (problem := await self._try("none")) is not None:
             self._none_drops_uid = False
             log.warning("tool sandbox: isolation=none cannot run %s as an unprivileged uid (%s); tools run "

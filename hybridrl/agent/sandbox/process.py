@@ -51,6 +51,8 @@ class SandboxResult:
     setup_error: str | None = None     # the sandbox could not be built (not the tool's fault)
     wall_s: float = 0.0
     isolation: str = "none"
+    cpu_s: float | None = None         # the tool's CPU time, measured by its (trusted) parent
+    cpu_limit_s: float | None = None   # its RLIMIT_CPU
 
     @property
     def ok(self) -> bool:
@@ -59,16 +61,21 @@ class SandboxResult:
 
     @property
     def limit_hit(self) -> str | None:
-        """Which limit stopped the tool, if one did: wall_clock | output | cpu | memory | file_size."""
+        """Which limit stopped the tool, decided only from what the trusted side observed (its own
+        timers, the output budget, the exit signal and the CPU time measured by the tool's parent),
+        never from the tool's output, which the tool controls: wall_clock | output | cpu | file_size.
+
+        Running out of address space (RLIMIT_AS) is an allocation failure inside the tool (Python's
+        MemoryError): the tool sees and may print it, but nothing outside the tool can tell it from a
+        program that prints the same text, so it is not reported as a limit here."""
         if self.timed_out:
             return "wall_clock"
         if self.output_truncated:
             return "output"
-        if self.signal in (signal.SIGXCPU, signal.SIGKILL):
+        if (self.signal in (signal.SIGXCPU, signal.SIGKILL) and self.cpu_s is not None
+                and self.cpu_limit_s is not None and self.cpu_s >= 0.9 * self.cpu_limit_s):
             return "cpu"
-        if "MemoryError" in self.stderr:
-            return "memory"
-        if "File too large" in self.stderr or self.signal == signal.SIGXFSZ:
+        if self.signal == signal.SIGXFSZ:
             return "file_size"
         return None
 
@@ -116,29 +123,55 @@ class SandboxProcess:
         self.pipes = pipes                      # name -> (transport, _Capture)
         self.stdin = stdin
         self.budget: _Budget = pipes["stdout"][1].budget
+        self.cpu_limit_s: float | None = None
 
     @classmethod
     async def spawn(cls, python: str, spec: dict[str, Any], *, max_output_bytes: int) -> "SandboxProcess":
         """Start boot with `spec` (its "status_fd" is filled in here); the tool then waits for code."""
         loop = asyncio.get_running_loop()
         status_r, status_w = os.pipe()
+        spec_r, spec_w = os.pipe()
         try:
+            # the spec goes over a pipe (it fits in the pipe's buffer), not argv: nothing in the
+            # sandbox can read it from /proc/*/cmdline
+            data = json.dumps({**spec, "status_fd": status_w}).encode()
+            if len(data) > 60000:
+                raise ValueError(f"sandbox spec of {len(data)} bytes is too large for a pipe")
+            os.write(spec_w, data)
+            os.close(spec_w)
+            spec_w = -1
             popen = subprocess.Popen(
-                [python, "-I", "-S", BOOT, json.dumps({**spec, "status_fd": status_w})],
+                [python, "-I", "-S", BOOT, str(spec_r)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env={"PATH": "/usr/bin:/bin"}, cwd="/", pass_fds=(status_w,), start_new_session=True)
+                env={"PATH": "/usr/bin:/bin"}, cwd="/", pass_fds=(status_w, spec_r), start_new_session=True)
         except BaseException:
             os.close(status_r)
             raise
         finally:
             os.close(status_w)                  # only the sandbox holds the write end now
+            os.close(spec_r)
+            if spec_w >= 0:
+                os.close(spec_w)
         budget = _Budget(max_output_bytes)
         pipes = {}
-        for name, fileobj, cap in (("stdout", popen.stdout, budget), ("stderr", popen.stderr, budget),
-                                   ("status", os.fdopen(status_r, "rb", 0), None)):
-            pipes[name] = await loop.connect_read_pipe(lambda cap=cap: _Capture(cap), fileobj)
-        stdin, _ = await loop.connect_write_pipe(asyncio.Protocol, popen.stdin)
-        return cls(popen, spec["mode"], spec["stage_dir"], spec["uid"], pipes, stdin)
+        status = os.fdopen(status_r, "rb", 0)
+        try:
+            for name, fileobj, cap in (("stdout", popen.stdout, budget), ("stderr", popen.stderr, budget),
+                                       ("status", status, None)):
+                pipes[name] = await loop.connect_read_pipe(lambda cap=cap: _Capture(cap), fileobj)
+            stdin, _ = await loop.connect_write_pipe(asyncio.Protocol, popen.stdin)
+        except BaseException:
+            # cancelled (e.g. the event loop of a warm-up ends) or out of fds between Popen and the
+            # pipes: nobody else knows this process, so it is ended and reaped here
+            for transport, _ in pipes.values():
+                transport.close()
+            status.close()
+            _end_boot(popen, spec["mode"], spec["uid"])
+            shutil.rmtree(spec["stage_dir"], ignore_errors=True)
+            raise
+        sbx = cls(popen, spec["mode"], spec["stage_dir"], spec["uid"], pipes, stdin)
+        sbx.cpu_limit_s = spec["limits"]["cpu_s"]
+        return sbx
 
     @property
     def alive(self) -> bool:
@@ -146,7 +179,9 @@ class SandboxProcess:
 
     async def execute(self, code: str, timeout_s: float) -> SandboxResult:
         started = time.monotonic()
-        self.stdin.write(code.encode())
+        # a lone surrogate in the code is the program's problem (Python reports it as a SyntaxError
+        # the policy sees), not an exception of ours
+        self.stdin.write(code.encode("utf-8", "surrogatepass"))
         self.stdin.close()
         ended = self.pipes["status"][1].closed
         overflow = asyncio.ensure_future(self.budget.overflow.wait())
@@ -175,25 +210,22 @@ class SandboxProcess:
             exit_code=None if killed or exit_event is None else exit_event["code"],
             signal=signal.SIGKILL if killed else (exit_event or {}).get("signal"),
             timed_out=timed_out, output_truncated=truncated, setup_error=setup,
-            wall_s=time.monotonic() - started, isolation=self.mode)
+            wall_s=time.monotonic() - started, isolation=self.mode,
+            cpu_s=(exit_event or {}).get("cpu_s"), cpu_limit_s=self.cpu_limit_s)
 
     def kill(self) -> None:
-        """Namespaces: SIGKILL the group (pid 1 dies, so does its namespace). Mode none: SIGTERM
-        boot, which kills and reaps every descendant; `close` escalates if it does not finish."""
-        sig = signal.SIGTERM if self.mode == "none" else signal.SIGKILL
+        """Ask boot to end the sandbox (SIGTERM): it SIGKILLs pid 1 (namespaces) or the tool and its
+        descendants (mode none) and exits only once they are reaped, so the end of the status
+        channel means nothing of the sandbox is left. `close` escalates if boot does not finish."""
         try:
-            os.killpg(self.popen.pid, sig) if sig == signal.SIGKILL else self.popen.send_signal(sig)
+            self.popen.send_signal(signal.SIGTERM)
         except (ProcessLookupError, PermissionError):
             pass
 
     def _kill_all(self) -> None:
-        """SIGKILL the sandbox's process group (without namespaces also every process of its uid)."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if self.mode == "none" and self.uid >= 0:
-            kill_uid(self.uid)
+        """Last resort: SIGKILL the sandbox's process group (without namespaces also every
+        process of its uid)."""
+        _kill_group(self.popen, self.mode, self.uid)
 
     async def close(self) -> None:
         """End the sandbox if still running, reap it, release pipes and the host directory."""
@@ -201,7 +233,8 @@ class SandboxProcess:
         if not ended.done():
             self.kill()
             try:
-                await asyncio.wait_for(asyncio.shield(ended), timeout=2.0)
+                # generous: a loaded machine may take seconds to schedule boot and reap pid 1
+                await asyncio.wait_for(asyncio.shield(ended), timeout=KILL_GRACE_S)
             except asyncio.TimeoutError:
                 self._kill_all()
         for name in ("stdout", "stderr"):               # normally closed with the last process
@@ -212,19 +245,20 @@ class SandboxProcess:
                 transport.close()
         self.pipes["status"][0].close()
         self.stdin.close()
-        for _ in range(2000):                            # boot exits right after its last write
-            if self.popen.poll() is not None:
+        deadline = time.monotonic() + KILL_GRACE_S
+        while self.popen.poll() is None:                 # boot exits right after its last write
+            if time.monotonic() > deadline:
+                self._kill_all()
+                self.popen.wait()
                 break
-            await asyncio.sleep(0.001)
-        else:
-            self.popen.kill()
-            self.popen.wait()
+            await asyncio.sleep(0.002)
         shutil.rmtree(self.host_dir, ignore_errors=True)
 
-
     def abandon(self) -> None:
-        """End the sandbox without an event loop (its loop is gone): kill, reap, release."""
-        self._kill_all()
+        """End the sandbox without an event loop (its loop is gone): kill, reap, release. Returns
+        only when boot has exited, and boot exits only after pid 1 (and with it every process of
+        the namespace) is reaped."""
+        _end_boot(self.popen, self.mode, self.uid)
         for transport, _ in self.pipes.values():
             try:
                 transport.close()
@@ -233,8 +267,34 @@ class SandboxProcess:
         for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             if pipe is not None:
                 pipe.close()
-        self.popen.wait()
         shutil.rmtree(self.host_dir, ignore_errors=True)
+
+
+KILL_GRACE_S = 10.0
+
+
+def _kill_group(popen: subprocess.Popen, mode: str, uid: int) -> None:
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if mode == "none" and uid >= 0:
+        kill_uid(uid)
+
+
+def _end_boot(popen: subprocess.Popen, mode: str, uid: int) -> None:
+    """Synchronously: SIGTERM boot and wait for it (it reaps the sandbox before it exits); SIGKILL
+    the group only if it does not finish within KILL_GRACE_S."""
+    if popen.poll() is None:
+        try:
+            popen.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            popen.wait(timeout=KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            _kill_group(popen, mode, uid)
+            popen.wait()
 
 
 def kill_uid(uid: int) -> int:

@@ -20,7 +20,15 @@ class CalculatorTool:
              "required": ["expression"]})
 
     async def __call__(self, arguments: dict[str, Any]) -> ToolResult:
-        text, ok = calculate(arguments["expression"], max_chars=self.max_chars)
+        expression = arguments.get("expression")
+        if not isinstance(expression, str):
+            return ToolResult("error: 'expression' must be a string", False, "expression is not a string")
+        try:
+            text, ok = calculate(expression, max_chars=self.max_chars)
+        except (ArithmeticError, ValueError, RecursionError, MemoryError) as err:
+            # the evaluator is a pure function of the policy's expression: whatever it raises, the
+            # expression caused it; the policy sees the error and is scored on it (never INFRA_INVALID)
+            text, ok = f"error: cannot evaluate this expression ({type(err).__name__})", False
         return ToolResult(text, ok, None if ok else text[len("error: "):])
 
 

@@ -21,7 +21,12 @@ class PythonTool:
              "required": ["code"]})
 
     async def __call__(self, arguments: dict[str, Any]) -> ToolResult:
-        r = await self.pool.run(arguments["code"])
+        code = arguments.get("code")
+        if not isinstance(code, str):
+            return ToolResult("error: 'code' must be a string", False, "code is not a string")
+        # whatever the code is (bad syntax, lone surrogates, ...), the sandbox runs it and the policy
+        # sees Python's error: only a sandbox that cannot start is an infrastructure error
+        r = await self.pool.run(code)
         meta = {"exit_code": r.exit_code, "signal": r.signal, "limit": r.limit_hit, "isolation": r.isolation,
                 "sandbox_wall_s": r.wall_s}
         if r.setup_error is not None:
