@@ -32,6 +32,7 @@ class LeasedEnvSession:
         self.episode_key, self.cfg = episode_key, cfg
         self.lease: Lease | None = None
         self.seq = 0
+        self.recorded = 0
         self.retries = 0
         self._renewed = 0.0
 
@@ -42,7 +43,10 @@ class LeasedEnvSession:
     async def reset(self) -> str | None:
         self.lease = await asyncio.to_thread(self.service.reset, self.task, self.instance, self.seed,
                                              episode_key=self.episode_key)
-        self.seq = self.lease.last_seq
+        # The agent loop runs an episode from its first turn: after a crash it sends the same actions
+        # under the same keys again (seq 1, 2, ...), answered from the record up to `recorded`.
+        self.recorded = self.lease.last_seq
+        self.seq = 0
         self._renewed = time.monotonic()
         return self.lease.observation
 

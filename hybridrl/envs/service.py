@@ -4,7 +4,8 @@
   issues an episode id, a capability token (only its hash is stored) and a lease (TTL). A
   retried reset with the same `episode_key` (same task, instance and seed) returns the same
   episode with a fresh token (the old token stops working), so an ambiguous reset never creates a
-  second episode. A reset that reuses an episode key with a different task, instance or seed is
+  second episode; a closed or reclaimed episode reopens (its state is in the database), so a
+  client that runs the episode again after a crash replays its recorded steps by key. A reset that reuses an episode key with a different task, instance or seed is
   refused (`EpisodeKeyConflict`) and changes nothing: the first client's token keeps working.
 - `step(episode_id, token, action, seq_no, idempotency_key)`: a known idempotency key returns
   the recorded result without executing again (a different action under the same key is a
@@ -287,12 +288,21 @@ class EnvService:
                             f"episode key {episode_key!r} already names episode {row['episode_id']} with a "
                             f"different {' and '.join(what)} (task {row['task']!r}, seed {row['seed']}); an episode "
                             f"key must be unique per (task, instance, seed): derive it from all three")
-                    if row["status"] != ACTIVE:
-                        raise LeaseError(f"episode {row['episode_id']} ({episode_key}) is {row['status']}")
+                    if row["status"] == FAILED:
+                        raise EnvStepError(f"episode {row['episode_id']} ({episode_key}) failed: {row['error']}")
+                    # a closed or reclaimed episode reopens (its state is in the database): a client that
+                    # runs the episode again after a crash gets its recorded steps back, never re-executed
+                    status = row["status"]
+                    if status in (CLOSED, RECLAIMED):
+                        last = self._row("SELECT result FROM transitions WHERE episode_id = ? AND phase = ? "
+                                         "ORDER BY seq_no DESC LIMIT 1", row["episode_id"], COMMITTED)
+                        status = DONE if last is not None and json.loads(last["result"]).get("done") else ACTIVE
                     expires = now + self.lease_ttl_s
-                    self.db.execute("UPDATE episodes SET token_hash = ?, lease_expires = ?, updated = ? "
-                                    "WHERE episode_id = ?", (_hash(token), expires, now, row["episode_id"]))
-                    self._insert_event(row["episode_id"], "reset_retry", "token rotated")
+                    self.db.execute("UPDATE episodes SET token_hash = ?, lease_expires = ?, status = ?, updated = ? "
+                                    "WHERE episode_id = ?", (_hash(token), expires, status, now, row["episode_id"]))
+                    self._insert_event(row["episode_id"], "reset_retry",
+                                       "token rotated" + (f"; reopened ({row['status']})" if status != row["status"]
+                                                          else ""))
                     return Lease(row["episode_id"], token, expires, row["observation"], row["last_seq"])
             episode_id = secrets.token_hex(8)
             env = self.make_env(task, instance)

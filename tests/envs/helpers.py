@@ -109,5 +109,79 @@ def serve(db_path: str) -> None:
         print(json.dumps(out), flush=True)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1] != "rollout":       # python -m tests.envs.helpers DB
     serve(sys.argv[1])
+
+
+class CountingEnv:
+    """A task's environment whose every executed step appends (task id, seed, seq) to $HYBRIDRL_TEST_EXEC_LOG;
+    with $HYBRIDRL_TEST_KILL_AT=K the process SIGKILLs itself as its K-th step begins."""
+
+    executed = 0
+
+    def __init__(self, inner, task_id: str):
+        self.inner, self.task_id, self.steps, self.seed = inner, task_id, 0, 0
+        self.pure = getattr(inner, "pure", False)
+
+    def reset(self, instance, seed):
+        self.steps, self.seed = 0, seed                  # the seed tells the attempts of one task apart
+        return self.inner.reset(instance, seed)
+
+    def step(self, action):
+        CountingEnv.executed += 1
+        if CountingEnv.executed == int(os.environ.get("HYBRIDRL_TEST_KILL_AT", "0")):
+            os.kill(os.getpid(), 9)
+        self.steps += 1
+        with open(os.environ["HYBRIDRL_TEST_EXEC_LOG"], "a") as f:
+            f.write(json.dumps([self.task_id, self.seed, self.steps]) + "\n")
+        return self.inner.step(action)
+
+    def state_dict(self):
+        return {"inner": self.inner.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state["inner"])
+        self.steps = state["steps"]
+
+    def close(self):
+        self.inner.close()
+
+
+def counting_make_env(task: str, instance: TaskInstance):
+    from hybridrl.envs.service import default_make_env
+
+    return CountingEnv(default_make_env(task, instance), instance.task_id)
+
+
+def guess_number_rollout(db_path, tokenizer, *, make_env=None, step: int = 7):
+    """Guess-number episodes (4 tasks x 2) through the leased service with a deterministic player
+    (binary search on the feedback): what one RL step's rollout does. Returns the trajectories."""
+    import asyncio
+    import re
+
+    from hybridrl.agent.config import AgentConfig
+    from hybridrl.agent.loop import AgentRunner
+    from hybridrl.agent.testing import ScriptedEngine
+    from hybridrl.agent.tools.base import ToolBox
+    from hybridrl.envs.client import LeasedEnvProvider
+    from hybridrl.envs.service import EnvService
+    from hybridrl.envs.tasks import get_task
+
+    def bisect(ids, turn):
+        text = tokenizer.decode(ids)
+        lo, hi = 1, 100
+        for guess, hint in re.findall(r"<answer>(\d+)</answer><\|im_end\|>\n<\|im_start\|>user\n(\w+)", text):
+            lo, hi = (int(guess) + 1, hi) if hint == "higher" else (lo, int(guess) - 1)
+        return f"<answer>{(lo + hi) // 2}</answer>"
+
+    task = get_task("guess_number")
+    svc = EnvService(db_path, make_env=make_env or counting_make_env)
+    runner = AgentRunner(ScriptedEngine(tokenizer, bisect), tokenizer, agent_cfg=AgentConfig(max_turns=8),
+                         tools=ToolBox([]), run_id="run", seed=3, envs=LeasedEnvProvider(svc))
+    return asyncio.run(runner.run(task.train_split(4, seed=0), task=task, group_size=2, step=step))
+
+
+if __name__ == "__main__" and sys.argv[1] == "rollout":       # python -m tests.envs.helpers rollout DB TOKENIZER
+    from transformers import AutoTokenizer
+
+    guess_number_rollout(sys.argv[2], AutoTokenizer.from_pretrained(sys.argv[3]))
