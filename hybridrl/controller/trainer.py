@@ -38,8 +38,10 @@ def train(cfg, wg) -> dict:
 
         with timer("sync"):
             switch = wg.call(HybridWorker.enter_rollout, version=run.version, step=step)
+        run.faults.at(step, "switch")
         with timer("rollout"):
             trajectories = from_batch(wg.call(HybridWorker.rollout, M.episode_rows(instances, tc.group_size, step)))
+        run.faults.at(step, "rollout")
         with timer("sync"):
             switch.update(wg.call(HybridWorker.enter_train))
 
@@ -62,6 +64,7 @@ def train(cfg, wg) -> dict:
 
         with timer("train"):
             update = wg.call(HybridWorker.train_step, batch)[0] if batch is not None else {}
+        run.faults.at(step, "train")
         if batch is not None:
             run.version += 1
 
@@ -76,6 +79,7 @@ def train(cfg, wg) -> dict:
         if step == tc.total_steps or (tc.validate_every and step % tc.validate_every == 0):
             metrics.update(validate(cfg, wg, run, step))
         run.log(step, metrics, samples=trajectories)
+        run.faults.at(step, "log")
         bar.set_postfix_str(M.postfix(metrics))
         if tc.checkpoint_every and step % tc.checkpoint_every == 0:
             run.save_checkpoint(wg, step)
