@@ -37,6 +37,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     try:
         recipe, overrides = recipe_and_overrides(args.recipe_args, args.config, extra=args.job_overrides)
+        if args.inject:
+            overrides = [*overrides, f"trainer.inject=[{','.join(args.inject)}]"]
         cfg = load_config(recipe, overrides)
         notes = preflight(cfg, overwrite=args.overwrite)
         if args.overwrite and not args.check and cfg.run.job in rundir.JOBS:
@@ -48,7 +50,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"hybridrl: {note}", file=sys.stderr)
     nproc = args.nproc_per_node or cfg.distributed.nproc_per_node
+    restarts = cfg.trainer.max_restarts if cfg.run.job == "rl" else 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           *([f"--max-restarts={restarts}"] if restarts else []),
            "-m", "hybridrl.train", *(["--config", recipe] if recipe else []), *overrides]
     if args.check:
         print(f"hybridrl: checked {recipe or 'the defaults'}: config, model, task and run.dir are ready "
@@ -155,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="remove an earlier run's outputs from run.dir first (else a finished run, a run without "
                             "a checkpoint or another run's checkpoint there is refused)")
         p.add_argument("--check", action="store_true", help="check the config and the run's inputs; start nothing")
+        p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:MOMENT]",
+                       help="inject a fault (kill_job, kill_rank[N] at switch|rollout|train|log|checkpoint), "
+                            "once per run directory: what trainer.inject sets")
         p.set_defaults(func=_cmd_train, job_overrides=job)
 
     p = sub.add_parser("config", help="inspect configuration")

@@ -5,7 +5,8 @@
 The config is loaded and validated, and the run's inputs checked (`hybridrl.preflight`: model
 files, the task, what happens to run.dir), before any process group starts: a bad recipe or a
 missing input exits with code 2 and one line naming it. Exit codes: 0 done, 1 the run failed (every rank exits),
-2 bad configuration.
+2 bad configuration. When torchrun restarts the ranks (`trainer.max_restarts`), an RL run resumes
+from its newest complete checkpoint (TORCHELASTIC_RESTART_COUNT > 0 forces `trainer.resume=auto`).
 """
 
 from __future__ import annotations
@@ -97,6 +98,19 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+def _restart_resume(cfg) -> str:
+    """torchrun restarted the ranks (trainer.max_restarts): continue from the newest complete
+    checkpoint; without one, start over (the failed attempt moves to <run.dir>.old-N)."""
+    from hybridrl.store.checkpoints import CheckpointManager
+
+    restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    how = "auto" if CheckpointManager(cfg.run.dir).latest() is not None else "never"
+    if os.environ.get("RANK", "0") == "0":
+        print(f"hybridrl: restart {restart} of at most {cfg.trainer.max_restarts}: trainer.resume={how}",
+              file=sys.stderr)
+    return how
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from hybridrl.controller import rundir
     from hybridrl.preflight import PreflightError, preflight
@@ -104,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if cfg.run.job == "rl" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            cfg = load_config(args.config, [*args.overrides, f"trainer.resume={_restart_resume(cfg)}"])
         preflight(cfg)            # every rank, before the process group: a bad input stops them all
     except (ConfigError, PreflightError) as err:
         print(f"hybridrl: {err}", file=sys.stderr)

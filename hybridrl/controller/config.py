@@ -23,6 +23,11 @@ class TrainerConfig:
                                "the earlier run moved to <run.dir>.old-N | PATH: that checkpoint")
     export_hf: bool = knob(True, "write the final policy as an HF directory to <run.dir>/hf")
     log_samples: int = knob(2, "trajectories per step written to <run.dir>/samples.jsonl (decoded)")
+    max_restarts: int = knob(0, "torchrun restarts every rank this many times after a rank fails; a restarted "
+                                "run resumes from its newest complete checkpoint (or starts over without one)")
+    inject: list[str] = knob(help="fault injection, KIND@STEP[:MOMENT] (kill_job, kill_rank[N]; moments switch, "
+                                  "rollout, train, log, checkpoint): see hybridrl/controller/faults.py",
+                             factory=list)
 
     def __post_init__(self) -> None:
         for name in ("total_steps", "prompts_per_step", "group_size"):
@@ -30,5 +35,12 @@ class TrainerConfig:
         for name in ("validate_every", "checkpoint_every", "log_samples"):
             check_positive(name, getattr(self, name), allow_zero=True)
         check_positive("keep_checkpoints", self.keep_checkpoints)
+        check_positive("max_restarts", self.max_restarts, allow_zero=True)
+        from hybridrl.controller.faults import check
+
+        try:
+            check(self.inject, checkpoint_every=self.checkpoint_every)
+        except ValueError as err:
+            raise ConfigValueError("inject", str(err)) from None
         if self.validation_temperature < 0:
             raise ConfigValueError("validation_temperature", f"must be >= 0, got {self.validation_temperature}")

@@ -33,7 +33,7 @@ from hybridrl.telemetry.metrics import read_metrics
 RECORD = "run.json"
 # What runs write into run.dir (what --overwrite removes; nothing else in the directory is touched).
 OUTPUTS = ("run.json", "config.json", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "hf",
-           "offload", "envs.sqlite", "envs.sqlite-wal", "envs.sqlite-shm")
+           "offload", "envs.sqlite", "envs.sqlite-wal", "envs.sqlite-shm", "faults.jsonl")
 # What a start that died before its first step leaves and a fresh start would append to.
 LEFTOVERS = ("run.json", "metrics.jsonl", "samples.jsonl", "tensorboard")
 # config.json keys that fix the shapes of a checkpoint's tensors

@@ -16,6 +16,7 @@ from typing import Any
 
 from hybridrl.config.loader import to_dict
 from hybridrl.controller import rundir
+from hybridrl.controller.faults import Injector
 from hybridrl.data.stream import Cursor, ShuffledStream
 from hybridrl.store.checkpoints import CheckpointManager, capture_rng, restore_rng
 from hybridrl.telemetry.metrics import MetricsLogger, read_metrics, truncate_after
@@ -37,6 +38,7 @@ class RunState:
     identity: dict = field(default_factory=dict)      # task, model, shapes: what a checkpoint belongs to
     counters: dict = field(default_factory=dict)
     resumed_from: str | None = None
+    faults: Injector | None = None
     _ledger: Any = None
 
     @property
@@ -61,7 +63,11 @@ class RunState:
         if tc.prompts_per_step % rollout_dp:
             raise ValueError(f"trainer.prompts_per_step={tc.prompts_per_step} must be a multiple of the rollout "
                              f"data-parallel size ({rollout_dp}) so that every group stays on one engine")
+        fired = run_dir / "faults.jsonl"    # injected faults fire once, even if the run starts over
+        fired_before = fired.read_text() if fired.exists() else None
         plan = rundir.prepare(cfg)       # refuses another run's checkpoint; moves an old run aside if told
+        if fired_before is not None and not fired.exists():
+            fired.write_text(fired_before)
         if plan.note and plan.action != "resume":
             log.info("%s", plan.note)
         checkpoints = CheckpointManager(run_dir, keep=tc.keep_checkpoints)
@@ -83,7 +89,8 @@ class RunState:
                    validation=task.validation_split(),
                    logger=MetricsLogger(run_dir, resume_from_step=step if source is not None else None),
                    checkpoints=checkpoints, tokenizer=tokenizer, identity=rundir.identity(cfg),
-                   resumed_from=str(source) if source is not None else None)
+                   resumed_from=str(source) if source is not None else None,
+                   faults=Injector(tc.inject, run_dir, checkpoint_every=tc.checkpoint_every))
 
     def log(self, step: int, metrics: dict, samples: list | None = None) -> None:
         self.step = step
@@ -97,7 +104,8 @@ class RunState:
         state = {"policy_version": self.version, "data_cursor": self.stream.state(), "rng": capture_rng(),
                  "config": to_dict(self.cfg), "identity": self.identity}
         path = self.checkpoints.save(step, state, lambda model_dir: wg.call(
-            HybridWorker.save_checkpoint, path=str(model_dir), extra={"step": step, "policy_version": self.version}))
+            HybridWorker.save_checkpoint, path=str(model_dir), extra={"step": step, "policy_version": self.version}),
+            before_complete=lambda: self.faults.at(step, "checkpoint"))
         log.info("checkpoint step %d -> %s", step, path)
         return path
 

@@ -44,8 +44,10 @@ def train(cfg, wg) -> dict:
 
         with timer("sync"):
             switch = wg.call(HybridWorker.enter_rollout, version=run.version, step=step)
+        run.faults.at(step, "switch")
         with timer("rollout"):
             trajectories = from_batch(wg.call(HybridWorker.rollout, M.episode_rows(instances, tc.group_size, step)))
+        run.faults.at(step, "rollout")
         with timer("sync"):
             switch.update(wg.call(HybridWorker.enter_train))
 
@@ -68,6 +70,7 @@ def train(cfg, wg) -> dict:
                 record_rows(kept.kept, outs, layout)
                 if cfg.store.enabled:       # the ledger keeps per-token old logprobs and advantages
                     attach_lineage(batch, wg.call(HybridWorker.update_lineage), wg.mesh("train"), layout)
+        run.faults.at(step, "train")
         if batch is not None:
             run.version += 1
 
@@ -86,6 +89,7 @@ def train(cfg, wg) -> dict:
             version_after=run.version, metrics=metrics,
             checkpoint=str(run.checkpoints.path(step)) if tc.checkpoint_every and step % tc.checkpoint_every == 0 else None)
         run.log(step, metrics, samples=trajectories)
+        run.faults.at(step, "log")
         bar.set_postfix_str(M.postfix(metrics))
         if tc.checkpoint_every and step % tc.checkpoint_every == 0:
             run.save_checkpoint(wg, step)

@@ -70,6 +70,13 @@ def init_distributed(cfg: DistributedConfig) -> DistContext:
     timeout = timedelta(seconds=cfg.init_timeout_s)
     if not dist.is_initialized():
         kwargs = {"device_id": device} if device.type == "cuda" else {}
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart > 0:
+            # torchrun restarted the ranks: its store keeps the earlier attempt's keys, under which
+            # sub-groups would find the dead ranks' addresses. Each attempt gets its own prefix.
+            store = dist.PrefixStore(f"hybridrl-attempt-{restart}/", dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout))
+            kwargs["store"] = store
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     # Collectives and p2p of the data plane may legitimately wait for long steps on other ranks;
     # a dead peer is found by the watchdog, not by these timeouts.

@@ -3,7 +3,11 @@ deterministic idempotency keys, ambiguous-timeout handling and lease renewal.
 
 A step that does not answer within `step_timeout_s` is ambiguous: it may have executed. The
 session then asks `action_status` for its idempotency key; only if the service has no record
-does it send the step again (same key, same sequence number), up to `max_retries` times.
+does it send the step again (same key, same sequence number), up to `max_retries` times. A step
+the service answers with a retryable refusal (a locked database before or after executing,
+another service process executing it) is sent again under the same key after a short backoff:
+the service guarantees the key executes at most once. A step in doubt (its executor died
+mid-step) or recorded as failed raises: the episode is an infrastructure failure.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import time
 from typing import Any
 
 from hybridrl.envs.config import EnvServiceConfig
-from hybridrl.envs.service import EnvService, EnvServiceError, Lease, StepReply
+from hybridrl.envs.service import EnvService, EnvServiceError, Lease, RetryableStepError, StepReply
 from hybridrl.data.episode import TaskInstance, Transition
 from hybridrl.envs.tasks.base import Task
 
@@ -28,6 +32,7 @@ class LeasedEnvSession:
         self.episode_key, self.cfg = episode_key, cfg
         self.lease: Lease | None = None
         self.seq = 0
+        self.recorded = 0
         self.retries = 0
         self._renewed = 0.0
 
@@ -38,7 +43,10 @@ class LeasedEnvSession:
     async def reset(self) -> str | None:
         self.lease = await asyncio.to_thread(self.service.reset, self.task, self.instance, self.seed,
                                              episode_key=self.episode_key)
-        self.seq = self.lease.last_seq
+        # The agent loop runs an episode from its first turn: after a crash it sends the same actions
+        # under the same keys again (seq 1, 2, ...), answered from the record up to `recorded`.
+        self.recorded = self.lease.last_seq
+        self.seq = 0
         self._renewed = time.monotonic()
         return self.lease.observation
 
@@ -56,11 +64,18 @@ class LeasedEnvSession:
             except asyncio.TimeoutError:
                 self.retries += 1
                 log.warning("env step %s timed out (attempt %d): querying its status", key, attempt + 1)
-                reply = await asyncio.to_thread(self.service.action_status, self.lease.episode_id,
-                                                self.lease.token,
-                                                key)
+                try:
+                    reply = await asyncio.to_thread(self.service.action_status, self.lease.episode_id,
+                                                    self.lease.token, key)
+                except RetryableStepError as err:
+                    log.warning("env step %s: %s", key, err)
+                    reply = None
                 if reply is not None:
                     break
+            except RetryableStepError as err:         # nothing runs twice: the same key is answered or executed once
+                self.retries += 1
+                log.warning("env step %s (attempt %d): %s; retrying the same key", key, attempt + 1, err)
+                await asyncio.sleep(min(0.05 * 2 ** attempt, 2.0))
         if reply is None:
             raise EnvServiceError(f"env step {key}: no answer after {self.cfg.max_retries + 1} attempts")
         self.seq = seq

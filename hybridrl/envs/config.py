@@ -47,11 +47,14 @@ class EnvServiceConfig:
     db_path: str = knob("${run.dir}/envs.sqlite", "SQLite file (WAL) holding episodes and transitions")
     lease_ttl_s: float = knob(300.0, "a lease not renewed for this long expires and its episode is reclaimed")
     synchronous: str = knob("full", "SQLite durability: full (survives power loss) | normal (process crash)")
+    busy_timeout_s: float = knob(10.0, "how long a service process waits for the database's write lock before "
+                                       "refusing a step (retryable: the client sends the same key again)")
     step_timeout_s: float = knob(30.0, "client side: a step slower than this is an ambiguous timeout")
     max_retries: int = knob(3, "client side: retries of an ambiguous step (after querying its status)")
 
     def __post_init__(self) -> None:
         check_positive("lease_ttl_s", self.lease_ttl_s)
         check_choice("synchronous", self.synchronous, ("full", "normal"))
+        check_positive("busy_timeout_s", self.busy_timeout_s)
         check_positive("step_timeout_s", self.step_timeout_s)
         check_positive("max_retries", self.max_retries, allow_zero=True)

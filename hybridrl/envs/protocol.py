@@ -13,6 +13,10 @@ from hybridrl.data.episode import TaskInstance, Transition
 
 
 class Environment(Protocol):
+    # Optional class attribute `pure = True`: step() changes nothing outside the object's own state
+    # (no files, no network, no processes), so the leased service may execute again a step whose
+    # executor died mid-step, from the last committed state. Without it such a step is refused.
+
     def reset(self, instance: TaskInstance, seed: int) -> str | None:
         """Start the episode; returns an extra observation for the prompt, or None."""
 

@@ -2,13 +2,32 @@
 
 - `reset(task, instance, seed, episode_key)` stores an immutable snapshot of the instance and
   issues an episode id, a capability token (only its hash is stored) and a lease (TTL). A
-  retried reset with the same `episode_key` returns the same episode with a fresh token (the
-  old token stops working), so an ambiguous reset never creates a second episode.
+  retried reset with the same `episode_key` (same task, instance and seed) returns the same
+  episode with a fresh token (the old token stops working), so an ambiguous reset never creates a
+  second episode; a closed or reclaimed episode reopens (its state is in the database), so a
+  client that runs the episode again after a crash replays its recorded steps by key. A reset that reuses an episode key with a different task, instance or seed is
+  refused (`EpisodeKeyConflict`) and changes nothing: the first client's token keeps working.
 - `step(episode_id, token, action, seq_no, idempotency_key)`: a known idempotency key returns
   the recorded result without executing again (a different action under the same key is a
   conflict); otherwise `seq_no` must be exactly the next one (duplicates and out-of-order
-  deliveries are rejected). The transition and the environment's state after it are committed
-  to SQLite (WAL) before the reply is returned; a step renews the lease.
+  deliveries are rejected). A step is three phases:
+    1. claim: in one `BEGIN IMMEDIATE` transaction (the database's write lock, so two service
+       processes on one file serialise here) the episode is read fresh, checked, and an intent
+       row (`pending`, owned by this process) is committed for (episode, seq_no, key);
+    2. execute: the environment steps, rebuilt from the committed state unless this process's
+       cached object is at exactly the database's last sequence number; its result and state
+       are serialised (a result that is not JSON fails the step here);
+    3. record: the result (or the recorded failure) and the environment's new state are
+       committed before the reply.
+  If phase 3 cannot write (a locked database), the outcome stays in memory and the retry of the
+  same key writes and returns it: never a second execution. If the environment raises in phase 2,
+  nothing is applied (the intent is withdrawn, the object rebuilt next time). A result that is
+  not JSON-serialisable is recorded as a failure of that step (the episode fails; retries get the
+  recorded error). An intent whose owner process died (a service killed mid-step) is *in
+  doubt*: the step may or may not have run. For an environment that declares `pure = True` (its
+  step touches nothing outside its own state) it is executed again from the committed state;
+  otherwise the step is refused with `StepInDoubt` and the episode fails: a side effect is never
+  applied twice.
 - `action_status(episode_id, token, idempotency_key)`: the recorded result of an action, or
   None if it never executed: what a client asks after an ambiguous timeout, before retrying.
 - Leases: `renew`, `close`; an expired lease makes its episode unusable and `reclaim_expired`
@@ -18,27 +37,34 @@
   of the last committed state), so nothing is ever re-executed.
 - Every decision (reset, step, replay, rejection, renewal, expiry, close) is appended to the
   `events` audit table.
+
+SQLite in WAL mode needs every process on one host (it is not safe on a network filesystem),
+which is what makes the owner check (pid and process start time) sound.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import logging
+import os
 import secrets
+import socket
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from hybridrl.data.episode import TaskInstance, Transition
 from hybridrl.envs.protocol import Environment
 
 log = logging.getLogger(__name__)
 
+SCHEMA_VERSION = 2
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS episodes (
     episode_id TEXT PRIMARY KEY,
@@ -52,6 +78,7 @@ CREATE TABLE IF NOT EXISTS episodes (
     last_seq INTEGER NOT NULL DEFAULT 0,
     state TEXT NOT NULL,
     observation TEXT,
+    error TEXT,
     created REAL NOT NULL,
     updated REAL NOT NULL
 );
@@ -61,7 +88,10 @@ CREATE TABLE IF NOT EXISTS transitions (
     seq_no INTEGER NOT NULL,
     idempotency_key TEXT NOT NULL,
     action TEXT NOT NULL,
-    result TEXT NOT NULL,
+    phase TEXT NOT NULL,              -- pending | committed | failed
+    owner TEXT NOT NULL,              -- the service process that claimed it (host:pid:start:nonce)
+    result TEXT,                      -- committed: the transition
+    error TEXT,                       -- failed: why
     created REAL NOT NULL,
     PRIMARY KEY (episode_id, seq_no),
     UNIQUE (episode_id, idempotency_key)
@@ -75,7 +105,8 @@ CREATE TABLE IF NOT EXISTS events (
 );
 """
 
-ACTIVE, DONE, CLOSED, RECLAIMED = "active", "done", "closed", "reclaimed"
+ACTIVE, DONE, CLOSED, RECLAIMED, FAILED = "active", "done", "closed", "reclaimed", "failed"
+PENDING, COMMITTED = "pending", "committed"
 
 
 class EnvServiceError(Exception):
@@ -94,12 +125,37 @@ class IdempotencyConflict(EnvServiceError):
     """A known idempotency key arrived with a different action or sequence number."""
 
 
+class EpisodeKeyConflict(EnvServiceError):
+    """A reset reused an episode key with a different task, instance or seed."""
+
+
 class EpisodeDone(EnvServiceError):
     """The environment already ended this episode."""
 
 
 class EnvStepError(EnvServiceError):
-    """The environment raised while stepping (an infrastructure fault; nothing was persisted)."""
+    """The environment raised while stepping (nothing was applied), or its step is recorded as failed."""
+
+
+class StepInDoubt(EnvServiceError):
+    """A step's owner process died between claiming and recording it: it may have executed, so it is
+    never executed again (the episode fails) unless the environment is pure."""
+
+
+class RetryableStepError(EnvServiceError):
+    """Retry the same idempotency key later: nothing will execute twice."""
+
+
+class DatabaseBusy(RetryableStepError):
+    """The database stayed locked past the busy timeout before the step executed."""
+
+
+class StepInProgress(RetryableStepError):
+    """Another live service process holds this step's intent."""
+
+
+class ResultNotWritten(RetryableStepError):
+    """The step executed but its record could not be written yet; the retry of the same key writes it."""
 
 
 @dataclass(frozen=True)
@@ -118,12 +174,49 @@ class StepReply:
     replayed: bool                   # True: the recorded result of an earlier execution
 
 
+@dataclass(frozen=True)
+class _Outcome:                      # an executed step, before (or if) its record is written
+    seq_no: int
+    action: str
+    result: str | None               # canonical JSON of the transition, or None when it failed
+    state: str | None
+    done: bool
+    error: str | None
+
+
 def _hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
 def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), None where unknown; with the
+    pid it names one process (pids are reused, start times with them are not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] in ("Z", "X"):                      # exited, not yet reaped: not alive
+        return "dead"
+    return fields[19]
+
+
+def _owner_alive(owner: str) -> bool:
+    host, pid, start, _ = owner.split(":", 3)
+    if host != socket.gethostname():
+        return True                                   # cannot tell; SQLite WAL is one host anyway
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    now = _start_time(int(pid))
+    return now != "dead" and (now is None or start == "?" or now == start)
 
 
 def default_make_env(task: str, instance: TaskInstance) -> Environment:
@@ -136,9 +229,11 @@ def default_make_env(task: str, instance: TaskInstance) -> Environment:
 
 
 class EnvService:
-    """Thread-safe (one lock); call from asyncio through `asyncio.to_thread` (see `client.py`)."""
+    """Thread-safe (one lock); call from asyncio through `asyncio.to_thread` (see `client.py`).
+    Several processes may open one database: the write lock and the intent rows keep them exact."""
 
     def __init__(self, db_path: str | Path, *, lease_ttl_s: float = 300.0, synchronous: str = "full",
+                 busy_timeout_s: float = 10.0,
                  make_env: Callable[[str, TaskInstance], Environment] = default_make_env,
                  clock: Callable[[], float] = time.time,
                  on_persisted: Callable[[str, int], None] | None = None):
@@ -148,122 +243,156 @@ class EnvService:
         self.make_env = make_env
         self.clock = clock
         self.on_persisted = on_persisted          # fault-injection point: after commit, before reply
+        self.owner = (f"{socket.gethostname()}:{os.getpid()}:{_start_time(os.getpid()) or '?'}:"
+                      f"{secrets.token_hex(4)}")
         self._lock = threading.Lock()
-        self._envs: dict[str, Environment] = {}
-        self.db = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None)
+        self._envs: dict[str, tuple[Environment, int]] = {}     # episode -> (object, seq it is at)
+        self._unwritten: dict[tuple[str, str], _Outcome] = {}   # executed, record not yet written
+        self.db = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None,
+                                  timeout=busy_timeout_s)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={synchronous.upper()}")
-        self.db.executescript(SCHEMA)
+        with self._transaction():
+            version = self.db.execute("PRAGMA user_version").fetchone()[0]
+            has_tables = self.db.execute("SELECT count(*) FROM sqlite_master WHERE name = 'episodes'").fetchone()[0]
+            if has_tables and version != SCHEMA_VERSION:
+                raise EnvServiceError(f"{self.db_path} was written by an older hybridrl (schema {version}, this "
+                                      f"one needs {SCHEMA_VERSION}); move it aside or set env.db_path elsewhere")
+            for statement in SCHEMA.split(";"):
+                if statement.strip():
+                    self.db.execute(statement)
+            self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     @classmethod
     def from_config(cls, cfg, **kwargs) -> "EnvService":
-        return cls(cfg.db_path, lease_ttl_s=cfg.lease_ttl_s, synchronous=cfg.synchronous, **kwargs)
+        return cls(cfg.db_path, lease_ttl_s=cfg.lease_ttl_s, synchronous=cfg.synchronous,
+                   busy_timeout_s=cfg.busy_timeout_s, **kwargs)
 
     # ------------------------------------------------------------------ API
 
     def reset(self, task: str, instance: TaskInstance, seed: int, *, episode_key: str | None = None) -> Lease:
-        now = self.clock()
         self.reclaim_expired()
         token = secrets.token_urlsafe(24)
-        with self._lock:
+        snapshot = _canonical(instance.to_dict())
+        with self._lock, self._transaction():
+            now = self.clock()
             if episode_key is not None:
                 row = self._row("SELECT * FROM episodes WHERE episode_key = ?", episode_key)
                 if row is not None:
-                    if row["status"] != ACTIVE:
-                        raise LeaseError(f"episode {row['episode_id']} ({episode_key}) is {row['status']}")
+                    theirs = (row["task"], row["instance"], row["seed"])
+                    if theirs != (task, snapshot, seed):
+                        what = [name for name, a, b in zip(("task", "instance", "seed"), theirs, (task, snapshot, seed))
+                                if a != b]
+                        self._insert_event(row["episode_id"], "reset_conflict", ", ".join(what))
+                        raise EpisodeKeyConflict(
+                            f"episode key {episode_key!r} already names episode {row['episode_id']} with a "
+                            f"different {' and '.join(what)} (task {row['task']!r}, seed {row['seed']}); an episode "
+                            f"key must be unique per (task, instance, seed): derive it from all three")
+                    if row["status"] == FAILED:
+                        raise EnvStepError(f"episode {row['episode_id']} ({episode_key}) failed: {row['error']}")
+                    # a closed or reclaimed episode reopens (its state is in the database): a client that
+                    # runs the episode again after a crash gets its recorded steps back, never re-executed
+                    status = row["status"]
+                    if status in (CLOSED, RECLAIMED):
+                        last = self._row("SELECT result FROM transitions WHERE episode_id = ? AND phase = ? "
+                                         "ORDER BY seq_no DESC LIMIT 1", row["episode_id"], COMMITTED)
+                        status = DONE if last is not None and json.loads(last["result"]).get("done") else ACTIVE
                     expires = now + self.lease_ttl_s
-                    self._tx([("UPDATE episodes SET token_hash = ?, lease_expires = ?, updated = ? "
-                               "WHERE episode_id = ?", (_hash(token), expires, now, row["episode_id"]))],
-                             row["episode_id"], "reset_retry", "token rotated")
+                    self.db.execute("UPDATE episodes SET token_hash = ?, lease_expires = ?, status = ?, updated = ? "
+                                    "WHERE episode_id = ?", (_hash(token), expires, status, now, row["episode_id"]))
+                    self._insert_event(row["episode_id"], "reset_retry",
+                                       "token rotated" + (f"; reopened ({row['status']})" if status != row["status"]
+                                                          else ""))
                     return Lease(row["episode_id"], token, expires, row["observation"], row["last_seq"])
             episode_id = secrets.token_hex(8)
             env = self.make_env(task, instance)
             observation = env.reset(instance, seed)
             expires = now + self.lease_ttl_s
-            self._tx([("INSERT INTO episodes (episode_id, episode_key, task, instance, seed, token_hash, "
-                       "lease_expires, status, last_seq, state, observation, created, updated) "
-                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?)",
-                       (episode_id, episode_key, task, _canonical(instance.to_dict()), seed, _hash(token),
-                        expires,
-                        ACTIVE, _canonical(env.state_dict()), observation, now, now))],
-                     episode_id, "reset", task)
-            self._envs[episode_id] = env
+            self.db.execute("INSERT INTO episodes (episode_id, episode_key, task, instance, seed, token_hash, "
+                            "lease_expires, status, last_seq, state, observation, created, updated) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?)",
+                            (episode_id, episode_key, task, snapshot, seed, _hash(token), expires,
+                             ACTIVE, _canonical(env.state_dict()), observation, now, now))
+            self._insert_event(episode_id, "reset", task)
+            self._envs[episode_id] = (env, 0)
             return Lease(episode_id, token, expires, observation)
 
     def step(self, episode_id: str, token: str, action: dict[str, Any], *, seq_no: int,
              idempotency_key: str) -> StepReply:
-        now = self.clock()
+        key = idempotency_key
         with self._lock:
-            row = self._authorize(episode_id, token, now)
-            recorded = self._recorded(episode_id, idempotency_key, action, seq_no)
-            if recorded is not None:
-                self._event(episode_id, "replay", f"seq {seq_no} key {idempotency_key}")
-                return recorded
-            if row["status"] == DONE:
-                raise EpisodeDone(f"episode {episode_id} is done; seq {seq_no} refused")
-            if seq_no != row["last_seq"] + 1:
-                self._event(episode_id, "out_of_order", f"got seq {seq_no}, expected {row['last_seq'] + 1}")
-                raise OutOfOrder(f"episode {episode_id}: seq_no {seq_no} is out of order; expected "
-                                 f"{row['last_seq'] + 1}")
-            env = self._env(row)
-            try:
-                transition = env.step(action)
-                state = env.state_dict()
-            except Exception as err:  # noqa: BLE001 - never persist a half step; rebuild next time
-                self._envs.pop(episode_id, None)
-                self._event(episode_id, "step_error", f"seq {seq_no}: {type(err).__name__}: {err}")
-                raise EnvStepError(f"episode {episode_id} step {seq_no}: {type(err).__name__}: {err}") from err
-            status = DONE if transition.done else ACTIVE
-            self._tx([("INSERT INTO transitions (episode_id, seq_no, idempotency_key, action, result, created) "
-                       "VALUES (?, ?, ?, ?, ?, ?)",
-                       (episode_id, seq_no, idempotency_key, _canonical(action),
-                        _canonical(transition.to_dict()),
-                        now)),
-                      ("UPDATE episodes SET last_seq = ?, state = ?, status = ?, lease_expires = ?, updated = ? "
-                       "WHERE episode_id = ?",
-                       (seq_no, _canonical(state), status, now + self.lease_ttl_s, now, episode_id))],
-                     episode_id, "step", f"seq {seq_no}")
+            outcome = self._unwritten.get((episode_id, key))
+            if outcome is None:
+                claim = self._claim(episode_id, token, action, seq_no, key)
+                if isinstance(claim, StepReply):
+                    return claim
+                outcome = self._execute(claim, action, seq_no, key)
+            elif outcome.action != _canonical(action) or outcome.seq_no != seq_no:
+                raise IdempotencyConflict(f"episode {episode_id}: key {key!r} was executed for seq "
+                                          f"{outcome.seq_no} with a different action")
+            self._record(episode_id, key, outcome)
+        if outcome.error is not None:
+            raise EnvStepError(f"episode {episode_id} step {seq_no}: {outcome.error}")
         if self.on_persisted is not None:
             self.on_persisted(episode_id, seq_no)
-        return StepReply(seq_no, transition, replayed=False)
+        return StepReply(seq_no, Transition.from_dict(json.loads(outcome.result)), replayed=False)
 
     def action_status(self, episode_id: str, token: str, idempotency_key: str) -> StepReply | None:
+        """The recorded result of an action; None if it never executed (safe to send again). Raises
+        `EnvStepError` for a recorded failure, `StepInDoubt` when its executor died mid-step, and
+        `StepInProgress` while another live process executes it."""
         with self._lock:
-            self._authorize(episode_id, token, self.clock())
-            row = self._row("SELECT seq_no, result FROM transitions WHERE episode_id = ? AND idempotency_key = ?",
-                            episode_id, idempotency_key)
+            with self._transaction():
+                self._authorize(episode_id, token, self.clock())
+                row = self._row("SELECT * FROM transitions WHERE episode_id = ? AND idempotency_key = ?",
+                                episode_id, idempotency_key)
             if row is None:
                 return None
-            return StepReply(row["seq_no"], Transition.from_dict(json.loads(row["result"])), replayed=True)
+            if row["phase"] == COMMITTED:
+                return StepReply(row["seq_no"], Transition.from_dict(json.loads(row["result"])), replayed=True)
+            if row["phase"] == FAILED:
+                raise EnvStepError(f"episode {episode_id} step {row['seq_no']}: {row['error']}")
+            if (episode_id, idempotency_key) in self._unwritten:
+                raise ResultNotWritten(f"episode {episode_id}: key {idempotency_key!r} executed here, its record "
+                                       f"is not written yet; retry the step with the same key")
+            if row["owner"] != self.owner and _owner_alive(row["owner"]):
+                raise StepInProgress(f"episode {episode_id}: key {idempotency_key!r} is being executed by "
+                                     f"service process {row['owner']}")
+            if row["owner"] == self.owner:
+                return None                                  # this process withdrew it: never applied
+            raise StepInDoubt(f"episode {episode_id}: key {idempotency_key!r} was claimed by service process "
+                              f"{row['owner']}, which died before recording it; it may have executed")
 
     def renew(self, episode_id: str, token: str) -> float:
-        now = self.clock()
-        with self._lock:
+        with self._lock, self._transaction():
+            now = self.clock()
             self._authorize(episode_id, token, now)
             expires = now + self.lease_ttl_s
-            self._tx([("UPDATE episodes SET lease_expires = ?, updated = ? WHERE episode_id = ?",
-                       (expires, now, episode_id))], episode_id, "renew", None)
+            self.db.execute("UPDATE episodes SET lease_expires = ?, updated = ? WHERE episode_id = ?",
+                            (expires, now, episode_id))
+            self._insert_event(episode_id, "renew", None)
             return expires
 
     def close(self, episode_id: str, token: str) -> None:
-        now = self.clock()
-        with self._lock:
+        with self._lock, self._transaction():
+            now = self.clock()
             self._authorize(episode_id, token, now)
-            self._tx([("UPDATE episodes SET status = ?, updated = ? WHERE episode_id = ?",
-                       (CLOSED, now, episode_id))],
-                     episode_id, "close", None)
+            self.db.execute("UPDATE episodes SET status = ?, updated = ? WHERE episode_id = ?",
+                            (CLOSED, now, episode_id))
+            self._insert_event(episode_id, "close", None)
             self._scrub(episode_id)
 
     def reclaim_expired(self) -> list[str]:
         """Mark every active episode whose lease expired as reclaimed; scrub its environment."""
-        now = self.clock()
-        with self._lock:
+        with self._lock, self._transaction():
+            now = self.clock()
             rows = self.db.execute("SELECT episode_id FROM episodes WHERE status IN (?, ?) AND lease_expires < ?",
                                    (ACTIVE, DONE, now)).fetchall()
             ids = [r[0] for r in rows]
             for episode_id in ids:
-                self._tx([("UPDATE episodes SET status = ?, updated = ? WHERE episode_id = ?",
-                           (RECLAIMED, now, episode_id))], episode_id, "reclaimed", "lease expired")
+                self.db.execute("UPDATE episodes SET status = ?, updated = ? WHERE episode_id = ?",
+                                (RECLAIMED, now, episode_id))
+                self._insert_event(episode_id, "reclaimed", "lease expired")
                 self._scrub(episode_id)
             return ids
 
@@ -288,68 +417,200 @@ class EnvService:
                                        (episode_id,)).fetchall()
             return [(r[0], r[1]) for r in rows]
 
+    # ------------------------------------------------------------------ the three phases of a step
+
+    def _claim(self, episode_id: str, token: str, action: dict[str, Any], seq_no: int,
+               key: str) -> StepReply | sqlite3.Row:
+        """Phase 1, under the database's write lock: a recorded reply, or the fresh episode row after
+        committing this process's intent for (seq_no, key)."""
+        with self._transaction():
+            now = self.clock()
+            row = self._authorize(episode_id, token, now)
+            recorded = self._recorded(episode_id, key, action, seq_no)
+            if recorded is not None:
+                self._insert_event(episode_id, "replay", f"seq {seq_no} key {key}")
+                return recorded
+            if row["status"] == DONE:
+                raise EpisodeDone(f"episode {episode_id} is done; seq {seq_no} refused")
+            if row["status"] == FAILED:
+                raise EnvStepError(f"episode {episode_id} failed ({row['error']}); seq {seq_no} refused")
+            if seq_no != row["last_seq"] + 1:
+                self._insert_event(episode_id, "out_of_order", f"got seq {seq_no}, expected {row['last_seq'] + 1}")
+                raise OutOfOrder(f"episode {episode_id}: seq_no {seq_no} is out of order; expected "
+                                 f"{row['last_seq'] + 1}")
+            intent = self._row("SELECT * FROM transitions WHERE episode_id = ? AND seq_no = ?", episode_id, seq_no)
+            if intent is not None:                  # a pending claim on this seq (committed ones raised above)
+                if intent["idempotency_key"] != key:
+                    raise OutOfOrder(f"episode {episode_id}: seq_no {seq_no} is claimed by key "
+                                     f"{intent['idempotency_key']!r}")
+                if intent["owner"] != self.owner and _owner_alive(intent["owner"]):
+                    raise StepInProgress(f"episode {episode_id}: seq {seq_no} is being executed by service "
+                                         f"process {intent['owner']}; ask action_status or retry the same key")
+                if intent["owner"] != self.owner and not self._pure(row):
+                    why = (f"step {seq_no} (key {key!r}) is in doubt: service process {intent['owner']} died "
+                           f"between claiming and recording it, and the environment may have executed it")
+                    self.db.execute("UPDATE transitions SET phase = ?, error = ? WHERE episode_id = ? AND seq_no = ?",
+                                    (FAILED, why, episode_id, seq_no))
+                    self.db.execute("UPDATE episodes SET status = ?, error = ?, updated = ? WHERE episode_id = ?",
+                                    (FAILED, why, now, episode_id))
+                    self._insert_event(episode_id, "in_doubt", why)
+                    self._scrub(episode_id)
+                    raise StepInDoubt(f"episode {episode_id}: {why}; it is not executed again (the episode "
+                                      f"fails; declare the environment `pure = True` if its step has no "
+                                      f"effect outside its state)")
+                self.db.execute("UPDATE transitions SET owner = ? WHERE episode_id = ? AND seq_no = ?",
+                                (self.owner, episode_id, seq_no))
+                self._insert_event(episode_id, "reclaimed_intent", f"seq {seq_no} from {intent['owner']}")
+            else:
+                self.db.execute("INSERT INTO transitions (episode_id, seq_no, idempotency_key, action, phase, owner, "
+                                "created) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                (episode_id, seq_no, key, _canonical(action), PENDING, self.owner, now))
+            return row
+
+    def _execute(self, row: sqlite3.Row, action: dict[str, Any], seq_no: int, key: str) -> _Outcome:
+        """Phase 2, outside any transaction: step the environment at the committed state."""
+        episode_id = row["episode_id"]
+        env = self._env(row)
+        try:
+            transition = env.step(action)
+            state = env.state_dict()
+        except Exception as err:  # noqa: BLE001 - nothing applied: withdraw the intent, rebuild next time
+            self._scrub(episode_id)
+            detail = f"seq {seq_no}: {type(err).__name__}: {err}"
+            with contextlib.suppress(sqlite3.Error, EnvServiceError), self._transaction():
+                self.db.execute("DELETE FROM transitions WHERE episode_id = ? AND seq_no = ? AND phase = ?",
+                                (episode_id, seq_no, PENDING))
+                self._insert_event(episode_id, "step_error", detail)
+            raise EnvStepError(f"episode {episode_id} step {seq_no}: {type(err).__name__}: {err}") from err
+        try:
+            result, state_json = _canonical(transition.to_dict()), _canonical(state)
+            outcome = _Outcome(seq_no, _canonical(action), result, state_json, bool(transition.done), None)
+            self._envs[episode_id] = (env, seq_no)
+        except (TypeError, ValueError) as err:     # executed, but its result cannot be recorded: a failed step
+            self._scrub(episode_id)
+            outcome = _Outcome(seq_no, _canonical(action), None, None, False,
+                               f"the environment returned a step result or state that is not JSON-serialisable "
+                               f"({type(err).__name__}: {err}); fix its step()/state_dict()")
+        self._unwritten[(episode_id, key)] = outcome
+        return outcome
+
+    def _record(self, episode_id: str, key: str, outcome: _Outcome) -> None:
+        """Phase 3: commit the outcome; if the database refuses, keep it for the retry of `key`."""
+        try:
+            with self._transaction():
+                now = self.clock()
+                if outcome.error is None:
+                    self.db.execute("UPDATE transitions SET phase = ?, result = ? WHERE episode_id = ? AND seq_no = ?",
+                                    (COMMITTED, outcome.result, episode_id, outcome.seq_no))
+                    self.db.execute("UPDATE episodes SET last_seq = ?, state = ?, status = ?, lease_expires = ?, "
+                                    "updated = ? WHERE episode_id = ?",
+                                    (outcome.seq_no, outcome.state, DONE if outcome.done else ACTIVE,
+                                     now + self.lease_ttl_s, now, episode_id))
+                    self._insert_event(episode_id, "step", f"seq {outcome.seq_no}")
+                else:
+                    self.db.execute("UPDATE transitions SET phase = ?, error = ? WHERE episode_id = ? AND seq_no = ?",
+                                    (FAILED, outcome.error, episode_id, outcome.seq_no))
+                    self.db.execute("UPDATE episodes SET status = ?, error = ?, updated = ? WHERE episode_id = ?",
+                                    (FAILED, outcome.error, now, episode_id))
+                    self._insert_event(episode_id, "step_failed", f"seq {outcome.seq_no}: {outcome.error}")
+        except DatabaseBusy as err:
+            raise ResultNotWritten(f"episode {episode_id} step {outcome.seq_no} executed but its record could not "
+                                   f"be written ({err}); retry the same key: it is answered from memory, not "
+                                   f"executed again") from err
+        self._unwritten.pop((episode_id, key), None)
+
     # ------------------------------------------------------------------ internals
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """`BEGIN IMMEDIATE` (the database's write lock, waiting up to the busy timeout) ... COMMIT.
+        A refusal (EnvServiceError) commits what was recorded before it (audit events, reclaims);
+        any other error rolls back."""
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as err:
+            raise DatabaseBusy(f"{self.db_path}: {err}") from err
+        try:
+            yield
+        except EnvServiceError:
+            self.db.execute("COMMIT")
+            raise
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        try:
+            self.db.execute("COMMIT")
+        except sqlite3.OperationalError as err:
+            self.db.execute("ROLLBACK")
+            raise DatabaseBusy(f"{self.db_path}: {err}") from err
 
     def _row(self, sql: str, *args: Any) -> sqlite3.Row | None:
         cur = self.db.execute(sql, args)
         cur.row_factory = sqlite3.Row
         return cur.fetchone()
 
-    def _tx(self, statements: list[tuple[str, tuple]], episode_id: str | None, kind: str,
-            detail: str | None) -> None:
-        """Run statements + an audit event in one committed transaction."""
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
-            for sql, args in statements:
-                self.db.execute(sql, args)
-            self.db.execute("INSERT INTO events (time, episode_id, kind, detail) VALUES (?, ?, ?, ?)",
-                            (self.clock(), episode_id, kind, detail))
-            self.db.execute("COMMIT")
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-
-    def _event(self, episode_id: str, kind: str, detail: str | None) -> None:
-        self._tx([], episode_id, kind, detail)
+    def _insert_event(self, episode_id: str | None, kind: str, detail: str | None) -> None:
+        self.db.execute("INSERT INTO events (time, episode_id, kind, detail) VALUES (?, ?, ?, ?)",
+                        (self.clock(), episode_id, kind, detail))
 
     def _authorize(self, episode_id: str, token: str, now: float) -> sqlite3.Row:
+        """Inside a transaction: the episode's current row, if `token` may use it."""
         row = self._row("SELECT * FROM episodes WHERE episode_id = ?", episode_id)
         if row is None:
             raise LeaseError(f"unknown episode {episode_id}")
         if not hmac.compare_digest(row["token_hash"], _hash(token)):
-            self._event(episode_id, "bad_token", None)
+            self._insert_event(episode_id, "bad_token", None)
             raise LeaseError(f"episode {episode_id}: invalid capability token")
         if row["status"] in (CLOSED, RECLAIMED):
             raise LeaseError(f"episode {episode_id} is {row['status']}")
         if row["lease_expires"] < now:
-            self._tx([("UPDATE episodes SET status = ?, updated = ? WHERE episode_id = ?",
-                       (RECLAIMED, now, episode_id))], episode_id, "reclaimed", "lease expired (on access)")
+            self.db.execute("UPDATE episodes SET status = ?, updated = ? WHERE episode_id = ?",
+                            (RECLAIMED, now, episode_id))
+            self._insert_event(episode_id, "reclaimed", "lease expired (on access)")
             self._scrub(episode_id)
             raise LeaseError(f"episode {episode_id}: lease expired at {row['lease_expires']:.3f}")
         return row
 
     def _recorded(self, episode_id: str, key: str, action: dict[str, Any], seq_no: int) -> StepReply | None:
-        row = self._row("SELECT seq_no, action, result FROM transitions WHERE episode_id = ? AND idempotency_key = ?",
-                        episode_id, key)
+        row = self._row("SELECT * FROM transitions WHERE episode_id = ? AND idempotency_key = ?", episode_id, key)
         if row is None:
             return None
         if row["action"] != _canonical(action) or row["seq_no"] != seq_no:
-            self._event(episode_id, "idempotency_conflict", f"key {key}")
+            self._insert_event(episode_id, "idempotency_conflict", f"key {key}")
             raise IdempotencyConflict(f"episode {episode_id}: key {key!r} was recorded for seq {row['seq_no']} with "
                                       f"a different action")
+        if row["phase"] == FAILED:
+            self._insert_event(episode_id, "replay_failure", f"seq {seq_no} key {key}")
+            raise EnvStepError(f"episode {episode_id} step {seq_no}: {row['error']} (recorded; not executed again)")
+        if row["phase"] == PENDING:
+            return None                              # the caller decides: in progress, in doubt or ours
         return StepReply(row["seq_no"], Transition.from_dict(json.loads(row["result"])), replayed=True)
 
+    def _pure(self, row: sqlite3.Row) -> bool:
+        cached = self._envs.get(row["episode_id"])
+        if cached is not None:
+            return bool(getattr(cached[0], "pure", False))
+        env = self.make_env(row["task"], TaskInstance.from_dict(json.loads(row["instance"])))
+        try:
+            return bool(getattr(env, "pure", False))
+        finally:
+            env.close()
+
     def _env(self, row: sqlite3.Row) -> Environment:
-        env = self._envs.get(row["episode_id"])
-        if env is None:                           # after a restart or a failed step: restore, never replay
-            instance = TaskInstance.from_dict(json.loads(row["instance"]))
-            env = self.make_env(row["task"], instance)
-            env.reset(instance, row["seed"])
-            env.load_state_dict(json.loads(row["state"]))
-            self._envs[row["episode_id"]] = env
+        """The episode's environment at the database's last sequence number: the cached object only if
+        it is exactly there (another process may have stepped the episode since), else rebuilt."""
+        cached = self._envs.get(row["episode_id"])
+        if cached is not None and cached[1] == row["last_seq"]:
+            return cached[0]
+        self._scrub(row["episode_id"])
+        instance = TaskInstance.from_dict(json.loads(row["instance"]))
+        env = self.make_env(row["task"], instance)
+        env.reset(instance, row["seed"])
+        env.load_state_dict(json.loads(row["state"]))
+        self._envs[row["episode_id"]] = (env, row["last_seq"])
         return env
 
     def _scrub(self, episode_id: str) -> None:
-        env = self._envs.pop(episode_id, None)
-        if env is not None:
-            env.close()
+        cached = self._envs.pop(episode_id, None)
+        if cached is not None:
+            cached[0].close()

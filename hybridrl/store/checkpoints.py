@@ -59,14 +59,18 @@ class CheckpointManager:
     def path(self, step: int) -> Path:
         return self.root / f"{_PREFIX}{step:06d}"
 
-    def save(self, step: int, state: dict[str, Any], write_model: Callable[[Path], None]) -> Path:
-        """`write_model(dir)` writes the engine checkpoint (a collective: every rank takes part)."""
+    def save(self, step: int, state: dict[str, Any], write_model: Callable[[Path], None], *,
+             before_complete: Callable[[], None] | None = None) -> Path:
+        """`write_model(dir)` writes the engine checkpoint (a collective: every rank takes part);
+        `before_complete()` runs when everything but the COMPLETE marker is written (fault injection)."""
         target = self.path(step)
         if target.exists():
             shutil.rmtree(target)   # an incomplete or superseded save of the same step
         (target / "model").mkdir(parents=True)
         write_model(target / "model")
         _write_atomic(target / "trainer_state.json", json.dumps({"step": step, **state}, indent=1))
+        if before_complete is not None:
+            before_complete()
         _write_atomic(target / "COMPLETE", "")
         _write_atomic(self.root / "latest", target.name)
         self._prune()

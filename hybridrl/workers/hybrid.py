@@ -89,7 +89,7 @@ class HybridWorker(Worker):
         tool_names = sorted({t for inst in self.task.validation_split(8) for t in inst.tools})
         self.tools = self._run(ToolBox.from_config(cfg.tools, names=tool_names).start())
         self.runner = AgentRunner(self.engine, self.tokenizer, agent_cfg=cfg.agent, tools=self.tools,
-                                  run_id=cfg.run.name, seed=cfg.run.seed)
+                                  run_id=cfg.run.name, seed=cfg.run.seed, envs=self._env_provider())
         self.loss_fn = make_loss_fn(cfg.algo)
         self.on_policy_loss_fn = make_loss_fn(cfg.algo, old_from_forward=True)
         self.spill_dir = Path(cfg.run.dir) / "offload" / f"rank{ctx.rank}" if cfg.hybrid.spill_optimizer else None
@@ -99,6 +99,20 @@ class HybridWorker(Worker):
                                            avoid=special) if cfg.publish.parity_prompts else []
 
     # ------------------------------------------------------------------ construction
+
+    def _env_provider(self):
+        """A stateful task's episodes go through the leased environment service (one SQLite file per
+        run, shared by every rollout rank): each action has an idempotency key from (run, task,
+        group@step, attempt, turn), so after a resume the actions the crashed run committed are
+        answered from the record, never executed again. Tool-only tasks need none."""
+        from hybridrl.envs.tasks.base import Task
+
+        if type(self.task).make_env is Task.make_env or not self.owns_engine:
+            return None
+        from hybridrl.envs.client import LeasedEnvProvider
+        from hybridrl.envs.service import EnvService
+
+        return LeasedEnvProvider(EnvService.from_config(self.cfg.env), self.cfg.env)
 
     def _build_engine(self):
         """The rollout group's engine on its first rank; a FollowerEngine on the others."""

@@ -125,7 +125,7 @@ PINNED_KEYS = [
     "tools.max_output_bytes", "tools.uid_base", "tools.visible_paths", "tools.hidden_paths", "tools.python", "tools.calculator_max_chars",
     "task.name", "task.seed", "task.train_size", "task.validation_size", "task.format_weight",
     "task.sft_tool_use_fraction", "task.sft_guess_correct_fraction",       # task.options: a free mapping
-    "env.db_path", "env.lease_ttl_s", "env.synchronous", "env.step_timeout_s", "env.max_retries",
+    "env.db_path", "env.lease_ttl_s", "env.synchronous", "env.busy_timeout_s", "env.step_timeout_s", "env.max_retries",
     "train.tp", "train.pp", "train.micro_batch_size", "train.dtype", "train.lr", "train.min_lr",
     "train.lr_warmup_steps", "train.lr_decay_steps", "train.lr_schedule", "train.weight_decay",
     "train.adam_beta1", "train.adam_beta2", "train.adam_eps", "train.clip_grad",
@@ -145,7 +145,8 @@ PINNED_KEYS = [
     "algo.max_policy_lag", "algo.ppo_epochs", "algo.ppo_mini_batches",
     "trainer.total_steps", "trainer.prompts_per_step", "trainer.group_size", "trainer.validate_every",
     "trainer.validation_temperature", "trainer.checkpoint_every",
-    "trainer.keep_checkpoints", "trainer.resume", "trainer.export_hf", "trainer.log_samples",
+    "trainer.keep_checkpoints", "trainer.resume", "trainer.export_hf", "trainer.log_samples", "trainer.max_restarts",
+    "trainer.inject",
     "sft.num_demonstrations", "sft.steps", "sft.batch_size", "sft.output_dir",
     "sft.log_every",
     "store.enabled", "store.text", "store.keep_steps", "store.max_mb", "store.compression",

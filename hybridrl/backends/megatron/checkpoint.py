@@ -2,7 +2,9 @@
 
 A checkpoint directory holds the model and optimizer as sharded tensors (every rank writes its
 shards in parallel), the LR schedule, step count and caller's `extra` state as common state
-(rank 0), and one RNG record per (pp, tp) position. The distributed optimizer is saved
+(rank 0), one RNG record per (pp, tp) position (CPU / device generators, Megatron's tracker), and
+`rank_rng/rankNNNNN.json`: each rank's own Python, numpy and torch CPU generator states, restored
+when the checkpoint loads at the same world size. The distributed optimizer is saved
 `dp_reshardable` (megatron-core 0.16.1's `fully_reshardable` load fails with torch Adam:
 KeyError 'step'): a checkpoint loads at another data-parallel size; tp and pp must match.
 
@@ -72,6 +74,7 @@ def save_checkpoint(engine: "MegatronEngine", path: Path, extra: dict) -> None:
     with _writer_results_queue():
         dist_checkpointing.save(_sharded_state(engine, is_loading=False, extra=extra), str(path),
                                 content_metadata=_OPTIM_METADATA)
+    _save_rank_rng(path)
     dist.barrier()
 
 
@@ -118,6 +121,7 @@ def load_checkpoint(engine: "MegatronEngine", path: Path) -> dict:
         engine.scheduler.load_state_dict(loaded["scheduler"])
     engine.num_steps = int(loaded["num_steps"])
     _restore_rng(loaded["rng"])
+    _load_rank_rng(path)
     return loaded["extra"]
 
 
@@ -134,6 +138,32 @@ def _rng_object(engine: "MegatronEngine") -> ShardedObject:
     pp, tp = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size())
     return ShardedObject("rng_state", state, shape, (pp, tp), replica_id=ps.get_data_parallel_rank())
+
+
+def _rank_rng_file(path: Path, rank: int) -> Path:
+    return path / "rank_rng" / f"rank{rank:05d}.json"
+
+
+def _save_rank_rng(path: Path) -> None:
+    """This rank's own Python, numpy and torch CPU generators (the sharded record above holds one per
+    (pp, tp) position, so it can load at another DP size): with them every rank of a run resumed at
+    the same world size continues its exact random stream, whatever it draws between steps."""
+    from hybridrl.store.checkpoints import capture_rng
+
+    target = _rank_rng_file(path, dist.get_rank())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps({"world_size": dist.get_world_size(), "rng": capture_rng()}))
+
+
+def _load_rank_rng(path: Path) -> None:
+    """Restore this rank's generators if the checkpoint was written at this world size."""
+    from hybridrl.store.checkpoints import restore_rng
+
+    source = _rank_rng_file(path, dist.get_rank())
+    if source.exists():
+        record = json.loads(source.read_text())
+        if record["world_size"] == dist.get_world_size():
+            restore_rng(record["rng"])
 
 
 def _restore_rng(state: dict) -> None:

@@ -153,6 +153,13 @@ class BlockPool:
                 self._forget(b)
         self.by_hash.clear()
         self.children.clear()
+        # Canonical order: which physical block a request gets must not depend on what the engine
+        # served before this version. It decides nothing in attention (blocks are gathered in logical
+        # order) but it orders `children` (a set), which breaks ties between equally long partial
+        # prefixes whose rows were computed in different batches (equal to rounding, not bitwise).
+        # Without this a resumed run, whose engine has a shorter history, samples the same tokens
+        # with logprobs that differ in the last bits.
+        self.free = deque(sorted(self.free))
 
     def chain(self, tokens: Sequence[int], num_blocks: int, cache: list | None = None) -> list[bytes]:
         """Chain hashes of the first num_blocks full blocks of tokens. `cache` ([salt, hashes], kept by

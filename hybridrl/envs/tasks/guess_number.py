@@ -27,6 +27,8 @@ class GuessNumberOptions:
 
 
 class GuessNumberEnv:
+    pure = True          # its step touches nothing outside its state: the env service may re-run an in-doubt step
+
     def __init__(self) -> None:
         self.secret = 0
         self.guesses: list[int] = []

@@ -209,6 +209,15 @@ def _actor_and_reference(model_dir: str, full, lr: str) -> dict:
 CHECKPOINT_LAYOUTS = {"dp2": (1, 1), "pp2": (1, 2)}
 
 
+def _draws() -> list[float]:
+    """One draw from each of this rank's Python, numpy and torch CPU generators."""
+    import random
+
+    import numpy as np
+
+    return [random.random(), float(np.random.rand()), float(torch.rand(1))]
+
+
 def checkpoint(out: Path, model_dir: str, phase: str) -> None:
     """phase=save: per layout, save before any step (no optimizer state yet), 2 steps, save, 1 more
     step; then SIGKILL. phase=load: per layout, a fresh engine loads the later checkpoint and takes
@@ -231,11 +240,15 @@ def checkpoint(out: Path, model_dir: str, phase: str) -> None:
         if phase == "save":
             engine.save_checkpoint(out / f"ckpt_{name}_step0", extra={"policy_version": 0})
             rec["before"] = [engine.train_step(mine, pg_loss)["loss"] for _ in range(2)]
+            for _ in range(1 + dist.get_rank()):        # every rank's generators at their own place
+                _draws()
             engine.save_checkpoint(out / f"ckpt_{name}", extra={"data_cursor": 42, "policy_version": 3})
+            rec["draws"] = _draws()
             rec["next"] = engine.train_step(mine, pg_loss)
         else:
             rec["extra"] = engine.load_checkpoint(out / f"ckpt_{name}")
             rec["num_steps"] = engine.num_steps
+            rec["draws"] = _draws()
             rec["next"] = engine.train_step(mine, pg_loss)
             if dist.get_world_size() == 2:
                 engine = fresh_engine()

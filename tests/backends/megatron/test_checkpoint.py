@@ -37,7 +37,9 @@ def test_resume_reproduces_next_step_exactly(resumed, layout):
         assert a["extra"] == {"data_cursor": 42, "policy_version": 3}
         assert a["num_steps"] == 2
         assert a["next"] == b["next"]                    # loss, grad norm, lr, metrics: bit for bit
+        assert a["draws"] == b["draws"]                  # each rank's own Python / numpy / torch generators
         assert b["before"][-1] != b["next"]["loss"]      # training moved
+    assert before[0][layout]["draws"] != before[1][layout]["draws"]      # the ranks' streams differ
 
 
 @pytest.mark.parametrize("layout", ["dp2", "pp2"])

@@ -1,0 +1,153 @@
+"""Fault injection into a real run: `trainer.inject` (or `hybridrl train RECIPE --inject SPEC`).
+
+    SPEC = KIND@STEP[:MOMENT]          e.g. kill_job@3:train, kill_rank@2:rollout
+
+Kinds (each ends one documented way; README "Faults and resume"):
+- `kill_job`: SIGKILL the whole job at that moment: the torchrun agent (what `hybridrl train`
+  became), every rank and their children (tool sandboxes, checkpoint writers). Nothing can run
+  a handler. The run resumes from its newest complete checkpoint when started again.
+- `kill_rank`: SIGKILL the last worker rank (`kill_rank1`...: that rank) at that moment. The
+  controller sees the rank die and the run exits with code 1; with `trainer.max_restarts > 0`
+  torchrun restarts every rank and the run resumes from its newest complete checkpoint.
+
+Moments, in the order a step passes them (the default is `rollout`):
+  switch      the workers switched to rollout mode; no episode ran yet
+  rollout     the step's episodes ran (and, for a stateful task, their environment steps were
+              committed); nothing trained on them yet
+  train       the update ran: weights and optimizer changed in memory; nothing logged
+  log         the step's metrics are written; its checkpoint (if one is due) is not
+  checkpoint  inside the step's checkpoint: the model is written, the COMPLETE marker is not
+              (the step must check-point on this step, i.e. STEP % trainer.checkpoint_every == 0)
+
+A fault fires once per run directory: `<run.dir>/faults.jsonl` records it before it fires, so a
+restarted or resumed run passes the same moment again without dying again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+log = logging.getLogger(__name__)
+
+KINDS = ("kill_job", "kill_rank")
+MOMENTS = ("switch", "rollout", "train", "log", "checkpoint")
+_SPEC = re.compile(r"^(?P<kind>kill_job|kill_rank(?P<rank>\d+)?)@(?P<step>\d+)(?::(?P<moment>\w+))?$")
+
+
+@dataclass(frozen=True)
+class Fault:
+    spec: str
+    kind: str
+    step: int
+    moment: str
+    rank: int | None = None          # kill_rank: which rank (None: the last one)
+
+
+def parse(spec: str) -> Fault:
+    m = _SPEC.match(spec.strip())
+    if m is None:
+        raise ValueError(f"fault {spec!r}: expected KIND@STEP[:MOMENT] with KIND one of {', '.join(KINDS)} "
+                         f"(kill_rankN for rank N), e.g. kill_job@3:train")
+    moment = m["moment"] or "rollout"
+    if moment not in MOMENTS:
+        raise ValueError(f"fault {spec!r}: unknown moment {moment!r}; one of {', '.join(MOMENTS)}")
+    if int(m["step"]) < 1:
+        raise ValueError(f"fault {spec!r}: steps count from 1")
+    kind = "kill_rank" if m["kind"].startswith("kill_rank") else m["kind"]
+    return Fault(spec.strip(), kind, int(m["step"]), moment, int(m["rank"]) if m["rank"] else None)
+
+
+def check(specs: Sequence[str], *, checkpoint_every: int, world_size: int | None = None) -> list[Fault]:
+    """Parse and check every spec against the run's schedule (before any process starts)."""
+    faults = [parse(s) for s in specs]
+    for f in faults:
+        if f.moment == "checkpoint" and (not checkpoint_every or f.step % checkpoint_every):
+            raise ValueError(f"fault {f.spec!r}: step {f.step} writes no checkpoint (trainer.checkpoint_every="
+                             f"{checkpoint_every}); pick a step that does or another moment")
+        if f.kind == "kill_rank" and f.rank == 0:
+            raise ValueError(f"fault {f.spec!r}: rank 0 is the controller; kill_job kills it with the rest")
+        if f.kind == "kill_rank" and world_size is not None and f.rank is not None and f.rank >= world_size:
+            raise ValueError(f"fault {f.spec!r}: there is no rank {f.rank} in a world of {world_size}")
+    return faults
+
+
+class Injector:
+    """Rank 0's view of the run's faults; `at(step, moment)` fires the ones due there."""
+
+    def __init__(self, specs: Sequence[str], run_dir: str | Path, *, checkpoint_every: int = 0):
+        self.faults = check(specs, checkpoint_every=checkpoint_every)
+        self.record = Path(run_dir) / "faults.jsonl"
+
+    def fired(self) -> set[str]:
+        if not self.record.exists():
+            return set()
+        return {json.loads(line)["spec"] for line in self.record.read_text().splitlines() if line.strip()}
+
+    def at(self, step: int, moment: str) -> None:
+        if not self.faults:
+            return
+        due = [f for f in self.faults if f.step == step and f.moment == moment]
+        if not due:
+            return
+        fired = self.fired()
+        for fault in due:
+            if fault.spec in fired:
+                continue
+            with self.record.open("a") as f:        # first the record, so a restart does not fire it again
+                f.write(json.dumps({"spec": fault.spec, "step": step, "moment": moment, "pid": os.getpid()}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            log.warning("fault injection: %s (step %d, %s)", fault.spec, step, moment)
+            if fault.kind == "kill_job":
+                kill_job()
+            else:
+                kill_rank(fault.rank)
+
+
+def _job_processes():
+    """(agent, ranks): the torchrun agent this rank runs under and its worker processes."""
+    import psutil
+
+    me = psutil.Process()
+    agent = me.parent()
+    ranks = [p for p in agent.children() if p.pid != me.pid] + [me]
+    return agent, ranks
+
+
+def kill_job() -> None:
+    """SIGKILL the agent, every rank and everything they started; this process last."""
+    import psutil
+
+    agent, _ = _job_processes()
+    me = psutil.Process()
+    everyone = [p for p in agent.children(recursive=True) if p.pid != me.pid]
+    for p in [agent, *everyone]:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_rank(rank: int | None) -> None:
+    """SIGKILL one worker rank (by its RANK environment variable; None: the highest)."""
+    import psutil
+
+    _, ranks = _job_processes()
+    by_rank = {}
+    for p in ranks:
+        try:
+            by_rank[int(p.environ().get("RANK", "-1"))] = p
+        except (psutil.Error, ValueError):
+            continue
+    target = max(by_rank) if rank is None else rank
+    if target not in by_rank or target == 0:
+        raise RuntimeError(f"fault injection: no worker rank {target} among {sorted(by_rank)}")
+    by_rank[target].send_signal(signal.SIGKILL)
