@@ -20,6 +20,7 @@ from hybridrl.controller.config import TrainerConfig
 from hybridrl.controller.sft_config import SFTConfig
 from hybridrl.publication.config import PublishConfig
 from hybridrl.workers.config import HybridConfig
+from hybridrl.workers.critic_config import CriticConfig
 
 # Jobs shipped with hybridrl; `run.job` may also name any "package.module:JOB" attribute.
 JOBS = ("selfcheck", "rl", "sft")
@@ -77,6 +78,7 @@ class Config:
     task: TaskConfig = section(TaskConfig, "the task: splits, reward weights, SFT demonstrations, options")
     env: EnvServiceConfig = section(EnvServiceConfig, "the leased environment service")
     algo: AlgoConfig = section(AlgoConfig, "the RL algorithm: advantages, policy loss, KL, filters")
+    critic: CriticConfig = section(CriticConfig, "the value model of algo.advantage=gae: init, optimizer, value clip")
     trainer: TrainerConfig = section(TrainerConfig, "the RL loop: steps, batch shape, validation, checkpoints")
     sft: SFTConfig = section(SFTConfig, "supervised warm start on the task's demonstrations")
     selfcheck: SelfCheckConfig = section(SelfCheckConfig, "the self-check job")

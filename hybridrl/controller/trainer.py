@@ -14,6 +14,7 @@ from tqdm import tqdm
 from hybridrl.algo.filters import filter_trajectories
 from hybridrl.algo.groups import group_index_of
 from hybridrl.algo.objective import compute_advantages, kl_token_rewards
+from hybridrl.controller import critic as C
 from hybridrl.controller import metrics as M
 from hybridrl.controller.state import RunState
 from hybridrl.data.trajectory import from_batch, to_batch
@@ -57,18 +58,24 @@ def train(cfg, wg) -> dict:
                     if algo.kl_in == "reward":
                         token_rewards = kl_token_rewards(algo, batch["old_logprobs"], batch["ref_logprobs"],
                                                          batch["loss_mask"])
-                batch.set("advantages", compute_advantages(algo, batch["reward"], group_index_of(batch["group_id"]),
-                                                           batch["loss_mask"], token_rewards=token_rewards))
+                if algo.uses_critic:
+                    C.gae_advantages(cfg, wg, batch, token_rewards)
+                else:
+                    batch.set("advantages", compute_advantages(algo, batch["reward"], group_index_of(batch["group_id"]),
+                                                               batch["loss_mask"], token_rewards=token_rewards))
 
+        updates_actor = batch is not None and C.actor_trains(cfg, step)
         with timer("train"):
-            update = wg.call(HybridWorker.train_step, batch)[0] if batch is not None else {}
-        if batch is not None:
+            critic = C.train_critic(wg, batch) if batch is not None and algo.uses_critic else {}
+            update = wg.call(HybridWorker.train_step, batch)[0] if updates_actor else {}
+        if updates_actor:
             run.version += 1
 
         metrics = M.step_metrics(trajectories, kept, batch, update, switch, timer.pop(),
                                  wall_s=time.perf_counter() - started, world_size=wg.world_size,
                                  version=run.version, rollout_version=rollout_version)
-        metrics["train/updated"] = float(batch is not None)   # a step without a learning signal goes on
+        metrics["train/updated"] = float(updates_actor)   # a step without a learning signal goes on
+        metrics.update(critic)
         if batch is None:
             log.info("step %d: no update (none of %d episodes admitted: %s)", step, len(trajectories),
                      ", ".join(f"{k} {v}" for k, v in kept.counts.items() if v) or "no reason counted")

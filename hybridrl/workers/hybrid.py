@@ -36,6 +36,7 @@ from hybridrl.publication.manifest import PublicationError, PublicationRefused, 
 from hybridrl.publication.publish import publish
 from hybridrl.rollout.protocol import WEIGHTS
 from hybridrl.workers.base import Worker, register
+from hybridrl.workers.critic import CriticMixin
 from hybridrl.workers.modes import Arrivals, Mode, ModeMachine, PhaseTimeout
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ ROLLOUT_PADS = (("input_ids", 0), ("attention_mask", 0), ("loss_mask", 0.0), ("b
                 ("policy_version", -1))
 
 
-class HybridWorker(Worker):
+class HybridWorker(CriticMixin, Worker):
     def __init__(self, cfg: Any, ctx: Any):
         super().__init__(ctx)
         from transformers import AutoTokenizer
@@ -64,6 +65,7 @@ class HybridWorker(Worker):
         self.actor = MegatronEngine.from_hf(cfg.model.path, cfg.train, training=True, device=ctx.device)
         self.ref = (MegatronEngine.from_hf(cfg.model.path, cfg.train, training=False, device=ctx.device)
                     if cfg.algo.uses_reference else None)
+        self.critic = self._build_critic()            # algo.advantage=gae only (hybridrl/workers/critic.py)
         rollout_mesh = self.meshes()["rollout"]
         self.rollout_ranks = rollout_mesh.group_along("tp", ctx.rank)
         self.owns_engine = ctx.rank == self.rollout_ranks[0]
@@ -155,6 +157,7 @@ class HybridWorker(Worker):
         try:
             with self.modes.phase("offload") as rec:
                 rec.bytes_moved = self.actor.offload(optimizer=True, grads=True, spill_dir=self.spill_dir)
+            self._offload_critic()
             with self.modes.phase("publish", waits_for="the weights to reach the rollout engine") as rec:
                 # decided together: a rank whose engine forgot its weights (SGLang releases them) and one
                 # whose engine kept them (a validation left it serving) must both take part
@@ -218,6 +221,7 @@ class HybridWorker(Worker):
             self._engine_call(self.engine.sleep(self.engine.releasable_tags), "the engine to drain and release")
         with self.modes.phase("reload") as rec:
             rec.bytes_moved = self.actor.reload()
+        self._reload_critic()
         self.modes.to(Mode.TRAIN)
         return {f"switch/{k}_s": v["seconds"] for k, v in self.modes.last().items() if k in ("sleep", "reload")}
 
@@ -228,6 +232,7 @@ class HybridWorker(Worker):
         except Exception as err:  # noqa: BLE001 - the switch's own error is the one to report
             log.error("rank %d: the engine did not go back to sleep after a failed switch: %r", self.ctx.rank, err)
         self.actor.reload()
+        self._reload_critic()
 
     def _engine_call(self, coro, waits_for: str):
         """Run an engine coroutine within what is left of the current phase's deadline."""
@@ -323,7 +328,7 @@ class HybridWorker(Worker):
 
         from hybridrl.backends.megatron.offload import held_bytes
 
-        return {"mode": self.modes.mode.value, **held_bytes(self.actor),
+        return {"mode": self.modes.mode.value, **held_bytes(self.actor), **self._critic_memory(),
                 "kv_cache_bytes": int(self.engine.stats().get("kv_cache_bytes", 0)),
                 "staging_bytes": self.staging.nbytes,    # publication's bucket buffers (kept on a CPU device)
                 "rss_bytes": psutil.Process().memory_info().rss,
@@ -368,10 +373,12 @@ class HybridWorker(Worker):
     def save_checkpoint(self, path: str, extra: dict) -> None:
         self.modes.require(Mode.TRAIN)
         self.actor.save_checkpoint(path, extra)
+        self._save_critic(path, extra)
 
     @register(dispatch=OneToAll("rank0"))
     def load_checkpoint(self, path: str) -> dict:
         self.modes.require(Mode.TRAIN)
+        self._load_critic(path)
         return self.actor.load_checkpoint(path)
 
     @register(dispatch=ONE_TO_ALL)
