@@ -37,6 +37,7 @@ from hybridrl.publication.publish import publish
 from hybridrl.rollout.protocol import WEIGHTS
 from hybridrl.workers.base import Worker, register
 from hybridrl.workers.critic import CriticMixin
+from hybridrl.workers.reward_model import RewardModelMixin
 from hybridrl.workers.modes import Arrivals, Mode, ModeMachine, PhaseTimeout
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ ROLLOUT_PADS = (("input_ids", 0), ("attention_mask", 0), ("loss_mask", 0.0), ("b
                 ("policy_version", -1))
 
 
-class HybridWorker(CriticMixin, Worker):
+class HybridWorker(CriticMixin, RewardModelMixin, Worker):
     def __init__(self, cfg: Any, ctx: Any):
         super().__init__(ctx)
         from transformers import AutoTokenizer
@@ -82,6 +83,7 @@ class HybridWorker(CriticMixin, Worker):
         self.release = None
         self._publish_stats = None
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.reward_model = self._build_reward_model()   # reward_model.path (hybridrl/workers/reward_model.py)
         self.task = get_task(cfg.task.name, cfg.task)
         tool_names = sorted({t for inst in self.task.validation_split(8) for t in inst.tools})
         self.tools = self._run(ToolBox.from_config(cfg.tools, names=tool_names).start())
@@ -302,6 +304,7 @@ class HybridWorker(CriticMixin, Worker):
                      episodes["group_id"][i]) for i in range(real)]
         with self.modes.phase("generate"):
             trajectories = self._run(self.runner.run_attempts(attempts, task=self.task, temperature=temperature))
+        self._score_with_reward_model(trajectories)
         return to_batch(trajectories, pad_id=self.tokenizer.pad_token_id or 0).pad_to(len(episodes))
 
     @register(dispatch=ONE_TO_ALL)
@@ -329,6 +332,7 @@ class HybridWorker(CriticMixin, Worker):
         from hybridrl.backends.megatron.offload import held_bytes
 
         return {"mode": self.modes.mode.value, **held_bytes(self.actor), **self._critic_memory(),
+                **self._reward_model_memory(),
                 "kv_cache_bytes": int(self.engine.stats().get("kv_cache_bytes", 0)),
                 "staging_bytes": self.staging.nbytes,    # publication's bucket buffers (kept on a CPU device)
                 "rss_bytes": psutil.Process().memory_info().rss,

@@ -51,3 +51,21 @@ def memory_and_checkpoint(cfg, wg):
 
 
 MEMORY_AND_CHECKPOINT = Job("critic-memory", HybridWorker, memory_and_checkpoint)
+
+
+def reward_model_rollout(cfg, wg):
+    """One rollout with a reward model: every trajectory's ids, rewards and evaluators, and the phases."""
+    from hybridrl.controller import metrics as M
+    from hybridrl.data.trajectory import from_batch
+    from hybridrl.envs.tasks import get_task
+
+    instances = get_task(cfg.task.name, cfg.task).train_split()[:2]
+    wg.call(HybridWorker.enter_rollout, version=0, step=1)
+    trajectories = from_batch(wg.call(HybridWorker.rollout, M.episode_rows(instances, 2, 1)))
+    report = wg.call(HybridWorker.memory_report)[0]
+    _write(cfg, {"trajectories": [{"ids": t.prompt_ids + t.response_ids, "rewards": t.rewards,
+                                   "evaluators": t.reward_evaluators, "reward": t.reward, "status": t.status.value}
+                                  for t in trajectories], "report": report})
+
+
+REWARD_MODEL_ROLLOUT = Job("reward-model-rollout", HybridWorker, reward_model_rollout)
