@@ -83,3 +83,20 @@ def test_rollout_records_the_reward_model_component_per_trajectory(tmp_path, pol
         others = sum(v for k, v in t["rewards"].items() if k != "rm")       # the verifier's (weights 1 here)
         assert t["reward"] == pytest.approx(others + 0.5 * t["rewards"]["rm"], abs=1e-5)
     assert r["report"]["phases"]["reward_model"]["count"] >= 1               # scored in one phase per rollout
+
+
+def test_preflight_names_a_bad_critic_or_reward_model_before_anything_starts(tmp_path, capsys, policy, classifier):
+    from tests.test_preflight import GRPO, refused
+
+    run = f"run.dir={tmp_path / 'run'}"
+    err = refused(capsys, GRPO, f"model.path={policy}", run, "algo.advantage=gae", "critic.path=/no/such/critic")
+    assert "critic.path=/no/such/critic: no such directory" in err
+    err = refused(capsys, GRPO, f"model.path={policy}", run, f"reward_model.path={policy}")
+    assert f"reward_model.path={policy}: no scalar head" in err and "tiny-classifier" in err
+    err = refused(capsys, GRPO, f"model.path={policy}", run, "reward_model.path=/no/rm")
+    assert "reward_model.path=/no/rm: no such directory" in err
+    from tests.test_preflight import check
+
+    code, err = check(capsys, GRPO, f"model.path={policy}", run, f"reward_model.path={classifier}",
+                      "algo.advantage=gae", f"critic.path={policy}", "--check")
+    assert code == 0, err
