@@ -29,9 +29,10 @@ def values_and_training(out: Path, model_dir: str) -> None:
     g = torch.Generator().manual_seed(1)
     batch.set("returns", torch.randn(batch["input_ids"].shape, generator=g) * batch["loss_mask"])
     records = {}
-    layouts = {"tp1": 1, "tp2": 2} if dist.get_world_size() == 2 else {"tp1": 1}
-    for key, tp in layouts.items():
-        cfg = MegatronConfig(tp=tp, micro_batch_size=2, lr=1e-2, weight_decay=0.0, use_distributed_optimizer=False)
+    layouts = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)} if dist.get_world_size() == 2 else {"tp1": (1, 1)}
+    for key, (tp, pp) in layouts.items():
+        cfg = MegatronConfig(tp=tp, pp=pp, micro_batch_size=2, lr=1e-2, weight_decay=0.0,
+                             use_distributed_optimizer=False)
         critic = CriticEngine.from_hf(model_dir, cfg)
         first = critic.compute_values(batch)
         losses = []
@@ -40,10 +41,14 @@ def values_and_training(out: Path, model_dir: str) -> None:
             batch.set("values", torch.zeros_like(batch["returns"]))   # (unused with clip 0)
             losses.append(critic.train_step(batch, loss_fn)["loss"])
         last = critic.compute_values(batch)
+        # the output rank (last stage, TP rank 0) holds the values and the head: gather them on rank 0
+        mine = None if first is None else {"first": first["values"], "last": last["values"],
+                                            "head": critic.value_head()}
+        held = [None] * dist.get_world_size()
+        dist.all_gather_object(held, mine)
         if dist.get_rank() == 0:
             records[key] = {"losses": losses}
-            torch.save({"first": first["values"], "last": last["values"], "head": critic.value_head()},
-                       out / f"critic_{key}.pt")
+            torch.save(next(h for h in held if h is not None), out / f"critic_{key}.pt")
         del critic
         destroy_model_parallel()
     if dist.get_rank() == 0:

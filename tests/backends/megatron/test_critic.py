@@ -1,6 +1,6 @@
 """The critic on the Megatron backend with real ranks: token-aligned values equal the HF decoder's
-final hidden states through the value head (loaded from the model directory), under TP1 and TP2;
-training on the value loss lowers it and moves TP1 and TP2 alike."""
+final hidden states through the value head (loaded from the model directory), under TP1, TP2 and
+PP2; training on the value loss lowers it and moves every layout alike."""
 
 from __future__ import annotations
 
@@ -42,13 +42,14 @@ def test_values_match_hf_and_training_lowers_the_value_loss(tmp_path, critic_dir
     want = torch.zeros_like(per_position)
     want[:, 1:] = per_position[:, :-1]                                     # token-aligned: V before token t
     want = want * mask
-    got = {k: torch.load(tmp_path / f"critic_{k}.pt") for k in ("tp1", "tp2")}
-    for k in ("tp1", "tp2"):
+    layouts = ("tp1", "tp2", "pp2")
+    got = {k: torch.load(tmp_path / f"critic_{k}.pt") for k in layouts}
+    for k in layouts:
         assert torch.allclose(got[k]["first"], want, atol=1e-4), (k, (got[k]["first"] - want).abs().max())
     records = json.loads((tmp_path / "critic.json").read_text())
-    for k in ("tp1", "tp2"):
+    for k in layouts:
         losses = records[k]["losses"]
         assert losses[-1] < 0.7 * losses[0], losses
-    assert records["tp1"]["losses"] == pytest.approx(records["tp2"]["losses"], rel=1e-4)
-    assert torch.allclose(got["tp1"]["last"], got["tp2"]["last"], atol=1e-4)
+        assert records[k]["losses"] == pytest.approx(records["tp1"]["losses"], rel=1e-4)
+        assert torch.allclose(got[k]["last"], got["tp1"]["last"], atol=1e-4)
     assert not torch.allclose(got["tp1"]["head"]["weight"], head["weight"])      # the head trained
