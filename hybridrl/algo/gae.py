@@ -31,9 +31,9 @@ def advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Te
     rewards = token_rewards.to(torch.float32) * mask
     values = values.to(torch.float32) * mask
     n, t = mask.shape
-    adv = torch.zeros(n, t)
-    next_value = torch.zeros(n)
-    next_adv = torch.zeros(n)
+    adv = torch.zeros(n, t, device=mask.device)
+    next_value = torch.zeros(n, device=mask.device)
+    next_adv = torch.zeros(n, device=mask.device)
     for i in range(t - 1, -1, -1):
         m = mask[:, i]
         delta = rewards[:, i] + gamma * next_value - values[:, i]
@@ -51,20 +51,23 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor,
     the policy tokens -> [N, T]. A row without policy tokens gets nothing."""
     mask = mask.to(torch.float32)
     out = torch.zeros_like(mask) if token_rewards is None else token_rewards.to(torch.float32) * mask
-    positions = torch.arange(mask.shape[-1]).expand_as(mask)
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
     last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).max(dim=-1).values
     rows = torch.nonzero(last >= 0).squeeze(-1)
     out[rows, last[rows]] += rewards.to(torch.float32)[rows]
     return out
 
 
-def whiten(adv: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8) -> torch.Tensor:
-    """(A - mean) / std over the batch's policy tokens (unbiased std); 0 off-mask. With fewer
-    than two policy tokens the advantages are returned unchanged (no statistics to use)."""
-    mask = mask.to(torch.float32)
-    n = mask.sum()
+def whiten(adv: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8, reduce=None) -> torch.Tensor:
+    """(A - mean) / std over the batch's policy tokens (unbiased std); 0 off-mask. With `reduce` (a
+    sum of a float64 tensor over the ranks holding the batch) the mean and std are those of every
+    rank's tokens together. With fewer than two policy tokens in all, A is returned unchanged."""
+    reduce = reduce or (lambda t: t)
+    a, m = adv.to(torch.float64), mask.to(torch.float64)
+    sums = reduce(torch.stack([m.sum(), (a * m).sum()]))
+    n = float(sums[0])
     if n < 2:
-        return adv * mask
-    mean = (adv * mask).sum() / n
-    var = (((adv - mean) * mask) ** 2).sum() / (n - 1)
-    return (adv - mean) / (var.sqrt() + eps) * mask
+        return (adv * mask).to(torch.float32)
+    mean = sums[1] / n
+    var = reduce(((a - mean) * m).pow(2).sum().reshape(1))[0] / (n - 1)
+    return ((a - mean) / (var.sqrt() + eps) * m).to(torch.float32)

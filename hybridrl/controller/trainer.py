@@ -1,7 +1,11 @@
 """The RL loop, on rank 0. It reads as the algorithm:
 
-    tasks -> rollout mode -> agent episodes (rewards) -> train mode -> filter -> old / ref logprobs
-          -> advantages -> update -> (publish happens at the next switch) -> log / validate / checkpoint
+    tasks -> rollout mode -> agent episodes (rewards) -> train mode -> filter -> mini-batch layout
+          -> update_policy (worker-side: ref / old logprobs, KL-in-reward, advantages, PPO updates)
+          -> (publish happens at the next switch) -> log / validate / checkpoint
+
+The batch reaches the workers once per step (one `update_policy` call); scalars and per-row
+values come back.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from tqdm import tqdm
 
 from hybridrl.algo.filters import filter_trajectories
 from hybridrl.algo.groups import group_index_of
-from hybridrl.algo.objective import compute_advantages, kl_token_rewards
+from hybridrl.algo.minibatches import lay_out, plan
 from hybridrl.controller import critic as C
 from hybridrl.controller import metrics as M
 from hybridrl.controller.state import RunState
+from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import from_batch, to_batch
 from hybridrl.jobs import Job
 from hybridrl.telemetry.timers import StageTimer
@@ -51,23 +56,17 @@ def train(cfg, wg) -> dict:
                                        max_policy_lag=algo.max_policy_lag if algo.max_policy_lag >= 0 else None)
             batch = to_batch(kept.kept, pad_id=run.pad_id) if kept.kept else None
             if batch is not None:
-                batch.set("old_logprobs", wg.call(HybridWorker.compute_logprobs, batch)["old_logprobs"])
-                token_rewards = None
-                if algo.uses_reference:
-                    batch.set("ref_logprobs", wg.call(HybridWorker.compute_ref_logprobs, batch)["ref_logprobs"])
-                    if algo.kl_in == "reward":
-                        token_rewards = kl_token_rewards(algo, batch["old_logprobs"], batch["ref_logprobs"],
-                                                         batch["loss_mask"])
-                if algo.uses_critic:
-                    C.gae_advantages(cfg, wg, batch, token_rewards)
-                else:
-                    batch.set("advantages", compute_advantages(algo, batch["reward"], group_index_of(batch["group_id"]),
-                                                               batch["loss_mask"], token_rewards=token_rewards))
+                layout = plan(len(batch), wg.mesh("train").dp_size, algo.ppo_mini_batches)
+                sent = lay_out(update_inputs(batch), layout)
 
-        updates_actor = batch is not None and C.actor_trains(cfg, step)
+        updates_actor = batch is not None and C.actor_trains(cfg, step)     # gae: not in the critic's warm-up
         with timer("train"):
-            critic = C.train_critic(wg, batch) if batch is not None and algo.uses_critic else {}
-            update = wg.call(HybridWorker.train_step, batch)[0] if updates_actor else {}
+            update, critic = {}, {}
+            if batch is not None:
+                outs = wg.call(HybridWorker.update_policy, sent, mini_batch_rows=layout.rows_per_rank,
+                               num_groups=int(sent["group_index"].max()) + 1, update_actor=updates_actor)
+                update, critic = outs[0]["metrics"], outs[0].get("critic", {})
+                record_rows(kept.kept, outs, layout)
         if updates_actor:
             run.version += 1
 
@@ -88,6 +87,26 @@ def train(cfg, wg) -> dict:
             run.save_checkpoint(wg, step)
     run.finish(wg)
     return run.summary()
+
+
+def update_inputs(batch: Batch) -> Batch:
+    """What `HybridWorker.update_policy` needs of a batch: tokens, masks, behaviour logprobs, the
+    outcome reward and each row's group as a dense index (metadata stays on the controller)."""
+    names = ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "reward")
+    return Batch({**{n: batch[n] for n in names}, "group_index": group_index_of(batch["group_id"])})
+
+
+def record_rows(trajectories: list, outs: list[dict], layout) -> None:
+    """Per-trajectory values from the update (its advantage, its rollout/trainer mismatch) into each
+    trajectory's metadata, in the order the layout sent them."""
+    rows: dict[str, list] = {}
+    for out in outs:                      # the output ranks' shares, in data-parallel order
+        for key, values in out["rows"].items():
+            rows.setdefault(key, []).extend(values)
+    for position in layout.real_positions:
+        t = trajectories[layout.order[position]]
+        for key, values in rows.items():
+            t.metadata[key] = values[position]
 
 
 def validate(cfg, wg, run: RunState, step: int) -> dict:

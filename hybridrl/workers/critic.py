@@ -1,8 +1,11 @@
 """The critic's side of the hybrid worker (algo.advantage=gae): a value model time-shared like the actor.
 
 - built beside the actor (`CriticEngine`, same train mesh), from `critic.path` or the actor's directory;
-- `compute_values`: token-aligned values of a batch (the "old" values GAE and the value clip use);
-- `train_critic`: one optimizer step of the clipped value loss on the batch's `values` / `returns`;
+- inside `update_policy` (one call per RL step): `_critic_values` (the "old" values GAE and the value
+  clip use, before any update), `_gae` (advantages and returns over this rank's rows, whitened with
+  statistics summed over the data-parallel ranks), `_train_critic` (the clipped value loss, one
+  optimizer step per actor mini-batch and epoch);
+- `compute_values` / `train_critic`: the single pieces as worker calls (tests, probes);
 - its optimizer state and gradients leave with the actor's when the engine generates (phases
   `critic_offload` / `critic_reload` of the mode machine) and come back for training;
 - saved and restored with the actor in every checkpoint (`<checkpoint>/critic`).
@@ -50,6 +53,49 @@ class CriticMixin:
         self._require_critic()
         with self.modes.phase("critic_train"):
             return self.critic.train_step(batch, self.value_loss_fn)
+
+    def _critic_values(self, batch: Batch, temperature: float) -> None:
+        """batch['values'] [B, T]: the critic's, on every rank of the last pipeline stage (0 elsewhere).
+        Every rank takes part (a collective over the pipeline); nothing happens without a critic."""
+        if self.critic is None:
+            return
+        import torch
+
+        out = self.critic.compute_values(batch, on_last_stage=True)
+        batch.set("values", out["values"].to(batch["loss_mask"].device) if out is not None
+                  else torch.zeros_like(batch["loss_mask"]))
+
+    def _gae(self, batch: Batch, token_rewards, reduce):
+        """Advantages [B, T] by GAE from batch['values']; sets batch['returns'] (the value loss's target).
+        Per row; whitening (algo.gae_whiten) uses the whole batch's statistics through `reduce`."""
+        from hybridrl.algo.objective import compute_gae
+
+        advantages, returns = compute_gae(self.cfg.algo, batch["reward"], batch["values"], batch["loss_mask"],
+                                          token_rewards=token_rewards, reduce=reduce)
+        batch.set("returns", returns)
+        return advantages
+
+    def _train_critic(self, batch: Batch, slices: list[tuple[int, int]], epochs: int) -> dict[str, float]:
+        """`epochs` passes of one critic step per mini-batch slice; critic/* metrics (means over the steps,
+        the last learning rate). Every rank takes part; {} without a critic."""
+        if self.critic is None:
+            return {}
+        import time
+
+        import torch
+
+        if "returns" not in batch.tensors:       # ranks off the last stage compute no loss: shapes only
+            batch.set("returns", torch.zeros_like(batch["loss_mask"]))
+        started = time.perf_counter()
+        with self.modes.phase("critic_train"):
+            steps = [self.critic.train_step(batch.slice(lo, hi), self.value_loss_fn)
+                     for _ in range(epochs) for lo, hi in slices]
+        out = {f"critic/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]
+               if k not in ("lr", "num_tokens", "num_sequences")}
+        out["critic/lr"] = steps[-1]["lr"]
+        out["critic/optimizer_steps"] = float(len(steps))
+        out["critic/time_s"] = time.perf_counter() - started
+        return out
 
     def _require_critic(self) -> None:
         if self.critic is None:

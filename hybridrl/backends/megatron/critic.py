@@ -112,9 +112,10 @@ class CriticEngine(MegatronEngine):
 
         return token_aligned(logits[..., 0].float(), mb.attention_mask), None
 
-    def compute_values(self, batch: Batch) -> Batch | None:
-        """values [B, T] float32, token-aligned, on the output ranks (None elsewhere)."""
-        out = self.compute_logprobs(batch)
+    def compute_values(self, batch: Batch, *, on_last_stage: bool = False) -> Batch | None:
+        """values [B, T] float32, token-aligned, on the output ranks (`on_last_stage`: every rank of the
+        last pipeline stage), None elsewhere."""
+        out = self.compute_logprobs(batch, on_last_stage=on_last_stage)
         return None if out is None else Batch({"values": out["logprobs"]}, num_padding=batch.num_padding)
 
     def value_head(self) -> dict[str, torch.Tensor] | None:
