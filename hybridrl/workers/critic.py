@@ -94,7 +94,7 @@ class CriticMixin:
                if k not in ("lr", "num_tokens", "num_sequences")}
         out["critic/lr"] = steps[-1]["lr"]
         out["critic/optimizer_steps"] = float(len(steps))
-        out["critic/time_s"] = time.perf_counter() - started
+        out["time/T_critic"] = time.perf_counter() - started
         return out
 
     def _require_critic(self) -> None:
