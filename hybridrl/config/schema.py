@@ -19,6 +19,7 @@ from hybridrl.algo.config import AlgoConfig
 from hybridrl.controller.config import TrainerConfig
 from hybridrl.controller.sft_config import SFTConfig
 from hybridrl.publication.config import PublishConfig
+from hybridrl.store.config import StoreConfig
 from hybridrl.workers.config import HybridConfig
 from hybridrl.workers.critic_config import CriticConfig
 from hybridrl.reward.config import RewardModelConfig
@@ -83,6 +84,7 @@ class Config:
     reward_model: RewardModelConfig = section(RewardModelConfig, "a learned reward model as a reward component")
     trainer: TrainerConfig = section(TrainerConfig, "the RL loop: steps, batch shape, validation, checkpoints")
     sft: SFTConfig = section(SFTConfig, "supervised warm start on the task's demonstrations")
+    store: StoreConfig = section(StoreConfig, "the run ledger: trajectory store, lineage, retention")
     selfcheck: SelfCheckConfig = section(SelfCheckConfig, "the self-check job")
 
     def __post_init__(self) -> None:

@@ -81,6 +81,10 @@ def train(cfg, wg) -> dict:
         metrics.update(M.engine_metrics(wg.call(HybridWorker.rollout_stats), run))
         if step == tc.total_steps or (tc.validate_every and step % tc.validate_every == 0):
             metrics.update(validate(cfg, wg, run, step))
+        metrics["time/T_store"] = run.ledger.record_step(
+            step, trajectories=trajectories, kept=kept, batch=batch, switch=switch, rollout_version=rollout_version,
+            version_after=run.version, metrics=metrics,
+            checkpoint=str(run.checkpoints.path(step)) if tc.checkpoint_every and step % tc.checkpoint_every == 0 else None)
         run.log(step, metrics, samples=trajectories)
         bar.set_postfix_str(M.postfix(metrics))
         if tc.checkpoint_every and step % tc.checkpoint_every == 0:
@@ -115,7 +119,7 @@ def validate(cfg, wg, run: RunState, step: int) -> dict:
     tc = cfg.trainer
     started = time.perf_counter()
     if wg.call(HybridWorker.mode) != "rollout":
-        wg.call(HybridWorker.enter_rollout, version=run.version, step=step)
+        run.ledger.record_switch(step, wg.call(HybridWorker.enter_rollout, version=run.version, step=step))
     rows = M.episode_rows(run.validation, 1, f"val{step}")
     trajectories = from_batch(wg.call(HybridWorker.rollout, rows, temperature=tc.validation_temperature))
     out = M.validation_metrics(trajectories)

@@ -154,6 +154,7 @@ PINNED_KEYS = [
     "trainer.keep_checkpoints", "trainer.resume", "trainer.export_hf", "trainer.log_samples",
     "sft.num_demonstrations", "sft.steps", "sft.batch_size", "sft.output_dir",
     "sft.log_every",
+    "store.enabled", "store.text", "store.keep_steps", "store.max_mb", "store.compression",
 ]
 
 
