@@ -29,6 +29,7 @@ def model(tiny_models):
     return tiny_models("qwen2", init_std=0.05)
 
 
+@pytest.mark.slow
 def test_gae_run_warms_up_the_critic_then_trains_both(tmp_path, model):
     proc = hybridrl_train(RECIPE, f"model.path={model}", f"run.dir={tmp_path}", *GAE, "critic.warmup_steps=1",
                           "trainer.total_steps=3")
