@@ -66,7 +66,6 @@ def test_a_directory_without_a_scalar_head_is_refused(policy, tmp_path):
         RewardModelScorer(tmp_path, component="rm", device=torch.device("cpu"))
 
 
-@pytest.mark.slow
 def test_rollout_records_the_reward_model_component_per_trajectory(tmp_path, policy, classifier):
     proc = hybridrl_train(RECIPE, "run.job=tests.workers.critic_jobs:REWARD_MODEL_ROLLOUT", f"model.path={policy}",
                           f"run.dir={tmp_path}", f"reward_model.path={classifier}", "reward_model.component=rm",
