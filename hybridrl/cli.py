@@ -8,6 +8,7 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl init task NAME [--dir D]          a runnable task module + its SFT and GRPO recipes
     hybridrl config defaults [--write DIR]     the documented defaults of every section
     hybridrl assets tiny-model --arch A --out D
+    hybridrl assets tiny-classifier --policy P --out D
     hybridrl doctor [--json]                   versions, devices, a 2-rank self-test
     hybridrl bench mode-switch --model D --cycles N --json OUT   the hybrid engine's switch cost
     hybridrl agent sandbox-check|tasks|rollout the agent layer (see hybridrl/agent/cli.py)
@@ -101,6 +102,12 @@ def _cmd_assets_tiny_model(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_assets_tiny_classifier(args: argparse.Namespace) -> int:
+    from hybridrl.assets.tiny_classifier import main
+
+    return main(args)
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from hybridrl.doctor import main
 
@@ -180,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(a)
     a.set_defaults(func=_cmd_assets_tiny_model)
+    a = asub.add_parser("tiny-classifier", help="a tiny reward model (1-label classifier) with a known scoring rule")
+    from hybridrl.assets.tiny_classifier import add_arguments as add_classifier_arguments
+
+    add_classifier_arguments(a)
+    a.set_defaults(func=_cmd_assets_tiny_classifier)
 
     p = sub.add_parser("doctor", help="versions, devices and a 2-rank self-test")
     p.add_argument("--json", action="store_true", help="machine-readable output")

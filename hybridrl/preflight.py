@@ -1,6 +1,7 @@
 """Everything a run needs, checked before any process starts: each problem is one line (exit 2).
 
     model.path  an HF directory: config.json (JSON, with model_type), safetensors weights
+                (critic.path and reward_model.path too, when set; a reward model needs a scalar head)
                 (model.safetensors, or model.safetensors.index.json and every shard it names),
                 a tokenizer (tokenizer.json, or tokenizer_config.json with its vocabulary files)
     task        importable (loading the config did that) and able to give what the run asks of
@@ -34,6 +35,12 @@ def preflight(cfg: Any, *, overwrite: bool = False) -> list[str]:
     if cfg.run.job not in rundir.JOBS:
         return []
     check_model(cfg.model.path)
+    critic, reward_model = getattr(cfg, "critic", None), getattr(cfg, "reward_model", None)
+    if critic is not None and cfg.algo.advantage == "gae" and critic.path:
+        check_model(critic.path, key="critic.path")
+    if reward_model is not None and reward_model.path:
+        check_model(reward_model.path, key="reward_model.path")
+        check_scalar_head(reward_model.path)
     check_task(cfg)
     try:
         if overwrite:
@@ -46,8 +53,8 @@ def preflight(cfg: Any, *, overwrite: bool = False) -> list[str]:
     return [plan.note] if plan.note else []
 
 
-def check_model(path: str) -> None:
-    where = f"model.path={path}"
+def check_model(path: str, *, key: str = "model.path") -> None:
+    where = f"{key}={path}"
     d = Path(path)
     if not d.is_dir():
         raise PreflightError(f"{where}: no such directory (an HF model directory: config.json, *.safetensors, "
@@ -78,6 +85,26 @@ def check_model(path: str) -> None:
     if not any((d / name).exists() for name in TOKENIZER_FILES):
         raise PreflightError(f"{where}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); the tokenizer is "
                              "loaded from the model directory")
+
+
+def check_scalar_head(path: str) -> None:
+    """A reward model needs a scalar head: value_head.safetensors, or a 1-label classifier's score.weight."""
+    d = Path(path)
+    if (d / "value_head.safetensors").exists():
+        return
+    for weights in sorted(d.glob("*.safetensors")):
+        with weights.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        if "score.weight" in header:
+            rows = header["score.weight"]["shape"][0]
+            if rows != 1:
+                raise PreflightError(f"reward_model.path={path}: a sequence classifier with {rows} labels is not a "
+                                     "reward model (needs num_labels=1)")
+            return
+    raise PreflightError(f"reward_model.path={path}: no scalar head (a 1-label *ForSequenceClassification "
+                         "checkpoint with score.weight, or value_head.safetensors beside a causal LM); "
+                         "`hybridrl assets tiny-classifier` makes a small one")
 
 
 def check_task(cfg: Any) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, knob
+from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, check_range, knob
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "gae")
 POLICY_LOSSES = ("ppo_clip",)
@@ -15,11 +15,12 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 class AlgoConfig:
     """Advantage estimator, policy loss, KL penalty, entropy bonus, mismatch correction, filters."""
 
-    advantage: str = knob("grpo", f"advantage estimator: {' | '.join(ADVANTAGE_ESTIMATORS)} (gae needs a critic)")
+    advantage: str = knob("grpo", f"advantage estimator: {' | '.join(ADVANTAGE_ESTIMATORS)} (gae trains a critic: see the critic section)")
     norm_adv_by_std: bool = knob(True, "grpo: divide by the group's reward std")
     reinforce_baseline: str = knob("group", "reinforce_pp: baseline 'group' (group mean reward) or 'none'")
     gamma: float = knob(1.0, "gae: discount")
     lam: float = knob(0.95, "gae: lambda")
+    gae_whiten: bool = knob(True, "gae: whiten the advantages over the step's policy tokens (mean 0, std 1)")
     policy_loss: str = knob("ppo_clip", f"policy loss: {' | '.join(POLICY_LOSSES)}")
     clip_low: float = knob(0.2, "PPO clip range below 1 (ratio >= 1 - clip_low)")
     clip_high: float = knob(0.2, "PPO clip range above 1 (ratio <= 1 + clip_high); > clip_low is 'clip-higher'")
@@ -52,9 +53,12 @@ class AlgoConfig:
             raise ConfigValueError("dual_clip", f"must be > 1 or 0 (off), got {self.dual_clip}")
         for name in ("kl_coef", "entropy_coef", "tis_cap"):
             check_positive(name, getattr(self, name), allow_zero=True)
-        if self.advantage == "gae":
-            raise ConfigValueError("advantage", "gae needs a critic model, which hybridrl does not build yet; "
-                                               "use grpo, rloo or reinforce_pp")
+        check_range("gamma", self.gamma, 0.0, 1.0)
+        check_range("lam", self.lam, 0.0, 1.0)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage == "gae"
 
     @property
     def uses_reference(self) -> bool:

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from hybridrl.algo import correction, grpo, kl, ppo_clip, reinforce_pp, rloo
+from hybridrl.algo import correction, gae, grpo, kl, ppo_clip, reinforce_pp, rloo
 from hybridrl.algo.config import AlgoConfig
 from hybridrl.algo.groups import Reduce
 from hybridrl.data.batch import Batch
@@ -35,7 +35,7 @@ _POLICY_LOSSES = {
     "ppo_clip": lambda cfg, lp, old, adv: ppo_clip.loss(lp, old, adv, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                                         dual_clip=cfg.dual_clip or None),
 }
-__all__ = ["compute_advantages", "kl_token_rewards", "make_loss_fn"]
+__all__ = ["compute_advantages", "compute_gae", "kl_token_rewards", "make_loss_fn"]
 
 
 def compute_advantages(cfg: AlgoConfig, rewards: torch.Tensor, group_index: torch.Tensor, mask: torch.Tensor,
@@ -48,8 +48,22 @@ def compute_advantages(cfg: AlgoConfig, rewards: torch.Tensor, group_index: torc
     if token_rewards is not None and cfg.advantage in ("grpo", "rloo"):
         # outcome-only estimators: fold per-token rewards (e.g. KL-in-reward) into the outcome
         rewards = rewards + (token_rewards * mask).sum(dim=-1)
+    if cfg.advantage == "gae":
+        raise ValueError("gae needs the critic's values: use compute_gae(cfg, rewards, values, mask)")
     return _ADVANTAGES[cfg.advantage](cfg, rewards, group_index, mask, token_rewards, num_groups=num_groups,
                                       reduce=reduce)
+
+
+def compute_gae(cfg: AlgoConfig, rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                *, token_rewards: torch.Tensor | None = None,
+                reduce: Reduce | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """rewards [N] (outcome, on each row's last policy token), values [N, T] (the critic's, token-aligned),
+    mask [N, T], token_rewards [N, T] -> (advantages [N, T] (whitened if cfg.gae_whiten), returns [N, T]).
+    GAE is per row; with `reduce` (a sum over the ranks holding the batch) the whitening statistics are
+    the whole batch's."""
+    adv, returns = gae.advantages(gae.outcome_token_rewards(rewards, mask, token_rewards), values, mask,
+                                  gamma=cfg.gamma, lam=cfg.lam)
+    return (gae.whiten(adv, mask, reduce=reduce) if cfg.gae_whiten else adv), returns
 
 
 def kl_token_rewards(cfg: AlgoConfig, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,

@@ -21,6 +21,8 @@ from hybridrl.controller.sft_config import SFTConfig
 from hybridrl.publication.config import PublishConfig
 from hybridrl.store.config import StoreConfig
 from hybridrl.workers.config import HybridConfig
+from hybridrl.workers.critic_config import CriticConfig
+from hybridrl.reward.config import RewardModelConfig
 
 # Jobs shipped with hybridrl; `run.job` may also name any "package.module:JOB" attribute.
 JOBS = ("selfcheck", "rl", "sft")
@@ -78,6 +80,8 @@ class Config:
     task: TaskConfig = section(TaskConfig, "the task: splits, reward weights, SFT demonstrations, options")
     env: EnvServiceConfig = section(EnvServiceConfig, "the leased environment service")
     algo: AlgoConfig = section(AlgoConfig, "the RL algorithm: advantages, policy loss, KL, filters")
+    critic: CriticConfig = section(CriticConfig, "the value model of algo.advantage=gae: init, optimizer, value clip")
+    reward_model: RewardModelConfig = section(RewardModelConfig, "a learned reward model as a reward component")
     trainer: TrainerConfig = section(TrainerConfig, "the RL loop: steps, batch shape, validation, checkpoints")
     sft: SFTConfig = section(SFTConfig, "supervised warm start on the task's demonstrations")
     store: StoreConfig = section(StoreConfig, "the run ledger: trajectory store, lineage, retention")

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from hybridrl.algo.filters import filter_trajectories
 from hybridrl.algo.groups import group_index_of
 from hybridrl.algo.minibatches import lay_out, plan
+from hybridrl.controller import critic as C
 from hybridrl.controller import metrics as M
 from hybridrl.controller.state import RunState
 from hybridrl.data.batch import Batch
@@ -61,23 +62,25 @@ def train(cfg, wg) -> dict:
                 layout = plan(len(batch), wg.mesh("train").dp_size, algo.ppo_mini_batches)
                 sent = lay_out(update_inputs(batch), layout)
 
+        updates_actor = batch is not None and C.actor_trains(cfg, step)     # gae: not in the critic's warm-up
         with timer("train"):
-            update = {}
+            update, critic = {}, {}
             if batch is not None:
                 outs = wg.call(HybridWorker.update_policy, sent, mini_batch_rows=layout.rows_per_rank,
-                               num_groups=int(sent["group_index"].max()) + 1)
-                update = outs[0]["metrics"]
+                               num_groups=int(sent["group_index"].max()) + 1, update_actor=updates_actor)
+                update, critic = outs[0]["metrics"], outs[0].get("critic", {})
                 record_rows(kept.kept, outs, layout)
                 if cfg.store.enabled:       # the ledger keeps per-token old logprobs and advantages
                     attach_lineage(batch, wg.call(HybridWorker.update_lineage), wg.mesh("train"), layout)
         run.faults.at(step, "train")
-        if batch is not None:
+        if updates_actor:
             run.version += 1
 
         metrics = M.step_metrics(trajectories, kept, batch, update, switch, timer.pop(),
                                  wall_s=time.perf_counter() - started, world_size=wg.world_size,
                                  version=run.version, rollout_version=rollout_version)
-        metrics["train/updated"] = float(batch is not None)   # a step without a learning signal goes on
+        metrics["train/updated"] = float(updates_actor)   # a step without a learning signal goes on
+        metrics.update(critic)
         if batch is None:
             log.info("step %d: no update (none of %d episodes admitted: %s)", step, len(trajectories),
                      ", ".join(f"{k} {v}" for k, v in kept.counts.items() if v) or "no reason counted")

@@ -41,6 +41,8 @@ from hybridrl.publication.manifest import PublicationError, PublicationRefused, 
 from hybridrl.publication.publish import publish
 from hybridrl.rollout.protocol import WEIGHTS
 from hybridrl.workers.base import Worker, register
+from hybridrl.workers.critic import CriticMixin
+from hybridrl.workers.reward_model import RewardModelMixin
 from hybridrl.workers.modes import Arrivals, Mode, ModeMachine, PhaseTimeout
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ ROLLOUT_PADS = (("input_ids", 0), ("attention_mask", 0), ("loss_mask", 0.0), ("b
                 ("policy_version", -1))
 
 
-class HybridWorker(Worker):
+class HybridWorker(CriticMixin, RewardModelMixin, Worker):
     def __init__(self, cfg: Any, ctx: Any):
         super().__init__(ctx)
         from transformers import AutoTokenizer
@@ -69,6 +71,7 @@ class HybridWorker(Worker):
         self.actor = MegatronEngine.from_hf(cfg.model.path, cfg.train, training=True, device=ctx.device)
         self.ref = (MegatronEngine.from_hf(cfg.model.path, cfg.train, training=False, device=ctx.device)
                     if cfg.algo.uses_reference else None)
+        self.critic = self._build_critic()            # algo.advantage=gae only (hybridrl/workers/critic.py)
         rollout_mesh = self.meshes()["rollout"]
         self.rollout_ranks = rollout_mesh.group_along("tp", ctx.rank)
         self.owns_engine = ctx.rank == self.rollout_ranks[0]
@@ -85,6 +88,7 @@ class HybridWorker(Worker):
         self.release = None
         self._publish_stats = None
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.reward_model = self._build_reward_model()   # reward_model.path (hybridrl/workers/reward_model.py)
         self.task = get_task(cfg.task.name, cfg.task)
         tool_names = sorted({t for inst in self.task.validation_split(8) for t in inst.tools})
         self.tools = self._run(ToolBox.from_config(cfg.tools, names=tool_names).start())
@@ -175,6 +179,7 @@ class HybridWorker(Worker):
         try:
             with self.modes.phase("offload") as rec:
                 rec.bytes_moved = self.actor.offload(optimizer=True, grads=True, spill_dir=self.spill_dir)
+            self._offload_critic()
             with self.modes.phase("publish", waits_for="the weights to reach the rollout engine") as rec:
                 # decided together: a rank whose engine forgot its weights (SGLang releases them) and one
                 # whose engine kept them (a validation left it serving) must both take part
@@ -238,6 +243,7 @@ class HybridWorker(Worker):
             self._engine_call(self.engine.sleep(self.engine.releasable_tags), "the engine to drain and release")
         with self.modes.phase("reload") as rec:
             rec.bytes_moved = self.actor.reload()
+        self._reload_critic()
         self.modes.to(Mode.TRAIN)
         return {f"switch/{k}_s": v["seconds"] for k, v in self.modes.last().items() if k in ("sleep", "reload")}
 
@@ -248,6 +254,7 @@ class HybridWorker(Worker):
         except Exception as err:  # noqa: BLE001 - the switch's own error is the one to report
             log.error("rank %d: the engine did not go back to sleep after a failed switch: %r", self.ctx.rank, err)
         self.actor.reload()
+        self._reload_critic()
 
     def _engine_call(self, coro, waits_for: str):
         """Run an engine coroutine within what is left of the current phase's deadline."""
@@ -317,6 +324,7 @@ class HybridWorker(Worker):
                      episodes["group_id"][i]) for i in range(real)]
         with self.modes.phase("generate"):
             trajectories = self._run(self.runner.run_attempts(attempts, task=self.task, temperature=temperature))
+        self._score_with_reward_model(trajectories)
         return to_batch(trajectories, pad_id=self.tokenizer.pad_token_id or 0).pad_to(len(episodes))
 
     @register(dispatch=ONE_TO_ALL)
@@ -343,7 +351,8 @@ class HybridWorker(Worker):
 
         from hybridrl.backends.megatron.offload import held_bytes
 
-        return {"mode": self.modes.mode.value, **held_bytes(self.actor),
+        return {"mode": self.modes.mode.value, **held_bytes(self.actor), **self._critic_memory(),
+                **self._reward_model_memory(),
                 "kv_cache_bytes": int(self.engine.stats().get("kv_cache_bytes", 0)),
                 "staging_bytes": self.staging.nbytes,    # publication's bucket buffers (kept on a CPU device)
                 "rss_bytes": psutil.Process().memory_info().rss,
@@ -382,7 +391,7 @@ class HybridWorker(Worker):
 
     @register(dispatch=DPSplit("train"))
     def update_policy(self, batch: Batch, *, mini_batch_rows: list[int], num_groups: int,
-                      ppo_epochs: int | None = None) -> dict:
+                      ppo_epochs: int | None = None, update_actor: bool = True) -> dict:
         """The training side of one RL step on this rank's share of a batch laid out by
         `algo.minibatches` (tensors: input_ids, attention_mask, loss_mask, behavior_logprobs,
         reward, group_index), in one call:
@@ -396,7 +405,9 @@ class HybridWorker(Worker):
 
         Returns, on the output ranks: {'metrics': scalars, 'per_update': one dict per optimizer step,
         'rows': per-row lists (advantage, mismatch_max_abs) in this share's row order}.
-        `ppo_epochs` defaults to algo.ppo_epochs."""
+        `ppo_epochs` defaults to algo.ppo_epochs. With a critic (algo.advantage=gae, hybridrl/workers/critic.py)
+        its values come before the advantages (GAE), it takes the same optimizer steps on the same
+        mini-batches ('critic': its metrics), and `update_actor=False` (its warm-up) stops there."""
         from megatron.core import parallel_state as ps
 
         self.modes.require(Mode.TRAIN)
@@ -439,16 +450,21 @@ class HybridWorker(Worker):
                                                                          on_last_stage=True)))
             timings["time/T_old"] = time.perf_counter() - started
             started = time.perf_counter()
+            self._critic_values(batch, temperature)                 # gae: the critic's values (old)
             if last_stage:      # the loss runs there; its data-parallel group is the last stage's ranks
                 token_rewards = (kl_token_rewards(algo, batch["old_logprobs"], batch["ref_logprobs"], mask)
                                  if algo.uses_reference and algo.kl_in == "reward" else None)
-                advantages = compute_advantages(algo, batch["reward"], batch["group_index"], mask,
-                                                token_rewards=token_rewards, num_groups=num_groups, reduce=dp_sum)
+                advantages = (self._gae(batch, token_rewards, dp_sum) if algo.uses_critic else
+                              compute_advantages(algo, batch["reward"], batch["group_index"], mask,
+                                                 token_rewards=token_rewards, num_groups=num_groups, reduce=dp_sum))
             else:
                 advantages = torch.zeros_like(mask)
             batch.set("advantages", advantages.to(torch.float32))
             batch.set("token_index", torch.arange(rows * length, device=device).view(rows, length))
             timings["time/T_adv"] = time.perf_counter() - started
+            critic = self._train_critic(batch, slices, epochs)      # gae: the critic's steps, same mini-batches
+            if not update_actor:                                    # the critic's warm-up: only it trains
+                return {"metrics": {}, "per_update": [], "rows": {}, "critic": critic} if last_stage else {}
 
             started = time.perf_counter()
             captured = torch.zeros(rows * length, device=device)   # the first forward's logprobs
@@ -501,7 +517,7 @@ class HybridWorker(Worker):
         per_row = {"advantage": ((advantages * on).sum(dim=1) / tokens).tolist(),
                    "mismatch_max_abs": torch.where(on, (old - batch["behavior_logprobs"]).abs(),
                                                    torch.zeros_like(old)).max(dim=1).values.tolist()}
-        return {"metrics": metrics, "per_update": per_update, "rows": per_row}
+        return {"metrics": metrics, "per_update": per_update, "rows": per_row, "critic": critic}
 
     @register(dispatch=ONE_TO_ALL)
     def update_lineage(self) -> Batch | None:
@@ -521,10 +537,12 @@ class HybridWorker(Worker):
     def save_checkpoint(self, path: str, extra: dict) -> None:
         self.modes.require(Mode.TRAIN)
         self.actor.save_checkpoint(path, extra)
+        self._save_critic(path, extra)
 
     @register(dispatch=OneToAll("rank0"))
     def load_checkpoint(self, path: str) -> dict:
         self.modes.require(Mode.TRAIN)
+        self._load_critic(path)
         return self.actor.load_checkpoint(path)
 
     @register(dispatch=ONE_TO_ALL)

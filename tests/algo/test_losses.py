@@ -89,8 +89,10 @@ def test_compute_advantages_dispatch_and_kl_in_reward():
 
 
 def test_config_validation():
-    with pytest.raises(ConfigValueError, match="critic"):
-        AlgoConfig(advantage="gae")
+    assert AlgoConfig(advantage="gae").uses_critic
+    with pytest.raises(ConfigValueError, match=r"\[0.0, 1.0\]") as err:
+        AlgoConfig(advantage="gae", gamma=1.5)
+    assert err.value.field == "gamma"
     with pytest.raises(ConfigValueError):
         AlgoConfig(dual_clip=0.5)
     with pytest.raises(ConfigValueError):
