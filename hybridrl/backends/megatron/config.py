@@ -19,7 +19,11 @@ class MegatronConfig:
 
     tp: int = knob(1, "tensor-parallel size (must divide the number of KV heads)")
     pp: int = knob(1, "pipeline-parallel size (must divide the number of layers); dp = world / (tp * pp)")
-    micro_batch_size: int = knob(4, "sequences per micro-batch (per data-parallel rank)")
+    micro_batch_size: int = knob(4, "sequences per micro-batch (per data-parallel rank), each padded to its longest; "
+                                    "unused when max_tokens_per_micro_batch > 0")
+    max_tokens_per_micro_batch: int = knob(0, "pack sequences into micro-batches of at most this many real tokens "
+                                              "(no padding computed; attention stays within each sequence); "
+                                              "0 = off (micro_batch_size padded rows)")
     dtype: str = knob("float32", "parameter/compute dtype: float32 | bfloat16 | float16 (bf16/fp16 on GPUs)")
     lr: float = knob(1e-6, "peak learning rate")
     min_lr: float = knob(0.0, "final learning rate of the decay")
@@ -43,6 +47,10 @@ class MegatronConfig:
             check_positive(name, getattr(self, name))
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("attention", self.attention, ("sdpa", "megatron"))
+        check_positive("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, allow_zero=True)
+        if self.max_tokens_per_micro_batch and self.attention != "sdpa":
+            raise ConfigValueError("max_tokens_per_micro_batch", "packing needs attention=sdpa (Megatron's local "
+                                   f"attention cannot isolate packed sequences), got attention={self.attention!r}")
         check_positive("lr", self.lr, allow_zero=True)
         check_positive("min_lr", self.min_lr, allow_zero=True)
         if self.min_lr > self.lr:

@@ -249,7 +249,53 @@ def checkpoint(out: Path, model_dir: str, phase: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)        # no clean shutdown: the checkpoint must suffice
 
 
-JOBS = {"parity": parity, "train": train, "checkpoint": checkpoint}
+# ------------------------------------------------------------------------------------------------
+# packed: sequence packing vs padded micro-batches, per layout
+
+
+PACKED_LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+
+
+def packed(out: Path, model_dir: str, lr: str, max_tokens: str) -> None:
+    """Per layout: two train steps and a logprob pass with padded micro-batches (2 rows) and with
+    packs of at most `max_tokens` tokens, from the same weights on the same global batch (7 rows
+    of mixed lengths + 1 dispatcher padding row). Records losses, grad norms, logprobs (vs
+    transformers too) and the updated weights."""
+    world = dist.get_world_size()
+    full = sequence_batch(7, vocab=_vocab(model_dir), seed=3).pad_to(8, zero=["loss_mask"])
+    hf = _hf_model(model_dir)
+    ref_lp, ref_ent = token_logprobs(hf_logits(hf, full), full["input_ids"], full["attention_mask"], TEMPERATURE)
+    layouts = PACKED_LAYOUTS if world == 2 else {"dp1": (1, 1)}
+    results = {}
+    for name, (tp, pp) in layouts.items():
+        for mode, tokens in (("padded", 0), ("packed", int(max_tokens))):
+            destroy_model_parallel()
+            cfg = MegatronConfig(tp=tp, pp=pp, micro_batch_size=2, max_tokens_per_micro_batch=tokens, lr=float(lr),
+                                 weight_decay=0.1, clip_grad=1.0)
+            engine = MegatronEngine.from_hf(model_dir, cfg)
+            mine = full.chunk(engine.mesh.dp_size)[engine.mesh.dp_rank(dist.get_rank())]
+            mbs = engine._micro_batches(mine.slice(0, max(mine.num_valid, 1)))
+            rec: dict = {"rows_per_micro_batch": [len(mb.rows) for mb in mbs],
+                         "model_rows": [mb.model_shape[0] for mb in mbs]}
+            lp = engine.compute_logprobs(mine, temperature=TEMPERATURE, with_entropy=True)
+            rec["steps"] = [engine.train_step(mine, pg_loss, temperature=TEMPERATURE, with_entropy=True)
+                            for _ in range(2)]
+            if engine.is_output_rank:
+                rows = slice(engine.mesh.dp_rank(dist.get_rank()) * len(mine), None)
+                want_lp, want_ent = ref_lp[rows][: len(mine)], ref_ent[rows][: len(mine)]
+                real = mine.num_valid
+                rec["logprobs_vs_hf"] = float((lp["logprobs"][:real] - want_lp[:real]).abs().max())
+                rec["entropy_vs_hf"] = float((lp["entropy"][:real] - want_ent[:real]).abs().max())
+                torch.save(lp["logprobs"], out / f"logprobs_{name}_{mode}_rank{dist.get_rank()}.pt")
+            weights = {n: t.detach().cpu().clone() for n, t in engine.iter_hf_tensors()}
+            if dist.get_rank() == 0:
+                torch.save(weights, out / f"weights_{name}_{mode}.pt")
+            results.setdefault(name, {})[mode] = _gather_to_rank0(rec)
+    if dist.get_rank() == 0:
+        (out / f"packed_w{world}.json").write_text(json.dumps(results, indent=1))
+
+
+JOBS = {"parity": parity, "train": train, "checkpoint": checkpoint, "packed": packed}
 
 
 def main() -> None:
