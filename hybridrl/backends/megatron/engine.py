@@ -209,7 +209,7 @@ class MegatronEngine:
             logits, mb.next_token_targets(),
             vocab_start=ps.get_tensor_model_parallel_rank() * vocab_local,
             vocab_size=self.adapter.spec.vocab_size, group=ps.get_tensor_model_parallel_group(),
-            temperature=temperature, with_entropy=with_entropy)
+            temperature=temperature, with_entropy=with_entropy, chunk_tokens=self.cfg.logprob_chunk_tokens or None)
         logprobs = token_aligned(mb.to_rows(logprobs), mb.attention_mask)
         entropy = token_aligned(mb.to_rows(entropy), mb.attention_mask) if with_entropy else None
         return logprobs, entropy

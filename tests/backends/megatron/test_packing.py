@@ -1,6 +1,7 @@
-"""Sequence packing (`train.max_tokens_per_micro_batch`) with real ranks: packed and padded
-micro-batches give the same logprobs, losses, gradient norms and updated weights (two steps) at
-DP 2, TP 2 and PP 2 (one torchrun launch), and the packed logprobs match transformers. On one
+"""Sequence packing (`train.max_tokens_per_micro_batch`) with real ranks: packed micro-batches
+(with logprobs in chunks of 5 tokens) and padded ones give the same logprobs, losses, gradient
+norms and updated weights (two steps) at DP 2, TP 2 and PP 2 (one torchrun launch), and the
+packed logprobs match transformers. On one
 rank: how rows are packed, and attention that stays inside each sequence."""
 
 from __future__ import annotations
