@@ -38,7 +38,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     try:
         recipe, overrides = recipe_and_overrides(args.recipe_args, args.config, extra=args.job_overrides)
         cfg = load_config(recipe, overrides)
-        notes = preflight(cfg, overwrite=args.overwrite)
+        notes = preflight(cfg, overwrite=args.overwrite,
+                          world_size=args.nproc_per_node or cfg.distributed.nproc_per_node)
         if args.overwrite and not args.check and cfg.run.job in rundir.JOBS:
             removed = rundir.remove_outputs(cfg.run.dir)
             notes = [f"--overwrite: removed {', '.join(removed)} from {cfg.run.dir}"] if removed else []
