@@ -41,7 +41,8 @@ class PackedSequences(PackedSeqParams):
 
     groups: per attention group (sequences of similar length), `index` [n, L] positions in the
         pack gathered into a padded [n, L] block (a short sequence's tail repeats its last token:
-        causal attention never lets it reach a real one), and `valid` [n * L] bool.
+        causal attention never lets it reach a real one), and `valid` the real positions of the
+        flattened [n * L] block.
     inverse: the permutation that puts the groups' real outputs back in pack order.
     unpack: [b, T_mb] pack position of each row's token (-1 after a row ends)."""
 
@@ -85,7 +86,7 @@ class MicroBatch:
             return values
         index = self.packed.unpack
         flat = values.reshape(-1, *values.shape[2:])                           # [t, ...]
-        out = flat[index.clamp(min=0)]                                          # [b, T_mb, ...]
+        out = flat.index_select(0, index.clamp(min=0).reshape(-1)).view(*index.shape, *flat.shape[1:])
         keep = (index >= 0).view(*index.shape, *([1] * (out.dim() - 2)))
         return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
@@ -198,7 +199,7 @@ def _packed_params(lengths: list[int], device: torch.device) -> PackedSequences:
             index[k, n:] = starts[r] + n - 1
             valid[k, :n] = True
             dests.append(index[k, :n])
-        groups.append((index.to(device), valid.reshape(-1).to(device)))
+        groups.append((index.to(device), valid.reshape(-1).nonzero().squeeze(1).to(device)))
         i = j
     inverse = torch.argsort(torch.cat(dests)).to(device)
     return PackedSequences(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
