@@ -32,6 +32,11 @@ class AlgoConfig:
     drop_truncated: bool = knob(True, "drop TRUNCATED (overlong) trajectories from updates")
     drop_all_equal_groups: bool = knob(True, "drop groups whose rewards are all equal (no signal)")
     max_policy_lag: int = knob(-1, "drop trajectories with tokens older than this many versions; -1 = off")
+    ppo_epochs: int = knob(1, "passes over each rollout batch; each pass takes ppo_mini_batches optimizer steps")
+    ppo_mini_batches: int = knob(1, "optimizer steps per epoch: the admitted batch is split into this many "
+                                    "mini-batches of (nearly) equal sequence counts, each one step with its own "
+                                    "global loss denominators. 1 epoch x 1 mini-batch: no old-logprob forward "
+                                    "(the training forward's logprobs serve); more: one extra forward per batch")
 
     def __post_init__(self) -> None:
         check_choice("advantage", self.advantage, ADVANTAGE_ESTIMATORS)
@@ -39,6 +44,8 @@ class AlgoConfig:
         check_choice("policy_loss", self.policy_loss, POLICY_LOSSES)
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("kl_in", self.kl_in, ("loss", "reward"))
+        for name in ("ppo_epochs", "ppo_mini_batches"):
+            check_positive(name, getattr(self, name))
         for name in ("clip_low", "clip_high"):
             check_positive(name, getattr(self, name))
         if self.dual_clip != 0 and self.dual_clip <= 1:

@@ -37,6 +37,16 @@ class RunState:
     identity: dict = field(default_factory=dict)      # task, model, shapes: what a checkpoint belongs to
     counters: dict = field(default_factory=dict)
     resumed_from: str | None = None
+    _ledger: Any = None
+
+    @property
+    def ledger(self):
+        """The run ledger (`hybridrl.store.ledger`), opened at its first use."""
+        if self._ledger is None:
+            from hybridrl.store.ledger import open_ledger
+
+            self._ledger = open_ledger(self.cfg, self.tokenizer)
+        return self._ledger
 
     @classmethod
     def start(cls, cfg, wg) -> "RunState":

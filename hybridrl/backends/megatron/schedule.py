@@ -119,7 +119,7 @@ def micro_batches(batch: Batch, size: int, device: torch.device, *, max_tokens: 
     for part in batch.split(size):
         rows = list(range(start, start + len(part)))
         start += len(part)
-        part = _cut(part, batch["input_ids"].shape[1])
+        part = _cut(part, batch["input_ids"].shape[1], device)
         ids = part["input_ids"].to(device=device, dtype=torch.long)
         b, length = ids.shape
         positions = torch.arange(length, device=device).unsqueeze(0).expand(b, -1)
@@ -128,11 +128,12 @@ def micro_batches(batch: Batch, size: int, device: torch.device, *, max_tokens: 
     return out
 
 
-def _cut(part: Batch, full_len: int) -> Batch:
-    """Every [b, full_len, ...] tensor cut to the part's longest sequence."""
+def _cut(part: Batch, full_len: int, device: torch.device) -> Batch:
+    """Every [b, full_len, ...] tensor cut to the part's longest sequence, and on the device (the
+    loss function reads old logprobs, advantages, ... from it)."""
     length = int(part["attention_mask"].sum(dim=1).max())
     cut = {k: (v[:, :length] if v.dim() >= 2 and v.shape[1] == full_len else v) for k, v in part.tensors.items()}
-    return Batch(cut, part.meta, num_padding=part.num_padding)
+    return Batch({k: v.to(device) for k, v in cut.items()}, part.meta, num_padding=part.num_padding)
 
 
 def pack_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -158,7 +159,7 @@ def packed_micro_batches(batch: Batch, max_tokens: int, device: torch.device) ->
     full_len = batch["input_ids"].shape[1]
     out = []
     for rows in pack_rows(lengths, max_tokens):
-        part = _cut(batch.select(rows), full_len)
+        part = _cut(batch.select(rows), full_len, device)
         lens = [lengths[i] for i in rows]
         mask = part["attention_mask"].to(device)
         ids = part["input_ids"][part["attention_mask"].bool()].to(device=device, dtype=torch.long).unsqueeze(0)
