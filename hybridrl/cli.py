@@ -41,7 +41,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.inject:
             overrides = [*overrides, f"trainer.inject=[{','.join(args.inject)}]"]
         cfg = load_config(recipe, overrides)
-        notes = preflight(cfg, overwrite=args.overwrite)
+        notes = preflight(cfg, overwrite=args.overwrite,
+                          world_size=args.nproc_per_node or cfg.distributed.nproc_per_node)
         if args.overwrite and not args.check and cfg.run.job in rundir.JOBS:
             removed = rundir.remove_outputs(cfg.run.dir)
             notes = [f"--overwrite: removed {', '.join(removed)} from {cfg.run.dir}"] if removed else []

@@ -4,6 +4,8 @@
                 (critic.path and reward_model.path too, when set; a reward model needs a scalar head)
                 (model.safetensors, or model.safetensors.index.json and every shard it names),
                 a tokenizer (tokenizer.json, or tokenizer_config.json with its vocabulary files)
+    train.tp/pp a layout the model and the world size allow: pp <= layers, tp dividing the
+                attention heads, KV heads and FFN size, tp * pp dividing the world size
     task        importable (loading the config did that) and able to give what the run asks of
                 it: the train and validation splits at their configured sizes (data files are read
                 here, so a missing one is named with its option), SFT demonstrations, and tools that
@@ -17,6 +19,7 @@ joins the process group (for launches by torchrun or srun directly). Import-ligh
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +30,10 @@ class PreflightError(Exception):
     """A run input that is missing or unusable; `str(err)` is one line naming it and the fix."""
 
 
-def preflight(cfg: Any, *, overwrite: bool = False) -> list[str]:
+def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = None) -> list[str]:
     """Check what `cfg.run.job` needs; returns notes for the user (e.g. what happens to run.dir).
-    `overwrite`: the earlier run's outputs will be removed, so run.dir is not inspected."""
+    `overwrite`: the earlier run's outputs will be removed, so run.dir is not inspected.
+    `world_size`: ranks the run will have (default: $WORLD_SIZE, else distributed.nproc_per_node)."""
     from hybridrl.controller import rundir
 
     if cfg.run.job not in rundir.JOBS:
@@ -41,6 +45,9 @@ def preflight(cfg: Any, *, overwrite: bool = False) -> list[str]:
     if reward_model is not None and reward_model.path:
         check_model(reward_model.path, key="reward_model.path")
         check_scalar_head(reward_model.path)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE") or cfg.distributed.nproc_per_node)
+    check_layout(cfg.model.path, cfg.train.tp, cfg.train.pp, world_size)
     check_task(cfg)
     try:
         if overwrite:
@@ -105,6 +112,24 @@ def check_scalar_head(path: str) -> None:
     raise PreflightError(f"reward_model.path={path}: no scalar head (a 1-label *ForSequenceClassification "
                          "checkpoint with score.weight, or value_head.safetensors beside a causal LM); "
                          "`hybridrl assets tiny-classifier` makes a small one")
+def check_layout(path: str, tp: int, pp: int, world_size: int, *, keys: tuple[str, str] = ("train.tp", "train.pp"),
+                 world_key: str = "world size (distributed.nproc_per_node)") -> None:
+    """The parallel layout against the model's shape (config.json) and the world size, before any
+    process group exists (Megatron would fail on every rank after torchrun started)."""
+    from hybridrl.backends.megatron.config import layout_problem
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    try:
+        heads = int(config["num_attention_heads"])
+        shape = dict(num_layers=int(config["num_hidden_layers"]), num_heads=heads,
+                     num_kv_heads=int(config.get("num_key_value_heads") or heads),
+                     intermediate_size=int(config["intermediate_size"]) if "intermediate_size" in config else None)
+    except (KeyError, TypeError, ValueError) as err:
+        raise PreflightError(f"model.path={path}: config.json lacks a usable {err} (needed to check "
+                             f"{keys[0]}/{keys[1]})") from None
+    problem = layout_problem(tp=tp, pp=pp, world_size=world_size, keys=keys, world_key=world_key, **shape)
+    if problem:
+        raise PreflightError(problem)
 
 
 def check_task(cfg: Any) -> None:

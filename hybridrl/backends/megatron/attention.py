@@ -5,6 +5,13 @@ forward signature). Megatron's version materialises the [b, heads, s, s] scores 
 KV heads for grouped-query attention; SDPA picks a fused kernel (flash / memory-efficient on
 GPU, flash on CPU) and handles GQA natively. Causal self-attention only, which is all the
 engine runs (right-padded sequences: padding never precedes a real token).
+
+Packed sequences (Megatron's `thd` format, `schedule.PackedSequences`): query/key/value arrive as
+[tokens, heads, d] and attention must not cross a sequence boundary. The pack's sequences are
+attended in groups of similar length: each group gathered into a padded [n, heads, L, d] block,
+one causal SDPA call, the real positions put back in pack order. (Measured on CPU against one
+SDPA call with a block-diagonal causal mask and against one call per sequence: see
+docs/architecture.md.)
 """
 
 from __future__ import annotations
@@ -43,15 +50,42 @@ class SDPAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        """query [sq, b, heads, d], key/value [sk, b, groups, d] -> context [sq, b, heads * d].
+        """query [sq, b, heads, d], key/value [sk, b, groups, d] -> context [sq, b, heads * d];
+        packed (`thd`): query [t, heads, d], key/value [t, groups, d] -> [t, heads * d].
 
         `attention_mask` is ignored: attention is causal by construction."""
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPAttention supports neither packed sequences nor an attention bias")
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not support an attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b = query.shape[0], query.shape[1]
         if key.shape[0] != sq:
             raise ValueError(f"causal self-attention expects equal query/key lengths, got {sq} and {key.shape[0]}")
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))   # [b, heads|groups, s, d]
+        context = self._sdpa(q, k, v)
+        return context.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)   # [sq, b, hp]
+
+    def _packed(self, query, key, value, params):
+        groups = getattr(params, "groups", None)
+        if params.qkv_format != "thd" or not groups:
+            raise ValueError("SDPAttention takes packed sequences as built by hybridrl's schedule "
+                             "(schedule.PackedSequences, qkv_format='thd')")
+        t = query.shape[0]
+        outputs = []
+        # index_select rather than advanced indexing: its backward is index_add_, several times
+        # faster on CPU than the accumulating index_put_ of x[index]
+        for index, valid in groups:
+            n, length = index.shape
+            q, k, v = (x.index_select(0, index.reshape(-1)).view(n, length, *x.shape[1:]).permute(0, 2, 1, 3)
+                       for x in (query, key, value))                                # [n, heads|groups, L, d]
+            context = self._sdpa(q, k, v).permute(0, 2, 1, 3)                       # [n, L, heads, d]
+            outputs.append(context.reshape(-1, self.heads * self.head_dim).index_select(0, valid))
+        context = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        if context.shape[0] != t:
+            raise ValueError(f"packed attention: the groups cover {context.shape[0]} positions, the pack holds {t}")
+        return context.index_select(0, params.inverse)
+
+    def _sdpa(self, q, k, v):
         kwargs = {"is_causal": True, "scale": self.scale}
         if self.groups != self.heads:
             if _NATIVE_GQA:
@@ -65,4 +99,4 @@ class SDPAttention(MegatronModule):
                 context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, **kwargs)
         else:
             context = F.scaled_dot_product_attention(q, k, v, **kwargs)
-        return context.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)   # [sq, b, hp]
+        return context

@@ -17,9 +17,16 @@ DTYPES = ("float32", "bfloat16", "float16")
 class MegatronConfig:
     """Megatron-core actor/reference training: parallel layout, optimizer, schedule, loss reduction."""
 
-    tp: int = knob(1, "tensor-parallel size (must divide the number of KV heads)")
-    pp: int = knob(1, "pipeline-parallel size (must divide the number of layers); dp = world / (tp * pp)")
-    micro_batch_size: int = knob(4, "sequences per micro-batch (per data-parallel rank)")
+    tp: int = knob(1, "tensor-parallel size (must divide the attention heads, KV heads and FFN size)")
+    pp: int = knob(1, "pipeline-parallel size (at most the number of layers; when it does not divide them the "
+                      "first and last stages take the remainder); dp = world / (tp * pp)")
+    micro_batch_size: int = knob(4, "sequences per micro-batch (per data-parallel rank), each padded to its longest; "
+                                    "unused when max_tokens_per_micro_batch > 0")
+    max_tokens_per_micro_batch: int = knob(0, "pack sequences into micro-batches of at most this many real tokens "
+                                              "(no padding computed; attention stays within each sequence); "
+                                              "0 = off (micro_batch_size padded rows)")
+    logprob_chunk_tokens: int = knob(0, "tokens per chunk of the logprob/entropy computation (float32 copies of the "
+                                        "vocabulary-wide logits exist for one chunk at a time); 0 = ~64 MiB per copy")
     dtype: str = knob("float32", "parameter/compute dtype: float32 | bfloat16 | float16 (bf16/fp16 on GPUs)")
     lr: float = knob(1e-6, "peak learning rate")
     min_lr: float = knob(0.0, "final learning rate of the decay")
@@ -43,6 +50,11 @@ class MegatronConfig:
             check_positive(name, getattr(self, name))
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("attention", self.attention, ("sdpa", "megatron"))
+        check_positive("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, allow_zero=True)
+        check_positive("logprob_chunk_tokens", self.logprob_chunk_tokens, allow_zero=True)
+        if self.max_tokens_per_micro_batch and self.attention != "sdpa":
+            raise ConfigValueError("max_tokens_per_micro_batch", "packing needs attention=sdpa (Megatron's local "
+                                   f"attention cannot isolate packed sequences), got attention={self.attention!r}")
         check_positive("lr", self.lr, allow_zero=True)
         check_positive("min_lr", self.min_lr, allow_zero=True)
         if self.min_lr > self.lr:
@@ -65,3 +77,40 @@ class MegatronConfig:
         if world_size % (self.tp * self.pp):
             raise ValueError(f"world size {world_size} is not divisible by tp*pp = {self.tp}*{self.pp}")
         return world_size // (self.tp * self.pp)
+
+
+def pipeline_stage_layers(num_layers: int, pp: int) -> list[int]:
+    """Transformer layers per pipeline stage. Even when pp divides num_layers; otherwise the middle
+    stages get equal counts and the first and last stages the rest (the first one more when it is
+    odd: the last stage also computes the logits), as Megatron's
+    num_layers_in_{first,last}_pipeline_stage express it. 28 layers on 3 stages: [10, 9, 9]."""
+    if not 1 <= pp <= num_layers:
+        raise ValueError(f"pp={pp} must be between 1 and the number of layers ({num_layers})")
+    q, r = divmod(num_layers, pp)
+    if r == 0:
+        return [q] * pp
+    middle = q + 1 if r > 2 and num_layers - (pp - 2) * (q + 1) >= 2 else q
+    rest = num_layers - (pp - 2) * middle
+    first = (rest + 1) // 2
+    return [first] + [middle] * (pp - 2) + [rest - first]
+
+
+def layout_problem(*, tp: int, pp: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                   intermediate_size: int | None = None, world_size: int | None = None,
+                   keys: tuple[str, str] = ("train.tp", "train.pp"), world_key: str = "world size") -> str | None:
+    """The first reason the (tp, pp) layout cannot run this model on `world_size` ranks, as one line
+    naming the key; None when it can."""
+    tp_key, pp_key = keys
+    for key, value in ((tp_key, tp), (pp_key, pp)):
+        if value < 1:
+            return f"{key}={value}: must be >= 1"
+    if pp > num_layers:
+        return f"{pp_key}={pp}: more pipeline stages than the model's {num_layers} layers (use {pp_key} <= {num_layers})"
+    for what, n in (("attention heads", num_heads), ("KV heads", num_kv_heads), ("FFN size", intermediate_size)):
+        if n is not None and n % tp:
+            return (f"{tp_key}={tp}: does not divide the model's {n} {what} (tensor parallelism splits them "
+                    f"evenly; use a divisor of {n})")
+    if world_size is not None and world_size % (tp * pp):
+        return (f"{tp_key}={tp} x {pp_key}={pp} = {tp * pp} does not divide the {world_key} {world_size} "
+                f"(data parallelism takes world / (tp * pp) ranks)")
+    return None

@@ -148,7 +148,7 @@ class MegatronEngine:
         the output ranks (on the CPU), None elsewhere (`on_last_stage`: on every rank of the last
         pipeline stage, every TP rank there holding the same values). Trailing padding rows
         (batch.num_padding) are not computed (their rows are 0)."""
-        from hybridrl.backends.megatron.schedule import check_sequence_batch, micro_batches, run_schedule
+        from hybridrl.backends.megatron.schedule import check_sequence_batch, run_schedule
 
         check_sequence_batch(batch)
         num_rows, length = batch["input_ids"].shape
@@ -160,17 +160,17 @@ class MegatronEngine:
             results.append((logprobs.detach(), None if entropy is None else entropy.detach()))
             return logprobs.sum() * 0.0
 
-        if real:
+        mbs = self._micro_batches(batch.slice(0, real)) if real else []
+        if mbs:
             self.passes["logprobs"] += 1
-            mbs = micro_batches(batch.slice(0, real), self.cfg.micro_batch_size, self.device)
             self.model.eval()
             with self._scope(), torch.no_grad():
                 run_schedule(self._schedule_model(), mbs, on_output, forward_only=True, pp=self.cfg.pp)
         if not (self._is_last_stage if on_last_stage else self.is_output_rank):
             return None
-        out = {"logprobs": _assemble([r[0] for r in results], num_rows, length)}
+        out = {"logprobs": _assemble(mbs, [r[0] for r in results], num_rows, length)}
         if with_entropy:
-            out["entropy"] = _assemble([r[1] for r in results], num_rows, length)
+            out["entropy"] = _assemble(mbs, [r[1] for r in results], num_rows, length)
         return Batch(out, num_padding=batch.num_padding)
 
     def compute_logits(self, batch: Batch) -> torch.Tensor | None:
@@ -179,30 +179,27 @@ class MegatronEngine:
         vocabulary per rank, which compute_logprobs never does."""
         from megatron.core import parallel_state as ps
 
-        from hybridrl.backends.megatron.schedule import check_sequence_batch, micro_batches, run_schedule
+        from hybridrl.backends.megatron.schedule import check_sequence_batch, run_schedule
 
         check_sequence_batch(batch)
         num_rows, length = batch["input_ids"].shape
         vocab = self.adapter.spec.vocab_size
         out = torch.zeros(num_rows, length, vocab, dtype=torch.float32)
-        row = 0
 
         def on_output(mb, logits):
-            nonlocal row
             group = ps.get_tensor_model_parallel_group()
             parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
             dist.all_gather(parts, logits.contiguous(), group=group)
-            full = torch.cat(parts, dim=-1)[..., :vocab].float()          # [b, T_mb, V]
+            full = mb.to_rows(torch.cat(parts, dim=-1)[..., :vocab].float())   # [b, T_mb, V]
             full = full * mb.attention_mask.unsqueeze(-1).to(full.dtype)
-            b, t = mb.shape
-            out[row: row + b, :t] = full.cpu()
-            row += b
+            t = mb.shape[1]
+            out[torch.tensor(mb.rows), :t] = full.cpu()
             return logits.sum() * 0.0
 
         self.model.eval()
         with self._scope(), torch.no_grad():
-            run_schedule(self._schedule_model(), micro_batches(batch, self.cfg.micro_batch_size, self.device),
-                         on_output, forward_only=True, pp=self.cfg.pp)
+            run_schedule(self._schedule_model(), self._micro_batches(batch), on_output, forward_only=True,
+                         pp=self.cfg.pp)
         return out if self.is_output_rank else None
 
     def _token_logprobs(self, mb, logits, temperature, with_entropy):
@@ -212,13 +209,19 @@ class MegatronEngine:
 
         vocab_local = logits.shape[-1]
         logprobs, entropy = vocab_parallel_logprobs(
-            logits, next_token_targets(mb.input_ids),
+            logits, mb.next_token_targets(),
             vocab_start=ps.get_tensor_model_parallel_rank() * vocab_local,
             vocab_size=self.adapter.spec.vocab_size, group=ps.get_tensor_model_parallel_group(),
-            temperature=temperature, with_entropy=with_entropy)
-        logprobs = token_aligned(logprobs, mb.attention_mask)
-        entropy = token_aligned(entropy, mb.attention_mask) if with_entropy else None
+            temperature=temperature, with_entropy=with_entropy, chunk_tokens=self.cfg.logprob_chunk_tokens or None)
+        logprobs = token_aligned(mb.to_rows(logprobs), mb.attention_mask)
+        entropy = token_aligned(mb.to_rows(entropy), mb.attention_mask) if with_entropy else None
         return logprobs, entropy
+
+    def _micro_batches(self, batch: Batch):
+        from hybridrl.backends.megatron.schedule import micro_batches
+
+        return micro_batches(batch, self.cfg.micro_batch_size, self.device,
+                             max_tokens=self.cfg.max_tokens_per_micro_batch)
 
     def _schedule_model(self) -> torch.nn.Module:
         return self.ddp if self.ddp is not None else self.model
@@ -237,7 +240,7 @@ class MegatronEngine:
         num_tokens, num_sequences and each metric's masked token mean over the global batch."""
         from megatron.core import parallel_state as ps
 
-        from hybridrl.backends.megatron.schedule import check_sequence_batch, micro_batches, run_schedule
+        from hybridrl.backends.megatron.schedule import check_sequence_batch, run_schedule
 
         if not self.training:
             raise RuntimeError("train_step on a frozen engine (built with training=False)")
@@ -281,8 +284,7 @@ class MegatronEngine:
         with self._scope():
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-            run_schedule(self.ddp, micro_batches(rows, self.cfg.micro_batch_size, self.device), on_output,
-                         forward_only=False, pp=self.cfg.pp)
+            run_schedule(self.ddp, self._micro_batches(rows), on_output, forward_only=False, pp=self.cfg.pp)
             lr = float(self.optimizer.param_groups[0]["lr"])
             _, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
@@ -437,12 +439,10 @@ def _accumulate(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) ->
     sums[key] = sums[key] + value if key in sums else value
 
 
-def _assemble(parts: list[torch.Tensor], num_rows: int, length: int) -> torch.Tensor:
-    """Micro-batch results [b_i, T_i] into one [num_rows, length] float32 tensor (zeros elsewhere)."""
+def _assemble(mbs, parts: list[torch.Tensor], num_rows: int, length: int) -> torch.Tensor:
+    """Micro-batch results [b_i, T_i] (rows mb.rows) into one [num_rows, length] float32 tensor
+    (zeros elsewhere)."""
     out = torch.zeros(num_rows, length, dtype=torch.float32)
-    row = 0
-    for part in parts:
-        b, t = part.shape
-        out[row: row + b, :t] = part.float().cpu()
-        row += b
+    for mb, part in zip(mbs, parts):
+        out[torch.tensor(mb.rows), : part.shape[1]] = part.float().cpu()
     return out

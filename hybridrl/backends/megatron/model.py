@@ -21,15 +21,15 @@ from megatron.core.transformer.enums import AttnBackend
 from hybridrl.backends.megatron.adapters import Slot, Split
 from hybridrl.backends.model_spec import ModelSpec
 from hybridrl.backends.megatron.attention import SDPAttention
-from hybridrl.backends.megatron.config import MegatronConfig
+from hybridrl.backends.megatron.config import MegatronConfig, pipeline_stage_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def transformer_config(spec: ModelSpec, cfg: MegatronConfig, *, device: torch.device) -> TransformerConfig:
     """Megatron's TransformerConfig for the model `spec` under the layout and precision of `cfg`."""
-    if spec.num_layers % cfg.pp:
-        raise ValueError(f"pp={cfg.pp} must divide the number of layers ({spec.num_layers})")
+    stages = pipeline_stage_layers(spec.num_layers, cfg.pp)
+    uneven = len(set(stages)) > 1
     dtype = DTYPES[cfg.dtype]
     if device.type == "cpu" and dtype is not torch.float32:
         raise ValueError(f"train.dtype={cfg.dtype} on CPU: use float32 (bf16 matmuls are ~30x slower here)")
@@ -53,6 +53,8 @@ def transformer_config(spec: ModelSpec, cfg: MegatronConfig, *, device: torch.de
         # parallel layout
         tensor_model_parallel_size=cfg.tp,
         pipeline_model_parallel_size=cfg.pp,
+        num_layers_in_first_pipeline_stage=stages[0] if uneven else None,
+        num_layers_in_last_pipeline_stage=stages[-1] if uneven else None,
         sequence_parallel=False,
         variable_seq_lengths=cfg.pp > 1,           # each micro-batch is cut to its own longest sequence
         moe_token_dispatcher_type="alltoall",      # (dense model; the default rejects variable lengths)
@@ -107,6 +109,12 @@ def build_gpt_model(spec: ModelSpec, cfg: MegatronConfig, config: TransformerCon
     # trainer rotates exactly as the rollout engines do; Megatron's own scaling knobs are not used.
     rotary = model.rotary_pos_emb
     rotary.inv_freq = spec.inv_freq().to(device=rotary.inv_freq.device, dtype=rotary.inv_freq.dtype)
+    # The local spec's norms (torch.nn.RMSNorm through WrappedTorchNorm) are built without a dtype,
+    # i.e. float32; every other parameter is in params_dtype. Cast them, so that a bf16 model is
+    # bf16 throughout (published, exported and broadcast between stages as `hf_spec` says).
+    for module in model.modules():
+        if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            module.to(config.params_dtype)
     return model.to(device)
 
 

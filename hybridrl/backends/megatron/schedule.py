@@ -1,35 +1,94 @@
 """Micro-batches and the Megatron forward/backward schedule that runs them.
 
-A batch of right-padded sequences is split into micro-batches of `micro_batch_size` rows; each
-is cut to its own longest sequence (every [b, T, ...] tensor of the micro-batch `Batch` is cut
-the same way, so the loss function sees matching shapes). Positions are 0..T-1 and attention is
-causal; padding sits after each sequence, so it never influences a real token.
+Two ways to cut a batch of right-padded sequences into micro-batches:
+
+padded (`max_tokens_per_micro_batch=0`): `micro_batch_size` rows each, every micro-batch cut to
+    its own longest sequence. Positions are 0..T-1 and attention is causal; padding sits after
+    each sequence, so it never influences a real token (but is computed).
+packed (`max_tokens_per_micro_batch>0`): the real tokens of several sequences are laid end to end
+    in one row of at most that many tokens (first-fit, longest sequences first; a sequence longer
+    than the budget gets a micro-batch of its own). Megatron runs it in its `thd` format
+    (`PackedSeqParams` with cumulative sequence lengths): RoPE positions restart at every
+    sequence and attention never crosses one (`attention.SDPAttention`). No padding is computed.
+
+Either way the loss function sees the micro-batch as rows [b, T_mb] (`MicroBatch.batch`, the
+rows' tensors cut to their longest sequence) and the engine's per-token values are laid out in
+those rows, so losses and denominators do not depend on the layout.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from hybridrl.backends.megatron import cpu_compat
 from hybridrl.data.batch import Batch
 
+# Attention groups inside a pack (see `PackedSequences`): sequences sorted by length go into one
+# padded SDPA call while the group's attention work (n * longest^2) stays within this factor of
+# the sum of its sequences' own (sum length^2).
+GROUP_WORK_SLACK = 1.5
+
+
+@dataclass
+class PackedSequences(PackedSeqParams):
+    """Megatron's `thd` parameters for one pack, plus what our core attention and the engine need.
+
+    groups: per attention group (sequences of similar length), `index` [n, L] positions in the
+        pack gathered into a padded [n, L] block (a short sequence's tail repeats its last token:
+        causal attention never lets it reach a real one), and `valid` the real positions of the
+        flattened [n * L] block.
+    inverse: the permutation that puts the groups' real outputs back in pack order.
+    unpack: [b, T_mb] pack position of each row's token (-1 after a row ends)."""
+
+    groups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    inverse: torch.Tensor | None = None
+    unpack: torch.Tensor | None = None
+    lengths: list[int] = field(default_factory=list)
+
 
 @dataclass
 class MicroBatch:
     batch: Batch                    # this micro-batch's rows, [b, T_mb] tensors cut to T_mb
-    input_ids: torch.Tensor         # [b, T_mb] long, on the device
-    position_ids: torch.Tensor      # [b, T_mb]
-    causal_mask: torch.Tensor       # [1, 1, T_mb, T_mb] bool, True = masked out
-    attention_mask: torch.Tensor    # [b, T_mb] 0/1, on the device
+    input_ids: torch.Tensor         # model input: [b, T_mb] padded, or [1, t] packed; long, on the device
+    position_ids: torch.Tensor      # same shape as input_ids
+    causal_mask: torch.Tensor | None   # [1, 1, T_mb, T_mb] bool (True = masked out); None when packed
+    attention_mask: torch.Tensor    # [b, T_mb] 0/1 of the rows, on the device
+    rows: list[int] = field(default_factory=list)   # the rows' indices in the batch that was split
+    packed: PackedSequences | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
+        """The rows' shape (b, T_mb)."""
+        return tuple(self.attention_mask.shape)
+
+    @property
+    def model_shape(self) -> tuple[int, int]:
+        """The model input's shape: (b, T_mb), or (1, tokens) when packed."""
         return tuple(self.input_ids.shape)
+
+    def next_token_targets(self) -> torch.Tensor:
+        """Model-input-shaped next-token ids (the last position of each sequence repeats a valid id)."""
+        ids = self.input_ids
+        targets = ids.clone()
+        targets[:, :-1] = ids[:, 1:]
+        return targets
+
+    def to_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-position values in model-input layout [b_in, t_in, ...] -> rows [b, T_mb, ...]
+        (0 after each row's end when packed). Differentiable."""
+        if self.packed is None:
+            return values
+        index = self.packed.unpack
+        flat = values.reshape(-1, *values.shape[2:])                           # [t, ...]
+        out = flat.index_select(0, index.clamp(min=0).reshape(-1)).view(*index.shape, *flat.shape[1:])
+        keep = (index >= 0).view(*index.shape, *([1] * (out.dim() - 2)))
+        return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
 def check_sequence_batch(batch: Batch) -> None:
@@ -50,22 +109,103 @@ def check_sequence_batch(batch: Batch) -> None:
         raise ValueError("attention_mask must be right-padded: ones, then zeros, in every row")
 
 
-def micro_batches(batch: Batch, size: int, device: torch.device) -> list[MicroBatch]:
-    """Split into micro-batches of at most `size` rows, each cut to its longest sequence."""
+def micro_batches(batch: Batch, size: int, device: torch.device, *, max_tokens: int = 0) -> list[MicroBatch]:
+    """Split into micro-batches: `size` rows each (padded), or packs of at most `max_tokens`
+    real tokens when `max_tokens > 0`."""
+    if max_tokens > 0:
+        return packed_micro_batches(batch, max_tokens, device)
     out = []
-    full_len = batch["input_ids"].shape[1]
+    start = 0
     for part in batch.split(size):
-        length = int(part["attention_mask"].sum(dim=1).max())
-        cut = {k: (v[:, :length] if v.dim() >= 2 and v.shape[1] == full_len else v)
-               for k, v in part.tensors.items()}
-        # every tensor on the device: the loss function reads old logprobs, advantages, ... from it
-        part = Batch({k: v.to(device) for k, v in cut.items()}, part.meta, num_padding=part.num_padding)
+        rows = list(range(start, start + len(part)))
+        start += len(part)
+        part = _cut(part, batch["input_ids"].shape[1], device)
         ids = part["input_ids"].to(device=device, dtype=torch.long)
-        b = ids.shape[0]
+        b, length = ids.shape
         positions = torch.arange(length, device=device).unsqueeze(0).expand(b, -1)
         causal = torch.ones(length, length, dtype=torch.bool, device=device).triu(1).view(1, 1, length, length)
-        out.append(MicroBatch(part, ids, positions, causal, part["attention_mask"].to(device)))
+        out.append(MicroBatch(part, ids, positions, causal, part["attention_mask"].to(device), rows))
     return out
+
+
+def _cut(part: Batch, full_len: int, device: torch.device) -> Batch:
+    """Every [b, full_len, ...] tensor cut to the part's longest sequence, and on the device (the
+    loss function reads old logprobs, advantages, ... from it)."""
+    length = int(part["attention_mask"].sum(dim=1).max())
+    cut = {k: (v[:, :length] if v.dim() >= 2 and v.shape[1] == full_len else v) for k, v in part.tensors.items()}
+    return Batch({k: v.to(device) for k, v in cut.items()}, part.meta, num_padding=part.num_padding)
+
+
+def pack_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Row indices per pack: first-fit over rows by decreasing length (ties by index), each pack's
+    rows longest first; a row longer than `max_tokens` is a pack of its own."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    packs: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for p, free in enumerate(room):
+            if lengths[i] <= free:
+                packs[p].append(i)
+                room[p] -= lengths[i]
+                break
+        else:
+            packs.append([i])
+            room.append(max_tokens - lengths[i])
+    return packs
+
+
+def packed_micro_batches(batch: Batch, max_tokens: int, device: torch.device) -> list[MicroBatch]:
+    lengths = [int(n) for n in batch["attention_mask"].sum(dim=1).tolist()]
+    full_len = batch["input_ids"].shape[1]
+    out = []
+    for rows in pack_rows(lengths, max_tokens):
+        part = _cut(batch.select(rows), full_len, device)
+        lens = [lengths[i] for i in rows]
+        mask = part["attention_mask"].to(device)
+        ids = part["input_ids"][part["attention_mask"].bool()].to(device=device, dtype=torch.long).unsqueeze(0)
+        positions = torch.cat([torch.arange(n, device=device) for n in lens]).unsqueeze(0)
+        out.append(MicroBatch(part, ids, positions, None, mask, list(rows), _packed_params(lens, device)))
+    return out
+
+
+def _packed_params(lengths: list[int], device: torch.device) -> PackedSequences:
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    cu = torch.tensor(starts, dtype=torch.int32, device=device)
+    longest = max(lengths)
+    unpack = torch.full((len(lengths), longest), -1, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        unpack[r, :n] = torch.arange(starts[r], starts[r] + n)
+    # attention groups: consecutive runs of the (longest-first) sequences
+    groups, dests = [], []
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    i = 0
+    while i < len(order):
+        j = i + 1
+        work = lengths[order[i]] ** 2
+        while j < len(order):
+            work_next = work + lengths[order[j]] ** 2
+            if (j + 1 - i) * lengths[order[i]] ** 2 > GROUP_WORK_SLACK * work_next:
+                break
+            work = work_next
+            j += 1
+        members = order[i:j]
+        width = lengths[members[0]]
+        index = torch.empty(len(members), width, dtype=torch.long)
+        valid = torch.zeros(len(members), width, dtype=torch.bool)
+        for k, r in enumerate(members):
+            n = lengths[r]
+            index[k, :n] = torch.arange(starts[r], starts[r] + n)
+            index[k, n:] = starts[r] + n - 1
+            valid[k, :n] = True
+            dests.append(index[k, :n])
+        groups.append((index.to(device), valid.reshape(-1).nonzero().squeeze(1).to(device)))
+        i = j
+    inverse = torch.argsort(torch.cat(dests)).to(device)
+    return PackedSequences(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest, groups=groups, inverse=inverse, unpack=unpack.to(device),
+                           lengths=list(lengths))
 
 
 def run_schedule(model: torch.nn.Module, mbs: list[MicroBatch],
@@ -74,7 +214,8 @@ def run_schedule(model: torch.nn.Module, mbs: list[MicroBatch],
     """Run every micro-batch through the pipeline (forward, and backward unless `forward_only`).
 
     `on_output(mb, logits)` is called on the last stage with this TP rank's vocab slice of the
-    logits [b, T_mb, V/tp] and returns the micro-batch's share of the loss (a scalar tensor)."""
+    logits in model-input layout ([b, T_mb, V/tp], or [1, tokens, V/tp] packed) and returns the
+    micro-batch's share of the loss (a scalar tensor)."""
 
     def loss_func(mb: MicroBatch, logits: torch.Tensor):
         with cpu_compat.native_ops():
@@ -86,11 +227,14 @@ def run_schedule(model: torch.nn.Module, mbs: list[MicroBatch],
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
         with cpu_compat.native_ops():
-            output = chunk(mb.input_ids, mb.position_ids, mb.causal_mask)
+            if mb.packed is not None:
+                output = chunk(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed)
+            else:
+                output = chunk(mb.input_ids, mb.position_ids, mb.causal_mask)
         return output, partial(loss_func, mb)
 
-    longest = max(mb.shape[1] for mb in mbs)
-    widest = max(mb.shape[0] for mb in mbs)
+    longest = max(mb.model_shape[1] for mb in mbs)
+    widest = max(mb.model_shape[0] for mb in mbs)
     get_forward_backward_func(pp_size=pp)(
         forward_step_func=forward_step,
         data_iterator=iter(mbs),

@@ -66,8 +66,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"hybridrl score: {args.model} is not an HF model directory (no config.json)", file=sys.stderr)
         return 2
     nproc = args.nproc or args.tp * args.pp
-    if nproc % (args.tp * args.pp):
-        print(f"hybridrl score: --nproc {nproc} is not a multiple of tp*pp = {args.tp * args.pp}", file=sys.stderr)
+    from hybridrl.preflight import PreflightError, check_layout
+
+    try:
+        check_layout(args.model, args.tp, args.pp, nproc, keys=("--tp", "--pp"), world_key="--nproc")
+    except PreflightError as err:
+        print(f"hybridrl score: {err}", file=sys.stderr)
         return 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "hybridrl.backends.megatron.score", "--model", args.model, "--input", args.input,

@@ -262,7 +262,126 @@ def checkpoint(out: Path, model_dir: str, phase: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)        # no clean shutdown: the checkpoint must suffice
 
 
-JOBS = {"parity": parity, "train": train, "checkpoint": checkpoint}
+# ------------------------------------------------------------------------------------------------
+# packed: sequence packing vs padded micro-batches, per layout
+
+
+PACKED_LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+
+
+def packed(out: Path, model_dir: str, lr: str, max_tokens: str) -> None:
+    """Per layout: two train steps and a logprob pass with padded micro-batches (2 rows) and with
+    packs of at most `max_tokens` tokens, from the same weights on the same global batch (7 rows
+    of mixed lengths + 1 dispatcher padding row). Records losses, grad norms, logprobs (vs
+    transformers too) and the updated weights."""
+    world = dist.get_world_size()
+    full = sequence_batch(7, vocab=_vocab(model_dir), seed=3).pad_to(8, zero=["loss_mask"])
+    hf = _hf_model(model_dir)
+    ref_lp, ref_ent = token_logprobs(hf_logits(hf, full), full["input_ids"], full["attention_mask"], TEMPERATURE)
+    layouts = PACKED_LAYOUTS if world == 2 else {"dp1": (1, 1)}
+    results = {}
+    for name, (tp, pp) in layouts.items():
+        for mode, tokens in (("padded", 0), ("packed", int(max_tokens))):
+            destroy_model_parallel()
+            # packed: logprobs in chunks of 5 tokens too (several chunks per pack, over TP at tp2)
+            cfg = MegatronConfig(tp=tp, pp=pp, micro_batch_size=2, max_tokens_per_micro_batch=tokens, lr=float(lr),
+                                 weight_decay=0.1, clip_grad=1.0, logprob_chunk_tokens=5 if tokens else 0)
+            engine = MegatronEngine.from_hf(model_dir, cfg)
+            mine = full.chunk(engine.mesh.dp_size)[engine.mesh.dp_rank(dist.get_rank())]
+            mbs = engine._micro_batches(mine.slice(0, max(mine.num_valid, 1)))
+            rec: dict = {"rows_per_micro_batch": [len(mb.rows) for mb in mbs],
+                         "model_rows": [mb.model_shape[0] for mb in mbs]}
+            lp = engine.compute_logprobs(mine, temperature=TEMPERATURE, with_entropy=True)
+            rec["steps"] = [engine.train_step(mine, pg_loss, temperature=TEMPERATURE, with_entropy=True)
+                            for _ in range(2)]
+            if engine.is_output_rank:
+                rows = slice(engine.mesh.dp_rank(dist.get_rank()) * len(mine), None)
+                want_lp, want_ent = ref_lp[rows][: len(mine)], ref_ent[rows][: len(mine)]
+                real = mine.num_valid
+                rec["logprobs_vs_hf"] = float((lp["logprobs"][:real] - want_lp[:real]).abs().max())
+                rec["entropy_vs_hf"] = float((lp["entropy"][:real] - want_ent[:real]).abs().max())
+                torch.save(lp["logprobs"], out / f"logprobs_{name}_{mode}_rank{dist.get_rank()}.pt")
+            weights = {n: t.detach().cpu().clone() for n, t in engine.iter_hf_tensors()}
+            if dist.get_rank() == 0:
+                torch.save(weights, out / f"weights_{name}_{mode}.pt")
+            results.setdefault(name, {})[mode] = _gather_to_rank0(rec)
+    if dist.get_rank() == 0:
+        (out / f"packed_w{world}.json").write_text(json.dumps(results, indent=1))
+
+
+# ------------------------------------------------------------------------------------------------
+# uneven: pipeline stages that do not divide the layers
+
+
+def uneven(out: Path, model_dir: str, lr: str) -> None:
+    """pp = world size on a model whose layer count it does not divide: logprobs vs transformers,
+    layers per stage, the HF round trip; then one train step against the same step at pp=1 (dp =
+    world), weights compared."""
+    world = dist.get_world_size()
+    hf = _hf_model(model_dir)
+    full = sequence_batch(world * 2, vocab=hf.config.vocab_size, seed=2)
+    ref_lp, _ = token_logprobs(hf_logits(hf, full), full["input_ids"], full["attention_mask"], TEMPERATURE)
+    saved = _checkpoint_tensors(model_dir)
+    rec: dict = {}
+    weights = {}
+    for pp in (world, 1):
+        destroy_model_parallel()
+        cfg = MegatronConfig(tp=1, pp=pp, micro_batch_size=2, lr=float(lr))
+        engine = MegatronEngine.from_hf(model_dir, cfg)
+        mine = full.chunk(engine.mesh.dp_size)[engine.mesh.dp_rank(dist.get_rank())]
+        if pp > 1:
+            rec["stage_layers"] = len(engine.model.decoder.layers)
+            lp = engine.compute_logprobs(full, temperature=TEMPERATURE)
+            if engine.is_output_rank:
+                rec["logprobs_vs_hf"] = float((lp["logprobs"] - ref_lp).abs().max())
+            rec["bitwise_round_trip"] = all(torch.equal(t.cpu(), saved[n]) for n, t in engine.iter_hf_tensors())
+        rec[f"loss_pp{pp}"] = engine.train_step(mine, pg_loss)["loss"]
+        weights[pp] = {n: t.detach().cpu().clone() for n, t in engine.iter_hf_tensors()}
+    rec["weights_max_diff"] = max(float((weights[world][n] - weights[1][n]).abs().max()) for n in weights[1])
+    records = _gather_to_rank0(rec)
+    if dist.get_rank() == 0:
+        (out / f"uneven_w{world}.json").write_text(json.dumps(records, indent=1))
+
+
+def norms(out: Path, model_dir: str) -> None:
+    """A bfloat16 model built on the CPU (the engine refuses bf16 on CPU for speed only; the model
+    code is the GPU's): every parameter's dtype, and every published tensor's against hf_spec()."""
+    from hybridrl.backends.megatron import cpu_compat, parallel
+    from hybridrl.backends.megatron.adapters import adapter_for
+    from hybridrl.backends.megatron.model import build_gpt_model, local_layers, mark_tensor_parallel, transformer_config
+    from hybridrl.backends.megatron.weights import load_hf_weights, owned_params
+    from hybridrl.backends.model_spec import ModelSpec
+
+    cpu = torch.device("cpu")
+    cpu_compat.activate()
+    cfg = MegatronConfig(tp=dist.get_world_size(), dtype="bfloat16")
+    adapter = adapter_for(ModelSpec.from_dir(Path(model_dir)), tp=cfg.tp)
+    with cpu_compat.device_scope(cpu):
+        mesh = parallel.ensure_model_parallel(cfg.tp, cfg.pp, cfg.seed)
+        tconfig = transformer_config(adapter.spec, cfg, device=torch.device("cuda"))   # no bf16-on-CPU refusal
+        tconfig.use_cpu_initialization = True
+        model = build_gpt_model(adapter.spec, cfg, tconfig, padded_vocab_size=adapter.padded_vocab_size, device=cpu)
+        params = owned_params(adapter, model, local_layers(model))
+        mark_tensor_parallel(params)
+        load_hf_weights(adapter, params, Path(model_dir))
+    model.requires_grad_(False)
+    engine = MegatronEngine(cfg=cfg, model_dir=Path(model_dir), adapter=adapter, model=model, ddp=None,
+                            optimizer=None, scheduler=None, device=cpu, mesh=mesh, training=False)
+    spec = engine.hf_spec()
+    published = {n: (tuple(t.shape), t.dtype) for n, t in engine.iter_hf_tensors()}
+    rec = {"param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+           "norm_dtypes": sorted({str(m.weight.dtype) for m in model.modules() if isinstance(m, torch.nn.RMSNorm)}),
+           "num_norms": sum(isinstance(m, torch.nn.RMSNorm) for m in model.modules()),
+           "published_dtypes": sorted({str(d) for _, d in published.values()}),
+           "published_matches_spec": published == spec}
+    if dist.get_rank() == 0:
+        (out / "norms.json").write_text(json.dumps(_gather_to_rank0(rec)))
+    else:
+        _gather_to_rank0(rec)
+
+
+JOBS = {"parity": parity, "train": train, "checkpoint": checkpoint, "packed": packed, "uneven": uneven,
+        "norms": norms}
 
 
 def main() -> None:

@@ -76,3 +76,65 @@ def test_micro_batches_cut_each_to_its_longest_sequence():
 def test_bad_batches_are_named(tensors, match):
     with pytest.raises((KeyError, ValueError), match=match):
         check_sequence_batch(Batch(tensors))
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_chunks_give_the_same_values_and_gradients(with_entropy):
+    torch.manual_seed(1)
+    vocab, padded = 50, 56
+    logits = 2 * torch.randn(3, 7, padded)
+    targets = torch.randint(0, vocab, (3, 7))
+    w_lp, w_ent = torch.randn(3, 7), torch.randn(3, 7)
+    results = []
+    for chunk in (1000, 5, 1):
+        x = logits.clone().requires_grad_(True)
+        lp, ent = vocab_parallel_logprobs(x, targets, vocab_start=0, vocab_size=vocab, temperature=0.8,
+                                          with_entropy=with_entropy, chunk_tokens=chunk)
+        loss = (lp * w_lp).sum() + ((ent * w_ent).sum() if with_entropy else 0.0)
+        loss.backward()
+        results.append((lp.detach(), None if ent is None else ent.detach(), x.grad))
+    for lp, ent, grad in results[1:]:
+        assert torch.allclose(lp, results[0][0], atol=1e-6) and torch.allclose(grad, results[0][2], atol=1e-6)
+        if with_entropy:
+            assert torch.allclose(ent, results[0][1], atol=1e-6)
+
+
+_PEAK_CHILD = r"""
+import resource, sys, torch
+from hybridrl.backends.megatron.logprobs import vocab_parallel_logprobs
+tokens, vocab, chunk, with_entropy = map(int, sys.argv[1:])
+torch.manual_seed(0)
+logits = torch.randn(tokens, vocab).requires_grad_(True)
+targets = torch.randint(0, vocab, (tokens,))
+w = torch.randn(tokens)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+lp, ent = vocab_parallel_logprobs(logits, targets, vocab_start=0, vocab_size=vocab, with_entropy=bool(with_entropy),
+                                  chunk_tokens=chunk)
+((lp * w).sum() + ((ent * w).sum() if with_entropy else 0.0)).backward()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+"""
+
+
+def test_peak_memory_is_bounded_by_chunking_for_a_large_vocabulary(with_entropy=True):
+    """Peak resident memory above the logits (a fresh process per variant, ru_maxrss) of forward +
+    backward over 512 tokens x a 65,536-token vocabulary (128 MiB of float32 logits): chunked,
+    the logits' own gradient (inherent) plus one chunk's working copies; unchunked (one chunk of
+    every token), several full-vocabulary float32 tensors at once."""
+    import subprocess
+    import sys
+
+    tokens, vocab = 512, 65536
+    logits_bytes = tokens * vocab * 4
+
+    def peak(chunk: int) -> int:
+        proc = subprocess.run([sys.executable, "-c", _PEAK_CHILD, str(tokens), str(vocab), str(chunk),
+                               str(int(with_entropy))], capture_output=True, text=True, timeout=300,
+                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return int(proc.stdout.strip().splitlines()[-1])
+
+    chunked, unchunked = peak(16), peak(tokens)
+    # the gradient of the logits (one logits-sized tensor) is inherent; a 16-token chunk is 4 MiB
+    assert chunked < 1.5 * logits_bytes, (chunked, logits_bytes)
+    assert unchunked > 2.5 * logits_bytes, (unchunked, logits_bytes)
+    print(f"peak above the logits: chunked {chunked / logits_bytes:.2f}x, unchunked {unchunked / logits_bytes:.2f}x")

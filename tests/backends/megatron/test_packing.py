@@ -1,0 +1,109 @@
+"""Sequence packing (`train.max_tokens_per_micro_batch`) with real ranks: packed micro-batches
+(with logprobs in chunks of 5 tokens) and padded ones give the same logprobs, losses, gradient
+norms and updated weights (two steps) at DP 2, TP 2 and PP 2 (one torchrun launch), and the
+packed logprobs match transformers. On one
+rank: how rows are packed, and attention that stays inside each sequence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridrl.backends.megatron.schedule import micro_batches, pack_rows
+from hybridrl.data.batch import Batch
+from tests.backends.megatron.conftest import run_job
+
+LR = 1e-4          # see test_train_step: the 1e-5 bound holds at this rate
+TOL = 1e-5
+MAX_TOKENS = 20    # the test batch's lengths (12, 7, 3, 12, 9, 5, 11) make 2-3 rows per pack
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, qwen2_dir):
+    out = tmp_path_factory.mktemp("packed")
+    run_job(2, "packed", out, qwen2_dir, LR, MAX_TOKENS)
+    return out, json.loads((out / "packed_w2.json").read_text())
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+def test_packed_equals_padded(runs, layout):
+    out, results = runs
+    padded, packed = results[layout]["padded"], results[layout]["packed"]
+    for a, b in zip(padded, packed):                          # per rank
+        assert max(b["rows_per_micro_batch"]) >= 2 and set(b["model_rows"]) == {1}, b    # packing did pack
+        for step_a, step_b in zip(a["steps"], b["steps"]):
+            assert abs(step_a["loss"] - step_b["loss"]) < TOL, (layout, step_a, step_b)
+            assert abs(step_a["grad_norm"] - step_b["grad_norm"]) < TOL * step_a["grad_norm"], layout
+            assert step_a["num_tokens"] == step_b["num_tokens"] and step_a["num_sequences"] == step_b["num_sequences"]
+        if "logprobs_vs_hf" in b:
+            assert b["logprobs_vs_hf"] < 1e-4 and b["entropy_vs_hf"] < 1e-4, b
+            assert a["logprobs_vs_hf"] < 1e-4, a
+    w_a, w_b = (torch.load(out / f"weights_{layout}_{m}.pt") for m in ("padded", "packed"))
+    assert sorted(w_a) == sorted(w_b)
+    assert max(float((w_a[n] - w_b[n]).abs().max()) for n in w_a) < TOL
+
+
+def test_layouts_agree_with_each_other(runs):
+    out, results = runs
+    base = torch.load(out / "weights_dp2_packed.pt")
+    for layout in ("tp2", "pp2"):
+        w = torch.load(out / f"weights_{layout}_packed.pt")
+        assert max(float((w[n] - base[n]).abs().max()) for n in w) < TOL, layout
+        first = [r["steps"][0]["loss"] for r in results[layout]["packed"]]
+        assert abs(first[0] - results["dp2"]["packed"][0]["steps"][0]["loss"]) < TOL
+
+
+def test_pack_rows_first_fit_longest_first():
+    assert pack_rows([12, 7, 3, 12, 9, 5, 11, 2], 20) == [[0, 1], [3, 5, 2], [6, 4], [7]]
+    # a row longer than the budget gets a pack of its own; nothing is dropped
+    packs = pack_rows([30, 4, 4], 10)
+    assert packs == [[0], [1, 2]]
+    assert sorted(i for p in pack_rows([5, 1, 9, 3, 3, 8], 9) for i in p) == list(range(6))
+
+
+def test_packed_micro_batch_layout():
+    ids = torch.tensor([[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9]])
+    mask = (torch.arange(4) < torch.tensor([[3], [2], [4]])).long()
+    batch = Batch({"input_ids": ids, "attention_mask": mask, "loss_mask": mask.float()})
+    [mb] = micro_batches(batch, 1, torch.device("cpu"), max_tokens=9)
+    assert mb.rows == [2, 0, 1] and mb.shape == (3, 4) and mb.model_shape == (1, 9)
+    assert mb.input_ids.tolist() == [[6, 7, 8, 9, 1, 2, 3, 4, 5]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1]]      # restart per sequence
+    assert mb.packed.cu_seqlens_q.tolist() == [0, 4, 7, 9]
+    values = torch.arange(9.0).view(1, 9)
+    assert mb.to_rows(values).tolist() == [[0, 1, 2, 3], [4, 5, 6, 0], [7, 8, 0, 0]]
+    assert mb.batch["input_ids"].tolist() == [[6, 7, 8, 9], [1, 2, 3, 0], [4, 5, 0, 0]]
+
+
+def test_packed_attention_stays_inside_each_sequence(monkeypatch):
+    """SDPAttention on a pack equals causal attention run on each sequence alone, and changing
+    one sequence's keys leaves the other sequences' outputs unchanged."""
+    import torch.nn.functional as F
+
+    from hybridrl.backends.megatron.attention import SDPAttention
+    from hybridrl.backends.megatron.schedule import _packed_params
+
+    lengths = [9, 4, 8, 1, 3]
+    params = _packed_params(lengths, torch.device("cpu"))
+    assert len(params.groups) > 1                                # several attention groups
+    attn = SDPAttention.__new__(SDPAttention)
+    torch.nn.Module.__init__(attn)
+    attn.heads, attn.groups, attn.head_dim, attn.scale, attn.dropout = 4, 2, 8, 8 ** -0.5, 0.0
+    torch.manual_seed(0)
+    t = sum(lengths)
+    q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
+    out = attn(q, k, v, None, packed_seq_params=params)
+    start = 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        kk, vv = (x[sl].repeat_interleave(2, dim=1).permute(1, 0, 2) for x in (k, v))
+        want = F.scaled_dot_product_attention(q[sl].permute(1, 0, 2), kk, vv, is_causal=True, scale=8 ** -0.5)
+        assert torch.allclose(out[sl], want.permute(1, 0, 2).reshape(n, 32), atol=1e-6)
+        start += n
+    k2 = k.clone()
+    k2[:9] += 5.0                                                 # disturb the first sequence only
+    out2 = attn(q, k2, v, None, packed_seq_params=params)
+    assert not torch.allclose(out2[:9], out[:9])
+    assert torch.equal(out2[9:], out[9:])
