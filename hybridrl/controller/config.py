@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from hybridrl.config.fields import ConfigValueError, check_positive, knob
+from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, knob
 
 
 @dataclass(kw_only=True)
@@ -23,6 +24,15 @@ class TrainerConfig:
                                "the earlier run moved to <run.dir>.old-N | PATH: that checkpoint")
     export_hf: bool = knob(True, "write the final policy as an HF directory to <run.dir>/hf")
     log_samples: int = knob(2, "trajectories per step written to <run.dir>/samples.jsonl (decoded)")
+    rollout_mode: str = knob("sync", "sync: every step waits for all its episodes | partial: a step ends its rollout "
+                                     "when `quorum` groups are complete (or at `rollout_deadline_s`); episodes still "
+                                     "running are interrupted and continue at the next step on the new policy")
+    oversample: float = knob(1.0, "partial: groups kept in flight = ceil(prompts_per_step * oversample); > 1 lets a "
+                                  "step end before its slowest groups")
+    quorum: int = knob(0, "partial: complete groups that end a step's rollout; 0 = prompts_per_step")
+    rollout_deadline_s: float = knob(0.0, "partial: end a step's rollout after this many seconds even without a "
+                                          "quorum; 0 = no deadline")
+    collect_poll_s: float = knob(0.05, "partial: how often the rollout ranks count complete groups (seconds)")
 
     def __post_init__(self) -> None:
         for name in ("total_steps", "prompts_per_step", "group_size"):
@@ -30,5 +40,23 @@ class TrainerConfig:
         for name in ("validate_every", "checkpoint_every", "log_samples"):
             check_positive(name, getattr(self, name), allow_zero=True)
         check_positive("keep_checkpoints", self.keep_checkpoints)
+        check_choice("rollout_mode", self.rollout_mode, ("sync", "partial"))
+        if self.oversample < 1:
+            raise ConfigValueError("oversample", f"must be >= 1 (groups in flight per prompts_per_step), got "
+                                                 f"{self.oversample}")
+        check_positive("quorum", self.quorum, allow_zero=True)
+        check_positive("rollout_deadline_s", self.rollout_deadline_s, allow_zero=True)
+        check_positive("collect_poll_s", self.collect_poll_s)
+        if self.rollout_mode == "partial" and self.quorum_groups > self.groups_in_flight:
+            raise ConfigValueError("quorum", f"{self.quorum_groups} complete groups can never be reached with "
+                                             f"{self.groups_in_flight} in flight: raise oversample or lower quorum")
         if self.validation_temperature < 0:
             raise ConfigValueError("validation_temperature", f"must be >= 0, got {self.validation_temperature}")
+
+    @property
+    def quorum_groups(self) -> int:
+        return self.quorum or self.prompts_per_step
+
+    @property
+    def groups_in_flight(self) -> int:
+        return math.ceil(self.prompts_per_step * self.oversample - 1e-9)
