@@ -66,9 +66,11 @@ class PartialCollector:
     # ------------------------------------------------------------------ one step
 
     def collect(self, attempts: Sequence[tuple[Any, int, str]], *, quorum: int, deadline_s: float = 0.0,
-                poll_s: float = 0.05, temperature: float | None = None) -> tuple[list[Trajectory], CollectStats]:
+                poll_s: float = 0.05, temperature: float | None = None,
+                informative_only: bool = False) -> tuple[list[Trajectory], CollectStats]:
         """Launch `attempts` (instance, attempt, group id) and run until `quorum` complete groups exist
-        over all ranks (or the deadline / nothing left to run); returns this rank's complete groups."""
+        over all ranks (or the deadline / nothing left to run); returns this rank's complete groups.
+        `informative_only`: the quorum counts only groups whose rewards are not all equal."""
         stats = CollectStats(launched=len(attempts) if self.owns_engine else 0)
         started = time.monotonic()
         if self.owns_engine:
@@ -86,7 +88,8 @@ class PartialCollector:
             self._harvest()
             stats.polls += 1
             late = deadline_s > 0 and time.monotonic() - started >= deadline_s
-            complete, live, deadline = self.sum_over_ranks([float(len(self._complete_groups())),
+            counted = self._complete_groups(informative_only)
+            complete, live, deadline = self.sum_over_ranks([float(len(counted)),
                                                             float(len(self.live)), float(late)])
             if complete >= quorum or deadline > 0 or live == 0:
                 stats.stopped_by = "quorum" if complete >= quorum else "deadline" if deadline > 0 else "drained"
@@ -111,8 +114,9 @@ class PartialCollector:
             group_id = self.live.pop(task)
             self.members[group_id].append(task.result())    # run_episode never raises for the episode
 
-    def _complete_groups(self) -> list[str]:
-        return [g for g, m in self.members.items() if len(m) == self.expected[g]]
+    def _complete_groups(self, informative_only: bool = False) -> list[str]:
+        return [g for g, m in self.members.items() if len(m) == self.expected[g]
+                and (not informative_only or max(t.reward for t in m) - min(t.reward for t in m) > 1e-9)]
 
     def pending_groups(self) -> list[str]:
         """Groups launched here and not yet returned (running, paused or partly ended)."""

@@ -32,6 +32,9 @@ class AlgoConfig:
     drop_truncated: bool = knob(True, "drop TRUNCATED (overlong) trajectories from updates")
     drop_all_equal_groups: bool = knob(True, "drop groups whose rewards are all equal (no signal)")
     max_policy_lag: int = knob(-1, "drop trajectories with tokens older than this many versions; -1 = off")
+    stale: str = knob("drop", "a trajectory over max_policy_lag: drop (counted as filter/policy_lag) | requeue (partial "
+                              "rollouts: its whole group leaves the step and its prompt is launched again, fresh; "
+                              "counted as stale/requeued_groups)")
     partial_policy: str = knob("newest_segment", "a trajectory holding tokens of several policy versions (partial "
                                "rollouts): newest_segment (train its newest version's tokens, the rest is context) | "
                                "per_segment (train all, each token corrected by its own behaviour logprob; needs "
@@ -49,6 +52,7 @@ class AlgoConfig:
             raise ConfigValueError("dual_clip", f"must be > 1 or 0 (off), got {self.dual_clip}")
         for name in ("kl_coef", "entropy_coef", "tis_cap"):
             check_positive(name, getattr(self, name), allow_zero=True)
+        check_choice("stale", self.stale, ("drop", "requeue"))
         check_choice("partial_policy", self.partial_policy, ("newest_segment", "per_segment", "discard_mixed"))
         if self.partial_policy == "per_segment" and self.tis_cap == 0:
             raise ConfigValueError("partial_policy", "per_segment corrects old segments with truncated importance "

@@ -3,18 +3,26 @@
     sync     draw `prompts_per_step` instances, run `group_size` episodes of each to the end
              (`HybridWorker.rollout`); the step waits for its slowest episode.
     partial  keep `groups_in_flight = ceil(prompts_per_step * oversample)` groups in flight: draw
-             as many new instances as groups were returned by the last step, launch them, and end
-             the rollout when `quorum` groups are complete over all engines (or at
+             as many new instances as groups left since the last step, launch them, and end the
+             rollout when `quorum` groups are complete over all engines (or at
              `rollout_deadline_s`); the episodes still running are interrupted at a token boundary
-             and continue at the next step on the newly published policy
-             (`HybridWorker.collect`, `agent/collector.py`). A step trains on complete groups only.
+             and continue at the next step on the newly published policy (`HybridWorker.collect`,
+             `agent/collector.py`). A step trains on complete groups only.
 
-Both return the step's trajectories and the collection's metrics (`partial/*`).
+`trainer.dynamic_sampling` (both modes): keep launching groups, up to `max_sampling_rounds`
+rounds, until the step holds `prompts_per_step` groups whose rewards are not all equal.
+`algo.stale=requeue` (partial): a returned group with a token older than `algo.max_policy_lag`
+versions leaves the step whole and its prompt is launched again at the next step, once per
+staleness (with `drop` the trajectory filter drops such trajectories, `filter/policy_lag`).
+
+Both return the step's trajectories and the collection's metrics (`partial/*`, `dynamic/*`,
+`stale/*`).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import math
+from collections import defaultdict
 from typing import Any
 
 from hybridrl.controller import metrics as M
@@ -22,51 +30,116 @@ from hybridrl.data.trajectory import Trajectory, from_batch
 from hybridrl.workers.hybrid import HybridWorker
 
 
+def informative_groups(trajectories: list[Trajectory], tol: float = 1e-9) -> set[str]:
+    """Groups whose members' rewards are not all equal (a group baseline gets a signal from them)."""
+    rewards: dict[str, list[float]] = defaultdict(list)
+    for t in trajectories:
+        rewards[t.group_id].append(t.reward)
+    return {g for g, r in rewards.items() if max(r) - min(r) > tol}
+
+
+def stale_groups(trajectories: list[Trajectory], version: int, max_lag: int) -> set[str]:
+    """Groups holding a policy token more than `max_lag` versions older than `version`."""
+    return {t.group_id for t in trajectories if t.versions and min(t.versions) < version - max_lag}
+
+
 class SyncCollection:
     def __init__(self, cfg: Any, wg: Any, run: Any):
         self.cfg, self.wg, self.run = cfg, wg, run
+        self.rollout_dp = wg.mesh("rollout").dp_size
 
     def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
         tc = self.cfg.trainer
-        instances = self.run.stream.next(tc.prompts_per_step)
-        return from_batch(self.wg.call(HybridWorker.rollout, M.episode_rows(instances, tc.group_size, step))), {}
+        out: list[Trajectory] = []
+        want, rounds = tc.prompts_per_step, 0
+        while True:
+            instances = self.run.stream.next(want)
+            label = step if rounds == 0 else f"{step}.{rounds}"
+            out += from_batch(self.wg.call(HybridWorker.rollout, M.episode_rows(instances, tc.group_size, label)))
+            rounds += 1
+            short = tc.prompts_per_step - len(informative_groups(out))
+            if not tc.dynamic_sampling or short <= 0 or rounds >= tc.max_sampling_rounds:
+                break
+            want = math.ceil(short / self.rollout_dp) * self.rollout_dp     # groups stay whole on one engine
+        return out, ({"dynamic/rounds": float(rounds), "dynamic/informative_groups": float(len(informative_groups(out)))}
+                     if tc.dynamic_sampling else {})
 
 
 class PartialCollection:
     def __init__(self, cfg: Any, wg: Any, run: Any):
         self.cfg, self.wg, self.run = cfg, wg, run
         self.in_flight: dict[str, dict] = {}      # group id -> its instance (launched, not yet returned)
+        self.requeued: list[dict] = []            # instances of stale groups, launched first at the next step
+
+    def _launch(self, n: int, step: int, label: str) -> list[dict]:
+        requeued, self.requeued = self.requeued[:n], self.requeued[n:]
+        fresh = self.run.stream.next(max(0, n - len(requeued)))
+        rows = M.episode_rows(fresh, self.cfg.trainer.group_size, label)
+        episodes = [{"instance": i, "attempt": a, "group_id": g}
+                    for i, a, g in zip(rows["instance"], rows["attempt"], rows["group_id"])] if fresh else []
+        for inst in requeued:
+            episodes += [{"instance": inst, "attempt": a, "group_id": f"{inst['task_id']}@{label}r"}
+                         for a in range(self.cfg.trainer.group_size)]
+        for e in episodes:
+            self.in_flight[e["group_id"]] = e["instance"]
+        return episodes
+
+    def _collect(self, episodes: list[dict], quorum: int, deadline_s: float, stats: list,
+                 counts: dict[str, float]) -> list[Trajectory]:
+        tc, algo = self.cfg.trainer, self.cfg.algo
+        outs = self.wg.call(HybridWorker.collect, episodes=episodes, quorum=quorum, deadline_s=deadline_s,
+                            poll_s=tc.collect_poll_s, informative_only=tc.dynamic_sampling)
+        stats += [out["stats"] for out in outs]
+        trajectories = [t for out in outs for t in out["trajectories"]]
+        returned = {g: self.in_flight.pop(g) for g in dict.fromkeys(t.group_id for t in trajectories)}
+        if algo.stale == "requeue" and algo.max_policy_lag >= 0:
+            stale = stale_groups(trajectories, self.run.version, algo.max_policy_lag)
+            self.requeued += [returned[g] for g in returned if g in stale]
+            counts["stale/requeued_groups"] += len(stale)
+            counts["stale/requeued_episodes"] += sum(t.group_id in stale for t in trajectories)
+            trajectories = [t for t in trajectories if t.group_id not in stale]
+        return trajectories
 
     def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
         tc = self.cfg.trainer
-        instances = self.run.stream.next(max(0, tc.groups_in_flight - len(self.in_flight)))
-        rows = M.episode_rows(instances, tc.group_size, step)
-        episodes = [{"instance": i, "attempt": a, "group_id": g}
-                    for i, a, g in zip(rows["instance"], rows["attempt"], rows["group_id"])] if instances else []
-        for e in episodes:
-            self.in_flight[e["group_id"]] = e["instance"]
-        outs = self.wg.call(HybridWorker.collect, episodes=episodes, quorum=tc.quorum_groups,
-                            deadline_s=tc.rollout_deadline_s, poll_s=tc.collect_poll_s)
-        trajectories = [t for out in outs for t in out["trajectories"]]
-        if not trajectories:        # the deadline passed before any group was complete: wait for one
-            outs = self.wg.call(HybridWorker.collect, episodes=[], quorum=1, deadline_s=0.0, poll_s=tc.collect_poll_s)
-            trajectories = [t for out in outs for t in out["trajectories"]]
-        for g in {t.group_id for t in trajectories}:
-            self.in_flight.pop(g, None)
-        stats = [out["stats"] for out in outs]
-        stopped = Counter(s["stopped_by"] for s in stats)
+        stats: list[dict] = []
+        counts = {"stale/requeued_groups": 0.0, "stale/requeued_episodes": 0.0}
+        launched = self._launch(max(0, tc.groups_in_flight - len(self.in_flight)), step, str(step))
+        trajectories = self._collect(launched, tc.quorum_groups, tc.rollout_deadline_s, stats, counts)
+        retries = 0
+        while not trajectories:     # nothing complete by the deadline, or every group stale: wait for one
+            retries += 1
+            more = self._launch(len(self.requeued), step, f"{step}.s{retries}")
+            launched += more
+            trajectories = self._collect(more, 1, 0.0, stats, counts)
+        rounds = 1
+        while tc.dynamic_sampling and rounds < tc.max_sampling_rounds:
+            short = tc.prompts_per_step - len(informative_groups(trajectories))
+            if short <= 0:
+                break
+            more = self._launch(short, step, f"{step}.{rounds}")
+            launched += more
+            trajectories += self._collect(more, short, 0.0, stats, counts)
+            rounds += 1
         continued = [t for t in trajectories if t.metadata.get("interruptions")]
-        return trajectories, {
-            "partial/launched_groups": float(len(instances)),
+        last = stats[-self.wg.world_size:]          # the last call's counters, one per rank
+        metrics = dict(counts) if self.cfg.algo.stale == "requeue" else {}
+        metrics.update({
+            "partial/launched_groups": float(len({e["group_id"] for e in launched})),
             "partial/returned_groups": float(len({t.group_id for t in trajectories})),
             "partial/groups_in_flight": float(len(self.in_flight)),
             "partial/interrupted": float(sum(s["interrupted"] for s in stats)),
-            "partial/live_episodes": float(sum(s["live"] for s in stats)),
-            "partial/waiting_episodes": float(sum(s["waiting"] for s in stats)),
+            "partial/live_episodes": float(sum(s["live"] for s in last)),
+            "partial/live_tokens": float(sum(s["live_tokens"] for s in last)),
+            "partial/waiting_episodes": float(sum(s["waiting"] for s in last)),
             "partial/continued_episodes": float(len(continued)),
             "partial/multi_version_episodes": float(sum(len(t.versions) > 1 for t in trajectories)),
-            "partial/stopped_by_deadline": float(stopped.most_common(1)[0][0] == "deadline") if stopped else 0.0,
-        }
+            "partial/stopped_by_deadline": float(any(s["stopped_by"] == "deadline" for s in stats)),
+        })
+        if tc.dynamic_sampling:
+            metrics["dynamic/rounds"] = float(rounds)
+            metrics["dynamic/informative_groups"] = float(len(informative_groups(trajectories)))
+        return trajectories, metrics
 
 
 def make_collection(cfg: Any, wg: Any, run: Any) -> SyncCollection | PartialCollection:

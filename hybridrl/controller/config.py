@@ -33,6 +33,11 @@ class TrainerConfig:
     rollout_deadline_s: float = knob(0.0, "partial: end a step's rollout after this many seconds even without a "
                                           "quorum; 0 = no deadline")
     collect_poll_s: float = knob(0.05, "partial: how often the rollout ranks count complete groups (seconds)")
+    dynamic_sampling: bool = knob(False, "keep sampling new groups until the step has prompts_per_step groups whose "
+                                         "rewards are not all equal (DAPO's dynamic sampling; partial: the quorum "
+                                         "counts such groups only)")
+    max_sampling_rounds: int = knob(4, "dynamic_sampling: at most this many rollout rounds per step (a hard task "
+                                       "may have no informative group for a while)")
 
     def __post_init__(self) -> None:
         for name in ("total_steps", "prompts_per_step", "group_size"):
@@ -47,6 +52,7 @@ class TrainerConfig:
         check_positive("quorum", self.quorum, allow_zero=True)
         check_positive("rollout_deadline_s", self.rollout_deadline_s, allow_zero=True)
         check_positive("collect_poll_s", self.collect_poll_s)
+        check_positive("max_sampling_rounds", self.max_sampling_rounds)
         if self.rollout_mode == "partial" and self.quorum_groups > self.groups_in_flight:
             raise ConfigValueError("quorum", f"{self.quorum_groups} complete groups can never be reached with "
                                              f"{self.groups_in_flight} in flight: raise oversample or lower quorum")

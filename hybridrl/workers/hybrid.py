@@ -304,7 +304,8 @@ class HybridWorker(Worker):
         return to_batch(trajectories, pad_id=self.tokenizer.pad_token_id or 0).pad_to(len(episodes))
 
     @register(dispatch=ONE_TO_ALL)
-    def collect(self, *, episodes: list[dict], quorum: int, deadline_s: float = 0.0, poll_s: float = 0.05) -> dict:
+    def collect(self, *, episodes: list[dict], quorum: int, deadline_s: float = 0.0, poll_s: float = 0.05,
+                informative_only: bool = False) -> dict:
         """Partial rollouts: `episodes` (instance, attempt, group_id; the step's new ones, whole groups)
         are launched on the engines, group i on rollout dp rank i % dp; every held episode runs until
         `quorum` groups are complete over all ranks. Returns this rank's complete groups and counters."""
@@ -322,7 +323,7 @@ class HybridWorker(Worker):
                     for e in episodes if e["group_id"] in mine]
         with self.modes.phase("generate"):
             trajectories, stats = self.collector.collect(attempts, quorum=quorum, deadline_s=deadline_s,
-                                                         poll_s=poll_s)
+                                                         poll_s=poll_s, informative_only=informative_only)
         return {"trajectories": trajectories if self.owns_engine else [], "stats": stats.to_dict()}
 
     def _sum(self, values: list[float]) -> list[float]:
