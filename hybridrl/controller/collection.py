@@ -17,12 +17,21 @@ staleness (with `drop` the trajectory filter drops such trajectories, `filter/po
 
 Both return the step's trajectories and the collection's metrics (`partial/*`, `dynamic/*`,
 `stale/*`).
+
+Checkpoints (partial): the episodes held on the workers are not saved. A checkpoint records the
+instances of the groups in flight (and those waiting for a requeue) in `run.collection`; a run
+resumed from it launches each of them again, from scratch, once, before drawing new prompts. The
+data cursor is past them, so no prompt is skipped, and the ones the killed run had in flight were
+never trained, so none is repeated. `<run.dir>/groups.jsonl` records per step the prompts drawn, the
+groups returned and those still in flight, so that this can be checked from the run's own records.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from hybridrl.controller import metrics as M
@@ -70,10 +79,19 @@ class PartialCollection:
         self.cfg, self.wg, self.run = cfg, wg, run
         self.in_flight: dict[str, dict] = {}      # group id -> its instance (launched, not yet returned)
         self.requeued: list[dict] = []            # instances of stale groups, launched first at the next step
+        saved = run.collection or {}              # a resumed run: what the checkpoint had in flight
+        self.relaunch = [*saved.get("in_flight", {}).values(), *saved.get("requeued", [])]
+        self.drawn: list[str] = []
 
     def _launch(self, n: int, step: int, label: str) -> list[dict]:
-        requeued, self.requeued = self.requeued[:n], self.requeued[n:]
+        if self.relaunch:                          # after a resume: all of them, before anything new
+            requeued, self.relaunch = self.relaunch + self.requeued, []
+            self.requeued = []
+            n = max(n, len(requeued))
+        else:
+            requeued, self.requeued = self.requeued[:n], self.requeued[n:]
         fresh = self.run.stream.next(max(0, n - len(requeued)))
+        self.drawn += [inst.task_id for inst in fresh]
         rows = M.episode_rows(fresh, self.cfg.trainer.group_size, label)
         episodes = [{"instance": i, "attempt": a, "group_id": g}
                     for i, a, g in zip(rows["instance"], rows["attempt"], rows["group_id"])] if fresh else []
@@ -103,6 +121,7 @@ class PartialCollection:
     def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
         tc = self.cfg.trainer
         stats: list[dict] = []
+        self.drawn = []
         counts = {"stale/requeued_groups": 0.0, "stale/requeued_episodes": 0.0}
         launched = self._launch(max(0, tc.groups_in_flight - len(self.in_flight)), step, str(step))
         trajectories = self._collect(launched, tc.quorum_groups, tc.rollout_deadline_s, stats, counts)
@@ -121,6 +140,12 @@ class PartialCollection:
             launched += more
             trajectories += self._collect(more, short, 0.0, stats, counts)
             rounds += 1
+        self.run.collection = {"in_flight": dict(self.in_flight), "requeued": list(self.requeued)}
+        with (Path(self.cfg.run.dir) / "groups.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, "drawn": self.drawn,
+                                "returned": sorted({t.group_id for t in trajectories}),
+                                "in_flight": sorted(self.in_flight), "requeued": [i["task_id"] for i in self.requeued]})
+                    + "\n")
         continued = [t for t in trajectories if t.metadata.get("interruptions")]
         last = stats[-self.wg.world_size:]          # the last call's counters, one per rank
         metrics = dict(counts) if self.cfg.algo.stale == "requeue" else {}
