@@ -41,6 +41,7 @@ setup(
         "tqdm>=4.66",
         "pyyaml>=6",
         "xxhash>=3.4",
+        "pyarrow>=14",          # the run ledger's data plane (Parquet)
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3"],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -40,24 +41,29 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1, help="runs per (size, verify), interleaved; medians reported")
     ap.add_argument("--cycles", type=int, default=5)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--huge-pages", default="on",
+                    help="host tensors on transparent huge pages (THP_MEM_ALLOC_ENABLE): on, off or on,off "
+                         "(both, interleaved in the same run)")
     args = ap.parse_args()
     out, cache = Path(args.out), Path(args.cache)
     out.mkdir(parents=True, exist_ok=True)
-    runs: dict[tuple[str, str], list[dict]] = {}
-    for repeat in range(args.repeats):          # interleaved: every (size, verify) once per round
+    runs: dict[tuple[str, str, str], list[dict]] = {}
+    for repeat in range(args.repeats):          # interleaved: every (size, verify, pages) once per round
         for size in args.sizes.split(","):
             model = build(size, cache)
             for verify in args.verify.split(","):
-                path = out / f"{size}-{verify}-{repeat}.json"
-                subprocess.run([sys.executable, "-m", "hybridrl", "bench", "mode-switch", "--model", str(model),
-                                "--tp", str(args.tp), "--cycles", str(args.cycles), "--verify", verify,
-                                "--json", str(path)], check=True)
-                runs.setdefault((size, verify), []).append(json.loads(path.read_text()))
+                for pages in args.huge_pages.split(","):
+                    path = out / f"{size}-{verify}-thp_{pages}-{repeat}.json"
+                    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1" if pages == "on" else "0"}
+                    subprocess.run([sys.executable, "-m", "hybridrl", "bench", "mode-switch", "--model", str(model),
+                                    "--tp", str(args.tp), "--cycles", str(args.cycles), "--verify", verify,
+                                    "--json", str(path)], check=True, env=env)
+                    runs.setdefault((size, verify, pages), []).append(json.loads(path.read_text()))
     rows = []
-    for (size, verify), results in runs.items():
+    for (size, verify, pages), results in runs.items():
         med = statistics.median
         rows.append({"size": size, "params_m": round(results[0]["model_params"] / 1e6, 1), "verify": verify,
-                     "runs": len(results),
+                     "huge_pages": pages, "runs": len(results),
                      **{f"{p}_s": round(med(r["phases"][p]["median_s"] for r in results), 4)
                         for p in results[0]["phases"]},
                      "switch_s": round(med(r["switch_s"] for r in results), 4),

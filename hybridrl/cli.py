@@ -127,6 +127,12 @@ def _cmd_bench_mode_switch(args: argparse.Namespace) -> int:
     return mode_switch_main(args)
 
 
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from hybridrl.inspect.cli import main
+
+    return main(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from hybridrl.demo import main
 
@@ -197,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_mode_switch_arguments(b)
     b.set_defaults(func=_cmd_bench_mode_switch)
 
+
+    p = sub.add_parser("inspect", help="the run ledger of an RL run: trajectories, lineage, trace questions, HTML")
+    from hybridrl.inspect.cli import add_arguments as add_inspect_arguments
+
+    add_inspect_arguments(p)
+    p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("init", help="start something of your own from a template")
     isub = p.add_subparsers(dest="init_command", required=True)

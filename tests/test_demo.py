@@ -11,6 +11,7 @@ import pytest
 
 from hybridrl.demo import split_overrides
 from hybridrl.telemetry.metrics import read_metrics
+from tests.inspect.ledger_checks import check_html_page, check_ledger_answers
 from tests.launch import ROOT, env_with_repo
 
 # the miniature: a few SFT steps and one GRPO step, just enough for every stage to run for real
@@ -69,6 +70,8 @@ def test_miniature_runs_every_stage_reads_its_numbers_from_the_runs_and_reuses_t
     assert (out / "sft" / "hf" / "config.json").exists() and (out / "grpo" / "hf" / "config.json").exists()
     assert "SFT model (step 0)" in proc.stdout and "improvement" in proc.stdout
     assert (out / "sft.log").read_text().startswith("$ ") and (out / "grpo.log").exists()
+    # the run ledger answers the trace questions for every GRPO episode, and its page renders
+    check_html_page(out / "grpo", tmp_path / "page.html", check_ledger_answers(out / "grpo"))
 
     plan = demo(*args, "--dry-run").stdout
     assert "SFT warm start (reuse)" in plan and "GRPO with the calculator (reuse)" in plan

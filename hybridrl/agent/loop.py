@@ -45,6 +45,7 @@ from hybridrl.data.trajectory import ToolCallRecord, Trajectory, TrajectoryStatu
 from hybridrl.data.episode import EpisodeOutcome, TaskInstance
 from hybridrl.envs.tasks.base import Task
 from hybridrl.rollout.protocol import FinishReason, GenerationOutput, SamplingParams
+from hybridrl.data.trace import close_turn, generate_event, trace
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +99,15 @@ class _Episode:
     session: EnvSession | None = None
     pause: PauseGate | None = None
     paused_at_start: float = 0.0
+    open_turn: tuple | None = None          # (turn, timings, first response index) of the turn being traced
+    timings: dict[str, float] = field(default_factory=lambda: {"generate_s": 0.0, "tool_s": 0.0,
+                                                               "env_s": 0.0})
 
     def deadline_at(self) -> float:
         """The wall-clock deadline, moved by the time spent paused behind a gate."""
         if self.pause is None:
             return self.deadline
         return self.pause.deadline(self.deadline, self.paused_at_start)
-    timings: dict[str, float] = field(default_factory=lambda: {"generate_s": 0.0, "tool_s": 0.0,
-                                                               "env_s": 0.0})
 
 
 class AgentRunner:
@@ -201,6 +203,7 @@ class AgentRunner:
         finally:
             if pause is not None:
                 pause.running.pop(traj.trajectory_id, None)
+            close_turn(ep)
             if ep.session is not None:
                 try:
                     await ep.session.close()
@@ -230,10 +233,14 @@ class AgentRunner:
         traj.prompt_ids = self.chat.prompt_ids(messages, tools=tool_json)
         parser = self.parser(ep.task)
         for turn in range(cfg.max_turns):
+            close_turn(ep)
+            ep.open_turn = (turn, dict(ep.timings), len(traj.response_ids))
             ids, finish = await self._turn(ep, turn, stop)
             traj.turns = turn + 1
             ep.final_text = text = self.chat.decode(ids)
             parsed = parser.parse(text)
+            trace(traj, "parse", turn=turn, answer=parsed.answer is not None, num_answers=parsed.num_answers,
+                  calls=len(parsed.calls), errors=len(parsed.errors))
             ep.answer, ep.num_answers = parsed.answer, parsed.num_answers
             ended_with_eos = bool(ids) and ids[-1] in self.chat.eos_ids
             if parsed.answer is not None or not parsed.has_action:
@@ -274,6 +281,7 @@ class AgentRunner:
                                       top_k=cfg.top_k, seed=(ep.seed + 7919 * turn + 104729 * segment) % (1 << 31))
             rid = f"{traj.trajectory_id}/t{turn}" + (f".{segment}" if segment else "")
             out = await self._generate(ep, traj.prompt_ids + traj.response_ids, sampling, rid, stop)
+            generate_event(traj, turn, rid, sampling, out, start=len(traj.response_ids))
             if out.token_ids:
                 traj.append(out.token_ids, policy=True, logprobs=out.logprobs, version=out.policy_version)
             traj.sampler_contract = out.sampler_contract
@@ -314,6 +322,8 @@ class AgentRunner:
                 return out
             partial = await self._abort(request, rid)
             if partial is not None and partial.token_ids:
+                generate_event(ep.traj, ep.open_turn[0] if ep.open_turn else -1, rid, sampling, partial,
+                               start=len(ep.traj.response_ids))
                 produced = len(partial.token_ids)
                 ep.traj.append(partial.token_ids, policy=True, logprobs=partial.logprobs,
                                version=partial.policy_version)
@@ -357,6 +367,7 @@ class AgentRunner:
         messages = []
         for call, problem in plan:
             if problem is not None:
+                trace(traj, "action", turn=turn, tool=problem.tool, decision=problem.kind, message=problem.message)
                 self.counts[{"malformed": "malformed_actions", "unauthorized": "unauthorized_actions"}
                             .get(problem.kind, problem.kind)] += 1
                 traj.metadata[f"num_{problem.kind}"] = traj.metadata.get(f"num_{problem.kind}", 0) + 1
@@ -369,6 +380,8 @@ class AgentRunner:
             self.counts["tool_errors"] += not result.ok
             traj.tool_calls.append(ToolCallRecord(turn=turn, name=call.name, ok=result.ok, error=result.error,
                                                   latency_s=result.latency_s))
+            trace(traj, "action", turn=turn, tool=call.name, decision="authorized", format=call.format,
+                  ok=result.ok, error=result.error, infra_error=bool(result.infra_error), latency_s=result.latency_s)
             if result.infra_error:
                 raise _End(TrajectoryStatus.INFRA_INVALID, reason=f"tool {call.name}: {result.error}")
             messages.append({"role": "tool", "content": result.text})
@@ -377,7 +390,11 @@ class AgentRunner:
     async def _env_step(self, ep: _Episode, text: str, answer: str | None,
                         stop: asyncio.Event | None) -> list[dict[str, str]]:
         assert ep.session is not None
+        started = time.monotonic()
         transition = await _within_budget(ep, ep.session.step({"text": text, "answer": answer}), stop, "env_s")
+        trace(ep.traj, "env_step", turn=ep.open_turn[0] if ep.open_turn else -1, reward=transition.reward,
+              done=transition.done, seconds=time.monotonic() - started,
+              info={k: v for k, v in transition.info.items() if isinstance(v, (int, float, str, bool))})
         ep.env_return += transition.reward
         ep.traj.metadata["env_steps"] = ep.traj.metadata.get("env_steps", 0) + 1
         if transition.done:
@@ -397,6 +414,8 @@ class AgentRunner:
         if len(traj.prompt_ids) + len(traj.response_ids) + len(ids) >= self.max_model_len:
             raise _End(TrajectoryStatus.TRUNCATED, Truncation.CONTEXT,
                        reason="the next observation does not fit the context")
+        trace(traj, "observation", turn=ep.open_turn[0] if ep.open_turn else -1, start=len(traj.response_ids),
+              end=len(traj.response_ids) + len(ids), roles=[m["role"] for m in clean])
         traj.append(ids, policy=False)
 
     # ------------------------------------------------------------------ reward
@@ -420,6 +439,8 @@ class AgentRunner:
         traj.rewards, traj.reward_evaluators, traj.reward = result.rewards, result.evaluators, result.total
         traj.metadata["answer"] = ep.answer
         ep.timings["reward_s"] = time.monotonic() - started
+        trace(traj, "reward", seconds=ep.timings["reward_s"], total=result.total, components=dict(result.rewards),
+              evaluators=dict(result.evaluators))
 
     def stats(self, wall_s: float | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {**self.counts, "engine_requests": self.meter.requests,

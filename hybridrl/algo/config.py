@@ -39,6 +39,11 @@ class AlgoConfig:
                                "rollouts): newest_segment (train its newest version's tokens, the rest is context) | "
                                "per_segment (train all, each token corrected by its own behaviour logprob; needs "
                                "tis_cap > 0) | discard_mixed (no token of such a row is trained)")
+    ppo_epochs: int = knob(1, "passes over each rollout batch; each pass takes ppo_mini_batches optimizer steps")
+    ppo_mini_batches: int = knob(1, "optimizer steps per epoch: the admitted batch is split into this many "
+                                    "mini-batches of (nearly) equal sequence counts, each one step with its own "
+                                    "global loss denominators. 1 epoch x 1 mini-batch: no old-logprob forward "
+                                    "(the training forward's logprobs serve); more: one extra forward per batch")
 
     def __post_init__(self) -> None:
         check_choice("advantage", self.advantage, ADVANTAGE_ESTIMATORS)
@@ -46,6 +51,8 @@ class AlgoConfig:
         check_choice("policy_loss", self.policy_loss, POLICY_LOSSES)
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("kl_in", self.kl_in, ("loss", "reward"))
+        for name in ("ppo_epochs", "ppo_mini_batches"):
+            check_positive(name, getattr(self, name))
         for name in ("clip_low", "clip_high"):
             check_positive(name, getattr(self, name))
         if self.dual_clip != 0 and self.dual_clip <= 1:

@@ -27,3 +27,15 @@ def mismatch_metrics(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor
     log_r = (old_logprobs - behavior_logprobs)[m]   # samples come from the behaviour policy
     return {"mismatch/max_abs": float(log_r.abs().max()), "mismatch/mean_abs": float(log_r.abs().mean()),
             "mismatch/k3": float((torch.exp(log_r) - 1 - log_r).mean())}
+
+
+def mismatch_sums(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor,
+                  mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The pieces of `mismatch_metrics` that add up over ranks: 'sums' [3] float64 (tokens, sum of
+    |log r|, sum of k3) and 'max_abs' (a 0-d float64 tensor; -inf on no token), on the inputs' device."""
+    m = mask > 0
+    log_r = torch.where(m, old_logprobs - behavior_logprobs, torch.zeros_like(old_logprobs)).double()
+    k3 = torch.where(m, torch.exp(log_r) - 1 - log_r, torch.zeros_like(log_r))
+    sums = torch.stack([m.sum().double(), log_r.abs().sum(), k3.sum()])
+    max_abs = log_r.abs().max() if m.any() else torch.tensor(0.0, dtype=torch.float64, device=log_r.device)
+    return {"sums": sums, "max_abs": max_abs}

@@ -1,8 +1,24 @@
-"""Per-group statistics shared by the group-baseline estimators (GRPO, RLOO, REINFORCE++)."""
+"""Per-group statistics shared by the group-baseline estimators (GRPO, RLOO, REINFORCE++).
+
+A batch may be split over data-parallel ranks with a group's members on several ranks. Every
+statistic is then built from sums that `reduce` adds up over the ranks (an all-reduce; `None`
+for a batch held whole), in two passes (the mean, then the squared deviations from it), so each
+rank gets the statistics of the whole batch: the same values as one rank holding all of it.
+Rows whose group index is negative (filler rows of a layout) belong to no group.
+"""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sum a float64 tensor over every rank that holds part of the batch (identity for one rank)."""
+
+
+def no_reduce(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def group_index_of(group_ids: list) -> torch.Tensor:
@@ -11,16 +27,26 @@ def group_index_of(group_ids: list) -> torch.Tensor:
     return torch.tensor([seen.setdefault(g, len(seen)) for g in group_ids], dtype=torch.long)
 
 
-def group_stats(values: torch.Tensor, group_index: torch.Tensor):
-    """Per-sample (mean, unbiased std, size) of the sample's group: three [N] float64 tensors."""
+def group_stats(values: torch.Tensor, group_index: torch.Tensor, *, num_groups: int | None = None,
+                reduce: Reduce | None = None):
+    """Per-sample (mean, unbiased std, size) of the sample's group: three [N] float64 tensors.
+
+    With `reduce`, `num_groups` (the same on every rank) sizes the per-group sums; rows with a
+    negative group index get 0 for all three."""
+    reduce = reduce or no_reduce
     values = values.to(torch.float64)
-    n = int(group_index.max()) + 1 if group_index.numel() else 0
-    size = torch.zeros(n, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(values))
-    total = torch.zeros(n, dtype=torch.float64).index_add_(0, group_index, values)
-    mean = total / size
-    sq = torch.zeros(n, dtype=torch.float64).index_add_(0, group_index, (values - mean[group_index]) ** 2)
+    member = group_index >= 0
+    index = torch.where(member, group_index, torch.zeros_like(group_index))
+    weight = member.to(torch.float64)
+    if num_groups is None:
+        num_groups = int(group_index.max()) + 1 if group_index.numel() else 0
+    zeros = torch.zeros(num_groups, dtype=torch.float64, device=values.device)
+    sums = reduce(torch.stack([zeros.index_add(0, index, weight), zeros.index_add(0, index, values * weight)]))
+    size, total = sums[0], sums[1]
+    mean = total / size.clamp(min=1)
+    sq = reduce(zeros.index_add(0, index, (values - mean[index]) ** 2 * weight))
     var = torch.where(size > 1, sq / (size - 1).clamp(min=1), torch.zeros_like(sq))
-    return mean[group_index], var.sqrt()[group_index], size[group_index]
+    return mean[index] * weight, var.sqrt()[index] * weight, size[index] * weight
 
 
 def broadcast_to_tokens(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

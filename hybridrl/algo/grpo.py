@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from hybridrl.algo.groups import broadcast_to_tokens, group_stats
+from hybridrl.algo.groups import Reduce, broadcast_to_tokens, group_stats
 
 
 def advantages(rewards: torch.Tensor, group_index: torch.Tensor, mask: torch.Tensor, *,
-               norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """rewards [N], group_index [N] (ints), mask [N, T] -> advantages [N, T] (0 where mask is 0)."""
-    mean, std, size = group_stats(rewards, group_index)
+               norm_by_std: bool = True, eps: float = 1e-6, num_groups: int | None = None,
+               reduce: Reduce | None = None) -> torch.Tensor:
+    """rewards [N], group_index [N] (ints), mask [N, T] -> advantages [N, T] (0 where mask is 0).
+    A batch split over ranks: `reduce` and `num_groups` as in `groups.group_stats`."""
+    mean, std, size = group_stats(rewards, group_index, num_groups=num_groups, reduce=reduce)
     centred = rewards.to(torch.float64) - mean
     if norm_by_std:  # an all-equal group has std 0 and centred 0: its advantage is 0, not NaN
         centred = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))

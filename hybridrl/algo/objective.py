@@ -7,6 +7,9 @@ loss the training engine aggregates:
 
 The micro-batch must carry `old_logprobs`, `advantages`, and as configured `ref_logprobs`
 (KL in the loss) and `behavior_logprobs` (truncated importance sampling), all [b, T] token-aligned.
+With `make_loss_fn(cfg, old_from_forward=True)` (one optimizer step per rollout batch) the
+training forward's own detached logprobs are the old logprobs: the ratio is 1 by construction,
+its gradient is the policy gradient, and no separate old-logprob forward is needed.
 """
 
 from __future__ import annotations
@@ -17,15 +20,16 @@ import torch
 
 from hybridrl.algo import correction, grpo, kl, ppo_clip, reinforce_pp, rloo
 from hybridrl.algo.config import AlgoConfig
+from hybridrl.algo.groups import Reduce
 from hybridrl.data.batch import Batch
 
 LossFn = Callable[[torch.Tensor, "torch.Tensor | None", Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 _ADVANTAGES = {
-    "grpo": lambda cfg, r, g, m, tr: grpo.advantages(r, g, m, norm_by_std=cfg.norm_adv_by_std),
-    "rloo": lambda cfg, r, g, m, tr: rloo.advantages(r, g, m),
-    "reinforce_pp": lambda cfg, r, g, m, tr: reinforce_pp.advantages(r, g, m, token_rewards=tr,
-                                                                     baseline=cfg.reinforce_baseline),
+    "grpo": lambda cfg, r, g, m, tr, **kw: grpo.advantages(r, g, m, norm_by_std=cfg.norm_adv_by_std, **kw),
+    "rloo": lambda cfg, r, g, m, tr, **kw: rloo.advantages(r, g, m, **kw),
+    "reinforce_pp": lambda cfg, r, g, m, tr, **kw: reinforce_pp.advantages(r, g, m, token_rewards=tr,
+                                                                           baseline=cfg.reinforce_baseline, **kw),
 }
 _POLICY_LOSSES = {
     "ppo_clip": lambda cfg, lp, old, adv: ppo_clip.loss(lp, old, adv, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
@@ -35,12 +39,17 @@ __all__ = ["compute_advantages", "kl_token_rewards", "make_loss_fn"]
 
 
 def compute_advantages(cfg: AlgoConfig, rewards: torch.Tensor, group_index: torch.Tensor, mask: torch.Tensor,
-                       *, token_rewards: torch.Tensor | None = None) -> torch.Tensor:
-    """rewards [N] (outcome), group_index [N], mask [N, T], token_rewards [N, T] -> advantages [N, T]."""
+                       *, token_rewards: torch.Tensor | None = None, num_groups: int | None = None,
+                       reduce: Reduce | None = None) -> torch.Tensor:
+    """rewards [N] (outcome), group_index [N], mask [N, T], token_rewards [N, T] -> advantages [N, T].
+
+    A batch split over data-parallel ranks (groups may straddle ranks): pass `reduce` (a sum over
+    the ranks) and `num_groups`; every statistic is then the whole batch's (`groups.group_stats`)."""
     if token_rewards is not None and cfg.advantage in ("grpo", "rloo"):
         # outcome-only estimators: fold per-token rewards (e.g. KL-in-reward) into the outcome
         rewards = rewards + (token_rewards * mask).sum(dim=-1)
-    return _ADVANTAGES[cfg.advantage](cfg, rewards, group_index, mask, token_rewards)
+    return _ADVANTAGES[cfg.advantage](cfg, rewards, group_index, mask, token_rewards, num_groups=num_groups,
+                                      reduce=reduce)
 
 
 def kl_token_rewards(cfg: AlgoConfig, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
@@ -49,13 +58,14 @@ def kl_token_rewards(cfg: AlgoConfig, logprobs: torch.Tensor, ref_logprobs: torc
     return -cfg.kl_coef * kl.kl(logprobs, ref_logprobs, cfg.kl_estimator) * mask
 
 
-def make_loss_fn(cfg: AlgoConfig) -> LossFn:
+def make_loss_fn(cfg: AlgoConfig, *, old_from_forward: bool = False) -> LossFn:
     policy_loss = _POLICY_LOSSES[cfg.policy_loss]
 
     def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, mb: Batch):
-        token_loss, metrics = policy_loss(cfg, logprobs, mb["old_logprobs"], mb["advantages"])
+        old = logprobs.detach() if old_from_forward else mb["old_logprobs"]
+        token_loss, metrics = policy_loss(cfg, logprobs, old, mb["advantages"])
         if cfg.tis_cap > 0:
-            w = correction.tis_weights(mb["old_logprobs"], mb["behavior_logprobs"], cfg.tis_cap)
+            w = correction.tis_weights(old, mb["behavior_logprobs"], cfg.tis_cap)
             token_loss = token_loss * w
             metrics["tis_weight"] = w
         metrics["pg_loss"] = token_loss.detach()

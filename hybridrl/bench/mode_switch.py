@@ -110,7 +110,8 @@ def run_bench(cfg, wg) -> dict:
         "publish_deliver_median_s": statistics.median(s.get("switch/publish_deliver_s", 0.0) for s in switches),
         "switch_s": switch_s, "bytes_must_move": must_move, "copy_bandwidth_bytes_per_s": bandwidth,
         "first_touch_write_bytes_per_s": first_touch,
-        "load_average_1m": os.getloadavg()[0],          # other work on the machine during the run
+        "load_average_1m": os.getloadavg()[0],
+        "host_huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1",          # other work on the machine during the run
         "copy_floor_s": floor, "ratio_to_floor": switch_s / floor if floor else None,
         "parity_max_abs": max(s.get("parity/max_abs", 0.0) for s in switches),
         "published_cycles": sum(bool(s["published"]) for s in switches),

@@ -19,6 +19,7 @@ from hybridrl.algo.config import AlgoConfig
 from hybridrl.controller.config import TrainerConfig
 from hybridrl.controller.sft_config import SFTConfig
 from hybridrl.publication.config import PublishConfig
+from hybridrl.store.config import StoreConfig
 from hybridrl.workers.config import HybridConfig
 
 # Jobs shipped with hybridrl; `run.job` may also name any "package.module:JOB" attribute.
@@ -79,6 +80,7 @@ class Config:
     algo: AlgoConfig = section(AlgoConfig, "the RL algorithm: advantages, policy loss, KL, filters")
     trainer: TrainerConfig = section(TrainerConfig, "the RL loop: steps, batch shape, validation, checkpoints")
     sft: SFTConfig = section(SFTConfig, "supervised warm start on the task's demonstrations")
+    store: StoreConfig = section(StoreConfig, "the run ledger: trajectory store, lineage, retention")
     selfcheck: SelfCheckConfig = section(SelfCheckConfig, "the self-check job")
 
     def __post_init__(self) -> None:

@@ -7,7 +7,6 @@ from collections import Counter
 from typing import Any, Sequence
 
 
-from hybridrl.algo.correction import mismatch_metrics
 from hybridrl.algo.filters import FilterResult
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import Trajectory
@@ -57,10 +56,8 @@ def step_metrics(trajectories: list[Trajectory], kept: FilterResult, batch: Batc
     for key, value in switch.items():
         if key.startswith(("switch/", "parity/", "publish/")):
             m[key] = float(value)
-    if batch is not None:
-        m.update(mismatch_metrics(batch["old_logprobs"], batch["behavior_logprobs"], batch["loss_mask"]))
-    for key, value in update.items():
-        m[f"train/{key}"] = float(value)
+    for key, value in update.items():     # the update's own scalars; mismatch/, passes/, time/ keep their names
+        m[key if "/" in key else f"train/{key}"] = float(value)
     if "kl" in update:
         m["kl"] = float(update["kl"])
     if "loss" in update:

@@ -38,6 +38,16 @@ class RunState:
     counters: dict = field(default_factory=dict)
     collection: dict = field(default_factory=dict)    # partial rollouts: prompts in flight (see collection.py)
     resumed_from: str | None = None
+    _ledger: Any = None
+
+    @property
+    def ledger(self):
+        """The run ledger (`hybridrl.store.ledger`), opened at its first use."""
+        if self._ledger is None:
+            from hybridrl.store.ledger import open_ledger
+
+            self._ledger = open_ledger(self.cfg, self.tokenizer)
+        return self._ledger
 
     @classmethod
     def start(cls, cfg, wg) -> "RunState":

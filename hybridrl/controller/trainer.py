@@ -1,7 +1,11 @@
 """The RL loop, on rank 0. It reads as the algorithm:
 
-    tasks -> rollout mode -> agent episodes (rewards) -> train mode -> filter -> old / ref logprobs
-          -> advantages -> update -> (publish happens at the next switch) -> log / validate / checkpoint
+    tasks -> rollout mode -> agent episodes (rewards) -> train mode -> filter -> mini-batch layout
+          -> update_policy (worker-side: ref / old logprobs, KL-in-reward, advantages, PPO updates)
+          -> (publish happens at the next switch) -> log / validate / checkpoint
+
+The batch reaches the workers once per step (one `update_policy` call); scalars and per-row
+values come back.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ from tqdm import tqdm
 from hybridrl.algo import partial
 from hybridrl.algo.filters import filter_trajectories
 from hybridrl.algo.groups import group_index_of
-from hybridrl.algo.objective import compute_advantages, kl_token_rewards
+from hybridrl.algo.minibatches import lay_out, plan
 from hybridrl.controller import metrics as M
 from hybridrl.controller.collection import make_collection
 from hybridrl.controller.state import RunState
+from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import from_batch, to_batch
 from hybridrl.jobs import Job
 from hybridrl.telemetry.timers import StageTimer
@@ -53,19 +58,16 @@ def train(cfg, wg) -> dict:
             batch = to_batch(kept.kept, pad_id=run.pad_id) if kept.kept else None
             if batch is not None:
                 collected.update(partial.apply(algo.partial_policy, batch))   # multi-version rows
-            if batch is not None:
-                batch.set("old_logprobs", wg.call(HybridWorker.compute_logprobs, batch)["old_logprobs"])
-                token_rewards = None
-                if algo.uses_reference:
-                    batch.set("ref_logprobs", wg.call(HybridWorker.compute_ref_logprobs, batch)["ref_logprobs"])
-                    if algo.kl_in == "reward":
-                        token_rewards = kl_token_rewards(algo, batch["old_logprobs"], batch["ref_logprobs"],
-                                                         batch["loss_mask"])
-                batch.set("advantages", compute_advantages(algo, batch["reward"], group_index_of(batch["group_id"]),
-                                                           batch["loss_mask"], token_rewards=token_rewards))
+                layout = plan(len(batch), wg.mesh("train").dp_size, algo.ppo_mini_batches)
+                sent = lay_out(update_inputs(batch), layout)
 
         with timer("train"):
-            update = wg.call(HybridWorker.train_step, batch)[0] if batch is not None else {}
+            update = {}
+            if batch is not None:
+                outs = wg.call(HybridWorker.update_policy, sent, mini_batch_rows=layout.rows_per_rank,
+                               num_groups=int(sent["group_index"].max()) + 1)
+                update = outs[0]["metrics"]
+                record_rows(kept.kept, outs, layout)
         if batch is not None:
             run.version += 1
 
@@ -80,6 +82,10 @@ def train(cfg, wg) -> dict:
         metrics.update(M.engine_metrics(wg.call(HybridWorker.rollout_stats), run))
         if step == tc.total_steps or (tc.validate_every and step % tc.validate_every == 0):
             metrics.update(validate(cfg, wg, run, step))
+        metrics["time/T_store"] = run.ledger.record_step(
+            step, trajectories=trajectories, kept=kept, batch=batch, switch=switch, rollout_version=rollout_version,
+            version_after=run.version, metrics=metrics,
+            checkpoint=str(run.checkpoints.path(step)) if tc.checkpoint_every and step % tc.checkpoint_every == 0 else None)
         run.log(step, metrics, samples=trajectories)
         bar.set_postfix_str(M.postfix(metrics))
         if tc.checkpoint_every and step % tc.checkpoint_every == 0:
@@ -88,13 +94,33 @@ def train(cfg, wg) -> dict:
     return run.summary()
 
 
+def update_inputs(batch: Batch) -> Batch:
+    """What `HybridWorker.update_policy` needs of a batch: tokens, masks, behaviour logprobs, the
+    outcome reward and each row's group as a dense index (metadata stays on the controller)."""
+    names = ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "reward")
+    return Batch({**{n: batch[n] for n in names}, "group_index": group_index_of(batch["group_id"])})
+
+
+def record_rows(trajectories: list, outs: list[dict], layout) -> None:
+    """Per-trajectory values from the update (its advantage, its rollout/trainer mismatch) into each
+    trajectory's metadata, in the order the layout sent them."""
+    rows: dict[str, list] = {}
+    for out in outs:                      # the output ranks' shares, in data-parallel order
+        for key, values in out["rows"].items():
+            rows.setdefault(key, []).extend(values)
+    for position in layout.real_positions:
+        t = trajectories[layout.order[position]]
+        for key, values in rows.items():
+            t.metadata[key] = values[position]
+
+
 def validate(cfg, wg, run: RunState, step: int) -> dict:
     """Accuracy of the current policy on the held-out split (greedy by default). Leaves the workers
     in rollout mode serving the current version; the next step's switch is then a no-op."""
     tc = cfg.trainer
     started = time.perf_counter()
     if wg.call(HybridWorker.mode) != "rollout":
-        wg.call(HybridWorker.enter_rollout, version=run.version, step=step)
+        run.ledger.record_switch(step, wg.call(HybridWorker.enter_rollout, version=run.version, step=step))
     rows = M.episode_rows(run.validation, 1, f"val{step}")
     trajectories = from_batch(wg.call(HybridWorker.rollout, rows, temperature=tc.validation_temperature))
     out = M.validation_metrics(trajectories)

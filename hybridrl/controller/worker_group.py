@@ -5,6 +5,11 @@ the data over the data plane, runs the method on rank 0 too, then collects the o
 ranks that own them. A failure anywhere (a rank raising, a rank dying, a call past its timeout)
 becomes one `WorkerGroupError` naming the rank, the method and the remote traceback; the group
 then aborts, and every rank exits.
+
+Batches that come back are put on the controller's device (the CPU: the controller filters,
+lays out and logs on the host) whichever device a rank's output or the data plane used, so
+that rank 0's own output and the others' concatenate (on a GPU node the data plane receives on
+`cuda:0` while rank 0's output may be on the CPU).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import logging
 import time
 import traceback
 from typing import Any, Callable
+
+import torch
 
 from hybridrl.distributed.dispatch import Dispatch, Plan
 from hybridrl.distributed.messages import SHUTDOWN, Command, Status
@@ -28,6 +35,14 @@ from hybridrl.workers.base import Worker
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.005
+CONTROLLER_DEVICE = torch.device("cpu")
+
+
+def to_controller(output: Any, device: torch.device = CONTROLLER_DEVICE) -> Any:
+    """A collected output on the controller's device: a Batch moved there, anything else as it is."""
+    if isinstance(output, Batch) and any(t.device != device for t in output.tensors.values()):
+        return output.to(device)
+    return output
 
 
 class WorkerGroupError(RuntimeError):
@@ -86,7 +101,7 @@ class WorkerGroup:
         timeout = timeout_s or spec.timeout_s or self.ctx.cfg.call_timeout_s
         plan = dispatch.plan(data, self)
         if not dispatch.runs_everywhere:
-            return plan.gather({0: self._run_local(spec.name, plan.same, kwargs, peers=False)})
+            return plan.gather({0: to_controller(self._run_local(spec.name, plan.same, kwargs, peers=False))})
 
         seq = self._seq + 1
         cmd = Command(seq, spec.name, dict(kwargs),
@@ -109,7 +124,7 @@ class WorkerGroup:
             if 0 in plan.owners:
                 outputs[0] = output0
             self.ctx.control.forget(seq, range(self.world_size))
-            return plan.gather(outputs)
+            return plan.gather({rank: to_controller(out) for rank, out in outputs.items()})
         except WorkerGroupError as err:
             self._fail(err)
             raise

@@ -95,3 +95,15 @@ def test_config_validation():
         AlgoConfig(dual_clip=0.5)
     with pytest.raises(ConfigValueError):
         AlgoConfig(kl_in="advantage")
+
+
+def test_old_logprobs_from_the_training_forward_give_ratio_one_and_the_policy_gradient():
+    cfg = AlgoConfig(tis_cap=2.0, dual_clip=3.0)
+    lp = torch.log(torch.tensor([[0.5, 0.2, 0.1]])).requires_grad_()
+    mb = Batch({"advantages": torch.tensor([[1.0, -2.0, 0.5]]),
+                "behavior_logprobs": torch.log(torch.tensor([[0.25, 0.2, 0.1]]))})     # no old_logprobs
+    token_loss, metrics = make_loss_fn(cfg, old_from_forward=True)(lp, None, mb)
+    assert metrics["ratio"].tolist() == [[1.0, 1.0, 1.0]] and metrics["clip_fraction"].sum() == 0
+    assert metrics["tis_weight"][0].tolist() == pytest.approx([2.0, 1.0, 1.0])   # exp(old - behaviour), capped
+    token_loss.sum().backward()
+    assert lp.grad[0].tolist() == pytest.approx([-2.0, 2.0, -0.5])                # -A * w: the policy gradient

@@ -142,7 +142,7 @@ PINNED_KEYS = [
     "algo.advantage", "algo.norm_adv_by_std", "algo.reinforce_baseline", "algo.gamma", "algo.lam",
     "algo.policy_loss", "algo.clip_low", "algo.clip_high", "algo.dual_clip", "algo.kl_estimator", "algo.kl_coef",
     "algo.kl_in", "algo.entropy_coef", "algo.tis_cap", "algo.drop_truncated", "algo.drop_all_equal_groups",
-    "algo.max_policy_lag", "algo.stale", "algo.partial_policy",
+    "algo.max_policy_lag", "algo.stale", "algo.partial_policy", "algo.ppo_epochs", "algo.ppo_mini_batches",
     "trainer.total_steps", "trainer.prompts_per_step", "trainer.group_size", "trainer.validate_every",
     "trainer.validation_temperature", "trainer.checkpoint_every",
     "trainer.keep_checkpoints", "trainer.resume", "trainer.export_hf", "trainer.log_samples",
@@ -150,6 +150,7 @@ PINNED_KEYS = [
     "trainer.dynamic_sampling", "trainer.max_sampling_rounds",
     "sft.num_demonstrations", "sft.steps", "sft.batch_size", "sft.output_dir",
     "sft.log_every",
+    "store.enabled", "store.text", "store.keep_steps", "store.max_mb", "store.compression",
 ]
 
 

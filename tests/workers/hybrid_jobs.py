@@ -225,3 +225,49 @@ def grouped_rollout(cfg, wg):
 
 
 GROUPED = Job("grouped", GroupedHybridWorker, grouped_rollout)
+
+
+def _ppo_batch(vocab: int, rows: int = 16, length: int = 20, seed: int = 0) -> Batch:
+    """A synthetic rollout batch laid out for update_policy: groups of 3 (so that groups straddle
+    mini-batches and data-parallel ranks), rewards 0/1, responses of unequal length, behaviour
+    logprobs a little off the policy's."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, length), generator=g)
+    lengths = torch.randint(length // 2, length + 1, (rows,), generator=g)
+    attention = (torch.arange(length) < lengths.unsqueeze(1)).long()
+    loss_mask = attention.float()
+    loss_mask[:, :6] = 0                                              # the prompt
+    return Batch({"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask,
+                  "behavior_logprobs": torch.full((rows, length), -6.0) * loss_mask,
+                  "reward": (torch.rand(rows, generator=g) > 0.5).float(),
+                  "group_index": torch.arange(rows) // 3})
+
+
+def _probe_logprobs(wg, vocab: int) -> list:
+    """The policy's logprobs on a fixed batch: equal weights give equal logprobs."""
+    g = torch.Generator().manual_seed(123)
+    ids = torch.randint(3, vocab, (4, 12), generator=g)
+    batch = Batch({"input_ids": ids, "attention_mask": torch.ones(4, 12, dtype=torch.long)})
+    return wg.call(HybridWorker.compute_logprobs, batch)["old_logprobs"].tolist()
+
+
+def ppo_updates(cfg, wg):
+    """update_policy as the trainer calls it: PPO (2 epochs x 4 mini-batches) on a batch laid out for
+    this run's data-parallel size, then the policy's logprobs on a probe; then (with `one_update`) a
+    step of one update per batch. Forward passes are counted by the engine."""
+    from hybridrl.algo.minibatches import lay_out, plan
+
+    batch = _ppo_batch(vocab=500)
+    layout = plan(len(batch), wg.mesh("train").dp_size, 4)
+    ppo = wg.call(HybridWorker.update_policy, lay_out(batch, layout), mini_batch_rows=layout.rows_per_rank,
+                  num_groups=6, ppo_epochs=2)
+    result = {"ppo": ppo[0], "rows": [v for out in ppo for v in out["rows"]["advantage"]],
+              "order": layout.order, "probe": _probe_logprobs(wg, vocab=500)}
+    single = plan(len(batch), wg.mesh("train").dp_size, 1)
+    one = wg.call(HybridWorker.update_policy, lay_out(_ppo_batch(vocab=500, seed=1), single),
+                  mini_batch_rows=single.rows_per_rank, num_groups=6, ppo_epochs=1)
+    result["one"] = one[0]
+    _write(cfg, result)
+
+
+PPO = Job("ppo", HybridWorker, ppo_updates)

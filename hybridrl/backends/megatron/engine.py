@@ -54,6 +54,7 @@ class MegatronEngine:
         self.mesh = mesh
         self.training = training
         self.num_steps = 0
+        self.passes = {"logprobs": 0, "train": 0}   # schedule runs, by kind (what a step costs, counted)
         from hybridrl.backends.megatron.model import local_layers
         from hybridrl.backends.megatron.weights import owned_params, slot_owners
 
@@ -139,13 +140,14 @@ class MegatronEngine:
     # ------------------------------------------------------------------------------ logprobs
 
     def compute_logprobs(self, batch: Batch, *, temperature: float = 1.0,
-                         with_entropy: bool = False) -> Batch | None:
+                         with_entropy: bool = False, on_last_stage: bool = False) -> Batch | None:
         """Token-aligned log-probabilities of `batch['input_ids']` under the model.
 
         logprobs[b, t] = log softmax(logits[b, t-1] / temperature)[input_ids[b, t]]; position 0 and
         padded positions are 0. Returns Batch('logprobs' [B, T] float32 (+ 'entropy' [B, T])) on
-        the output ranks (on the CPU), None elsewhere. Trailing padding rows (batch.num_padding)
-        are not computed (their rows are 0)."""
+        the output ranks (on the CPU), None elsewhere (`on_last_stage`: on every rank of the last
+        pipeline stage, every TP rank there holding the same values). Trailing padding rows
+        (batch.num_padding) are not computed (their rows are 0)."""
         from hybridrl.backends.megatron.schedule import check_sequence_batch, micro_batches, run_schedule
 
         check_sequence_batch(batch)
@@ -159,11 +161,12 @@ class MegatronEngine:
             return logprobs.sum() * 0.0
 
         if real:
+            self.passes["logprobs"] += 1
             mbs = micro_batches(batch.slice(0, real), self.cfg.micro_batch_size, self.device)
             self.model.eval()
             with self._scope(), torch.no_grad():
                 run_schedule(self._schedule_model(), mbs, on_output, forward_only=True, pp=self.cfg.pp)
-        if not self.is_output_rank:
+        if not (self._is_last_stage if on_last_stage else self.is_output_rank):
             return None
         out = {"logprobs": _assemble([r[0] for r in results], num_rows, length)}
         if with_entropy:
@@ -254,7 +257,8 @@ class MegatronEngine:
             rows.tensors["loss_mask"] = torch.zeros_like(rows["loss_mask"])
         dp_group = ps.get_data_parallel_group()
         local = count(rows["loss_mask"])
-        totals = torch.tensor([local.num_tokens, local.num_sequences], dtype=torch.float64)
+        # on the engine's device: on a GPU the data-parallel group is NCCL, which reduces no CPU tensor
+        totals = torch.tensor([local.num_tokens, local.num_sequences], dtype=torch.float64, device=self.device)
         with self._scope():
             dist.all_reduce(totals, group=dp_group)
         denominators = Denominators(float(totals[0]), float(totals[1]))
@@ -272,6 +276,7 @@ class MegatronEngine:
                 _accumulate(sums, f"metric/{name}", value.sum().double())
             return loss
 
+        self.passes["train"] += 1
         self.model.train()
         with self._scope():
             self.ddp.zero_grad_buffer()
@@ -295,7 +300,8 @@ class MegatronEngine:
 
         names = sorted(sums)
         if self._is_last_stage:
-            values = torch.stack([sums[n] for n in names]) if names else torch.zeros(0, dtype=torch.float64)
+            values = (torch.stack([sums[n].to(self.device) for n in names]) if names
+                      else torch.zeros(0, dtype=torch.float64, device=self.device))
             dist.all_reduce(values, group=dp_group)
             payload = [dict(zip(names, values.tolist()))]
         else:

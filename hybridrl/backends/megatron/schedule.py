@@ -58,7 +58,8 @@ def micro_batches(batch: Batch, size: int, device: torch.device) -> list[MicroBa
         length = int(part["attention_mask"].sum(dim=1).max())
         cut = {k: (v[:, :length] if v.dim() >= 2 and v.shape[1] == full_len else v)
                for k, v in part.tensors.items()}
-        part = Batch(cut, part.meta, num_padding=part.num_padding)
+        # every tensor on the device: the loss function reads old logprobs, advantages, ... from it
+        part = Batch({k: v.to(device) for k, v in cut.items()}, part.meta, num_padding=part.num_padding)
         ids = part["input_ids"].to(device=device, dtype=torch.long)
         b = ids.shape[0]
         positions = torch.arange(length, device=device).unsqueeze(0).expand(b, -1)

@@ -1,0 +1,349 @@
+"""The run ledger: every finalised trajectory of an RL run, written once, with its lineage.
+
+    <run.dir>/ledger/
+        index.sqlite             control plane (SQLite, WAL): steps, trajectories, releases, events
+        data/step_000012.parquet data plane: one row per trajectory of step 12 (read-only once written)
+        text/step_000012.jsonl   decoded text of those episodes (prompt, token pieces, answer), kept
+                                 apart from metrics; absent with store.text=false
+        abandoned/               shards of steps a resumed run did again (moved aside, never reused)
+
+A trajectory's id is `Trajectory.trajectory_id` (run / task / group / attempt; the group names the
+step), its trace id `Trajectory.trace_id`. A data shard holds, per trajectory: the prompt and
+response token ids, the response mask (1 = sampled by the policy), the policy version of every
+token, the behaviour logprobs (what the engine returned), the trainer's recomputed logprobs and
+the reference's (admitted trajectories), the per-token advantages, the reward, its components and
+the evaluator of each, status, timings, tool calls and the trace events (`hybridrl.data.trace`).
+
+The index says, per trajectory, which update consumed it (`consumed_step`, its row in that
+update's batch) or why none did (`filter_reason`), how its advantage was computed, and per step
+the policy version before and after the update, the stage times and the checkpoint the step wrote.
+Releases (the manifest of each weight publication: version, training step, checkpoint hash) are
+recorded when they happen, so that "which release resulted from the update of step s" is the
+release of that step's `version_after`.
+
+Shards are written to a temporary name and renamed (a crash never leaves half a shard under a
+real name), then made read-only. A run resumed from step k does steps k+1.. again: the first
+record of the process (a step, or a validation's switch) moves the earlier attempt's shards of
+that step and later ones to abandoned/ and drops their index rows, so a trajectory id is in the
+live ledger exactly once (the `events` table says what was abandoned). Retention
+(`store.keep_steps`, `store.max_mb`) deletes old shards, never the index rows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS steps (
+    step INTEGER PRIMARY KEY, rollout_version INTEGER, version_after INTEGER, updated INTEGER,
+    episodes INTEGER, admitted INTEGER, shard TEXT, text_shard TEXT, shard_bytes INTEGER, text_bytes INTEGER,
+    pruned INTEGER DEFAULT 0, checkpoint TEXT, filters TEXT, stages TEXT, wall_s REAL, write_s REAL,
+    recorded_at REAL);
+CREATE TABLE IF NOT EXISTS trajectories (
+    id TEXT PRIMARY KEY, trace_id TEXT, step INTEGER, task_id TEXT, group_id TEXT, attempt INTEGER,
+    status TEXT, truncation TEXT, end_reason TEXT, reward REAL, rewards TEXT, evaluators TEXT,
+    prompt_tokens INTEGER, response_tokens INTEGER, policy_tokens INTEGER, min_version INTEGER,
+    max_version INTEGER, lag INTEGER, turns INTEGER, tool_calls INTEGER, tool_errors INTEGER,
+    action_errors INTEGER, filter_reason TEXT, consumed_step INTEGER, batch_row INTEGER, advantage TEXT,
+    shard_row INTEGER);
+CREATE INDEX IF NOT EXISTS trajectories_step ON trajectories (step);
+CREATE TABLE IF NOT EXISTS releases (
+    version INTEGER PRIMARY KEY, training_step INTEGER, published_at_step INTEGER, checkpoint_hash TEXT,
+    manifest TEXT);
+CREATE TABLE IF NOT EXISTS events (at REAL, kind TEXT, step INTEGER, detail TEXT);
+"""
+
+
+def ledger_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "ledger"
+
+
+def connect(run_dir: str | Path, *, create: bool = False) -> sqlite3.Connection:
+    root = ledger_dir(run_dir)
+    path = root / "index.sqlite"
+    if not create and not path.exists():
+        raise FileNotFoundError(f"{run_dir} has no run ledger ({path} is missing): it was not an RL run, or it "
+                                "ran with store.enabled=false")
+    root.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(path, isolation_level=None, timeout=30)
+    db.row_factory = sqlite3.Row
+    if create:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(_SCHEMA)
+        db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+    return db
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), default=str)
+
+
+class NullLedger:
+    """store.enabled=false: records nothing."""
+
+    enabled = False
+
+    def record_step(self, step: int, **kwargs: Any) -> float:
+        return 0.0
+
+    def record_switch(self, step: int, switch: dict | None) -> None:
+        return None
+
+
+class Ledger:
+    enabled = True
+
+    def __init__(self, run_dir: str | Path, cfg: Any, *, tokenizer: Any = None, algo: Any = None):
+        self.run_dir = Path(run_dir)
+        self.root = ledger_dir(run_dir)
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.algo = algo
+        for sub in ("data", "text", "abandoned"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self.db = connect(run_dir, create=True)
+        self._rewound = False
+
+    # ------------------------------------------------------------------ writing
+
+    def record_switch(self, step: int, switch: dict | None) -> None:
+        """A mode switch's result: the release it published, if any."""
+        self._first_record(step)
+        release = (switch or {}).get("release")
+        if not release:
+            return
+        self.db.execute("INSERT OR REPLACE INTO releases VALUES (?, ?, ?, ?, ?)",
+                        (int(release["policy_version"]), int(release.get("training_step", -1)), step,
+                         release.get("checkpoint_hash"), _json(release)))
+
+    def record_step(self, step: int, *, trajectories: Sequence[Any], kept: Any, batch: Any, switch: dict | None,
+                    rollout_version: int, version_after: int, metrics: dict | None = None,
+                    checkpoint: str | None = None) -> float:
+        """Everything one RL step produced: its trajectories (once), which were consumed, the lineage.
+        Returns the seconds it took (the store's share of the step)."""
+        metrics = metrics or {}
+        stages = {k[len("time/T_"):]: v for k, v in metrics.items() if k.startswith("time/T_")}
+        wall_s = metrics.get("time/step_s", 0.0)
+        started = time.perf_counter()
+        self._first_record(step)
+        self.record_switch(step, switch)
+        reasons = {id(t): reason for reason, ts in (kept.rejected if kept is not None else {}).items() for t in ts}
+        rows_of = {}
+        adv = old = ref = None
+        if batch is not None:
+            rows_of = {tid: i for i, tid in enumerate(batch["trajectory_id"])}
+            adv = batch["advantages"] if "advantages" in batch else None
+            old = batch["old_logprobs"] if "old_logprobs" in batch else None
+            ref = batch["ref_logprobs"] if "ref_logprobs" in batch else None
+        explain = self._advantage_explanations(batch) if batch is not None else {}
+
+        columns: dict[str, list] = {k: [] for k in (
+            "id", "trace_id", "step", "prompt_ids", "response_ids", "response_mask", "policy_versions",
+            "behavior_logprobs", "old_logprobs", "ref_logprobs", "advantages", "reward", "rewards",
+            "reward_evaluators", "status", "truncation", "sampler_contract", "timings", "tool_calls", "trace",
+            "metadata", "consumed_step", "batch_row")}
+        index_rows, texts = [], []
+        for shard_row, t in enumerate(trajectories):
+            tid = t.trajectory_id
+            row = rows_of.get(tid)
+            p, n = len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)
+            meta = dict(t.metadata)
+            trace = meta.pop("trace", [])
+            answer = meta.pop("answer", None)
+            columns["id"].append(tid)
+            columns["trace_id"].append(t.trace_id)
+            columns["step"].append(step)
+            columns["prompt_ids"].append(list(t.prompt_ids))
+            columns["response_ids"].append(list(t.response_ids))
+            columns["response_mask"].append(list(t.response_mask))
+            columns["policy_versions"].append(list(t.policy_versions))
+            columns["behavior_logprobs"].append(list(t.behavior_logprobs))
+            for name, tensor in (("old_logprobs", old), ("ref_logprobs", ref), ("advantages", adv)):
+                columns[name].append(tensor[row, p:n].tolist() if tensor is not None and row is not None else None)
+            columns["reward"].append(float(t.reward))
+            columns["rewards"].append(_json(t.rewards))
+            columns["reward_evaluators"].append(_json(t.reward_evaluators))
+            columns["status"].append(t.status.value)
+            columns["truncation"].append(t.truncation.value if t.truncation else None)
+            columns["sampler_contract"].append(int(t.sampler_contract))
+            columns["timings"].append(_json(t.timings))
+            columns["tool_calls"].append(_json([vars(c) for c in t.tool_calls]))
+            columns["trace"].append(_json(trace))
+            columns["metadata"].append(_json(meta))
+            columns["consumed_step"].append(step if row is not None else None)
+            columns["batch_row"].append(row)
+            versions = sorted(t.versions)
+            index_rows.append((
+                tid, t.trace_id, step, t.task_id, t.group_id, t.attempt, t.status.value,
+                t.truncation.value if t.truncation else None, meta.get("end_reason"), float(t.reward),
+                _json(t.rewards), _json(t.reward_evaluators), p, n - p, t.num_policy_tokens,
+                versions[0] if versions else None, versions[-1] if versions else None,
+                rollout_version - versions[0] if versions else 0, t.turns, len(t.tool_calls),
+                sum(1 for c in t.tool_calls if not c.ok),
+                sum(1 for e in trace if e["span"] == "action" and e.get("decision") != "authorized"),
+                None if row is not None else reasons.get(id(t), "not admitted"),
+                step if row is not None else None, row, _json(explain.get(tid)) if tid in explain else None,
+                shard_row))
+            if self.cfg.text and self.tokenizer is not None:
+                texts.append(self._text_record(t, answer))
+
+        shard = self._write_parquet(step, columns)
+        text_shard = self._write_text(step, texts) if texts else None
+        counts = kept.counts if kept is not None else {}
+        self.db.execute("BEGIN")
+        self.db.executemany(f"INSERT INTO trajectories VALUES ({', '.join('?' * 27)})", index_rows)
+        self.db.execute("INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?)", (
+            step, rollout_version, version_after, int(batch is not None), len(trajectories),
+            len(rows_of), shard.name, text_shard.name if text_shard else None, shard.stat().st_size,
+            text_shard.stat().st_size if text_shard else 0, checkpoint, _json(counts), _json(stages),
+            wall_s, 0.0, time.time()))
+        self.db.execute("COMMIT")
+        self._retain(step)
+        seconds = time.perf_counter() - started
+        self.db.execute("UPDATE steps SET write_s = ? WHERE step = ?", (seconds, step))
+        return seconds
+
+    def _advantage_explanations(self, batch: Any) -> dict[str, dict]:
+        """How each admitted trajectory's advantage was computed: estimator, its group's rewards and stats."""
+        import statistics
+
+        algo = self.algo
+        estimator = getattr(algo, "advantage", "?")
+        rewards = batch["reward"].tolist()
+        groups: dict[str, list[int]] = {}
+        for i, g in enumerate(batch["group_id"]):
+            groups.setdefault(g, []).append(i)
+        mask, adv = batch["loss_mask"], batch["advantages"] if "advantages" in batch else None
+        out = {}
+        for g, rows in groups.items():
+            values = [rewards[i] for i in rows]
+            mean = statistics.fmean(values)
+            std = statistics.stdev(values) if len(values) > 1 else 0.0
+            for i in rows:
+                first = mask[i].nonzero()
+                value = float(adv[i, int(first[0])]) if adv is not None and len(first) else 0.0
+                entry = {"estimator": estimator, "group": g, "group_size": len(rows),
+                         "group_rewards": values, "reward": rewards[i], "group_mean": mean, "group_std": std,
+                         "value": value}
+                if estimator == "grpo":
+                    entry["formula"] = ("(r - mean) / (std + 1e-6)" if getattr(algo, "norm_adv_by_std", True)
+                                        else "r - mean") + " over the admitted members of the group; 0 for a "
+                    entry["formula"] += "group of one or of equal rewards"
+                elif estimator == "rloo":
+                    others = [rewards[j] for j in rows if j != i]
+                    entry["baseline"] = statistics.fmean(others) if others else 0.0
+                    entry["formula"] = "r - mean(rewards of the other members)"
+                else:
+                    entry["formula"] = f"{estimator} (algo.reinforce_baseline={getattr(algo, 'reinforce_baseline', '?')})"
+                if getattr(algo, "uses_reference", False) and getattr(algo, "kl_in", "") == "reward":
+                    entry["kl_in_reward"] = getattr(algo, "kl_coef", 0.0)
+                out[batch["trajectory_id"][i]] = entry
+        return out
+
+    def _text_record(self, t: Any, answer: Any) -> dict:
+        tok = self.tokenizer
+        return {"id": t.trajectory_id, "prompt": tok.decode(t.prompt_ids),
+                "pieces": tok.batch_decode([[i] for i in t.response_ids]) if t.response_ids else [],
+                "answer": answer}
+
+    def _write_parquet(self, step: int, columns: dict[str, list]) -> Path:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        types = {"step": pa.int64(), "prompt_ids": pa.list_(pa.int32()), "response_ids": pa.list_(pa.int32()),
+                 "response_mask": pa.list_(pa.int8()), "policy_versions": pa.list_(pa.int32()),
+                 "behavior_logprobs": pa.list_(pa.float32()), "old_logprobs": pa.list_(pa.float32()),
+                 "ref_logprobs": pa.list_(pa.float32()), "advantages": pa.list_(pa.float32()),
+                 "reward": pa.float64(), "sampler_contract": pa.int32(), "consumed_step": pa.int64(),
+                 "batch_row": pa.int64()}
+        table = pa.table({k: pa.array(v, type=types.get(k, pa.string())) for k, v in columns.items()})
+        path = self.root / "data" / f"step_{step:06d}.parquet"
+        tmp = path.with_suffix(".tmp")
+        pq.write_table(table, tmp, compression=None if self.cfg.compression == "none" else self.cfg.compression)
+        return _seal(tmp, path)
+
+    def _write_text(self, step: int, texts: list[dict]) -> Path:
+        path = self.root / "text" / f"step_{step:06d}.jsonl"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in texts))
+        return _seal(tmp, path)
+
+    # ------------------------------------------------------------------ resume and retention
+
+    def _first_record(self, step: int) -> None:
+        """This process's first record (a step, or a validation's switch) is where it took over."""
+        if not self._rewound:
+            self._rewound = True
+            self._rewind(step)
+
+    def _rewind(self, step: int) -> None:
+        """Steps >= `step` recorded by an earlier attempt (a resumed run does them again): moved aside."""
+        later = self.db.execute("SELECT step, shard, text_shard, episodes FROM steps WHERE step >= ?",
+                                (step,)).fetchall()
+        orphans = [p for sub in ("data", "text") for p in (self.root / sub).glob("step_*")
+                   if int(p.name[5:11]) >= step]
+        if not later and not orphans:
+            return
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        for path in orphans:
+            os.replace(path, self.root / "abandoned" / f"{path.parent.name}.{path.name}.{stamp}")
+        self.db.execute("BEGIN")
+        self.db.execute("DELETE FROM trajectories WHERE step >= ?", (step,))
+        self.db.execute("DELETE FROM steps WHERE step >= ?", (step,))
+        self.db.execute("DELETE FROM releases WHERE published_at_step >= ?", (step,))
+        self.db.execute("INSERT INTO events VALUES (?, 'rewind', ?, ?)", (
+            time.time(), step, _json({"steps": [r["step"] for r in later],
+                                      "trajectories": sum(r["episodes"] or 0 for r in later),
+                                      "moved": [p.name for p in orphans]})))
+        self.db.execute("COMMIT")
+        log.info("ledger: steps %s of an earlier attempt moved to %s (this run does them again)",
+                 [r["step"] for r in later], self.root / "abandoned")
+
+    def _retain(self, newest: int) -> None:
+        live = self.db.execute("SELECT step, shard, text_shard, shard_bytes, text_bytes FROM steps "
+                               "WHERE pruned = 0 ORDER BY step").fetchall()
+        drop = []
+        if self.cfg.keep_steps:
+            drop += [r for r in live if r["step"] <= newest - self.cfg.keep_steps]
+        if self.cfg.max_mb:
+            total = sum(r["shard_bytes"] + r["text_bytes"] for r in live if r not in drop)
+            for r in live:
+                if total <= self.cfg.max_mb * 2 ** 20 or r["step"] == newest:
+                    break
+                if r not in drop:
+                    drop.append(r)
+                    total -= r["shard_bytes"] + r["text_bytes"]
+        for r in drop:
+            for sub, name in (("data", r["shard"]), ("text", r["text_shard"])):
+                if name:
+                    (self.root / sub / name).unlink(missing_ok=True)
+            self.db.execute("UPDATE steps SET pruned = 1 WHERE step = ?", (r["step"],))
+            self.db.execute("INSERT INTO events VALUES (?, 'retention', ?, ?)",
+                            (time.time(), r["step"], _json({"freed_bytes": r["shard_bytes"] + r["text_bytes"]})))
+
+
+def _seal(tmp: Path, path: Path) -> Path:
+    if path.exists():
+        raise FileExistsError(f"{path} exists: a ledger shard is written once (a resumed run moves the earlier "
+                              "attempt's shards aside first)")
+    os.chmod(tmp, 0o444)
+    os.replace(tmp, path)
+    return path
+
+
+def open_ledger(cfg: Any, tokenizer: Any = None) -> Ledger | NullLedger:
+    """The ledger of the RL run `cfg` describes (a no-op one with store.enabled=false)."""
+    if not cfg.store.enabled:
+        return NullLedger()
+    return Ledger(cfg.run.dir, cfg.store, tokenizer=tokenizer, algo=cfg.algo)
