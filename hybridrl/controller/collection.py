@@ -18,6 +18,12 @@ staleness (with `drop` the trajectory filter drops such trajectories, `filter/po
 Both return the step's trajectories and the collection's metrics (`partial/*`, `dynamic/*`,
 `stale/*`).
 
+`trainer.max_groups_per_step` (partial): a step trains at most that many complete groups, oldest
+first; the rest wait in a `GroupQueue` bounded in groups and tokens (`data/queue.py`). Policy
+`block`: the controller launches no more groups than the queue has room for, counting the groups
+in flight (so the queue can never overflow); `drop_oldest`: launches go on and the oldest queued
+groups are dropped, counted in `queue/dropped_*`.
+
 Checkpoints (partial): the episodes held on the workers are not saved. A checkpoint records the
 instances of the groups in flight (and those waiting for a requeue) in `run.collection`; a run
 resumed from it launches each of them again, from scratch, once, before drawing new prompts. The
@@ -35,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.controller import metrics as M
+from hybridrl.data.queue import GroupQueue
 from hybridrl.data.trajectory import Trajectory, from_batch
 from hybridrl.workers.hybrid import HybridWorker
 
@@ -80,7 +87,12 @@ class PartialCollection:
         self.in_flight: dict[str, dict] = {}      # group id -> its instance (launched, not yet returned)
         self.requeued: list[dict] = []            # instances of stale groups, launched first at the next step
         saved = run.collection or {}              # a resumed run: what the checkpoint had in flight
-        self.relaunch = [*saved.get("in_flight", {}).values(), *saved.get("requeued", [])]
+        self.relaunch = [*saved.get("in_flight", {}).values(), *saved.get("requeued", []), *saved.get("queued", [])]
+        tc = cfg.trainer
+        self.queue = GroupQueue(max_groups=tc.queue_max_groups, max_tokens=tc.queue_max_tokens,
+                                policy=tc.queue_policy) if tc.max_groups_per_step else None
+        self.queued_instances: dict[str, dict] = {}
+        self.blocked_launches = 0
         self.drawn: list[str] = []
 
     def _launch(self, n: int, step: int, label: str) -> list[dict]:
@@ -110,6 +122,7 @@ class PartialCollection:
         stats += [out["stats"] for out in outs]
         trajectories = [t for out in outs for t in out["trajectories"]]
         returned = {g: self.in_flight.pop(g) for g in dict.fromkeys(t.group_id for t in trajectories)}
+        self._returned_instances.update(returned)
         if algo.stale == "requeue" and algo.max_policy_lag >= 0:
             stale = stale_groups(trajectories, self.run.version, algo.max_policy_lag)
             self.requeued += [returned[g] for g in returned if g in stale]
@@ -122,8 +135,14 @@ class PartialCollection:
         tc = self.cfg.trainer
         stats: list[dict] = []
         self.drawn = []
+        self._returned_instances: dict[str, dict] = {}
         counts = {"stale/requeued_groups": 0.0, "stale/requeued_episodes": 0.0}
-        launched = self._launch(max(0, tc.groups_in_flight - len(self.in_flight)), step, str(step))
+        want = max(0, tc.groups_in_flight - len(self.in_flight))
+        if self.queue is not None and self.queue.policy == "block":   # every launched group must find room
+            room = max(0, self.queue.room() - len(self.in_flight))
+            self.blocked_launches += max(0, want - room)
+            want = min(want, room)
+        launched = self._launch(want, step, str(step))
         trajectories = self._collect(launched, tc.quorum_groups, tc.rollout_deadline_s, stats, counts)
         retries = 0
         while not trajectories:     # nothing complete by the deadline, or every group stale: wait for one
@@ -140,15 +159,21 @@ class PartialCollection:
             launched += more
             trajectories += self._collect(more, short, 0.0, stats, counts)
             rounds += 1
-        self.run.collection = {"in_flight": dict(self.in_flight), "requeued": list(self.requeued)}
+        queue_metrics: dict[str, float] = {}
+        if self.queue is not None:
+            trajectories, queue_metrics = self._through_queue(trajectories)
+        self.run.collection = {"in_flight": dict(self.in_flight), "requeued": list(self.requeued),
+                               "queued": list(self.queued_instances.values())}
         with (Path(self.cfg.run.dir) / "groups.jsonl").open("a") as f:
             f.write(json.dumps({"step": step, "drawn": self.drawn,
                                 "returned": sorted({t.group_id for t in trajectories}),
-                                "in_flight": sorted(self.in_flight), "requeued": [i["task_id"] for i in self.requeued]})
+                                "in_flight": sorted(self.in_flight), "requeued": [i["task_id"] for i in self.requeued],
+                                "queued": sorted(self.queued_instances)})
                     + "\n")
         continued = [t for t in trajectories if t.metadata.get("interruptions")]
         last = stats[-self.wg.world_size:]          # the last call's counters, one per rank
         metrics = dict(counts) if self.cfg.algo.stale == "requeue" else {}
+        metrics.update(queue_metrics)
         metrics.update({
             "partial/launched_groups": float(len({e["group_id"] for e in launched})),
             "partial/returned_groups": float(len({t.group_id for t in trajectories})),
@@ -165,6 +190,30 @@ class PartialCollection:
             metrics["dynamic/rounds"] = float(rounds)
             metrics["dynamic/informative_groups"] = float(len(informative_groups(trajectories)))
         return trajectories, metrics
+
+    def _through_queue(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
+        """The returned groups enter the queue; the step takes the oldest `max_groups_per_step`."""
+        assert self.queue is not None
+        groups: dict[str, list[Trajectory]] = defaultdict(list)
+        for t in trajectories:
+            groups[t.group_id].append(t)
+        before = dict(self.queue.counts)
+        taken = self.queue.get(self.cfg.trainer.max_groups_per_step)        # the oldest first ...
+        fresh = list(groups.items())
+        direct = self.cfg.trainer.max_groups_per_step - len(taken)
+        taken += [members for _, members in fresh[:direct]]                 # ... then this step's
+        for g, members in fresh[direct:]:
+            self.queue.put(members, timeout=0)        # block: the launches left room for it
+            self.queued_instances[g] = self._returned_instances[g]
+        queued = {m[0].group_id for m in self.queue.state()}
+        self.queued_instances = {g: i for g, i in self.queued_instances.items() if g in queued}
+        c = self.queue.counts
+        return [t for group in taken for t in group], {
+            "queue/groups": float(len(self.queue)), "queue/tokens": float(self.queue.tokens),
+            "queue/bytes": float(self.queue.bytes),
+            "queue/dropped_groups": float(c["dropped_groups"] - before["dropped_groups"]),
+            "queue/dropped_trajectories": float(c["dropped_trajectories"] - before["dropped_trajectories"]),
+            "queue/blocked_launches": float(self.blocked_launches)}
 
 
 def make_collection(cfg: Any, wg: Any, run: Any) -> SyncCollection | PartialCollection:

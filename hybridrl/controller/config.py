@@ -33,6 +33,14 @@ class TrainerConfig:
     rollout_deadline_s: float = knob(0.0, "partial: end a step's rollout after this many seconds even without a "
                                           "quorum; 0 = no deadline")
     collect_poll_s: float = knob(0.05, "partial: how often the rollout ranks count complete groups (seconds)")
+    max_groups_per_step: int = knob(0, "partial: train at most this many complete groups per step; the others wait "
+                                       "in a bounded queue for the next step (oldest first); 0 = train every "
+                                       "returned group, no queue")
+    queue_max_groups: int = knob(64, "partial with max_groups_per_step: the queue's bound in groups")
+    queue_max_tokens: int = knob(0, "... in tokens (prompt + response of every queued trajectory; drop_oldest "
+                                    "only); 0 = no bound")
+    queue_policy: str = knob("block", "when the queue is full: block (launch no more groups than it has room for) | "
+                                      "drop_oldest (drop the oldest queued groups, counted in queue/dropped_*)")
     dynamic_sampling: bool = knob(False, "keep sampling new groups until the step has prompts_per_step groups whose "
                                          "rewards are not all equal (DAPO's dynamic sampling; partial: the quorum "
                                          "counts such groups only)")
@@ -53,6 +61,14 @@ class TrainerConfig:
         check_positive("rollout_deadline_s", self.rollout_deadline_s, allow_zero=True)
         check_positive("collect_poll_s", self.collect_poll_s)
         check_positive("max_sampling_rounds", self.max_sampling_rounds)
+        check_positive("max_groups_per_step", self.max_groups_per_step, allow_zero=True)
+        check_positive("queue_max_groups", self.queue_max_groups)
+        check_positive("queue_max_tokens", self.queue_max_tokens, allow_zero=True)
+        check_choice("queue_policy", self.queue_policy, ("block", "drop_oldest"))
+        if self.queue_policy == "block" and self.queue_max_tokens:
+            raise ConfigValueError("queue_max_tokens", "with queue_policy=block the queue is bounded by launching no "
+                                                       "more groups than it has room for (queue_max_groups); a token "
+                                                       "bound needs queue_policy=drop_oldest")
         if self.rollout_mode == "partial" and self.quorum_groups > self.groups_in_flight:
             raise ConfigValueError("quorum", f"{self.quorum_groups} complete groups can never be reached with "
                                              f"{self.groups_in_flight} in flight: raise oversample or lower quorum")

@@ -162,3 +162,43 @@ def test_kill_9_then_resume_trains_every_drawn_prompt_exactly_once(tmp_path, tin
     assert sorted(returned + [task(g) for g in rows[-1]["in_flight"]]) == sorted(drawn)
     # what the checkpoint held in flight came back once, from scratch, after the resume
     assert {task(g) for g in held} <= set(returned) | {task(g) for g in rows[-1]["in_flight"]}
+
+
+@pytest.mark.parametrize("policy", ["block", "drop_oldest"])
+def test_queued_groups_wait_within_the_bound_and_none_is_lost_uncounted(tokenizer, tmp_path, policy):
+    from types import SimpleNamespace
+
+    from hybridrl.algo.config import AlgoConfig
+    from hybridrl.controller.collection import PartialCollection
+    from hybridrl.controller.config import TrainerConfig
+    from tests.agent.test_collector import _instance, _setup
+
+    engine, loop, collector = _setup(tokenizer)
+    cfg = SimpleNamespace(trainer=TrainerConfig(rollout_mode="partial", prompts_per_step=1, group_size=1,
+                                                oversample=4.0, collect_poll_s=0.01, max_groups_per_step=1,
+                                                queue_max_groups=2, queue_policy=policy),
+                          algo=AlgoConfig(), run=SimpleNamespace(dir=str(tmp_path)))
+    run = SimpleNamespace(version=0, stream=_Stream([_instance(f"q{i}") for i in range(100)]), collection={})
+    collection = PartialCollection(cfg, _OneEngineGroup(collector), run)
+    trained, dropped = [], 0
+    try:
+        for step in range(1, 7):
+            trajectories, metrics = collection.rollout(step)
+            assert len({t.group_id for t in trajectories}) <= 1                 # max_groups_per_step
+            assert metrics["queue/groups"] <= 2
+            if policy == "block":                                               # launches left room
+                assert len(collection.in_flight) + len(collection.queue) <= 2
+            trained += [t.task_id for t in trajectories]
+            dropped += metrics["queue/dropped_groups"]
+            run.version += 1
+            loop.run_until_complete(engine.update_weights([], run.version))
+    finally:
+        collector.close()
+        loop.close()
+    assert len(trained) == len(set(trained)) == 6
+    held = len(collection.queue) + len(collection.in_flight)
+    assert run.stream.drawn == len(trained) + held + dropped            # every drawn prompt accounted for
+    if policy == "block":
+        assert dropped == 0 and collection.blocked_launches > 0
+    else:
+        assert dropped > 0
