@@ -186,6 +186,12 @@ class PartialCollection:
             "partial/multi_version_episodes": float(sum(len(t.versions) > 1 for t in trajectories)),
             "partial/stopped_by_deadline": float(any(s["stopped_by"] == "deadline" for s in stats)),
         })
+        for t in trajectories:          # lag histogram: versions between the oldest token and this update
+            lag = self.run.version - min(t.versions) if t.versions else 0
+            key = f"lag/{lag}" if lag < 3 else "lag/3+"
+            metrics[key] = metrics.get(key, 0.0) + 1.0
+        for key in ("lag/0", "lag/1", "lag/2", "lag/3+"):
+            metrics.setdefault(key, 0.0)
         if tc.dynamic_sampling:
             metrics["dynamic/rounds"] = float(rounds)
             metrics["dynamic/informative_groups"] = float(len(informative_groups(trajectories)))

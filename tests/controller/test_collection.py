@@ -43,6 +43,7 @@ def test_partial_rollout_run_continues_requeues_and_trains(tmp_path, tiny_models
     # admitted trajectory holds two versions and the filter never sees a stale one
     assert all(r["partial/multi_version_episodes"] == 0 and r["policy/lag_max"] == 0 for r in rows)
     assert all(r["filter/policy_lag"] == 0 for r in rows)
+    assert all(r["lag/0"] == r["episodes"] and r["lag/1"] == r["lag/2"] == r["lag/3+"] == 0 for r in rows)
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert samples
 
