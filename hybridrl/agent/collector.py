@@ -103,7 +103,7 @@ class PartialCollector:
             del self.expected[group_id]
         stats.returned = len(out)
         stats.live = len(self.live)
-        stats.live_tokens = sum(t.num_policy_tokens for t in self.gate.running.values())
+        stats.live_tokens = sum(ep.traj.num_policy_tokens for ep in self.gate.running.values())
         stats.waiting = sum(len(m) for m in self.members.values())
         stats.live_groups = sorted(set(self.live.values()))
         stats.seconds = time.monotonic() - started
@@ -124,6 +124,7 @@ class PartialCollector:
 
     def close(self) -> None:
         """Cancel the paused episodes (their environment sessions close)."""
+        self.gate.stop()
         for task in list(self.live):
             task.cancel()
         if self.live:

@@ -188,7 +188,7 @@ class AgentRunner:
                       pause=pause, paused_at_start=pause.paused_s() if pause is not None else 0.0)
         self.counts["episodes"] += 1
         if pause is not None:
-            pause.running[traj.trajectory_id] = traj
+            pause.running[traj.trajectory_id] = ep
         try:
             await self._episode(ep, stop)
             raise AssertionError("an episode must end with _End")   # pragma: no cover

@@ -12,14 +12,20 @@ collection before its slowest episodes finish. The episodes still running are no
 - `open()`: the episodes continue, on whatever policy the engine serves now (the next version).
 
 The wall-clock budget (`agent.max_episode_s`) does not run while the gate is closed: an episode's
-deadline moves by the time it spent paused (`deadline`).
+deadline moves by the time it spent paused (`deadline`). While closed, a thread keeps the paused
+episodes' environment sessions alive (`EnvSession.keep_alive`: a leased session renews its lease),
+so a long update does not let the environment service reclaim them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class PauseGate:
@@ -31,7 +37,10 @@ class PauseGate:
         self._paused_s = 0.0                  # total time closed, before the current closure
         self.in_flight: set[str] = set()      # request ids of gated episodes now in the engine
         self.interruptions = 0                # requests aborted by a close (cumulative)
-        self.running: dict[str, Any] = {}     # trajectory id -> the Trajectory of a gated episode not ended
+        self.running: dict[str, Any] = {}     # trajectory id -> a gated episode not ended (agent.loop._Episode)
+        self.renewals = 0
+        self._keeper: threading.Thread | None = None
+        self._keeper_stop = threading.Event()
 
     @property
     def is_open(self) -> bool:
@@ -53,13 +62,46 @@ class PauseGate:
         if self._open.is_set():
             self._open.clear()
             self._closed_at = time.monotonic()
+            self._keeper_stop.clear()
+            self._keeper = threading.Thread(target=self._keep_alive, name="pause-keep-alive", daemon=True)
+            self._keeper.start()
 
     def open(self) -> None:
         if not self._open.is_set():
             assert self._closed_at is not None
+            self._keeper_stop.set()
+            if self._keeper is not None:
+                self._keeper.join()
             self._paused_s += time.monotonic() - self._closed_at
             self._closed_at = None
             self._open.set()
+
+    def stop(self) -> None:
+        """Stop keeping sessions alive (the episodes are being cancelled)."""
+        self._keeper_stop.set()
+        if self._keeper is not None:
+            self._keeper.join()
+
+    def _keep_alive(self) -> None:
+        """While closed: renew every paused episode's environment session as often as it asks."""
+        wait = 1.0
+        while True:
+            asks = []
+            for ep in list(self.running.values()):
+                session = getattr(ep, "session", None)
+                if session is None:
+                    continue
+                try:
+                    every = session.keep_alive()
+                    self.renewals += every is not None
+                except Exception as err:  # noqa: BLE001 - the episode finds out at its next step
+                    log.warning("keeping a paused episode's environment alive failed: %s", err)
+                    every = None
+                if every is not None:
+                    asks.append(every)
+            wait = min(asks, default=1.0)
+            if self._keeper_stop.wait(wait):
+                return
 
     async def quiesce(self, poll_s: float = 0.005) -> int:
         """Abort every gated request in flight and wait until none is (the gate must be closed);

@@ -79,3 +79,40 @@ def test_pause_does_not_spend_the_wall_clock_budget(tokenizer):
         collector.close()
         loop.close()
     assert out2[0].status == S.COMPLETED and out2[0].metadata["interruptions"] == 1
+
+
+def test_a_paused_episode_keeps_its_leased_environment_through_a_long_update(tokenizer, tmp_path):
+    import re
+
+    from hybridrl.envs.client import LeasedEnvProvider
+    from hybridrl.envs.config import EnvServiceConfig
+    from hybridrl.envs.service import EnvService
+
+    task = get_task("guess_number")
+
+    def bisect(ids, turn):
+        text = tokenizer.decode(ids)
+        lo, hi = 1, 100
+        for guess, hint in re.findall(r"<answer>(\d+)</answer><\|im_end\|>\n<\|im_start\|>user\n(\w+)", text):
+            lo, hi = (int(guess) + 1, hi) if hint == "higher" else (lo, int(guess) - 1)
+        return f"<answer>{(lo + hi) // 2}</answer>"
+
+    svc = EnvService(tmp_path / "envs.sqlite", lease_ttl_s=0.6)
+    engine = ScriptedEngine(tokenizer, bisect, step_latency_s=0.01)
+    runner = AgentRunner(engine, tokenizer, agent_cfg=AgentConfig(max_turns=8), tools=ToolBox([]), run_id="r",
+                         envs=LeasedEnvProvider(svc, EnvServiceConfig(db_path=str(svc.db_path), lease_ttl_s=0.6)))
+    loop = asyncio.new_event_loop()
+    collector = PartialCollector(runner, task, loop, group_size=1, sum_over_ranks=lambda v: v)
+    [inst] = task.train_split(1, seed=0)
+    try:
+        out, stats = collector.collect([(inst, 0, "g@1")], quorum=1, deadline_s=0.05, poll_s=0.01)
+        assert out == [] and stats.live == 1
+        time.sleep(2.0)                               # the update: over 3 lease lifetimes, nothing stepping
+        out, _ = collector.collect([], quorum=1, poll_s=0.01)
+    finally:
+        collector.close()
+        loop.close()
+    [t] = out
+    assert t.status == S.COMPLETED and t.reward == 1.0, t.metadata
+    assert collector.gate.renewals >= 2
+    assert [s for (s,) in svc.db.execute("SELECT status FROM episodes").fetchall()] == ["closed"]
