@@ -170,7 +170,8 @@ class PartialCollection:
                                 "in_flight": sorted(self.in_flight), "requeued": [i["task_id"] for i in self.requeued],
                                 "queued": sorted(self.queued_instances)})
                     + "\n")
-        continued = [t for t in trajectories if t.metadata.get("interruptions")]
+        # continued across a step: interrupted mid-request, or paused in a tool call and resumed on a newer version
+        continued = [t for t in trajectories if t.metadata.get("interruptions") or len(t.versions) > 1]
         last = stats[-self.wg.world_size:]          # the last call's counters, one per rank
         metrics = dict(counts) if self.cfg.algo.stale == "requeue" else {}
         metrics.update(queue_metrics)
