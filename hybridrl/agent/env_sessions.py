@@ -23,6 +23,10 @@ class EnvSession(Protocol):
 
     async def close(self) -> None: ...
 
+    def keep_alive(self) -> float | None:
+        """Keep the session's resources while its episode is paused (from another thread); returns how
+        often to call again in seconds (None: nothing expires)."""
+
 
 class EnvProvider(Protocol):
     def session(self, task: Task, instance: TaskInstance, *, seed: int,
@@ -41,6 +45,9 @@ class LocalEnvSession:
 
     async def close(self) -> None:
         self.env.close()
+
+    def keep_alive(self) -> float | None:
+        return None                   # in process: nothing expires
 
 
 class LocalEnvProvider:

@@ -17,7 +17,8 @@ everything after the prompt (an observation that would not fit ends the episode 
 appended); `max_episode_s` of wall clock (the in-flight request is aborted and its partial
 tokens are kept); the engine's context length. A turn interrupted by new weights continues
 under the new version (`on_weights_updated=continue`): each token keeps the version that
-produced it.
+produced it. Episodes run behind a `PauseGate` (partial rollouts) are interrupted the same way
+when the gate closes and continue when it opens, usually on a newer version.
 
 Many episodes (`AgentRunner.run` / `run_episodes`): one asyncio task per episode, admitted in
 task-major order (all samples of a task, then the next) while fewer than
@@ -32,12 +33,13 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from hybridrl.agent.actions import ActionError, ActionParser, ToolAuthorizer, ToolCall
 from hybridrl.agent.chat import ChatFormat
 from hybridrl.agent.config import AgentConfig
 from hybridrl.agent.env_sessions import EnvProvider, EnvSession, LocalEnvProvider
+from hybridrl.agent.pause import PauseGate
 from hybridrl.agent.tools.base import ToolBox
 from hybridrl.data.trajectory import ToolCallRecord, Trajectory, TrajectoryStatus, Truncation
 from hybridrl.data.episode import EpisodeOutcome, TaskInstance
@@ -95,9 +97,17 @@ class _Episode:
     final_text: str = ""
     env_return: float = 0.0
     session: EnvSession | None = None
+    pause: PauseGate | None = None
+    paused_at_start: float = 0.0
     open_turn: tuple | None = None          # (turn, timings, first response index) of the turn being traced
     timings: dict[str, float] = field(default_factory=lambda: {"generate_s": 0.0, "tool_s": 0.0,
                                                                "env_s": 0.0})
+
+    def deadline_at(self) -> float:
+        """The wall-clock deadline, moved by the time spent paused behind a gate."""
+        if self.pause is None:
+            return self.deadline
+        return self.pause.deadline(self.deadline, self.paused_at_start)
 
 
 class AgentRunner:
@@ -133,26 +143,27 @@ class AgentRunner:
 
     async def run_attempts(self, attempts: Sequence[tuple[TaskInstance, int, str]], *,
                            task: Task | dict[str, Task], stop: asyncio.Event | None = None,
-                           temperature: float | None = None) -> list[Trajectory]:
+                           temperature: float | None = None, pause: PauseGate | None = None) -> list[Trajectory]:
         """One episode per (instance, attempt, group_id), in the given order (what a data-parallel
         shard of a step's episodes holds); same concurrency limit and guarantees as `run`.
         `temperature` overrides `agent.temperature` for these episodes (validation samples greedily)."""
-        loop = asyncio.get_running_loop()
-        if self._slots is None or self._slots_loop is not loop:    # one limit per event loop
-            self._slots, self._slots_loop = asyncio.Semaphore(self.cfg.max_concurrent_episodes), loop
         coros = []
         for inst, attempt, group_id in attempts:
             source = task if isinstance(task, Task) else task[inst.task]
-            coros.append(self._admit(inst, source, attempt, group_id, stop, temperature))
+            coros.append(self._admit(inst, source, attempt, group_id, stop, temperature, pause))
         return list(await asyncio.gather(*coros))
 
     async def _admit(self, inst: TaskInstance, task: Task, attempt: int, group_id: str,
-                     stop: asyncio.Event | None, temperature: float | None) -> Trajectory:
+                     stop: asyncio.Event | None, temperature: float | None,
+                     pause: PauseGate | None = None) -> Trajectory:
         queued = time.monotonic()
-        assert self._slots is not None
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots_loop is not loop:    # one limit per event loop
+            self._slots, self._slots_loop = asyncio.Semaphore(self.cfg.max_concurrent_episodes), loop
         async with self._slots:
             return await self.run_episode(inst, task=task, attempt=attempt, group_id=group_id, stop=stop,
-                                          queue_s=time.monotonic() - queued, temperature=temperature)
+                                          queue_s=time.monotonic() - queued, temperature=temperature,
+                                          pause=pause)
 
     def parser(self, task: Task) -> ActionParser:
         """How this runner reads an assistant turn of `task`: the task's action formats (one parser
@@ -163,17 +174,21 @@ class AgentRunner:
 
     async def run_episode(self, instance: TaskInstance, *, task: Task, attempt: int = 0,
                           group_id: str | None = None, stop: asyncio.Event | None = None, queue_s: float = 0.0,
-                          temperature: float | None = None) -> Trajectory:
+                          temperature: float | None = None, pause: PauseGate | None = None) -> Trajectory:
         """One episode; never raises for the episode's own problems (they become its status).
-        `temperature` overrides `agent.temperature` for this episode."""
+        `temperature` overrides `agent.temperature` for this episode; with a `pause` gate the episode
+        can be interrupted between (and within) requests and continued later (see `PauseGate`)."""
         started = time.monotonic()
         traj = Trajectory(run_id=self.run_id, task_id=instance.task_id, group_id=group_id or instance.task_id,
                           attempt=attempt, prompt_ids=[])
         seed = int.from_bytes(hashlib.sha256(f"{self.seed}/{traj.trajectory_id}".encode()).digest()[:4],
                               "little")
         ep = _Episode(instance, task, traj, started + self.cfg.max_episode_s, seed,
-                      temperature=self.cfg.temperature if temperature is None else temperature)
+                      temperature=self.cfg.temperature if temperature is None else temperature,
+                      pause=pause, paused_at_start=pause.paused_s() if pause is not None else 0.0)
         self.counts["episodes"] += 1
+        if pause is not None:
+            pause.running[traj.trajectory_id] = ep
         try:
             await self._episode(ep, stop)
             raise AssertionError("an episode must end with _End")   # pragma: no cover
@@ -186,6 +201,8 @@ class AgentRunner:
             traj.status, traj.truncation = TrajectoryStatus.INFRA_INVALID, None
             traj.metadata["end_reason"] = f"{type(err).__name__}: {err}"
         finally:
+            if pause is not None:
+                pause.running.pop(traj.trajectory_id, None)
             close_turn(ep)
             if ep.session is not None:
                 try:
@@ -258,6 +275,8 @@ class AgentRunner:
             limit, room = min(bounds.items(), key=lambda kv: kv[1])
             if room < 1:
                 raise _End(TrajectoryStatus.TRUNCATED, limit)
+            if ep.pause is not None:
+                await ep.pause.wait()                  # interrupted: continue when the gate opens again
             sampling = SamplingParams(max_new_tokens=room, temperature=ep.temperature, top_p=cfg.top_p,
                                       top_k=cfg.top_k, seed=(ep.seed + 7919 * turn + 104729 * segment) % (1 << 31))
             rid = f"{traj.trajectory_id}/t{turn}" + (f".{segment}" if segment else "")
@@ -271,6 +290,10 @@ class AgentRunner:
             if finish == FinishReason.WEIGHTS_UPDATED and cfg.on_weights_updated == "continue":
                 segment += 1
                 traj.metadata["weight_updates_mid_turn"] = traj.metadata.get("weight_updates_mid_turn", 0) + 1
+                continue
+            if finish == FinishReason.ABORT and ep.pause is not None and not ep.pause.is_open:
+                segment += 1                           # the gate closed mid-request: keep what came back
+                traj.metadata["interruptions"] = traj.metadata.get("interruptions", 0) + 1
                 continue
             if finish == FinishReason.STOP:
                 return ids, finish
@@ -289,8 +312,10 @@ class AgentRunner:
         self.meter.begin()
         produced = 0
         request = asyncio.ensure_future(self.engine.generate(context, sampling, rid))
+        if ep.pause is not None:
+            ep.pause.in_flight.add(rid)
         try:
-            which = await _race(request, ep.deadline, stop)
+            which = await _race(request, ep.deadline_at, stop)
             if which == "done":
                 out = request.result()
                 produced = len(out.token_ids)
@@ -306,6 +331,8 @@ class AgentRunner:
                 raise _End(TrajectoryStatus.TRUNCATED, Truncation.WALL_CLOCK)
             raise _End(TrajectoryStatus.ABORTED, reason="stop requested")
         finally:
+            if ep.pause is not None:
+                ep.pause.in_flight.discard(rid)
             self.meter.end(produced)
             ep.timings["generate_s"] += time.monotonic() - started
 
@@ -429,7 +456,7 @@ async def _within_budget(ep: _Episode, awaitable, stop: asyncio.Event | None, ti
     budget runs out (TRUNCATED) or a stop is requested (ABORTED); its time goes to ep.timings[timing]."""
     started = time.monotonic()
     fut = asyncio.ensure_future(awaitable)
-    which = await _race(fut, ep.deadline, stop)
+    which = await _race(fut, ep.deadline_at, stop)
     ep.timings[timing] += time.monotonic() - started
     if which != "done":
         fut.cancel()
@@ -439,15 +466,19 @@ async def _within_budget(ep: _Episode, awaitable, stop: asyncio.Event | None, ti
     return fut.result()
 
 
-async def _race(fut: asyncio.Future, deadline: float, stop: asyncio.Event | None) -> str:
-    """Wait for `fut` until the deadline or a stop request: "done" | "deadline" | "stop"."""
+async def _race(fut: asyncio.Future, deadline: Callable[[], float], stop: asyncio.Event | None) -> str:
+    """Wait for `fut` until the deadline or a stop request: "done" | "deadline" | "stop". The
+    deadline is read again when the wait times out (a pause moves it)."""
     waiters = {fut}
     stopper = asyncio.ensure_future(stop.wait()) if stop is not None else None
     if stopper is not None:
         waiters.add(stopper)
     try:
-        timeout = max(0.0, deadline - time.monotonic())
-        done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        while True:
+            timeout = max(0.0, deadline() - time.monotonic())
+            done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if done or time.monotonic() >= deadline():
+                break
     finally:
         if stopper is not None:
             stopper.cancel()

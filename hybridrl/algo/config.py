@@ -33,6 +33,13 @@ class AlgoConfig:
     drop_truncated: bool = knob(True, "drop TRUNCATED (overlong) trajectories from updates")
     drop_all_equal_groups: bool = knob(True, "drop groups whose rewards are all equal (no signal)")
     max_policy_lag: int = knob(-1, "drop trajectories with tokens older than this many versions; -1 = off")
+    stale: str = knob("drop", "a trajectory over max_policy_lag: drop (counted as filter/policy_lag) | requeue (partial "
+                              "rollouts: its whole group leaves the step and its prompt is launched again, fresh; "
+                              "counted as stale/requeued_groups)")
+    partial_policy: str = knob("newest_segment", "a trajectory holding tokens of several policy versions (partial "
+                               "rollouts): newest_segment (train its newest version's tokens, the rest is context) | "
+                               "per_segment (train all, each token corrected by its own behaviour logprob; needs "
+                               "tis_cap > 0) | discard_mixed (no token of such a row is trained)")
     ppo_epochs: int = knob(1, "passes over each rollout batch; each pass takes ppo_mini_batches optimizer steps")
     ppo_mini_batches: int = knob(1, "optimizer steps per epoch: the admitted batch is split into this many "
                                     "mini-batches of (nearly) equal sequence counts, each one step with its own "
@@ -55,6 +62,11 @@ class AlgoConfig:
             check_positive(name, getattr(self, name), allow_zero=True)
         check_range("gamma", self.gamma, 0.0, 1.0)
         check_range("lam", self.lam, 0.0, 1.0)
+        check_choice("stale", self.stale, ("drop", "requeue"))
+        check_choice("partial_policy", self.partial_policy, ("newest_segment", "per_segment", "discard_mixed"))
+        if self.partial_policy == "per_segment" and self.tis_cap == 0:
+            raise ConfigValueError("partial_policy", "per_segment corrects old segments with truncated importance "
+                                                     "weights: set tis_cap > 0 (e.g. 2.0), or use newest_segment")
 
     @property
     def uses_critic(self) -> bool:

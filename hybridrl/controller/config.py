@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from hybridrl.config.fields import ConfigValueError, check_positive, knob
+from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, knob
 
 
 @dataclass(kw_only=True)
@@ -28,6 +29,28 @@ class TrainerConfig:
     inject: list[str] = knob(help="fault injection, KIND@STEP[:MOMENT] (kill_job, kill_rank[N]; moments switch, "
                                   "rollout, train, log, checkpoint): see hybridrl/controller/faults.py",
                              factory=list)
+    rollout_mode: str = knob("sync", "sync: every step waits for all its episodes | partial: a step ends its rollout "
+                                     "when `quorum` groups are complete (or at `rollout_deadline_s`); episodes still "
+                                     "running are interrupted and continue at the next step on the new policy")
+    oversample: float = knob(1.0, "partial: groups kept in flight = ceil(prompts_per_step * oversample); > 1 lets a "
+                                  "step end before its slowest groups")
+    quorum: int = knob(0, "partial: complete groups that end a step's rollout; 0 = prompts_per_step")
+    rollout_deadline_s: float = knob(0.0, "partial: end a step's rollout after this many seconds even without a "
+                                          "quorum; 0 = no deadline")
+    collect_poll_s: float = knob(0.05, "partial: how often the rollout ranks count complete groups (seconds)")
+    max_groups_per_step: int = knob(0, "partial: train at most this many complete groups per step; the others wait "
+                                       "in a bounded queue for the next step (oldest first); 0 = train every "
+                                       "returned group, no queue")
+    queue_max_groups: int = knob(64, "partial with max_groups_per_step: the queue's bound in groups")
+    queue_max_tokens: int = knob(0, "... in tokens (prompt + response of every queued trajectory; drop_oldest "
+                                    "only); 0 = no bound")
+    queue_policy: str = knob("block", "when the queue is full: block (launch no more groups than it has room for) | "
+                                      "drop_oldest (drop the oldest queued groups, counted in queue/dropped_*)")
+    dynamic_sampling: bool = knob(False, "keep sampling new groups until the step has prompts_per_step groups whose "
+                                         "rewards are not all equal (DAPO's dynamic sampling; partial: the quorum "
+                                         "counts such groups only)")
+    max_sampling_rounds: int = knob(4, "dynamic_sampling: at most this many rollout rounds per step (a hard task "
+                                       "may have no informative group for a while)")
 
     def __post_init__(self) -> None:
         for name in ("total_steps", "prompts_per_step", "group_size"):
@@ -42,5 +65,32 @@ class TrainerConfig:
             check(self.inject, checkpoint_every=self.checkpoint_every)
         except ValueError as err:
             raise ConfigValueError("inject", str(err)) from None
+        check_choice("rollout_mode", self.rollout_mode, ("sync", "partial"))
+        if self.oversample < 1:
+            raise ConfigValueError("oversample", f"must be >= 1 (groups in flight per prompts_per_step), got "
+                                                 f"{self.oversample}")
+        check_positive("quorum", self.quorum, allow_zero=True)
+        check_positive("rollout_deadline_s", self.rollout_deadline_s, allow_zero=True)
+        check_positive("collect_poll_s", self.collect_poll_s)
+        check_positive("max_sampling_rounds", self.max_sampling_rounds)
+        check_positive("max_groups_per_step", self.max_groups_per_step, allow_zero=True)
+        check_positive("queue_max_groups", self.queue_max_groups)
+        check_positive("queue_max_tokens", self.queue_max_tokens, allow_zero=True)
+        check_choice("queue_policy", self.queue_policy, ("block", "drop_oldest"))
+        if self.queue_policy == "block" and self.queue_max_tokens:
+            raise ConfigValueError("queue_max_tokens", "with queue_policy=block the queue is bounded by launching no "
+                                                       "more groups than it has room for (queue_max_groups); a token "
+                                                       "bound needs queue_policy=drop_oldest")
+        if self.rollout_mode == "partial" and self.quorum_groups > self.groups_in_flight:
+            raise ConfigValueError("quorum", f"{self.quorum_groups} complete groups can never be reached with "
+                                             f"{self.groups_in_flight} in flight: raise oversample or lower quorum")
         if self.validation_temperature < 0:
             raise ConfigValueError("validation_temperature", f"must be >= 0, got {self.validation_temperature}")
+
+    @property
+    def quorum_groups(self) -> int:
+        return self.quorum or self.prompts_per_step
+
+    @property
+    def groups_in_flight(self) -> int:
+        return math.ceil(self.prompts_per_step * self.oversample - 1e-9)

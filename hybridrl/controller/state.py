@@ -37,6 +37,7 @@ class RunState:
     tokenizer: Any
     identity: dict = field(default_factory=dict)      # task, model, shapes: what a checkpoint belongs to
     counters: dict = field(default_factory=dict)
+    collection: dict = field(default_factory=dict)    # partial rollouts: prompts in flight (see collection.py)
     resumed_from: str | None = None
     faults: Injector | None = None
     _ledger: Any = None
@@ -72,14 +73,16 @@ class RunState:
             log.info("%s", plan.note)
         checkpoints = CheckpointManager(run_dir, keep=tc.keep_checkpoints)
         source = plan.checkpoint
-        step, version, cursor = 0, 0, Cursor()
+        step, version, cursor, collection = 0, 0, Cursor(), {}
         if source is not None:
             state = CheckpointManager.load_state(source)
             wg.call(HybridWorker.load_checkpoint, path=str(source / "model"))
             step, version = state["step"], state["policy_version"]
             cursor = Cursor(**state["data_cursor"])
+            collection = state.get("collection", {})
             restore_rng(state["rng"])
             truncate_after(run_dir / "samples.jsonl", step)     # as metrics.jsonl: one step, one record
+            truncate_after(run_dir / "groups.jsonl", step)
             log.info("%s: policy v%d", plan.note, version)
         if source is None or not (run_dir / "config.json").exists():
             (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
@@ -90,7 +93,8 @@ class RunState:
                    logger=MetricsLogger(run_dir, resume_from_step=step if source is not None else None),
                    checkpoints=checkpoints, tokenizer=tokenizer, identity=rundir.identity(cfg),
                    resumed_from=str(source) if source is not None else None,
-                   faults=Injector(tc.inject, run_dir, checkpoint_every=tc.checkpoint_every))
+                   faults=Injector(tc.inject, run_dir, checkpoint_every=tc.checkpoint_every),
+                   collection=collection)
 
     def log(self, step: int, metrics: dict, samples: list | None = None) -> None:
         self.step = step
@@ -102,6 +106,7 @@ class RunState:
         if wg.call(HybridWorker.mode) != "train":
             wg.call(HybridWorker.enter_train)
         state = {"policy_version": self.version, "data_cursor": self.stream.state(), "rng": capture_rng(),
+                 "collection": self.collection,
                  "config": to_dict(self.cfg), "identity": self.identity}
         path = self.checkpoints.save(step, state, lambda model_dir: wg.call(
             HybridWorker.save_checkpoint, path=str(model_dir), extra={"step": step, "policy_version": self.version}),

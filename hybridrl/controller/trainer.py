@@ -16,11 +16,13 @@ import time
 import torch
 from tqdm import tqdm
 
+from hybridrl.algo import partial
 from hybridrl.algo.filters import filter_trajectories
 from hybridrl.algo.groups import group_index_of
 from hybridrl.algo.minibatches import lay_out, plan
 from hybridrl.controller import critic as C
 from hybridrl.controller import metrics as M
+from hybridrl.controller.collection import make_collection
 from hybridrl.controller.state import RunState
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import from_batch, to_batch
@@ -34,20 +36,20 @@ log = logging.getLogger(__name__)
 def train(cfg, wg) -> dict:
     tc, algo = cfg.trainer, cfg.algo
     run = RunState.start(cfg, wg)
+    collection = make_collection(cfg, wg, run)     # trainer.rollout_mode: sync | partial
     if run.step == 0:
         run.log(0, validate(cfg, wg, run, step=0))
     bar = tqdm(range(run.step + 1, tc.total_steps + 1), initial=run.step, total=tc.total_steps,
                desc="rl", dynamic_ncols=True, disable=None)
     for step in bar:
         timer, started = StageTimer(), time.perf_counter()
-        instances = run.stream.next(tc.prompts_per_step)
         rollout_version = run.version
 
         with timer("sync"):
             switch = wg.call(HybridWorker.enter_rollout, version=run.version, step=step)
         run.faults.at(step, "switch")
         with timer("rollout"):
-            trajectories = from_batch(wg.call(HybridWorker.rollout, M.episode_rows(instances, tc.group_size, step)))
+            trajectories, collected = collection.rollout(step)
         run.faults.at(step, "rollout")
         with timer("sync"):
             switch.update(wg.call(HybridWorker.enter_train))
@@ -59,6 +61,7 @@ def train(cfg, wg) -> dict:
                                        max_policy_lag=algo.max_policy_lag if algo.max_policy_lag >= 0 else None)
             batch = to_batch(kept.kept, pad_id=run.pad_id) if kept.kept else None
             if batch is not None:
+                collected.update(partial.apply(algo.partial_policy, batch))   # multi-version rows
                 layout = plan(len(batch), wg.mesh("train").dp_size, algo.ppo_mini_batches)
                 sent = lay_out(update_inputs(batch), layout)
 
@@ -79,6 +82,7 @@ def train(cfg, wg) -> dict:
         metrics = M.step_metrics(trajectories, kept, batch, update, switch, timer.pop(),
                                  wall_s=time.perf_counter() - started, world_size=wg.world_size,
                                  version=run.version, rollout_version=rollout_version)
+        metrics.update(collected)
         metrics["train/updated"] = float(updates_actor)   # a step without a learning signal goes on
         metrics.update(critic)
         if batch is None:

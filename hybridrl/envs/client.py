@@ -85,6 +85,14 @@ class LeasedEnvSession:
         self._renewed = time.monotonic()
         return reply.transition
 
+    def keep_alive(self) -> float | None:
+        """Renew the lease now (a paused partial-rollout episode: no step renews it); call again
+        within the returned seconds."""
+        if self.lease is not None:
+            self.service.renew(self.lease.episode_id, self.lease.token)
+            self._renewed = time.monotonic()
+        return self.cfg.lease_ttl_s / 3
+
     async def close(self) -> None:
         if self.lease is not None:
             try:

@@ -7,6 +7,9 @@
   bucketed in-place copy, manifest), wake the engine (KV cache), run the logprob parity probe.
 - rollout: this rank's share of the step's episodes (one row per episode) through the agent loop
   on this rank's engine; returns them as token-aligned tensors + per-row records.
+- collect (partial rollouts): launch new groups, run every episode this rank holds until enough
+  groups are complete over all ranks, interrupt the rest at a token boundary and keep them for
+  the next step (`agent/collector.py`); returns the complete groups as trajectories.
 - enter_train: the engine sleeps (KV cache released), optimizer state and gradients come back.
 - update_policy: the whole training side of a step in one call, on this rank's share of the
   batch (reference and old logprobs as needed, KL-in-reward, advantages exact over the
@@ -94,6 +97,7 @@ class HybridWorker(CriticMixin, RewardModelMixin, Worker):
         self.tools = self._run(ToolBox.from_config(cfg.tools, names=tool_names).start())
         self.runner = AgentRunner(self.engine, self.tokenizer, agent_cfg=cfg.agent, tools=self.tools,
                                   run_id=cfg.run.name, seed=cfg.run.seed, envs=self._env_provider())
+        self.collector = None              # partial rollouts: episodes kept across steps (built on first use)
         self.loss_fn = make_loss_fn(cfg.algo)
         self.on_policy_loss_fn = make_loss_fn(cfg.algo, old_from_forward=True)
         self.spill_dir = Path(cfg.run.dir) / "offload" / f"rank{ctx.rank}" if cfg.hybrid.spill_optimizer else None
@@ -328,6 +332,34 @@ class HybridWorker(CriticMixin, RewardModelMixin, Worker):
         return to_batch(trajectories, pad_id=self.tokenizer.pad_token_id or 0).pad_to(len(episodes))
 
     @register(dispatch=ONE_TO_ALL)
+    def collect(self, *, episodes: list[dict], quorum: int, deadline_s: float = 0.0, poll_s: float = 0.05,
+                informative_only: bool = False) -> dict:
+        """Partial rollouts: `episodes` (instance, attempt, group_id; the step's new ones, whole groups)
+        are launched on the engines, group i on rollout dp rank i % dp; every held episode runs until
+        `quorum` groups are complete over all ranks. Returns this rank's complete groups and counters."""
+        from hybridrl.agent.collector import PartialCollector
+        from hybridrl.data.episode import TaskInstance
+
+        self.modes.require(Mode.ROLLOUT)
+        if self.collector is None:
+            self.collector = PartialCollector(self.runner, self.task, self.loop, owns_engine=self.owns_engine,
+                                              group_size=self.cfg.trainer.group_size, sum_over_ranks=self._sum)
+        mesh = self.meshes()["rollout"]
+        groups = list(dict.fromkeys(e["group_id"] for e in episodes))
+        mine = {g for i, g in enumerate(groups) if i % mesh.dp_size == mesh.dp_rank(self.ctx.rank)}
+        attempts = [(TaskInstance.from_dict(e["instance"]), int(e["attempt"]), e["group_id"])
+                    for e in episodes if e["group_id"] in mine]
+        with self.modes.phase("generate"):
+            trajectories, stats = self.collector.collect(attempts, quorum=quorum, deadline_s=deadline_s,
+                                                         poll_s=poll_s, informative_only=informative_only)
+        return {"trajectories": trajectories if self.owns_engine else [], "stats": stats.to_dict()}
+
+    def _sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self.ctx.control_group)
+        return t.tolist()
+
+    @register(dispatch=ONE_TO_ALL)
     def sample(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0) -> list[dict]:
         """Raw generations of this rank's engine (token ids, logprobs, version): for probes and tests."""
         from hybridrl.rollout.protocol import SamplingParams
@@ -555,6 +587,8 @@ class HybridWorker(CriticMixin, RewardModelMixin, Worker):
 
     @register(dispatch=ONE_TO_ALL)
     def close(self) -> None:
+        if self.collector is not None:
+            self.collector.close()
         self._run(self.tools.close())
         self.engine.close()
 

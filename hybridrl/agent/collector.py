@@ -1,0 +1,132 @@
+"""`PartialCollector`: one rollout rank's episodes that outlive a step (partial rollouts).
+
+Per step (`collect`), on the rank that owns an engine:
+
+    launch the step's new groups (whole groups: a group never spans engines)
+    open the gate; run the event loop in slices of `poll_s`
+        after each slice every rank adds up its complete groups (all-reduce; ranks without an
+        engine add 0): stop when `quorum` groups are complete, the deadline has passed, or no
+        episode is still running anywhere
+    close the gate, interrupt the requests in flight at a token boundary (`PauseGate`)
+    return the complete groups; the other episodes stay here, paused, with everything they hold
+
+A group is returned only when all its members have ended, so a group baseline never sees a
+subset chosen by completion time. Members that ended wait here for the rest of their group.
+The returned trajectories carry, per token, the version that produced it and its behaviour
+logprob; a continued episode therefore holds segments of several versions, never relabelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from hybridrl.agent.pause import PauseGate
+from hybridrl.data.trajectory import Trajectory
+
+
+@dataclass
+class CollectStats:
+    launched: int = 0            # episodes launched this step
+    returned: int = 0            # episodes returned (members of complete groups)
+    interrupted: int = 0         # requests aborted at the end of this step's window
+    live: int = 0                # episodes still running (paused) after this step
+    live_tokens: int = 0         # policy tokens those episodes hold (carried into the next step)
+    waiting: int = 0             # ended episodes whose group is not complete yet
+    polls: int = 0
+    seconds: float = 0.0
+    stopped_by: str = ""         # quorum | deadline | drained
+    live_groups: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"launched": self.launched, "returned": self.returned, "interrupted": self.interrupted,
+                "live": self.live, "live_tokens": self.live_tokens, "waiting": self.waiting, "polls": self.polls, "seconds": self.seconds,
+                "stopped_by": self.stopped_by, "live_groups": list(self.live_groups)}
+
+
+class PartialCollector:
+    """Episodes of one engine kept across steps. `sum_over_ranks(values)` adds a list of floats over
+    every rank (a collective: every rank calls `collect` the same number of times)."""
+
+    def __init__(self, runner: Any, task: Any, loop: asyncio.AbstractEventLoop, *, group_size: int,
+                 sum_over_ranks: Callable[[list[float]], list[float]], owns_engine: bool = True):
+        self.runner, self.task, self.loop = runner, task, loop
+        self.group_size = group_size
+        self.sum_over_ranks = sum_over_ranks
+        self.owns_engine = owns_engine
+        self.gate = PauseGate(runner.engine)
+        self.gate.close()                                   # nothing runs between steps
+        self.live: dict[asyncio.Task, str] = {}             # task -> group id
+        self.members: dict[str, list[Trajectory]] = defaultdict(list)   # ended members per group
+        self.expected: dict[str, int] = {}                  # group id -> members launched
+
+    # ------------------------------------------------------------------ one step
+
+    def collect(self, attempts: Sequence[tuple[Any, int, str]], *, quorum: int, deadline_s: float = 0.0,
+                poll_s: float = 0.05, temperature: float | None = None,
+                informative_only: bool = False) -> tuple[list[Trajectory], CollectStats]:
+        """Launch `attempts` (instance, attempt, group id) and run until `quorum` complete groups exist
+        over all ranks (or the deadline / nothing left to run); returns this rank's complete groups.
+        `informative_only`: the quorum counts only groups whose rewards are not all equal."""
+        stats = CollectStats(launched=len(attempts) if self.owns_engine else 0)
+        started = time.monotonic()
+        if self.owns_engine:
+            for inst, attempt, group_id in attempts:
+                self.expected[group_id] = self.expected.get(group_id, 0) + 1
+                coro = self.runner._admit(inst, self.task, attempt, group_id, None, temperature, self.gate)
+                self.live[self.loop.create_task(coro)] = group_id
+        self.gate.open()
+        while True:
+            if self.live:
+                self.loop.run_until_complete(asyncio.wait(list(self.live), timeout=poll_s,
+                                                          return_when=asyncio.FIRST_COMPLETED))
+            else:
+                time.sleep(min(poll_s, 0.01))
+            self._harvest()
+            stats.polls += 1
+            late = deadline_s > 0 and time.monotonic() - started >= deadline_s
+            counted = self._complete_groups(informative_only)
+            complete, live, deadline = self.sum_over_ranks([float(len(counted)),
+                                                            float(len(self.live)), float(late)])
+            if complete >= quorum or deadline > 0 or live == 0:
+                stats.stopped_by = "quorum" if complete >= quorum else "deadline" if deadline > 0 else "drained"
+                break
+        self.gate.close()
+        stats.interrupted = self.loop.run_until_complete(self.gate.quiesce())
+        self._harvest()
+        out = []
+        for group_id in self._complete_groups():
+            out += sorted(self.members.pop(group_id), key=lambda t: t.attempt)
+            del self.expected[group_id]
+        stats.returned = len(out)
+        stats.live = len(self.live)
+        stats.live_tokens = sum(ep.traj.num_policy_tokens for ep in self.gate.running.values())
+        stats.waiting = sum(len(m) for m in self.members.values())
+        stats.live_groups = sorted(set(self.live.values()))
+        stats.seconds = time.monotonic() - started
+        return out, stats
+
+    def _harvest(self) -> None:
+        for task in [t for t in self.live if t.done()]:
+            group_id = self.live.pop(task)
+            self.members[group_id].append(task.result())    # run_episode never raises for the episode
+
+    def _complete_groups(self, informative_only: bool = False) -> list[str]:
+        return [g for g, m in self.members.items() if len(m) == self.expected[g]
+                and (not informative_only or max(t.reward for t in m) - min(t.reward for t in m) > 1e-9)]
+
+    def pending_groups(self) -> list[str]:
+        """Groups launched here and not yet returned (running, paused or partly ended)."""
+        return sorted(self.expected)
+
+    def close(self) -> None:
+        """Cancel the paused episodes (their environment sessions close)."""
+        self.gate.stop()
+        for task in list(self.live):
+            task.cancel()
+        if self.live:
+            self.loop.run_until_complete(asyncio.gather(*self.live, return_exceptions=True))
+        self.live.clear()

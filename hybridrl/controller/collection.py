@@ -1,0 +1,227 @@
+"""How a step gets its trajectories (`trainer.rollout_mode`), on the controller.
+
+    sync     draw `prompts_per_step` instances, run `group_size` episodes of each to the end
+             (`HybridWorker.rollout`); the step waits for its slowest episode.
+    partial  keep `groups_in_flight = ceil(prompts_per_step * oversample)` groups in flight: draw
+             as many new instances as groups left since the last step, launch them, and end the
+             rollout when `quorum` groups are complete over all engines (or at
+             `rollout_deadline_s`); the episodes still running are interrupted at a token boundary
+             and continue at the next step on the newly published policy (`HybridWorker.collect`,
+             `agent/collector.py`). A step trains on complete groups only.
+
+`trainer.dynamic_sampling` (both modes): keep launching groups, up to `max_sampling_rounds`
+rounds, until the step holds `prompts_per_step` groups whose rewards are not all equal.
+`algo.stale=requeue` (partial): a returned group with a token older than `algo.max_policy_lag`
+versions leaves the step whole and its prompt is launched again at the next step, once per
+staleness (with `drop` the trajectory filter drops such trajectories, `filter/policy_lag`).
+
+Both return the step's trajectories and the collection's metrics (`partial/*`, `dynamic/*`,
+`stale/*`).
+
+`trainer.max_groups_per_step` (partial): a step trains at most that many complete groups, oldest
+first; the rest wait in a `GroupQueue` bounded in groups and tokens (`data/queue.py`). Policy
+`block`: the controller launches no more groups than the queue has room for, counting the groups
+in flight (so the queue can never overflow); `drop_oldest`: launches go on and the oldest queued
+groups are dropped, counted in `queue/dropped_*`.
+
+Checkpoints (partial): the episodes held on the workers are not saved. A checkpoint records the
+instances of the groups in flight (and those waiting for a requeue) in `run.collection`; a run
+resumed from it launches each of them again, from scratch, once, before drawing new prompts. The
+data cursor is past them, so no prompt is skipped, and the ones the killed run had in flight were
+never trained, so none is repeated. `<run.dir>/groups.jsonl` records per step the prompts drawn, the
+groups returned and those still in flight, so that this can be checked from the run's own records.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from hybridrl.controller import metrics as M
+from hybridrl.data.queue import GroupQueue
+from hybridrl.data.trajectory import Trajectory, from_batch
+from hybridrl.workers.hybrid import HybridWorker
+
+
+def informative_groups(trajectories: list[Trajectory], tol: float = 1e-9) -> set[str]:
+    """Groups whose members' rewards are not all equal (a group baseline gets a signal from them)."""
+    rewards: dict[str, list[float]] = defaultdict(list)
+    for t in trajectories:
+        rewards[t.group_id].append(t.reward)
+    return {g for g, r in rewards.items() if max(r) - min(r) > tol}
+
+
+def stale_groups(trajectories: list[Trajectory], version: int, max_lag: int) -> set[str]:
+    """Groups holding a policy token more than `max_lag` versions older than `version`."""
+    return {t.group_id for t in trajectories if t.versions and min(t.versions) < version - max_lag}
+
+
+class SyncCollection:
+    def __init__(self, cfg: Any, wg: Any, run: Any):
+        self.cfg, self.wg, self.run = cfg, wg, run
+        self.rollout_dp = wg.mesh("rollout").dp_size
+
+    def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
+        tc = self.cfg.trainer
+        out: list[Trajectory] = []
+        want, rounds = tc.prompts_per_step, 0
+        while True:
+            instances = self.run.stream.next(want)
+            label = step if rounds == 0 else f"{step}.{rounds}"
+            out += from_batch(self.wg.call(HybridWorker.rollout, M.episode_rows(instances, tc.group_size, label)))
+            rounds += 1
+            short = tc.prompts_per_step - len(informative_groups(out))
+            if not tc.dynamic_sampling or short <= 0 or rounds >= tc.max_sampling_rounds:
+                break
+            want = math.ceil(short / self.rollout_dp) * self.rollout_dp     # groups stay whole on one engine
+        return out, ({"dynamic/rounds": float(rounds), "dynamic/informative_groups": float(len(informative_groups(out)))}
+                     if tc.dynamic_sampling else {})
+
+
+class PartialCollection:
+    def __init__(self, cfg: Any, wg: Any, run: Any):
+        self.cfg, self.wg, self.run = cfg, wg, run
+        self.in_flight: dict[str, dict] = {}      # group id -> its instance (launched, not yet returned)
+        self.requeued: list[dict] = []            # instances of stale groups, launched first at the next step
+        saved = run.collection or {}              # a resumed run: what the checkpoint had in flight
+        self.relaunch = [*saved.get("in_flight", {}).values(), *saved.get("requeued", []), *saved.get("queued", [])]
+        tc = cfg.trainer
+        self.queue = GroupQueue(max_groups=tc.queue_max_groups, max_tokens=tc.queue_max_tokens,
+                                policy=tc.queue_policy) if tc.max_groups_per_step else None
+        self.queued_instances: dict[str, dict] = {}
+        self.blocked_launches = 0
+        self.drawn: list[str] = []
+
+    def _launch(self, n: int, step: int, label: str) -> list[dict]:
+        if self.relaunch:                          # after a resume: all of them, before anything new
+            requeued, self.relaunch = self.relaunch + self.requeued, []
+            self.requeued = []
+            n = max(n, len(requeued))
+        else:
+            requeued, self.requeued = self.requeued[:n], self.requeued[n:]
+        fresh = self.run.stream.next(max(0, n - len(requeued)))
+        self.drawn += [inst.task_id for inst in fresh]
+        rows = M.episode_rows(fresh, self.cfg.trainer.group_size, label)
+        episodes = [{"instance": i, "attempt": a, "group_id": g}
+                    for i, a, g in zip(rows["instance"], rows["attempt"], rows["group_id"])] if fresh else []
+        for inst in requeued:
+            episodes += [{"instance": inst, "attempt": a, "group_id": f"{inst['task_id']}@{label}r"}
+                         for a in range(self.cfg.trainer.group_size)]
+        for e in episodes:
+            self.in_flight[e["group_id"]] = e["instance"]
+        return episodes
+
+    def _collect(self, episodes: list[dict], quorum: int, deadline_s: float, stats: list,
+                 counts: dict[str, float]) -> list[Trajectory]:
+        tc, algo = self.cfg.trainer, self.cfg.algo
+        outs = self.wg.call(HybridWorker.collect, episodes=episodes, quorum=quorum, deadline_s=deadline_s,
+                            poll_s=tc.collect_poll_s, informative_only=tc.dynamic_sampling)
+        stats += [out["stats"] for out in outs]
+        trajectories = [t for out in outs for t in out["trajectories"]]
+        returned = {g: self.in_flight.pop(g) for g in dict.fromkeys(t.group_id for t in trajectories)}
+        self._returned_instances.update(returned)
+        if algo.stale == "requeue" and algo.max_policy_lag >= 0:
+            stale = stale_groups(trajectories, self.run.version, algo.max_policy_lag)
+            self.requeued += [returned[g] for g in returned if g in stale]
+            counts["stale/requeued_groups"] += len(stale)
+            counts["stale/requeued_episodes"] += sum(t.group_id in stale for t in trajectories)
+            trajectories = [t for t in trajectories if t.group_id not in stale]
+        return trajectories
+
+    def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
+        tc = self.cfg.trainer
+        stats: list[dict] = []
+        self.drawn = []
+        self._returned_instances: dict[str, dict] = {}
+        counts = {"stale/requeued_groups": 0.0, "stale/requeued_episodes": 0.0}
+        want = max(0, tc.groups_in_flight - len(self.in_flight))
+        if self.queue is not None and self.queue.policy == "block":   # every launched group must find room
+            room = max(0, self.queue.room() - len(self.in_flight))
+            self.blocked_launches += max(0, want - room)
+            want = min(want, room)
+        launched = self._launch(want, step, str(step))
+        trajectories = self._collect(launched, tc.quorum_groups, tc.rollout_deadline_s, stats, counts)
+        retries = 0
+        while not trajectories:     # nothing complete by the deadline, or every group stale: wait for one
+            retries += 1
+            more = self._launch(len(self.requeued), step, f"{step}.s{retries}")
+            launched += more
+            trajectories = self._collect(more, 1, 0.0, stats, counts)
+        rounds = 1
+        while tc.dynamic_sampling and rounds < tc.max_sampling_rounds:
+            short = tc.prompts_per_step - len(informative_groups(trajectories))
+            if short <= 0:
+                break
+            more = self._launch(short, step, f"{step}.{rounds}")
+            launched += more
+            trajectories += self._collect(more, short, 0.0, stats, counts)
+            rounds += 1
+        queue_metrics: dict[str, float] = {}
+        if self.queue is not None:
+            trajectories, queue_metrics = self._through_queue(trajectories)
+        self.run.collection = {"in_flight": dict(self.in_flight), "requeued": list(self.requeued),
+                               "queued": list(self.queued_instances.values())}
+        with (Path(self.cfg.run.dir) / "groups.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, "drawn": self.drawn,
+                                "returned": sorted({t.group_id for t in trajectories}),
+                                "in_flight": sorted(self.in_flight), "requeued": [i["task_id"] for i in self.requeued],
+                                "queued": sorted(self.queued_instances)})
+                    + "\n")
+        # continued across a step: interrupted mid-request, or paused in a tool call and resumed on a newer version
+        continued = [t for t in trajectories if t.metadata.get("interruptions") or len(t.versions) > 1]
+        last = stats[-self.wg.world_size:]          # the last call's counters, one per rank
+        metrics = dict(counts) if self.cfg.algo.stale == "requeue" else {}
+        metrics.update(queue_metrics)
+        metrics.update({
+            "partial/launched_groups": float(len({e["group_id"] for e in launched})),
+            "partial/returned_groups": float(len({t.group_id for t in trajectories})),
+            "partial/groups_in_flight": float(len(self.in_flight)),
+            "partial/interrupted": float(sum(s["interrupted"] for s in stats)),
+            "partial/live_episodes": float(sum(s["live"] for s in last)),
+            "partial/live_tokens": float(sum(s["live_tokens"] for s in last)),
+            "partial/waiting_episodes": float(sum(s["waiting"] for s in last)),
+            "partial/continued_episodes": float(len(continued)),
+            "partial/multi_version_episodes": float(sum(len(t.versions) > 1 for t in trajectories)),
+            "partial/stopped_by_deadline": float(any(s["stopped_by"] == "deadline" for s in stats)),
+        })
+        for t in trajectories:          # lag histogram: versions between the oldest token and this update
+            lag = self.run.version - min(t.versions) if t.versions else 0
+            key = f"lag/{lag}" if lag < 3 else "lag/3+"
+            metrics[key] = metrics.get(key, 0.0) + 1.0
+        for key in ("lag/0", "lag/1", "lag/2", "lag/3+"):
+            metrics.setdefault(key, 0.0)
+        if tc.dynamic_sampling:
+            metrics["dynamic/rounds"] = float(rounds)
+            metrics["dynamic/informative_groups"] = float(len(informative_groups(trajectories)))
+        return trajectories, metrics
+
+    def _through_queue(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
+        """The returned groups enter the queue; the step takes the oldest `max_groups_per_step`."""
+        assert self.queue is not None
+        groups: dict[str, list[Trajectory]] = defaultdict(list)
+        for t in trajectories:
+            groups[t.group_id].append(t)
+        before = dict(self.queue.counts)
+        taken = self.queue.get(self.cfg.trainer.max_groups_per_step)        # the oldest first ...
+        fresh = list(groups.items())
+        direct = self.cfg.trainer.max_groups_per_step - len(taken)
+        taken += [members for _, members in fresh[:direct]]                 # ... then this step's
+        for g, members in fresh[direct:]:
+            self.queue.put(members, timeout=0)        # block: the launches left room for it
+            self.queued_instances[g] = self._returned_instances[g]
+        queued = {m[0].group_id for m in self.queue.state()}
+        self.queued_instances = {g: i for g, i in self.queued_instances.items() if g in queued}
+        c = self.queue.counts
+        return [t for group in taken for t in group], {
+            "queue/groups": float(len(self.queue)), "queue/tokens": float(self.queue.tokens),
+            "queue/bytes": float(self.queue.bytes),
+            "queue/dropped_groups": float(c["dropped_groups"] - before["dropped_groups"]),
+            "queue/dropped_trajectories": float(c["dropped_trajectories"] - before["dropped_trajectories"]),
+            "queue/blocked_launches": float(self.blocked_launches)}
+
+
+def make_collection(cfg: Any, wg: Any, run: Any) -> SyncCollection | PartialCollection:
+    return PartialCollection(cfg, wg, run) if cfg.trainer.rollout_mode == "partial" else SyncCollection(cfg, wg, run)

@@ -1,0 +1,72 @@
+"""Controllers for the partial-rollout tests with real ranks; each writes result.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from hybridrl.algo import partial
+from hybridrl.controller import metrics as M
+from hybridrl.data.trajectory import to_batch
+from hybridrl.envs.tasks import get_task
+from hybridrl.jobs import Job
+from hybridrl.workers.hybrid import HybridWorker
+from tests.workers.hybrid_jobs import _train_once
+
+
+def _episodes(instances, group_size: int, step: int) -> list[dict]:
+    rows = M.episode_rows(instances, group_size, step)
+    return [{"instance": i, "attempt": a, "group_id": g}
+            for i, a, g in zip(rows["instance"], rows["attempt"], rows["group_id"])]
+
+
+def continued_across_an_update(cfg, wg):
+    """v0: run episodes, stop at a short deadline until some are interrupted holding v0 tokens;
+    train once; publish v1; let them finish. Then score the continued trajectories with the
+    reference (= the v0 weights) and the actor (= v1)."""
+    task = get_task(cfg.task.name, cfg.task)
+    stream = iter(task.train_split())
+    tc = cfg.trainer
+    wg.call(HybridWorker.enter_rollout, version=0, step=0)
+    first = []
+    for attempt in range(200):
+        new = _episodes([next(stream) for _ in range(2)], tc.group_size, attempt) if attempt % 10 == 0 else []
+        outs = wg.call(HybridWorker.collect, episodes=new, quorum=10 ** 6, deadline_s=0.02, poll_s=0.005)
+        first += [t for out in outs for t in out["trajectories"]]
+        if sum(out["stats"]["live_tokens"] for out in outs) > 0:
+            break
+    held = sum(out["stats"]["live"] for out in outs)
+    wg.call(HybridWorker.enter_train)
+    update = _train_once(wg, vocab=500)
+    wg.call(HybridWorker.enter_rollout, version=1, step=1)
+    outs = wg.call(HybridWorker.collect, episodes=[], quorum=10 ** 6, deadline_s=0.0, poll_s=0.01)
+    after = [t for out in outs for t in out["trajectories"]]
+    wg.call(HybridWorker.enter_train)
+    mixed = [t for t in after if t.versions == {0, 1}]
+    result = {"held": held, "first_versions": sorted({v for t in first for v in t.versions}),
+              "after": len(after), "mixed": len(mixed), "update": {k: float(v) for k, v in update.items()},
+              "stopped_by": [out["stats"]["stopped_by"] for out in outs],
+              "live_after": [out["stats"]["live"] for out in outs]}
+    if mixed:
+        batch = to_batch(mixed, pad_id=0)
+        ref = wg.call(HybridWorker.compute_ref_logprobs, batch)["ref_logprobs"]      # v0 weights
+        actor = wg.call(HybridWorker.compute_logprobs, batch)["old_logprobs"]        # v1 weights
+        mask, versions, behaviour = batch["loss_mask"].bool(), batch["policy_version"], batch["behavior_logprobs"]
+        v0, v1 = mask & (versions == 0), mask & (versions == 1)
+        result.update({
+            "v0_tokens": int(v0.sum()), "v1_tokens": int(v1.sum()),
+            "v0_vs_ref": float((behaviour - ref)[v0].abs().max()),
+            "v1_vs_actor": float((behaviour - actor)[v1].abs().max()),
+            "v1_vs_ref": float((behaviour - ref)[v1].abs().max()),
+            "interruptions": [t.metadata.get("interruptions", 0) for t in mixed],
+        })
+        newest = to_batch(mixed, pad_id=0)
+        partial.apply("newest_segment", newest)
+        result["newest_mask_is_v1"] = bool(torch.equal(newest["loss_mask"].bool(), v1))
+    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.run.dir) / "result.json").write_text(json.dumps(result))
+
+
+CONTINUED = Job("continued", HybridWorker, continued_across_an_update)
