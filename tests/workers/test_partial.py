@@ -21,7 +21,10 @@ def model(tiny_models):
 def test_a_trajectory_continued_across_a_weight_update_keeps_both_versions(tmp_path, model):
     proc = hybridrl_train(RECIPE, "run.job=tests.workers.partial_jobs:CONTINUED",
                           f"model.path={model}", f"run.dir={tmp_path}", "train.lr=1e-2", "train.lr_warmup_steps=0",
-                          "algo.kl_coef=0.01", "algo.kl_in=reward", "publish.parity_prompts=0")
+                          "algo.kl_coef=0.01", "algo.kl_in=reward", "publish.parity_prompts=0",
+                          # turns far longer than the collect window (a random model rarely samples EOS),
+                          # so an episode is mid-turn when the window ends however fast or busy the machine
+                          "agent.max_new_tokens_per_turn=96", "agent.max_response_tokens=200")
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["held"] > 0 and r["first_versions"] in ([], [0])

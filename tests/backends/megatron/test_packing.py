@@ -20,6 +20,22 @@ TOL = 1e-5
 MAX_TOKENS = 20    # the test batch's lengths (12, 7, 3, 12, 9, 5, 11) make 2-3 rows per pack
 
 
+STEPS = 2
+
+
+def assert_same_weights(a: dict, b: dict, what) -> None:
+    """Updated weights equal within TOL, except the key biases: softmax is invariant to adding
+    q.b_k to every key's score, so their exact gradient is 0 and what reaches Adam is rounding
+    noise, which Adam's normalisation turns into steps of up to `lr` in either direction (layouts
+    that sum in a different order differ there by O(lr)). Those may only move by the optimizer's
+    per-step bound."""
+    assert sorted(a) == sorted(b), what
+    for name in a:
+        diff = float((a[name] - b[name]).abs().max())
+        bound = 2 * STEPS * LR * 1.01 if name.endswith("k_proj.bias") else TOL
+        assert diff < bound, (what, name, diff)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, qwen2_dir):
     out = tmp_path_factory.mktemp("packed")
@@ -41,8 +57,7 @@ def test_packed_equals_padded(runs, layout):
             assert b["logprobs_vs_hf"] < 1e-4 and b["entropy_vs_hf"] < 1e-4, b
             assert a["logprobs_vs_hf"] < 1e-4, a
     w_a, w_b = (torch.load(out / f"weights_{layout}_{m}.pt") for m in ("padded", "packed"))
-    assert sorted(w_a) == sorted(w_b)
-    assert max(float((w_a[n] - w_b[n]).abs().max()) for n in w_a) < TOL
+    assert_same_weights(w_a, w_b, layout)
 
 
 def test_layouts_agree_with_each_other(runs):
@@ -50,7 +65,7 @@ def test_layouts_agree_with_each_other(runs):
     base = torch.load(out / "weights_dp2_packed.pt")
     for layout in ("tp2", "pp2"):
         w = torch.load(out / f"weights_{layout}_packed.pt")
-        assert max(float((w[n] - base[n]).abs().max()) for n in w) < TOL, layout
+        assert_same_weights(w, base, layout)
         first = [r["steps"][0]["loss"] for r in results[layout]["packed"]]
         assert abs(first[0] - results["dp2"]["packed"][0]["steps"][0]["loss"]) < TOL
 
