@@ -79,3 +79,16 @@ def hf_train_step(model, batch: Batch, *, lr: float, weight_decay: float, clip_g
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
     opt.step()
     return loss.item(), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_weights(a: dict, b: dict, what, *, lr: float, steps: int, tol: float = 1e-5) -> None:
+    """Updated weights equal within `tol`, except the key biases: softmax is invariant to adding
+    q.b_k to every key's score, so their exact gradient is 0 and what reaches Adam is rounding
+    noise, which Adam's normalisation turns into steps of up to `lr` in either direction (layouts
+    that sum in a different order differ there by O(lr)). Those may only move by the optimizer's
+    bound over `steps` steps."""
+    assert sorted(a) == sorted(b), what
+    for name in a:
+        diff = float((a[name] - b[name]).abs().max())
+        bound = 2 * steps * lr * 1.01 if name.endswith("k_proj.bias") else tol
+        assert diff < bound, (what, name, diff)
