@@ -5,7 +5,8 @@
                 (model.safetensors, or model.safetensors.index.json and every shard it names),
                 a tokenizer (tokenizer.json, or tokenizer_config.json with its vocabulary files)
     train.tp/pp a layout the model and the world size allow: pp <= layers, tp dividing the
-                attention heads, KV heads and FFN size, tp * pp dividing the world size
+                attention heads, KV heads and FFN size, tp * pp dividing the world size (the
+                training ranks' number with a disaggregated placement, which must leave at least one)
     task        importable (loading the config did that) and able to give what the run asks of
                 it: the train and validation splits at their configured sizes (data files are read
                 here, so a missing one is named with its option), SFT demonstrations, and tools that
@@ -47,7 +48,17 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
         check_scalar_head(reward_model.path)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE") or cfg.distributed.nproc_per_node)
-    check_layout(cfg.model.path, cfg.train.tp, cfg.train.pp, world_size)
+    world_key = "world size (distributed.nproc_per_node)"
+    placement = getattr(cfg, "placement", None)
+    if placement is not None and placement.disaggregated and cfg.run.job == "rl":
+        from hybridrl.distributed.placement import placement_problem
+
+        problem = placement_problem(placement, world_size, world_key=world_key)
+        if problem:
+            raise PreflightError(problem)
+        world_size -= placement.rollout_ranks
+        world_key = "training ranks (world size - placement.rollout_ranks)"
+    check_layout(cfg.model.path, cfg.train.tp, cfg.train.pp, world_size, world_key=world_key)
     check_task(cfg)
     try:
         if overwrite:

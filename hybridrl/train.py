@@ -55,7 +55,7 @@ def run(cfg) -> int:
     from hybridrl.workers.serve import serve
 
     job = resolve_job(cfg.run.job)
-    ctx = init_distributed(cfg.distributed)
+    ctx = init_distributed(cfg.distributed, cfg.placement)
     setup_logging(cfg.run.log_level, ctx.rank)
     watchdog = Watchdog(ctx.control, cfg.distributed, format_failure=format_report)
     watchdog.start()

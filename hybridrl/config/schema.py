@@ -13,6 +13,7 @@ from hybridrl.agent.config import AgentConfig, ToolsConfig
 from hybridrl.backends.megatron.config import MegatronConfig
 from hybridrl.config.fields import ConfigValueError, check_choice, knob, section
 from hybridrl.distributed.config import DistributedConfig
+from hybridrl.distributed.placement import PlacementConfig
 from hybridrl.envs.config import EnvServiceConfig, TaskConfig
 from hybridrl.rollout.config import RolloutConfig
 from hybridrl.algo.config import AlgoConfig
@@ -70,6 +71,8 @@ class Config:
 
     run: RunConfig = section(RunConfig, "the run: name, directory, job, seed")
     distributed: DistributedConfig = section(DistributedConfig, "processes, devices, control plane")
+    placement: PlacementConfig = section(PlacementConfig, "which ranks train and which generate: colocated or "
+                                                          "disaggregated")
     model: ModelConfig = section(ModelConfig, "the policy model")
     train: MegatronConfig = section(MegatronConfig, "the Megatron-core training backend (actor and reference)")
     rollout: RolloutConfig = section(RolloutConfig, "the rollout engine: native or sglang, layout, knobs")
@@ -91,7 +94,33 @@ class Config:
         if self.run.job in ("rl", "sft") and not self.model.path:
             raise ConfigValueError("model.path", f"run.job={self.run.job} needs an HF model directory: set "
                                                  "model.path in the recipe or pass model.path=DIR")
+        if self.placement.disaggregated:
+            self._check_disaggregated()
         if self.rollout.engine == "sglang" and self.publish.verify == "post_copy":
             raise ConfigValueError("publish.verify", "post_copy needs an engine that reads its weights back after "
                                                      "the copy; SGLang cannot (they live in its scheduler processes, "
                                                      "in its own layout): set publish.verify=structure")
+
+    def _check_disaggregated(self) -> None:
+        """What the disaggregated placement needs of the other sections, each refusal naming its key."""
+        if self.run.job in ("sft", "selfcheck"):
+            raise ConfigValueError("placement.mode", f"run.job={self.run.job} runs colocated: the disaggregated "
+                                                     "placement is for RL (run.job=rl)")
+        if self.algo.max_policy_lag < 0:
+            raise ConfigValueError("algo.max_policy_lag", "placement.mode=disaggregated needs a lag bound: 1 lets the "
+                                                          "rollout ranks generate the next step while this one "
+                                                          "trains, 0 makes them wait for every update")
+        refusals = (
+            ("rollout.engine", self.rollout.engine != "native",
+             "the disaggregated placement publishes to the native engine only (SGLang's weights arrive over CUDA IPC "
+             "from a colocated trainer); use rollout.engine=native or placement.mode=colocated"),
+            ("rollout.tp", self.rollout.tp != 1, "each rollout rank serves its own native engine: set rollout.tp=1"),
+            ("trainer.rollout_mode", self.trainer.rollout_mode != "sync",
+             "the disaggregated placement collects continuously on its own: leave trainer.rollout_mode=sync (partial "
+             "rollouts are for the colocated placement)"),
+            ("trainer.dynamic_sampling", self.trainer.dynamic_sampling,
+             "not available with the disaggregated placement yet: use placement.mode=colocated"),
+        )
+        for key, refused, why in refusals:
+            if refused:
+                raise ConfigValueError(key, why)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,15 @@ def informative_groups(trajectories: list[Trajectory], tol: float = 1e-9) -> set
 def stale_groups(trajectories: list[Trajectory], version: int, max_lag: int) -> set[str]:
     """Groups holding a policy token more than `max_lag` versions older than `version`."""
     return {t.group_id for t in trajectories if t.versions and min(t.versions) < version - max_lag}
+
+
+def lag_histogram(trajectories: list[Trajectory], version: int) -> dict[str, float]:
+    """Trajectories by versions between their oldest policy token and the update at `version`."""
+    out = {key: 0.0 for key in ("lag/0", "lag/1", "lag/2", "lag/3+")}
+    for t in trajectories:
+        lag = version - min(t.versions) if t.versions else 0
+        out[f"lag/{lag}" if lag < 3 else "lag/3+"] += 1.0
+    return out
 
 
 class SyncCollection:
@@ -162,14 +172,7 @@ class PartialCollection:
         queue_metrics: dict[str, float] = {}
         if self.queue is not None:
             trajectories, queue_metrics = self._through_queue(trajectories)
-        self.run.collection = {"in_flight": dict(self.in_flight), "requeued": list(self.requeued),
-                               "queued": list(self.queued_instances.values())}
-        with (Path(self.cfg.run.dir) / "groups.jsonl").open("a") as f:
-            f.write(json.dumps({"step": step, "drawn": self.drawn,
-                                "returned": sorted({t.group_id for t in trajectories}),
-                                "in_flight": sorted(self.in_flight), "requeued": [i["task_id"] for i in self.requeued],
-                                "queued": sorted(self.queued_instances)})
-                    + "\n")
+        self._record(step, trajectories)
         # continued across a step: interrupted mid-request, or paused in a tool call and resumed on a newer version
         continued = [t for t in trajectories if t.metadata.get("interruptions") or len(t.versions) > 1]
         last = stats[-self.wg.world_size:]          # the last call's counters, one per rank
@@ -187,16 +190,22 @@ class PartialCollection:
             "partial/multi_version_episodes": float(sum(len(t.versions) > 1 for t in trajectories)),
             "partial/stopped_by_deadline": float(any(s["stopped_by"] == "deadline" for s in stats)),
         })
-        for t in trajectories:          # lag histogram: versions between the oldest token and this update
-            lag = self.run.version - min(t.versions) if t.versions else 0
-            key = f"lag/{lag}" if lag < 3 else "lag/3+"
-            metrics[key] = metrics.get(key, 0.0) + 1.0
-        for key in ("lag/0", "lag/1", "lag/2", "lag/3+"):
-            metrics.setdefault(key, 0.0)
+        metrics.update(lag_histogram(trajectories, self.run.version))
         if tc.dynamic_sampling:
             metrics["dynamic/rounds"] = float(rounds)
             metrics["dynamic/informative_groups"] = float(len(informative_groups(trajectories)))
         return trajectories, metrics
+
+    def _record(self, step: int, trajectories: list[Trajectory]) -> None:
+        """What a checkpoint keeps of the collection, and this step's row of groups.jsonl."""
+        self.run.collection = {"in_flight": dict(self.in_flight), "requeued": list(self.requeued),
+                               "queued": list(self.queued_instances.values())}
+        with (Path(self.cfg.run.dir) / "groups.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, "drawn": self.drawn,
+                                "returned": sorted({t.group_id for t in trajectories}),
+                                "in_flight": sorted(self.in_flight), "requeued": [i["task_id"] for i in self.requeued],
+                                "queued": sorted(self.queued_instances)})
+                    + "\n")
 
     def _through_queue(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
         """The returned groups enter the queue; the step takes the oldest `max_groups_per_step`."""
@@ -223,5 +232,74 @@ class PartialCollection:
             "queue/blocked_launches": float(self.blocked_launches)}
 
 
+class StreamCollection(PartialCollection):
+    """The disaggregated placement: the rollout ranks generate without pause; a step takes its groups.
+
+    Groups are granted ahead: after step s takes its groups, the groups of steps s+1 .. s+ahead
+    (ahead = max(1, max_policy_lag)) are granted to the rollout ranks, group i to rollout rank i % R,
+    each with a floor, the oldest policy version its tokens may come from: the version the step
+    will train at (assuming every step updates) minus `algo.max_policy_lag`. A rollout rank starts
+    a group once its engine serves the floor, so with lag 0 a step's groups wait for the previous
+    update's publication (rollout and training take turns) and with lag 1 they run while that update
+    trains. A step that did not update lowers the floors to what is admissible now (`take`).
+    The bound holds by construction, and the admission filter checks it again (`filter/policy_lag`).
+
+    Backpressure: at most `ahead` steps of groups exist beyond the one being taken (launched or
+    waiting, never dropped); complete groups wait on their rollout rank until taken.
+    Checkpoints record the granted groups not yet taken (`in_flight`); a resumed run grants them
+    again, from scratch, once, before drawing new prompts (the rule of partial rollouts).
+    """
+
+    def __init__(self, cfg: Any, wg: Any, run: Any):
+        super().__init__(cfg, wg, run)
+        self.lag = cfg.algo.max_policy_lag
+        self.ahead = max(1, self.lag)
+        self.granted: dict[int, list[str]] = {}        # step -> its group ids
+        self.before: dict[str, float] = {}             # the producers' counters at the last take
+
+    def _grant(self, step: int, floor: int) -> None:
+        from hybridrl.workers.disaggregated import TrainerWorker
+
+        episodes = self._launch(self.cfg.trainer.prompts_per_step, step, str(step))
+        groups: dict[str, list[dict]] = {}
+        for e in episodes:
+            groups.setdefault(e["group_id"], []).append(e)
+        self.wg.call(TrainerWorker.grant, groups=list(groups.values()), floor=floor)
+        self.granted[step] = list(groups)
+
+    def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
+        from hybridrl.workers.disaggregated import TrainerWorker
+
+        version, total = self.run.version, self.cfg.trainer.total_steps
+        self.drawn = []
+        if step not in self.granted:                   # the first step (or the first after a resume)
+            self._grant(step, version - self.lag)
+        started = time.perf_counter()
+        outs = self.wg.call(TrainerWorker.take, group_ids=self.granted.pop(step), floor=version - self.lag)
+        waited = time.perf_counter() - started
+        trajectories = [t for out in outs for t in out["trajectories"]]
+        for g in dict.fromkeys(t.group_id for t in trajectories):
+            self.in_flight.pop(g)
+        for ahead in range(1, self.ahead + 1):         # the next steps' groups, while this one trains
+            if step + ahead <= total and step + ahead not in self.granted:
+                self._grant(step + ahead, version + ahead - self.lag)
+        self._record(step, trajectories)
+        stats = [out["stats"] for out in outs if out["stats"]]
+        counters = {k: sum(s[k] for s in stats) for k in ("idle_s", "floor_waits", "launched_groups")}
+        deltas = {k: v - self.before.get(k, 0.0) for k, v in counters.items()}
+        self.before = counters
+        metrics = {"stream/trainer_wait_s": waited, "stream/rollout_idle_s": deltas["idle_s"], "stream/floor_waits": deltas["floor_waits"],
+                   "stream/launched_groups": deltas["launched_groups"],
+                   "stream/returned_groups": float(len({t.group_id for t in trajectories})),
+                   "stream/groups_in_flight": float(len(self.in_flight)),
+                   "stream/complete_waiting": float(sum(s["complete_groups"] for s in stats)),
+                   "stream/running_episodes": float(sum(s["running_episodes"] for s in stats)),
+                   "stream/multi_version_episodes": float(sum(len(t.versions) > 1 for t in trajectories)),
+                   **lag_histogram(trajectories, version)}
+        return trajectories, metrics
+
+
 def make_collection(cfg: Any, wg: Any, run: Any) -> SyncCollection | PartialCollection:
+    if cfg.placement.disaggregated:
+        return StreamCollection(cfg, wg, run)
     return PartialCollection(cfg, wg, run) if cfg.trainer.rollout_mode == "partial" else SyncCollection(cfg, wg, run)

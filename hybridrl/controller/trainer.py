@@ -28,6 +28,7 @@ from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import from_batch, to_batch
 from hybridrl.jobs import Job
 from hybridrl.telemetry.timers import StageTimer
+from hybridrl.workers.disaggregated import make_worker
 from hybridrl.workers.hybrid import HybridWorker
 
 log = logging.getLogger(__name__)
@@ -154,4 +155,4 @@ def validate(cfg, wg, run: RunState, step: int) -> dict:
     return out
 
 
-JOB = Job("rl", HybridWorker, train)
+JOB = Job("rl", make_worker, train)     # the hybrid worker, or by role when disaggregated

@@ -169,11 +169,11 @@ class WorkerGroup:
     def _send(self, plan: Plan) -> Batch | None:
         ctx = self.ctx
         if plan.same is not None:
-            return broadcast_batch(plan.same, BatchHeader.of(plan.same), 0, ctx.data_group, ctx.device)
+            return broadcast_batch(plan.same, BatchHeader.of(plan.same), 0, ctx.data_peers, ctx.device)
         pending = PendingSends()
         for rank, batch in plan.per_rank.items():
             if rank != 0:
-                send_batch(batch, rank, ctx.data_group, ctx.device, pending)
+                send_batch(batch, rank, ctx.data_peers, ctx.device, pending)
         pending.wait()
         return plan.per_rank.get(0)
 
@@ -216,7 +216,7 @@ class WorkerGroup:
                 continue
             status = statuses[rank]
             if status.output_kind == "batch":
-                outputs[rank] = recv_batch(status.header, rank, self.ctx.data_group, self.ctx.device)
+                outputs[rank] = recv_batch(status.header, rank, self.ctx.data_peers, self.ctx.device)
             else:
                 outputs[rank] = status.value
         return outputs

@@ -81,7 +81,7 @@ class DPSplit(Dispatch):
         mesh = wg.mesh(self.mesh)
         padded = data.pad_to_multiple(mesh.dp_size, zero=[k for k in self.zero_on_pad if k in data.tensors])
         chunks = padded.chunk(mesh.dp_size)
-        per_rank = {r: chunks[mesh.dp_rank(r)] for r in range(mesh.world_size)}
+        per_rank = {r: chunks[mesh.dp_rank(r)] for r in mesh.ranks}
         owners = mesh.output_ranks()
 
         def gather(outputs: dict[int, Any]) -> Any:

@@ -2,7 +2,8 @@
 
 The training mesh follows Megatron's default rank order (tp fastest, then dp, then pp), so the
 coordinates here agree with `megatron.core.parallel_state`. The rollout mesh of the hybrid
-worker is a different layout over the same ranks. Meshes are pure arithmetic: every rank
+worker is a different layout over the same ranks; in a disaggregated placement it lies over the
+rollout ranks only (`first`: the job rank of its position 0). Meshes are pure arithmetic: every rank
 computes the same ones from the config, and the controller needs no communication to know them.
 """
 
@@ -19,6 +20,7 @@ class Mesh:
     sizes: tuple[int, ...]
     dp_axis: str = "dp"
     last_owns_output: tuple[str, ...] = ("pp",)  # along these axes the last index holds outputs
+    first: int = 0                               # the job rank at mesh position 0 (ranks are contiguous)
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.sizes):
@@ -37,7 +39,13 @@ class Mesh:
 
     @property
     def world_size(self) -> int:
+        """How many ranks the mesh holds."""
         return math.prod(self.sizes)
+
+    @property
+    def ranks(self) -> list[int]:
+        """The job ranks of the mesh, in mesh order."""
+        return list(range(self.first, self.first + self.world_size))
 
     def size(self, axis: str) -> int:
         return self.sizes[self.axes.index(axis)] if axis in self.axes else 1
@@ -47,8 +55,11 @@ class Mesh:
         return self.size(self.dp_axis)
 
     def coords(self, rank: int) -> dict[str, int]:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} outside mesh '{self.name}' of {self.world_size} ranks")
+        """Coordinates of job rank `rank` (every method takes and returns job ranks)."""
+        if not self.first <= rank < self.first + self.world_size:
+            raise ValueError(f"rank {rank} outside mesh '{self.name}' (ranks {self.first}..."
+                             f"{self.first + self.world_size - 1})")
+        rank -= self.first
         out = {}
         for axis, size in zip(reversed(self.axes), reversed(self.sizes)):
             out[axis] = rank % size
@@ -62,7 +73,7 @@ class Mesh:
             if not 0 <= c < size:
                 raise ValueError(f"coordinate {axis}={c} outside [0, {size}) in mesh '{self.name}'")
             rank = rank * size + c
-        return rank
+        return self.first + rank
 
     def dp_rank(self, rank: int) -> int:
         return self.coords(rank)[self.dp_axis]
@@ -79,7 +90,7 @@ class Mesh:
 
     def output_ranks(self) -> list[int]:
         """One output rank per data-parallel index, in dp order."""
-        owners = [r for r in range(self.world_size) if self.is_output_rank(r)]
+        owners = [r for r in self.ranks if self.is_output_rank(r)]
         return sorted(owners, key=self.dp_rank)
 
     def group_along(self, axis: str, rank: int) -> list[int]:
@@ -90,9 +101,16 @@ class Mesh:
     def groups_along(self, axis: str) -> list[list[int]]:
         """All groups along `axis`, each listed once (what every rank passes to new_group)."""
         seen, groups = set(), []
-        for r in range(self.world_size):
+        for r in self.ranks:
             g = self.group_along(axis, r)
             if g[0] not in seen:
                 seen.add(g[0])
                 groups.append(g)
         return groups
+
+
+def train_mesh(world_size: int, tp: int, pp: int) -> Mesh:
+    """Mesh("train", ("pp", "dp", "tp")): tp fastest, then dp, then pp (Megatron's default order)."""
+    if world_size % (tp * pp):
+        raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}")
+    return Mesh("train", ("pp", "dp", "tp"), (pp, world_size // (tp * pp), tp))

@@ -1,4 +1,5 @@
-"""The data plane for the controller's batches: tensors point-to-point over the data group.
+"""The data plane for the controller's batches: tensors point-to-point over the job's data group
+(`Peers`: job ranks, whichever placement built the group).
 
 A `Batch` is split into a small header (names, shapes, dtypes, per-sample metadata) that
 travels in control messages, and its tensors, which travel here. On NCCL the tensors are moved
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.data.batch import Batch
+from hybridrl.distributed.peers import Peers
 
 
 @dataclass(frozen=True)
@@ -60,39 +62,39 @@ class PendingSends:
         self._buffers.clear()
 
 
-def send_batch(batch: Batch, dst: int, group: dist.ProcessGroup, device: torch.device,
+def send_batch(batch: Batch, dst: int, peers: Peers, device: torch.device,
                pending: PendingSends | None = None) -> PendingSends:
-    """Start sending every tensor of `batch` to global rank `dst`; `wait()` on the result."""
+    """Start sending every tensor of `batch` to job rank `dst`; `wait()` on the result."""
     pending = pending if pending is not None else PendingSends()
     for t in batch.tensors.values():
         if t.numel():
             wire = _wire(t, device)
-            pending.add(dist.isend(wire, dst=dst, group=group), wire)
+            pending.add(peers.isend(wire, dst), wire)
     return pending
 
 
-def recv_batch(header: BatchHeader, src: int, group: dist.ProcessGroup, device: torch.device) -> Batch:
+def recv_batch(header: BatchHeader, src: int, peers: Peers, device: torch.device) -> Batch:
     tensors = {}
     for name, (shape, dtype) in header.tensors.items():
         wire_dtype = torch.uint8 if dtype == torch.bool else dtype
         buf = torch.empty(shape, dtype=wire_dtype, device=device)
         if buf.numel():
-            dist.recv(buf, src=src, group=group)
+            peers.recv(buf, src)
         tensors[name] = buf.view(torch.bool) if dtype == torch.bool else buf
     return Batch(tensors, header.meta, num_padding=header.num_padding)
 
 
-def broadcast_batch(batch: Batch | None, header: BatchHeader, src: int, group: dist.ProcessGroup,
+def broadcast_batch(batch: Batch | None, header: BatchHeader, src: int, peers: Peers,
                     device: torch.device) -> Batch:
-    """Every rank of `group` calls this; `batch` is only read on `src`."""
+    """Every rank of `peers` calls this; `batch` is only read on `src`."""
     tensors = {}
     for name, (shape, dtype) in header.tensors.items():
         wire_dtype = torch.uint8 if dtype == torch.bool else dtype
-        if batch is not None and dist.get_rank() == src:
+        if batch is not None and peers.me == src:
             buf = _wire(batch.tensors[name], device)
         else:
             buf = torch.empty(shape, dtype=wire_dtype, device=device)
         if buf.numel():
-            dist.broadcast(buf, src=src, group=group)
+            peers.broadcast(buf, src)
         tensors[name] = buf.view(torch.bool) if dtype == torch.bool else buf
     return Batch(tensors, header.meta, num_padding=header.num_padding)

@@ -58,23 +58,45 @@ ROLLOUT_PADS = (("input_ids", 0), ("attention_mask", 0), ("loss_mask", 0.0), ("b
 class HybridWorker(CriticMixin, RewardModelMixin, Worker):
     def __init__(self, cfg: Any, ctx: Any):
         super().__init__(ctx)
-        from transformers import AutoTokenizer
-
-        from hybridrl.agent.loop import AgentRunner
-        from hybridrl.agent.tools.base import ToolBox
-        from hybridrl.backends.megatron import MegatronEngine
-        from hybridrl.envs.tasks import get_task
-
         self.cfg = cfg
         self.modes = ModeMachine(ctx.device, rank=ctx.rank, deadlines=cfg.hybrid.deadlines(),
-                                 arrivals=Arrivals(ctx.control.store, ctx.rank, range(ctx.world_size),
+                                 arrivals=Arrivals(ctx.control.store, ctx.rank, self.switch_ranks(),
                                                    aborted=ctx.control.aborted),
                                  on_overrun=self._overrun, overrun_grace_s=max(2.0, ctx.cfg.error_grace_s))
-        self.loop = asyncio.new_event_loop()
+        self.loop = self._event_loop()
+        self._build_training()
+        self._build_rollout()
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the engines' coroutines run on (SGLang's tokenizer manager binds to its first loop)."""
+        return asyncio.new_event_loop()
+
+    def switch_ranks(self) -> list[int]:
+        """The ranks that run every phase of this worker's mode switches (their arrivals are awaited)."""
+        return list(range(self.ctx.world_size))
+
+    def _build_training(self) -> None:
+        """The Megatron actor (+ a frozen reference with a KL term, + a critic for GAE) and its losses."""
+        from hybridrl.backends.megatron import MegatronEngine
+
+        cfg, ctx = self.cfg, self.ctx
         self.actor = MegatronEngine.from_hf(cfg.model.path, cfg.train, training=True, device=ctx.device)
         self.ref = (MegatronEngine.from_hf(cfg.model.path, cfg.train, training=False, device=ctx.device)
                     if cfg.algo.uses_reference else None)
         self.critic = self._build_critic()            # algo.advantage=gae only (hybridrl/workers/critic.py)
+        self.loss_fn = make_loss_fn(cfg.algo)
+        self.on_policy_loss_fn = make_loss_fn(cfg.algo, old_from_forward=True)
+        self.spill_dir = Path(cfg.run.dir) / "offload" / f"rank{ctx.rank}" if cfg.hybrid.spill_optimizer else None
+
+    def _build_rollout(self) -> None:
+        """The rollout engine (or its stand-in), the publication path into it, and the agent loop."""
+        from transformers import AutoTokenizer
+
+        from hybridrl.agent.loop import AgentRunner
+        from hybridrl.agent.tools.base import ToolBox
+        from hybridrl.envs.tasks import get_task
+
+        cfg, ctx = self.cfg, self.ctx
         rollout_mesh = self.meshes()["rollout"]
         self.rollout_ranks = rollout_mesh.group_along("tp", ctx.rank)
         self.owns_engine = ctx.rank == self.rollout_ranks[0]
@@ -98,13 +120,13 @@ class HybridWorker(CriticMixin, RewardModelMixin, Worker):
         self.runner = AgentRunner(self.engine, self.tokenizer, agent_cfg=cfg.agent, tools=self.tools,
                                   run_id=cfg.run.name, seed=cfg.run.seed, envs=self._env_provider())
         self.collector = None              # partial rollouts: episodes kept across steps (built on first use)
-        self.loss_fn = make_loss_fn(cfg.algo)
-        self.on_policy_loss_fn = make_loss_fn(cfg.algo, old_from_forward=True)
-        self.spill_dir = Path(cfg.run.dir) / "offload" / f"rank{ctx.rank}" if cfg.hybrid.spill_optimizer else None
         self._run(self.engine.sleep(self.engine.releasable_tags))     # start in TRAIN: the engine holds nothing
+        self._probe = self._probe_prompts()
+
+    def _probe_prompts(self) -> list:
         special = [t for t in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id) if t is not None]
-        self._probe = parity.probe_prompts(len(self.tokenizer), cfg.publish.parity_prompts,
-                                           avoid=special) if cfg.publish.parity_prompts else []
+        n = self.cfg.publish.parity_prompts
+        return parity.probe_prompts(len(self.tokenizer), n, avoid=special) if n else []
 
     # ------------------------------------------------------------------ construction
 
@@ -277,7 +299,7 @@ class HybridWorker(CriticMixin, RewardModelMixin, Worker):
 
     def _any_rank(self, flag: bool) -> bool:
         t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.control_group)
+        self.ctx.control_peers.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
     def _any_in_group(self, flag: bool) -> bool:
@@ -288,7 +310,7 @@ class HybridWorker(CriticMixin, RewardModelMixin, Worker):
     def _count_refusals(self, refused: bool) -> float:
         """How many ranks refused this publication (every rank takes part: enter_rollout is SPMD)."""
         flag = torch.tensor([1.0 if refused else 0.0], dtype=torch.float64)
-        dist.all_reduce(flag, group=self.ctx.control_group)
+        self.ctx.control_peers.all_reduce(flag)
         return float(flag)
 
     def _parity_probe(self, version: int) -> dict:
@@ -299,17 +321,25 @@ class HybridWorker(CriticMixin, RewardModelMixin, Worker):
             box = [outputs]
             dist.broadcast_object_list(box, src=self.rollout_ranks[0], group=self.rollout_group)
             outputs = box[0]
+        return self._check_parity(version, outputs, self._max_over_ranks)
+
+    def _check_parity(self, version: int, outputs: list, reduce_max) -> dict:
+        """The trainer's logprobs of the engine's probe generations (every rank of the train mesh takes
+        part); the worst difference over the ranks (`reduce_max`) above the tolerance fails the publication."""
         batch = parity.probe_batch(self._probe, outputs)
-        mine = self.actor.compute_logprobs(batch)          # every rank of the train mesh takes part
+        mine = self.actor.compute_logprobs(batch)
         result = parity.compare(self._probe, outputs, mine["logprobs"]) if mine is not None else {}
-        worst = torch.tensor([result.get("parity/max_abs", 0.0)], dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.ctx.control_group)
-        result["parity/max_abs"] = float(worst)
+        result["parity/max_abs"] = reduce_max(result.get("parity/max_abs", 0.0))
         if result["parity/max_abs"] > self.cfg.publish.parity_tolerance:
             raise PublicationError(f"parity probe after publishing v{version}: engine and trainer logprobs differ "
                                    f"by {result['parity/max_abs']:.3g} > publish.parity_tolerance="
                                    f"{self.cfg.publish.parity_tolerance}")
         return result
+
+    def _max_over_ranks(self, value: float) -> float:
+        worst = torch.tensor([value], dtype=torch.float64)
+        self.ctx.control_peers.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return float(worst)
 
     # ------------------------------------------------------------------ rollout
 
@@ -356,7 +386,7 @@ class HybridWorker(CriticMixin, RewardModelMixin, Worker):
 
     def _sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, group=self.ctx.control_group)
+        self.ctx.control_peers.all_reduce(t)
         return t.tolist()
 
     @register(dispatch=ONE_TO_ALL)

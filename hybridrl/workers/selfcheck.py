@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from hybridrl.distributed.dispatch import ONE_TO_ALL, DPSplit, OneToAll, RANK0
 from hybridrl.data.batch import Batch
@@ -49,7 +48,7 @@ class SelfCheckWorker(Worker):
         """Sum of x over ranks' slices of a broadcast batch, reduced on the data plane."""
         x = batch["x"].to(self.ctx.device)
         mine = x[self.ctx.rank :: self.ctx.world_size].sum()
-        dist.all_reduce(mine, group=self.ctx.data_group)
+        self.ctx.data_peers.all_reduce(mine)
         return float(mine)
 
     @register(dispatch=RANK0)

@@ -72,15 +72,15 @@ def _run(worker: Worker, ctx: DistContext, cmd: Command) -> None:
         return
     ctx.control.post_status(cmd.seq, status)
     if status.output_kind == "batch":
-        send_batch(output, 0, ctx.data_group, ctx.device).wait()
+        send_batch(output, 0, ctx.data_peers, ctx.device).wait()
 
 
 def _receive(ctx: DistContext, cmd: Command) -> Batch | None:
     if cmd.same is not None:
-        return broadcast_batch(None, cmd.same, 0, ctx.data_group, ctx.device)
+        return broadcast_batch(None, cmd.same, 0, ctx.data_peers, ctx.device)
     header = cmd.per_rank.get(ctx.rank)
     if header is not None:
-        return recv_batch(header, 0, ctx.data_group, ctx.device)
+        return recv_batch(header, 0, ctx.data_peers, ctx.device)
     return None
 
 

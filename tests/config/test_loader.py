@@ -115,6 +115,7 @@ PINNED_KEYS = [
     "distributed.nproc_per_node", "distributed.device", "distributed.call_timeout_s",
     "distributed.heartbeat_interval_s", "distributed.heartbeat_timeout_s", "distributed.init_timeout_s",
     "distributed.error_grace_s",
+    "placement.mode", "placement.rollout_ranks",
     "model.path",
     "selfcheck.batch_size", "selfcheck.fail_rank",
     "agent.max_turns", "agent.max_new_tokens_per_turn", "agent.on_turn_limit", "agent.max_response_tokens", "agent.max_episode_s",

@@ -9,16 +9,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
-from hybridrl.distributed.mesh import Mesh
+from hybridrl.distributed.mesh import Mesh, train_mesh
 
 log = logging.getLogger(__name__)
 
-
-def train_mesh(world_size: int, tp: int, pp: int) -> Mesh:
-    """Mesh("train", ("pp", "dp", "tp")): tp fastest, then dp, then pp (Megatron's default order)."""
-    if world_size % (tp * pp):
-        raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}")
-    return Mesh("train", ("pp", "dp", "tp"), (pp, world_size // (tp * pp), tp))
+__all__ = ["all_reduce", "destroy_model_parallel", "ensure_model_parallel", "train_mesh"]
 
 
 def ensure_model_parallel(tp: int, pp: int, seed: int) -> Mesh:

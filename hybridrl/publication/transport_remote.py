@@ -1,0 +1,127 @@
+"""Publication to separate rollout ranks (the disaggregated placement), over a process group.
+
+The publish group holds training rank 0 (the sender: every training rank writes the buckets,
+rank 0 holds them whole) and every rollout rank. Per delivery:
+
+    sender     a header (the bucket's entries: name, shape, dtype, byte offsets; the names to
+               apply; the sender's digests) as a broadcast object, then the flat buffer itself in
+               one broadcast
+    receivers  views into the received buffer -> their engine's `update_weights(..., digests)`,
+               which copies into the engine's storage and reads it back (post_copy); then one
+               all-reduce (MAX) of [mismatch flag per name, error flag, -policy version]
+    sender     raises `WeightMismatch` for the names any receiver read back differently (the
+               publisher copies them once more), `PublicationError` if a receiver could not apply
+               the bucket; the lowest version the receivers now serve becomes `RemoteEngine`'s
+
+After the publication (or its refusal) the sender's `finish()` sends an end header; the receivers
+return from `receive_publication`. The version of a rollout engine therefore switches only when
+every tensor arrived verified on it, as with an engine in the trainer's own process.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.distributed.peers import Peers
+from hybridrl.publication.buckets import FlatBucket
+from hybridrl.publication.manifest import PublicationError
+from hybridrl.rollout.weight_spec import WeightMismatch
+
+log = logging.getLogger(__name__)
+
+
+class RemoteEngine:
+    """What training rank 0 knows of the rollout ranks' engines: the weight spec they serve (sent
+    once at start) and the lowest policy version they confirmed."""
+
+    releasable_tags = frozenset()
+
+    def __init__(self, spec: dict[str, tuple[tuple[int, ...], torch.dtype]], policy_version: int = 0):
+        self._spec = dict(spec)
+        self.policy_version = policy_version
+
+    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return dict(self._spec)
+
+
+class BroadcastTransport:
+    verifies = True
+
+    def __init__(self, peers: Peers, engine: RemoteEngine, device: torch.device):
+        self.peers, self.engine, self.device = peers, engine, device
+
+    async def send(self, bucket: FlatBucket, version: int, *, names: Sequence[str] | None = None,
+                   digests: Mapping[str, str] | None = None) -> None:
+        names = list(names) if names is not None else [e.name for e in bucket.plan.entries]
+        header = {"kind": "bucket", "version": version, "nbytes": bucket.plan.nbytes, "names": names,
+                  "entries": [(e.name, e.shape, e.dtype, e.start, e.end) for e in bucket.plan.entries],
+                  "digests": dict(digests) if digests is not None else None}
+        me = self.peers.me
+        self.peers.broadcast_object(header, me, device=self._object_device)
+        self.peers.broadcast(bucket.buffer, me)
+        answer = torch.zeros(len(names) + 2, dtype=torch.float64, device=self._object_device)
+        answer[-1] = -float("inf")
+        self.peers.all_reduce(answer, op=dist.ReduceOp.MAX)
+        answer = answer.cpu()
+        self.engine.policy_version = int(-answer[-1].item())
+        if answer[-2] > 0:
+            raise PublicationError(f"publication v{version}: a rollout rank could not apply a bucket of "
+                                   f"{len(names)} tensor(s) (its own error names why); its engine did not switch")
+        mismatched = [n for n, flag in zip(names, answer[:-2].tolist()) if flag > 0]
+        if mismatched:
+            raise WeightMismatch(mismatched, f"{len(mismatched)} tensor(s) read back differently on a rollout rank")
+
+    def finish(self, version: int) -> None:
+        """The end of a publication (sent after it, refused or not): the receivers return."""
+        self.peers.broadcast_object({"kind": "end", "version": version}, self.peers.me, device=self._object_device)
+
+    @property
+    def _object_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+
+def receive_publication(peers: Peers, engine: Any, run: Callable[[Any], Any], *, src: int,
+                        device: torch.device) -> dict[str, Any]:
+    """A rollout rank's side of one publication: apply every bucket the sender broadcasts to `engine`
+    (`run` awaits an engine coroutine wherever the engine's loop is) until the end header. Returns
+    {'buckets', 'bytes', 'retried', 'error'}; `error` is the first exception applying a bucket (the
+    sender was told; the caller raises it)."""
+    object_device = device if device.type == "cuda" else torch.device("cpu")
+    buffer: torch.Tensor | None = None
+    out: dict[str, Any] = {"buckets": 0, "bytes": 0, "retried": 0, "error": None}
+    while True:
+        header = peers.broadcast_object(None, src, device=object_device)
+        if header["kind"] == "end":
+            return out
+        nbytes = header["nbytes"]
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        flat = buffer[:nbytes]
+        peers.broadcast(flat, src)
+        views = {name: flat[start:end].view(dtype).view(shape) for name, shape, dtype, start, end in header["entries"]}
+        names = header["names"]
+        digests = header["digests"]
+        answer = torch.zeros(len(names) + 2, dtype=torch.float64)
+        if out["error"] is None:
+            try:
+                run(engine.update_weights([(n, views[n]) for n in names], header["version"],
+                                          digests={n: digests[n] for n in names} if digests is not None else None))
+            except WeightMismatch as err:
+                bad = set(err.names)
+                for i, n in enumerate(names):
+                    answer[i] = float(n in bad)
+            except Exception as err:  # noqa: BLE001 - told to the sender, raised by the caller afterwards
+                log.error("applying a published bucket failed: %s", err)
+                out["error"] = err
+        if out["error"] is not None:
+            answer[-2] = 1.0
+        answer[-1] = -float(engine.policy_version)
+        answer = answer.to(object_device)
+        peers.all_reduce(answer, op=dist.ReduceOp.MAX)
+        out["buckets"] += 1
+        out["bytes"] += nbytes
+        out["retried"] += int(len(names) < len(header["entries"]))
