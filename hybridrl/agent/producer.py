@@ -16,8 +16,8 @@ in flight finish on their version (the engine's `drain`), and the later turns ru
 so a trajectory may hold tokens of two versions, each token labelled with its own.
 
 What the producer counts: `idle_s` (the engine had no episode of this producer to run),
-`floor_waits` (groups that waited for a newer version before starting), groups waiting, running
-and complete.
+`floor_waits` (groups that waited for a newer version before starting), `policy_tokens` of the
+episodes that ended, groups waiting, running and complete.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Producer:
         self._error: BaseException | None = None
         self._idle_since: float | None = time.monotonic()
         self._counts = {"idle_s": 0.0, "floor_waits": 0, "launched_groups": 0, "completed_groups": 0,
-                        "launched_episodes": 0}
+                        "launched_episodes": 0, "policy_tokens": 0}
 
     # ------------------------------------------------------------------ from the controller's thread
 
@@ -125,7 +125,7 @@ class Producer:
             idle = self._counts["idle_s"] + (time.monotonic() - self._idle_since if self._idle_since else 0.0)
             with self._cond:
                 complete = len(self._complete)
-            return {**self._counts, "idle_s": idle, "waiting_groups": len(self._waiting),
+            return {**self._counts, "idle_s": idle, "clock": time.monotonic(), "waiting_groups": len(self._waiting),
                     "running_groups": len(self._running), "complete_groups": complete,
                     "running_episodes": sum(self._running.values())}
         return asyncio.run_coroutine_threadsafe(read(), self.loop).result()
@@ -179,6 +179,7 @@ class Producer:
                 self._cond.notify_all()
             return
         group = traj.group_id
+        self._counts["policy_tokens"] += traj.num_policy_tokens
         self._members[group].append(traj)
         self._running[group] -= 1
         if self._running[group]:

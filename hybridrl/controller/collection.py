@@ -285,8 +285,10 @@ class StreamCollection(PartialCollection):
                 self._grant(step + ahead, version + ahead - self.lag)
         self._record(step, trajectories)
         stats = [out["stats"] for out in outs if out["stats"]]
-        counters = {k: sum(s[k] for s in stats) for k in ("idle_s", "floor_waits", "launched_groups")}
+        counters = {k: sum(s[k] for s in stats) for k in ("idle_s", "floor_waits", "launched_groups", "policy_tokens")}
+        counters["clock"] = max(s["clock"] for s in stats)       # monotonic clocks: only differences are used
         deltas = {k: v - self.before.get(k, 0.0) for k, v in counters.items()}
+        first = not self.before
         self.before = counters
         metrics = {"stream/trainer_wait_s": waited, "stream/rollout_idle_s": deltas["idle_s"], "stream/floor_waits": deltas["floor_waits"],
                    "stream/launched_groups": deltas["launched_groups"],
@@ -296,6 +298,9 @@ class StreamCollection(PartialCollection):
                    "stream/running_episodes": float(sum(s["running_episodes"] for s in stats)),
                    "stream/multi_version_episodes": float(sum(len(t.versions) > 1 for t in trajectories)),
                    **lag_histogram(trajectories, version)}
+        busy = deltas["clock"] - deltas["idle_s"] / max(1, len(stats))
+        if not first:      # generation's own rate: policy tokens of the episodes ended since the last take, per busy second
+            metrics["gen/tokens_per_s"] = deltas["policy_tokens"] / busy if busy > 0 else 0.0
         return trajectories, metrics
 
 

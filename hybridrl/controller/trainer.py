@@ -96,6 +96,7 @@ def train(cfg, wg) -> dict:
             step, trajectories=trajectories, kept=kept, batch=batch, switch=switch, rollout_version=rollout_version,
             version_after=run.version, metrics=metrics,
             checkpoint=str(run.checkpoints.path(step)) if tc.checkpoint_every and step % tc.checkpoint_every == 0 else None)
+        metrics["time/logged_at"] = time.time()      # wall clock: throughput over steps, whatever overlaps
         run.log(step, metrics, samples=trajectories)
         run.faults.at(step, "log")
         bar.set_postfix_str(M.postfix(metrics))

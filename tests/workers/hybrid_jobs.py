@@ -18,23 +18,26 @@ from hybridrl.workers.modes import IllegalTransition  # noqa: F401  (re-exported
 PROMPTS = [[1, 276, 201, 19, 20, 21], [1, 312, 201, 318, 311, 22, 23, 24, 12, 25], [1, 280, 201]]
 
 
+def damage_after_copy(core, name: str | None, times: int = 1) -> None:
+    """Damage a native engine's own storage of tensor `name` right after the engine copied it (`times`
+    copies; -1: every copy; None: stop). The sender and the verifier are untouched."""
+    real = getattr(core, "_real_copy", None) or core.copy_into_storage
+    core._real_copy = real
+    left = [float("inf") if times < 0 else times]
+
+    def faulty(items):
+        real(items)
+        if name is not None and left[0] > 0 and any(n == name for n, _ in items):
+            core.views[name].view(-1)[0] += 1.0
+            left[0] -= 1
+
+    core.copy_into_storage = faulty
+
+
 class FaultyHybridWorker(HybridWorker):
     @register(dispatch=ONE_TO_ALL)
     def set_fault(self, name: str | None, times: int = 1) -> None:
-        """Damage the engine's own storage of tensor `name` right after the engine copied it (`times` copies;
-        -1: every copy; None: stop). The sender and the verifier are untouched."""
-        core = self.engine.core
-        real = getattr(core, "_real_copy", None) or core.copy_into_storage
-        core._real_copy = real
-        left = [float("inf") if times < 0 else times]
-
-        def faulty(items):
-            real(items)
-            if name is not None and left[0] > 0 and any(n == name for n, _ in items):
-                core.views[name].view(-1)[0] += 1.0
-                left[0] -= 1
-
-        core.copy_into_storage = faulty
+        damage_after_copy(self.engine.core, name, times)
 
 
 def _write(cfg, result):

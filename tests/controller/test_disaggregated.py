@@ -1,0 +1,125 @@
+"""The disaggregated placement with real ranks (1 training + 1 rollout rank, gloo): generation runs one
+update ahead and every token keeps the version that produced it; publication to the rollout rank is
+verified from the engine's own storage; a killed run resumes with every prompt trained once; and the
+configurations it cannot run are refused by name before anything starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridrl.config import ConfigError, load_config
+from hybridrl.telemetry.metrics import read_metrics
+from tests.controller.test_rl_e2e import RECIPE, hybridrl_train
+
+DISAGGREGATED = ("placement.mode=disaggregated", "placement.rollout_ranks=1")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models("qwen2", init_std=0.05)
+
+
+def test_one_update_ahead_every_token_keeps_its_version(tmp_path, model):
+    proc = hybridrl_train(RECIPE, *DISAGGREGATED, "algo.max_policy_lag=1", f"model.path={model}",
+                          f"run.dir={tmp_path}", "trainer.total_steps=3")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [r for r in read_metrics(tmp_path) if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["train/updated"] == 1.0 for r in rows)
+    assert [r["policy/version"] for r in rows] == [1.0, 2.0, 3.0]
+    # step 1's groups start on v0 and train at v0; each later step's were generated while the step
+    # before it trained, on the version before: lag 1, within the bound, none filtered
+    assert rows[0]["lag/0"] == rows[0]["episodes"]
+    for r in rows[1:]:
+        assert r["lag/1"] > 0 and r["lag/0"] + r["lag/1"] == r["episodes"] and r["policy/lag_max"] <= 1
+        assert r["filter/policy_lag"] == 0 and r["publish/refused"] == 0
+        assert r["parity/max_abs"] < 1e-4 and r["switch/publish_s"] > 0      # published to the rollout rank
+        assert r["mismatch/max_abs"] < 1e-4        # the rollout rank's engine samples what the trainer scores
+    from hybridrl.inspect.query import RunLedger
+
+    ledger = RunLedger(tmp_path)
+    for step in (1, 2, 3):
+        trajectories = ledger.select(step=step)
+        assert len(trajectories) == 16 and all(t["consumed_step"] == step for t in trajectories)
+        # no token is labelled with a version newer than the one being trained, nor older than the bound
+        assert all(step - 2 <= t["min_version"] <= t["max_version"] <= step - 1 for t in trajectories)
+    assert {r["version"] for r in ledger.releases().values()} >= {1, 2}           # each publication's manifest
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert samples and (tmp_path / "hf" / "config.json").exists()
+
+
+def test_a_damaged_copy_on_the_rollout_rank_is_copied_again_and_a_persistent_one_stops_the_run(tmp_path, model):
+    """The rollout rank's engine storage is damaged after its copy: training rank 0 hears of it from
+    the receiver's read-back, sends the tensor again; damage on every copy stops the publication."""
+    from tests.workers.hybrid_jobs import CORRUPTED
+
+    proc = hybridrl_train(RECIPE, *DISAGGREGATED, "algo.max_policy_lag=1", "run.job=tests.controller.disaggregated_jobs:CORRUPT",
+                          f"model.path={model}", f"run.dir={tmp_path}", "train.lr=1e-2", "train.lr_warmup_steps=0")
+    r = json.loads((tmp_path / "result.json").read_text())
+    assert proc.returncode != 0
+    assert r["retried"]["published"] and r["retried"]["publish/retried_tensors"] == 1
+    rollout_rank = r["v1"][1]                                  # rank 0 trains; rank 1 holds the engine
+    assert r["v1"][0] == [] and all(o["policy_version"] == 1 for o in rollout_rank)
+    assert [o["logprobs"] for o in rollout_rank] != [o["logprobs"] for o in r["v0"][1]]
+    assert CORRUPTED in r["failure"] and "twice" in r["failure"] and "enter_rollout" in r["failure"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("algo.max_policy_lag=-1", "algo.max_policy_lag"),
+    ("trainer.rollout_mode=partial", "trainer.rollout_mode"),
+    ("rollout.tp=2", "rollout.tp"),
+    ("trainer.dynamic_sampling=true", "trainer.dynamic_sampling"),
+    ("run.job=sft", "placement.mode"),
+])
+def test_what_it_cannot_run_is_refused_at_load_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(str(RECIPE), [*DISAGGREGATED, "algo.max_policy_lag=1", "model.path=/m", override])
+    assert key in str(err.value) and "\n" not in str(err.value)
+
+
+def test_no_training_rank_left_is_refused_before_torchrun(tmp_path, model):
+    proc = hybridrl_train(RECIPE, "placement.mode=disaggregated", "placement.rollout_ranks=2", "algo.max_policy_lag=1",
+                          f"model.path={model}", f"run.dir={tmp_path}")
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "placement.rollout_ranks=2" in lines[0] and "torch.distributed.run" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_trains_every_drawn_prompt_exactly_once(tmp_path, model):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.launch import ROOT, env_with_repo, kill_tree, processes_mentioning
+
+    common = [*DISAGGREGATED, "algo.max_policy_lag=1", f"model.path={model}", f"run.dir={tmp_path}",
+              "trainer.total_steps=5", "trainer.checkpoint_every=2"]
+    agent = subprocess.Popen([sys.executable, "-m", "hybridrl", "train", str(RECIPE), *common], cwd=ROOT,
+                             env=env_with_repo(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    marker = tmp_path / "checkpoints" / "step_000002" / "COMPLETE"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and agent.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), "the run never completed its step-2 checkpoint"
+    for p in processes_mentioning(str(tmp_path)):
+        p.send_signal(signal.SIGKILL)
+    kill_tree(agent.pid)
+    agent.wait(timeout=30)
+    state = json.loads((tmp_path / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    held = set(state["collection"]["in_flight"])
+    assert held                                     # step 3's groups were granted before the checkpoint
+    proc = hybridrl_train(RECIPE, *common, "trainer.resume=auto")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "groups.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    task = lambda g: g.split("@")[0]  # noqa: E731
+    drawn = [t for r in rows for t in r["drawn"]]
+    returned = [task(g) for r in rows for g in r["returned"]]
+    assert len(drawn) == len(set(drawn)) and len(returned) == len(set(returned))
+    assert sorted(returned + [task(g) for g in rows[-1]["in_flight"]]) == sorted(drawn)
+    assert {task(g) for g in held} <= set(returned)
+    assert all(r["train/updated"] == 1.0 for r in read_metrics(tmp_path) if r["step"] > 0)
