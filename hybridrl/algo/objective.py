@@ -93,5 +93,4 @@ def make_loss_fn(cfg: AlgoConfig, *, old_from_forward: bool = False) -> LossFn:
                 token_loss = token_loss - cfg.entropy_coef * entropy
         return token_loss, metrics
 
-    loss_fn.needs_entropy = cfg.entropy_coef > 0  # type: ignore[attr-defined]
     return loss_fn

@@ -18,6 +18,7 @@ its role's part and nothing for the other's. The controller's side is
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -25,19 +26,29 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.data.batch import Batch
-from hybridrl.data.trajectory import to_batch
 from hybridrl.distributed.dispatch import ONE_TO_ALL, DPSplit, OneToAll
 from hybridrl.distributed.mesh import Mesh, train_mesh
 from hybridrl.distributed.peers import build_group
 from hybridrl.publication import parity
 from hybridrl.publication.transport_remote import BroadcastTransport, RemoteEngine, receive_publication
 from hybridrl.workers.base import register
-from hybridrl.workers.hybrid import ROLLOUT_PADS, HybridWorker, _placeholder_rows
+from hybridrl.workers.hybrid import ROLLOUT_PADS, HybridWorker
 from hybridrl.workers.modes import Mode
 
 log = logging.getLogger(__name__)
 
 PUBLISH_GROUP = "publish"
+
+
+def elsewhere(name: str, dispatch, result: Any = None):
+    """A registered method that this role answers with (a copy of) `result`: the other role's ranks
+    do the work (every call reaches every rank)."""
+    def method(self, *args: Any, **kwargs: Any) -> Any:
+        return copy.deepcopy(result)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"{name}: done by the other role's ranks; this one answers {result!r}."
+    return register(dispatch=dispatch)(method)
 
 
 def publish_ranks(ctx: Any) -> list[int]:
@@ -151,25 +162,12 @@ class TrainerWorker(HybridWorker):
 
     # ------------------------------------------------------------------ what only rollout ranks do
 
-    @register(dispatch=DPSplit("rollout", pad_outputs=ROLLOUT_PADS))
-    def rollout(self, episodes: Batch | None = None, *, temperature: float | None = None) -> Batch | None:
-        return None
-
-    @register(dispatch=ONE_TO_ALL)
-    def grant(self, *, groups: list[list[dict]], floor: int) -> None:
-        return None
-
-    @register(dispatch=ONE_TO_ALL)
-    def take(self, *, group_ids: list[str], floor: int) -> dict:
-        return {"trajectories": [], "stats": {}}
-
-    @register(dispatch=ONE_TO_ALL)
-    def sample(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0) -> list[dict]:
-        return []
-
-    @register(dispatch=ONE_TO_ALL)
-    def rollout_stats(self) -> dict:
-        return {"engine": {}, "agent": {}, "sandbox": {}}
+    rollout = elsewhere("rollout", DPSplit("rollout", pad_outputs=ROLLOUT_PADS))
+    grant = elsewhere("grant", ONE_TO_ALL)
+    take = elsewhere("take", ONE_TO_ALL, {"trajectories": [], "stats": {}})
+    sample = elsewhere("sample", ONE_TO_ALL, [])
+    rollout_stats = elsewhere("rollout_stats", ONE_TO_ALL, {"engine": {}, "agent": {}, "sandbox": {}})
+    close = elsewhere("close", ONE_TO_ALL)
 
     @register(dispatch=ONE_TO_ALL)
     def memory_report(self) -> dict:
@@ -180,10 +178,6 @@ class TrainerWorker(HybridWorker):
         return {"mode": self.modes.mode.value, "role": "train", **held_bytes(self.actor), **self._critic_memory(),
                 "staging_bytes": self.staging.nbytes, "rss_bytes": psutil.Process().memory_info().rss,
                 "phases": self.modes.summary()}
-
-    @register(dispatch=ONE_TO_ALL)
-    def close(self) -> None:
-        return None
 
 
 class RolloutWorker(HybridWorker):
@@ -267,19 +261,7 @@ class RolloutWorker(HybridWorker):
     @register(dispatch=DPSplit("rollout", pad_outputs=ROLLOUT_PADS))
     def rollout(self, episodes: Batch | None = None, *, temperature: float | None = None) -> Batch | None:
         """Episodes run beside the producer's (validation), on the same engine."""
-        from hybridrl.data.episode import TaskInstance
-
-        if episodes is None:
-            return None
-        real = episodes.num_valid
-        if real == 0:
-            return _placeholder_rows(len(episodes))
-        attempts = [(TaskInstance.from_dict(episodes["instance"][i]), int(episodes["attempt"][i]),
-                     episodes["group_id"][i]) for i in range(real)]
-        with self.modes.phase("generate"):
-            trajectories = self._run(self.runner.run_attempts(attempts, task=self.task, temperature=temperature))
-        self._score_with_reward_model(trajectories)
-        return to_batch(trajectories, pad_id=self.tokenizer.pad_token_id or 0).pad_to(len(episodes))
+        return None if episodes is None else self._episodes(episodes, temperature)
 
     def _mine(self, groups: list) -> list:
         """Whole groups dealt to the rollout ranks in turn: group i to rollout rank i % R."""
@@ -327,46 +309,18 @@ class RolloutWorker(HybridWorker):
                 "rss_bytes": psutil.Process().memory_info().rss, "phases": self.modes.summary()}
 
     # ------------------------------------------------------------------ what only training ranks do
+    # (a rollout rank holds no training state: the controller records what it has in flight)
 
-    @register(dispatch=DPSplit("train"))
-    def compute_logprobs(self, batch: Batch | None = None) -> None:
-        return None
-
-    @register(dispatch=DPSplit("train"))
-    def compute_ref_logprobs(self, batch: Batch | None = None) -> None:
-        return None
-
-    @register(dispatch=DPSplit("train"))
-    def train_step(self, batch: Batch | None = None) -> None:
-        return None
-
-    @register(dispatch=DPSplit("train"))
-    def update_policy(self, batch: Batch | None = None, **kwargs: Any) -> None:
-        return None
-
-    @register(dispatch=ONE_TO_ALL)
-    def update_lineage(self) -> None:
-        return None
-
-    @register(dispatch=DPSplit("train"))
-    def compute_values(self, batch: Batch | None = None) -> None:
-        return None
-
-    @register(dispatch=DPSplit("train"))
-    def train_critic(self, batch: Batch | None = None) -> None:
-        return None
-
-    @register(dispatch=ONE_TO_ALL)
-    def save_checkpoint(self, path: str, extra: dict) -> None:
-        return None      # a rollout rank holds no training state; the controller records what it has in flight
-
-    @register(dispatch=OneToAll("rank0"))
-    def load_checkpoint(self, path: str) -> dict:
-        return {}
-
-    @register(dispatch=ONE_TO_ALL)
-    def export_hf(self, out_dir: str) -> None:
-        return None
+    compute_logprobs = elsewhere("compute_logprobs", DPSplit("train"))
+    compute_ref_logprobs = elsewhere("compute_ref_logprobs", DPSplit("train"))
+    train_step = elsewhere("train_step", DPSplit("train"))
+    update_policy = elsewhere("update_policy", DPSplit("train"))
+    update_lineage = elsewhere("update_lineage", ONE_TO_ALL)
+    compute_values = elsewhere("compute_values", DPSplit("train"))
+    train_critic = elsewhere("train_critic", DPSplit("train"))
+    save_checkpoint = elsewhere("save_checkpoint", ONE_TO_ALL)
+    load_checkpoint = elsewhere("load_checkpoint", OneToAll("rank0"), {})
+    export_hf = elsewhere("export_hf", ONE_TO_ALL)
 
     @register(dispatch=ONE_TO_ALL)
     def close(self) -> None:

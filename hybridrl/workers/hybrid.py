@@ -346,11 +346,15 @@ class HybridWorker(CriticMixin, RewardModelMixin, Worker):
     @register(dispatch=DPSplit("rollout", pad_outputs=ROLLOUT_PADS))
     def rollout(self, episodes: Batch, *, temperature: float | None = None) -> Batch:
         """One row per episode (meta: instance, attempt, group_id) -> one row per trajectory."""
-        from hybridrl.data.episode import TaskInstance
-
         self.modes.require(Mode.ROLLOUT)
         if not self.owns_engine:
             return None                  # the group's first rank runs its episodes
+        return self._episodes(episodes, temperature)
+
+    def _episodes(self, episodes: Batch, temperature: float | None) -> Batch:
+        """This rank's share of episodes through the agent loop, scored by the reward model if any."""
+        from hybridrl.data.episode import TaskInstance
+
         real = episodes.num_valid
         if real == 0:   # a shard of padding only (more rollout ranks than episodes)
             return _placeholder_rows(len(episodes))

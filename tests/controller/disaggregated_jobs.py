@@ -1,15 +1,14 @@
-"""Jobs for the disaggregated-placement tests: the rollout rank's engine storage damaged right after
-its copy (the sender and the verifier untouched); each job writes result.json."""
+"""Jobs for the disaggregated-placement tests: the colocated tests' controllers, run by the two roles'
+workers; here the rollout rank's engine storage is damaged right after its copy (the sender and the
+verifier untouched)."""
 
 from __future__ import annotations
 
-from hybridrl.controller.worker_group import WorkerGroupError
 from hybridrl.distributed.dispatch import ONE_TO_ALL
 from hybridrl.jobs import Job
 from hybridrl.workers.base import register
 from hybridrl.workers.disaggregated import RolloutWorker, TrainerWorker
-from hybridrl.workers.hybrid import HybridWorker
-from tests.workers.hybrid_jobs import CORRUPTED, PROMPTS, _train_once, _write, damage_after_copy
+from tests.workers.hybrid_jobs import corrupted_publication, damage_after_copy
 
 
 class FaultyTrainer(TrainerWorker):
@@ -28,24 +27,6 @@ def make_faulty(cfg, ctx):
     return FaultyTrainer(cfg, ctx) if ctx.role == "train" else FaultyRollout(cfg, ctx)
 
 
-def corrupted_publication(cfg, wg):
-    """As the colocated test: one damaged copy is copied again and verified; damage on every copy stops
-    the publication, naming the tensor, and the rollout engine stays on the version it had."""
-    v0 = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=8)
-    _train_once(wg, vocab=500)
-    wg.call(FaultyTrainer.set_fault, name=CORRUPTED, times=1)
-    retried = wg.call(HybridWorker.enter_rollout, version=1, step=1)
-    v1 = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=8)
-    _train_once(wg, vocab=500, seed=1)
-    wg.call(FaultyTrainer.set_fault, name=CORRUPTED, times=-1)
-    try:
-        wg.call(HybridWorker.enter_rollout, version=2, step=2)
-        failure = None
-    except WorkerGroupError as err:
-        failure = str(err)
-    _write(cfg, {"v0": v0, "retried": retried, "v1": v1, "failure": failure})
-    if failure:
-        raise RuntimeError("expected failure recorded")   # the group is aborted after a worker error
-
-
+# the colocated test's controller: one damaged copy is copied again and verified, damage on every copy
+# stops the publication naming the tensor (enter_train is a no-op for both roles here)
 CORRUPT = Job("corrupt", make_faulty, corrupted_publication)

@@ -88,38 +88,14 @@ def test_no_training_rank_left_is_refused_before_torchrun(tmp_path, model):
 
 @pytest.mark.slow
 def test_kill_9_then_resume_trains_every_drawn_prompt_exactly_once(tmp_path, model):
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from tests.launch import ROOT, env_with_repo, kill_tree, processes_mentioning
+    from tests.controller.resume_checks import assert_every_drawn_prompt_trained_once, kill_after_checkpoint
 
     common = [*DISAGGREGATED, "algo.max_policy_lag=1", f"model.path={model}", f"run.dir={tmp_path}",
               "trainer.total_steps=5", "trainer.checkpoint_every=2"]
-    agent = subprocess.Popen([sys.executable, "-m", "hybridrl", "train", str(RECIPE), *common], cwd=ROOT,
-                             env=env_with_repo(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
-    marker = tmp_path / "checkpoints" / "step_000002" / "COMPLETE"
-    deadline = time.monotonic() + 300
-    while not marker.exists() and agent.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert marker.exists(), "the run never completed its step-2 checkpoint"
-    for p in processes_mentioning(str(tmp_path)):
-        p.send_signal(signal.SIGKILL)
-    kill_tree(agent.pid)
-    agent.wait(timeout=30)
-    state = json.loads((tmp_path / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    state = kill_after_checkpoint(RECIPE, common, tmp_path, step=2)
     held = set(state["collection"]["in_flight"])
     assert held                                     # step 3's groups were granted before the checkpoint
     proc = hybridrl_train(RECIPE, *common, "trainer.resume=auto")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "groups.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    task = lambda g: g.split("@")[0]  # noqa: E731
-    drawn = [t for r in rows for t in r["drawn"]]
-    returned = [task(g) for r in rows for g in r["returned"]]
-    assert len(drawn) == len(set(drawn)) and len(returned) == len(set(returned))
-    assert sorted(returned + [task(g) for g in rows[-1]["in_flight"]]) == sorted(drawn)
-    assert {task(g) for g in held} <= set(returned)
+    assert_every_drawn_prompt_trained_once(tmp_path, 5, held)
     assert all(r["train/updated"] == 1.0 for r in read_metrics(tmp_path) if r["step"] > 0)
