@@ -89,15 +89,17 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48, help="tokens per episode (one turn)")
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=384, help="the model's hidden size (0: the demo's 192)")
-    ap.add_argument("--concurrency", type=int, default=13,
+    ap.add_argument("--concurrency", type=int, default=11,
                     help="agent.max_concurrent_episodes: with the defaults, rollout and training take about as long")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("overrides", nargs="*", help="more key=value overrides for every variant")
     args = ap.parse_args()
     out = Path(args.json).resolve().parent / "overlap-runs"
     out.mkdir(parents=True, exist_ok=True)
-    model_args = [*BASE_MODEL_ARGS, *(["--hidden", str(args.hidden)] if args.hidden else [])]
-    model = out / ("model-" + "-".join(a.lstrip("-") for a in model_args))
+    model_args = list(BASE_MODEL_ARGS)
+    if args.hidden:
+        model_args[model_args.index("--hidden") + 1] = str(args.hidden)
+    model = out / f"model-hidden{model_args[model_args.index('--hidden') + 1]}"
     if not (model / "config.json").exists():
         subprocess.run([sys.executable, "-m", "hybridrl", "assets", "tiny-model", *model_args, "--out", str(model)],
                        check=True, capture_output=True)

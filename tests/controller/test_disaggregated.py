@@ -28,14 +28,20 @@ def test_one_update_ahead_every_token_keeps_its_version(tmp_path, model):
     rows = [r for r in read_metrics(tmp_path) if r["step"] > 0]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["train/updated"] == 1.0 for r in rows)
     assert [r["policy/version"] for r in rows] == [1.0, 2.0, 3.0]
-    # step 1's groups start on v0 and train at v0; each later step's were generated while the step
-    # before it trained, on the version before: lag 1, within the bound, none filtered
+    # step 1's groups start on v0 and train at v0. Each later step's groups are granted right after the
+    # step before took its own, before its update, with the floor of a lag of 1: they may start on the
+    # version being trained (none waits), so their tokens are that version or the next (how many of
+    # each depends on timing), always within the bound and never filtered
     assert rows[0]["lag/0"] == rows[0]["episodes"]
+    assert rows[0]["mismatch/max_abs"] < 1e-4     # on-policy there: the rollout rank samples what the trainer scores
+    groups = [json.loads(line) for line in (tmp_path / "groups.jsonl").read_text().splitlines()]
+    assert [sorted(g["in_flight"]) for g in groups[:2]] == [sorted(g["returned"]) for g in groups[1:]]
+    for r in rows:
+        assert r["stream/floor_waits"] == 0 and r["lag/2"] == 0 and r["lag/3+"] == 0
+        assert r["lag/0"] + r["lag/1"] == r["episodes"] and r["policy/lag_max"] <= 1
+        assert r["filter/policy_lag"] == 0
     for r in rows[1:]:
-        assert r["lag/1"] > 0 and r["lag/0"] + r["lag/1"] == r["episodes"] and r["policy/lag_max"] <= 1
-        assert r["filter/policy_lag"] == 0 and r["publish/refused"] == 0
-        assert r["parity/max_abs"] < 1e-4 and r["switch/publish_s"] > 0      # published to the rollout rank
-        assert r["mismatch/max_abs"] < 1e-4        # the rollout rank's engine samples what the trainer scores
+        assert r["publish/refused"] == 0 and r["parity/max_abs"] < 1e-4 and r["switch/publish_s"] > 0
     from hybridrl.inspect.query import RunLedger
 
     ledger = RunLedger(tmp_path)
