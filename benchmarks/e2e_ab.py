@@ -46,14 +46,18 @@ def main() -> int:
     ap.add_argument("--json", required=True)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--model", default=None, help="HF directory for both (default: the demo's base model, built for "
+                                                  "the run; runs/demo/sft/hf is the demo's GRPO stage as it runs)")
     ap.add_argument("overrides", nargs="*", help="recipe overrides passed to both")
     args = ap.parse_args()
     sides = {"base": Path(args.base).resolve(), "head": Path(args.head).resolve()}
     runs: dict[str, list[dict]] = {"base": [], "head": []}
     with tempfile.TemporaryDirectory(prefix="hybridrl-e2e-ab-") as tmp:
-        model = str(Path(tmp) / "model")
-        subprocess.run([sys.executable, "-m", "hybridrl", "assets", "tiny-model", *BASE_MODEL_ARGS, "--out", model],
-                       check=True, capture_output=True, cwd=ROOT)
+        model = args.model and str(Path(args.model).resolve())
+        if model is None:
+            model = str(Path(tmp) / "model")
+            subprocess.run([sys.executable, "-m", "hybridrl", "assets", "tiny-model", *BASE_MODEL_ARGS, "--out", model],
+                           check=True, capture_output=True, cwd=ROOT)
         for i in range(args.repeats):
             for side in (("base", "head") if i % 2 == 0 else ("head", "base")):
                 r = run(sides[side], model, args.steps, Path(tmp) / f"{side}{i}.json", args.overrides)
@@ -63,7 +67,8 @@ def main() -> int:
     med = {side: {"step_s": statistics.median(r["step_s"] for r in rs),
                   **{k: statistics.median(r["stage_times"][k] for r in rs) for k in rs[0]["stage_times"]}}
            for side, rs in runs.items()}
-    result = {"base": str(sides["base"]), "head": str(sides["head"]), "repeats": args.repeats, "steps": args.steps,
+    result = {"base": str(sides["base"]), "head": str(sides["head"]), "model": args.model or "the demo's base model",
+              "repeats": args.repeats, "steps": args.steps,
               "overrides": args.overrides, "median": med,
               "speedup_step": med["base"]["step_s"] / med["head"]["step_s"],
               "speedup_train_plus_prep": (med["base"]["T_train"] + med["base"]["T_prep"])
