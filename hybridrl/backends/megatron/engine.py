@@ -339,15 +339,22 @@ class MegatronEngine:
         """The exported fused groups (a slot's HF tensors, e.g. q/k/v of one layer) as (name, shape,
         dtype), in model order, known without gathering: what a publication plans its buckets from."""
         spec = self.hf_spec()
-        return [[(name, *spec[name]) for name in slot.hf_names] for slot in self.adapter.slots() if slot.exported]
+        return [[(name, *spec[name]) for name in slot.hf_names] for slot in self._exported_slots()]
+
+    def _exported_slots(self) -> list:
+        if getattr(self, "_exported", None) is None:
+            self._exported = [s for s in self.adapter.slots() if s.exported]
+        return self._exported
 
     def write_hf_group(self, index: int, out: dict[str, torch.Tensor]) -> None:
         """Write group `index` of `hf_group_specs()` into `out[name]` (contiguous tensors of those
-        shapes), un-fusing in place. Every rank of the model-parallel group calls it, in order."""
+        shapes), un-fusing in place. Every rank of the model-parallel group calls it, in order.
+        Copies and collectives only: no CUDA literal to map, so no device scope (on a CPU its
+        per-call Python dispatch doubled the time of a publication's writes)."""
         from hybridrl.backends.megatron.weights import write_hf_group
 
-        slot = [s for s in self.adapter.slots() if s.exported][index]
-        with self._scope(), torch.no_grad():
+        slot = self._exported_slots()[index]
+        with torch.no_grad():
             write_hf_group(self.adapter, slot, self.params.get(slot), self._owners[slot], out)
 
     def hf_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
