@@ -168,8 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "a checkpoint or another run's checkpoint there is refused)")
         p.add_argument("--check", action="store_true", help="check the config and the run's inputs; start nothing")
         p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:MOMENT]",
-                       help="inject a fault (kill_job, kill_rank[N] at switch|rollout|train|log|checkpoint), "
-                            "once per run directory: what trainer.inject sets")
+                       help="inject a fault, once per run directory (what trainer.inject sets): kill_job or "
+                            "kill_rank[N] at switch|rollout|train|log|checkpoint; engine, tool, reward, env_kill "
+                            "during the step's rollout; disk_full at its checkpoint (hybridrl/controller/faults.py)")
         p.set_defaults(func=_cmd_train, job_overrides=job)
 
     p = sub.add_parser("config", help="inspect configuration")

@@ -26,8 +26,9 @@ class TrainerConfig:
     log_samples: int = knob(2, "trajectories per step written to <run.dir>/samples.jsonl (decoded)")
     max_restarts: int = knob(0, "torchrun restarts every rank this many times after a rank fails; a restarted "
                                 "run resumes from its newest complete checkpoint (or starts over without one)")
-    inject: list[str] = knob(help="fault injection, KIND@STEP[:MOMENT] (kill_job, kill_rank[N]; moments switch, "
-                                  "rollout, train, log, checkpoint): see hybridrl/controller/faults.py",
+    inject: list[str] = knob(help="fault injection, KIND@STEP[:MOMENT]: kill_job, kill_rank[N] (moments switch, "
+                                  "rollout, train, log, checkpoint); engine, tool, reward, env_kill (during the "
+                                  "rollout), disk_full (at the checkpoint): see hybridrl/controller/faults.py",
                              factory=list)
     rollout_mode: str = knob("sync", "sync: every step waits for all its episodes | partial: a step ends its rollout "
                                      "when `quorum` groups are complete (or at `rollout_deadline_s`); episodes still "

@@ -1,14 +1,30 @@
 """Fault injection into a real run: `trainer.inject` (or `hybridrl train RECIPE --inject SPEC`).
 
-    SPEC = KIND@STEP[:MOMENT]          e.g. kill_job@3:train, kill_rank@2:rollout
+    SPEC = KIND@STEP[:MOMENT]          e.g. kill_job@3:train, kill_rank@2:rollout, engine@2
 
-Kinds (each ends one documented way; README "Faults and resume"):
+Kinds (each ends one of two documented ways; README "Faults and resume"): the step goes on with the
+affected trajectories infrastructure-invalid (counted, never trained on), or the run stops and
+resumes from its newest complete checkpoint (by itself with `trainer.max_restarts > 0`).
 - `kill_job`: SIGKILL the whole job at that moment: the torchrun agent (what `hybridrl train`
   became), every rank and their children (tool sandboxes, checkpoint writers). Nothing can run
   a handler. The run resumes from its newest complete checkpoint when started again.
 - `kill_rank`: SIGKILL the last worker rank (`kill_rank1`...: that rank) at that moment. The
   controller sees the rank die and the run exits with code 1; with `trainer.max_restarts > 0`
   torchrun restarts every rank and the run resumes from its newest complete checkpoint.
+Faults armed on a worker at the start of the step's rollout (the last rank with an engine), each
+firing once, at its first chance from then on:
+- `engine`: the rollout engine's next forward step fails, as a crashed engine does: every request
+  in flight fails, their episodes end infrastructure-invalid; the engine serves the rest.
+- `tool`: the next tool call's backend fails (as a killed sandbox does): that episode ends
+  infrastructure-invalid. A step whose episodes call no tool leaves it armed for the next.
+- `reward`: the task's verifier raises on the next episode it scores (an evaluator error): that
+  episode is infrastructure-invalid.
+- `env_kill`: the environment service SIGKILLs its process right after committing a step, before
+  replying (a task with an environment): the run stops; resumed, the committed action is answered
+  from the record, never executed again.
+Armed on the last rank before the step's checkpoint (the step must write one):
+- `disk_full`: writing the checkpoint fails with ENOSPC: the run stops naming it, the incomplete
+  checkpoint is never used, and the run resumes from the one before.
 
 Moments, in the order a step passes them (the default is `rollout`):
   switch      the workers switched to rollout mode; no episode ran yet
@@ -36,9 +52,11 @@ from typing import Sequence
 
 log = logging.getLogger(__name__)
 
-KINDS = ("kill_job", "kill_rank")
+KINDS = ("kill_job", "kill_rank", "engine", "tool", "reward", "env_kill", "disk_full")
+WORKER_KINDS = ("engine", "tool", "reward", "env_kill", "disk_full")      # armed on a worker, fired there
 MOMENTS = ("switch", "rollout", "train", "log", "checkpoint")
-_SPEC = re.compile(r"^(?P<kind>kill_job|kill_rank(?P<rank>\d+)?)@(?P<step>\d+)(?::(?P<moment>\w+))?$")
+_SPEC = re.compile(r"^(?P<kind>kill_job|kill_rank(?P<rank>\d+)?|engine|tool|reward|env_kill|disk_full)"
+                   r"@(?P<step>\d+)(?::(?P<moment>\w+))?$")
 
 
 @dataclass(frozen=True)
@@ -55,12 +73,15 @@ def parse(spec: str) -> Fault:
     if m is None:
         raise ValueError(f"fault {spec!r}: expected KIND@STEP[:MOMENT] with KIND one of {', '.join(KINDS)} "
                          f"(kill_rankN for rank N), e.g. kill_job@3:train")
-    moment = m["moment"] or "rollout"
+    kind = "kill_rank" if m["kind"].startswith("kill_rank") else m["kind"]
+    natural = "checkpoint" if kind == "disk_full" else "rollout"
+    moment = m["moment"] or natural
+    if kind in WORKER_KINDS and moment != natural:
+        raise ValueError(f"fault {spec!r}: {kind} fires during the step's {natural}; leave the moment out")
     if moment not in MOMENTS:
         raise ValueError(f"fault {spec!r}: unknown moment {moment!r}; one of {', '.join(MOMENTS)}")
     if int(m["step"]) < 1:
         raise ValueError(f"fault {spec!r}: steps count from 1")
-    kind = "kill_rank" if m["kind"].startswith("kill_rank") else m["kind"]
     return Fault(spec.strip(), kind, int(m["step"]), moment, int(m["rank"]) if m["rank"] else None)
 
 
@@ -79,11 +100,19 @@ def check(specs: Sequence[str], *, checkpoint_every: int, world_size: int | None
 
 
 class Injector:
-    """Rank 0's view of the run's faults; `at(step, moment)` fires the ones due there."""
+    """Rank 0's view of the run's faults; `at(step, moment)` fires the ones due there, `arm(step,
+    moment, call)` hands the worker-side ones due there to `call(kind, spec)` (a worker-group call)."""
 
     def __init__(self, specs: Sequence[str], run_dir: str | Path, *, checkpoint_every: int = 0):
         self.faults = check(specs, checkpoint_every=checkpoint_every)
         self.record = Path(run_dir) / "faults.jsonl"
+
+    def arm(self, step: int, moment: str, call) -> None:
+        """Worker-side faults due at (step, moment): recorded first (each fires once per run directory),
+        then armed on the workers."""
+        for fault in self._due(step, moment, worker=True):
+            log.warning("fault injection: arming %s (step %d)", fault.spec, step)
+            call(kind=fault.kind, spec=fault.spec)
 
     def fired(self) -> set[str]:
         if not self.record.exists():
@@ -91,12 +120,21 @@ class Injector:
         return {json.loads(line)["spec"] for line in self.record.read_text().splitlines() if line.strip()}
 
     def at(self, step: int, moment: str) -> None:
-        if not self.faults:
-            return
-        due = [f for f in self.faults if f.step == step and f.moment == moment]
+        for fault in self._due(step, moment, worker=False):
+            log.warning("fault injection: %s (step %d, %s)", fault.spec, step, moment)
+            if fault.kind == "kill_job":
+                kill_job()
+            else:
+                kill_rank(fault.rank)
+
+    def _due(self, step: int, moment: str, *, worker: bool) -> list[Fault]:
+        """The faults of this kind due at (step, moment) that have not fired, each recorded (fsynced)
+        before it is returned, so a restarted or resumed run does not fire it again."""
+        due = [f for f in self.faults if f.step == step and f.moment == moment and (f.kind in WORKER_KINDS) == worker]
         if not due:
-            return
+            return []
         fired = self.fired()
+        out = []
         for fault in due:
             if fault.spec in fired:
                 continue
@@ -104,11 +142,8 @@ class Injector:
                 f.write(json.dumps({"spec": fault.spec, "step": step, "moment": moment, "pid": os.getpid()}) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-            log.warning("fault injection: %s (step %d, %s)", fault.spec, step, moment)
-            if fault.kind == "kill_job":
-                kill_job()
-            else:
-                kill_rank(fault.rank)
+            out.append(fault)
+        return out
 
 
 def _job_processes():

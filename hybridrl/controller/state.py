@@ -105,6 +105,7 @@ class RunState:
     def save_checkpoint(self, wg, step: int) -> Path:
         if wg.call(HybridWorker.mode) != "train":
             wg.call(HybridWorker.enter_train)
+        self.faults.arm(step, "checkpoint", lambda **fault: wg.call(HybridWorker.arm_fault, **fault))
         state = {"policy_version": self.version, "data_cursor": self.stream.state(), "rng": capture_rng(),
                  "collection": self.collection,
                  "config": to_dict(self.cfg), "identity": self.identity}

@@ -45,6 +45,7 @@ from hybridrl.publication.publish import publish
 from hybridrl.rollout.protocol import WEIGHTS
 from hybridrl.workers.base import Worker, register
 from hybridrl.workers.critic import CriticMixin
+from hybridrl.workers.faults import FaultMixin
 from hybridrl.workers.reward_model import RewardModelMixin
 from hybridrl.workers.modes import Arrivals, Mode, ModeMachine, PhaseTimeout
 
@@ -55,7 +56,7 @@ ROLLOUT_PADS = (("input_ids", 0), ("attention_mask", 0), ("loss_mask", 0.0), ("b
                 ("policy_version", -1))
 
 
-class HybridWorker(CriticMixin, RewardModelMixin, Worker):
+class HybridWorker(CriticMixin, RewardModelMixin, FaultMixin, Worker):
     def __init__(self, cfg: Any, ctx: Any):
         super().__init__(ctx)
         self.cfg = cfg
@@ -602,6 +603,7 @@ class HybridWorker(CriticMixin, RewardModelMixin, Worker):
     @register(dispatch=ONE_TO_ALL)
     def save_checkpoint(self, path: str, extra: dict) -> None:
         self.modes.require(Mode.TRAIN)
+        self._check_disk()                  # fault injection: a full disk (hybridrl/workers/faults.py)
         self.actor.save_checkpoint(path, extra)
         self._save_critic(path, extra)
 

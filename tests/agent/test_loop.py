@@ -172,6 +172,18 @@ def test_infrastructure_faults_are_contained_to_their_episode(tokenizer):
     assert "device lost" in trajs[2].metadata["end_reason"] and trajs[2].reward == 0.0
 
 
+def test_an_injected_tool_fault_invalidates_the_episode_that_calls_next(tokenizer):
+    """`tool` fault injection (ToolBox.fail_next): the next call fails in the tool system, once."""
+    _, runner = make(tokenizer, lambda ids, turn: "<answer>5</answer>" if turn else ALWAYS_CALC)
+    runner.tools.fail_next("fault injection: tool@2")
+    first, second = asyncio.run(runner.run([instance(task_id="a"), instance(task_id="b")], task=TASK,
+                                           group_size=1))
+    statuses = sorted([first.status, second.status], key=lambda s: s.value)
+    assert statuses == sorted([S.COMPLETED, S.INFRA_INVALID], key=lambda s: s.value)
+    bad = first if first.status == S.INFRA_INVALID else second
+    assert "fault injection: tool@2" in bad.metadata["end_reason"] and runner.tools.counts["infra_errors"] == 1
+
+
 def test_stop_aborts_running_and_waiting_episodes(tokenizer):
     _, runner = make(tokenizer, script(LONG), step_latency_s=0.01, max_concurrent_episodes=2,
                      max_new_tokens_per_turn=1000, max_response_tokens=2000)
