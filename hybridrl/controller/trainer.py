@@ -75,7 +75,8 @@ def train(cfg, wg) -> dict:
                                num_groups=int(sent["group_index"].max()) + 1, update_actor=updates_actor)
                 update, critic = outs[0]["metrics"], outs[0].get("critic", {})
                 record_rows(kept.kept, outs, layout)
-                if cfg.store.enabled:       # the ledger keeps per-token old logprobs and advantages
+                if cfg.store.enabled and updates_actor:   # the ledger keeps the policy update's per-token old
+                    # logprobs and advantages (a critic warm-up step takes none: only the critic trains)
                     attach_lineage(batch, wg.call(HybridWorker.update_lineage), wg.mesh("train"), layout)
         run.faults.at(step, "train")
         if updates_actor:

@@ -16,10 +16,11 @@ import pytest
 
 from hybridrl.controller.faults import check, parse
 from hybridrl.telemetry.metrics import read_metrics
+from tests.controller.conftest import STRAIGHT
 from tests.controller.test_rl_e2e import RECIPE, assert_same_run, hybridrl_train
 from tests.launch import processes_mentioning
 
-COMMON = ["trainer.total_steps=4", "trainer.checkpoint_every=2"]
+COMMON = list(STRAIGHT)
 
 
 def test_fault_specs_are_checked_with_clear_errors():
@@ -36,16 +37,13 @@ def test_fault_specs_are_checked_with_clear_errors():
 
 
 @pytest.fixture(scope="module")
-def model(tiny_models):
-    return tiny_models("qwen2", init_std=0.05)
+def model(rl_model):
+    return rl_model
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, model):
-    run_dir = tmp_path_factory.mktemp("straight")
-    proc = hybridrl_train(RECIPE, f"model.path={model}", *COMMON, f"run.dir={run_dir}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return run_dir
+def straight(straight_run):                  # the uninterrupted run with COMMON (tests/controller/conftest.py)
+    return straight_run
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hybridrl.telemetry.metrics import read_metrics
+from tests.controller.conftest import STRAIGHT
 from tests.launch import ROOT, env_with_repo, processes_mentioning
 
 RECIPE = ROOT / "tests" / "controller" / "rl_tiny.yaml"
@@ -25,19 +26,15 @@ def hybridrl_train(recipe, *overrides, timeout=600) -> subprocess.CompletedProce
 
 
 @pytest.fixture(scope="module")
-def model(tiny_models):
-    return tiny_models("qwen2", init_std=0.05)
+def model(rl_model):
+    return rl_model
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, model):
-    """A 4-step run with a checkpoint every 2 steps: the run the tests below read, and the reference
-    the killed-and-resumed run must reproduce."""
-    run_dir = tmp_path_factory.mktemp("straight")
-    proc = hybridrl_train(RECIPE, f"model.path={model}", "trainer.total_steps=4", "trainer.checkpoint_every=2",
-                          f"run.dir={run_dir}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return run_dir
+def straight(straight_run):
+    """A 4-step run with a checkpoint every 2 steps (tests/controller/conftest.py): the run the tests
+    below read, and the reference the killed-and-resumed run must reproduce."""
+    return straight_run
 
 
 def test_a_run_logs_trains_and_exports(straight, model):
@@ -96,7 +93,7 @@ def assert_same_run(straight, resumed, *, from_step: int = 3):
 
 
 def test_kill_9_then_resume_auto_continues_to_the_same_numbers(tmp_path, model, straight):
-    common = [f"model.path={model}", "trainer.total_steps=4", "trainer.checkpoint_every=2"]
+    common = [f"model.path={model}", *STRAIGHT]
     # SIGKILL the whole job (agent, every rank) in step 3, after its update, before it is logged
     killed = tmp_path / "killed"
     proc = hybridrl_train(RECIPE, *common, f"run.dir={killed}", "--inject", "kill_job@3:train")
