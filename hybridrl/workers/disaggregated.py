@@ -114,10 +114,6 @@ class TrainerWorker(HybridWorker):
     # ------------------------------------------------------------------ publication
 
     @register(dispatch=OneToAll("rank0"))
-    def mode(self) -> str:
-        return self.modes.mode.value
-
-    @register(dispatch=OneToAll("rank0"))
     def enter_rollout(self, *, version: int, step: int) -> dict:
         """Publish `version` to the rollout ranks unless every one of them serves it already."""
         if not self._any_rank(self.engine.policy_version != version):
@@ -138,12 +134,7 @@ class TrainerWorker(HybridWorker):
                 probe = self._check_parity(version, self._probe_outputs(), self._trainers_max)
         out = {"published": published, "policy_version": self.engine.policy_version, **probe,
                "publish/refused": float(not published), "switch/publish_s": self.modes.last()["publish"]["seconds"]}
-        if published and self.release is not None:
-            out["release"] = self.release.summary()
-            out["switch/publish_prepare_s"] = self._publish_stats.prepare_s
-            out["switch/publish_deliver_s"] = self._publish_stats.deliver_s
-            out["publish/retried_tensors"] = float(self._publish_stats.retries)
-        return out
+        return {**out, **self._release_metrics(published)}
 
     def _probe_outputs(self) -> list:
         """The first rollout rank's probe generations, to every training rank."""
@@ -226,10 +217,6 @@ class RolloutWorker(HybridWorker):
         return None
 
     # ------------------------------------------------------------------ publication
-
-    @register(dispatch=OneToAll("rank0"))
-    def mode(self) -> str:
-        return self.modes.mode.value
 
     @register(dispatch=OneToAll("rank0"))
     def enter_rollout(self, *, version: int, step: int) -> dict:

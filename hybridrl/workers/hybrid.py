@@ -231,12 +231,15 @@ class HybridWorker(PolicyUpdateMixin, CriticMixin, RewardModelMixin, FaultMixin,
                "publish/refused": self._count_refusals(refused is not None),
                **{f"switch/{k}_s": v["seconds"] for k, v in self.modes.last().items()
                   if k in ("offload", "publish", "wake")}}
-        if published and self.release is not None:
-            out["release"] = self.release.summary()
-            out["switch/publish_prepare_s"] = self._publish_stats.prepare_s
-            out["switch/publish_deliver_s"] = self._publish_stats.deliver_s
-            out["publish/retried_tensors"] = float(self._publish_stats.retries)
-        return out
+        return {**out, **self._release_metrics(published)}
+
+    def _release_metrics(self, published: bool) -> dict:
+        """The release a publication made (manifest summary) and where its time went."""
+        if not published or self.release is None:
+            return {}
+        stats = self._publish_stats
+        return {"release": self.release.summary(), "switch/publish_prepare_s": stats.prepare_s,
+                "switch/publish_deliver_s": stats.deliver_s, "publish/retried_tensors": float(stats.retries)}
 
     def _publish(self, version: int, step: int) -> str | None:
         """Publish `version` into this rank's engine; returns why it was refused (None: published).
