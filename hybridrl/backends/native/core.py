@@ -126,11 +126,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return not self.asleep and self.scheduler.has_work()
 
-    @torch.no_grad()
     def inject_failure(self, message: str) -> None:
         """Fault injection: the next step that runs fails with `message` (every request in flight fails)."""
         self._fail_next = message
 
+    @torch.no_grad()
     def step(self) -> list[Sequence]:
         """Schedule and run one step; returns the sequences that finished in it."""
         t0 = time.perf_counter()
