@@ -102,10 +102,14 @@ class RunState:
         if samples and self.cfg.trainer.log_samples:
             self._write_samples(step, samples[: self.cfg.trainer.log_samples])
 
+    def arm_faults(self, wg, step: int, moment: str) -> None:
+        """The worker-side faults due at (step, moment), armed on the workers (`controller/faults.py`)."""
+        self.faults.arm(step, moment, lambda **fault: wg.call(HybridWorker.arm_fault, **fault))
+
     def save_checkpoint(self, wg, step: int) -> Path:
         if wg.call(HybridWorker.mode) != "train":
             wg.call(HybridWorker.enter_train)
-        self.faults.arm(step, "checkpoint", lambda **fault: wg.call(HybridWorker.arm_fault, **fault))
+        self.arm_faults(wg, step, "checkpoint")
         state = {"policy_version": self.version, "data_cursor": self.stream.state(), "rng": capture_rng(),
                  "collection": self.collection,
                  "config": to_dict(self.cfg), "identity": self.identity}

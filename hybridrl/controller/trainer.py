@@ -49,7 +49,7 @@ def train(cfg, wg) -> dict:
         with timer("sync"):
             switch = wg.call(HybridWorker.enter_rollout, version=run.version, step=step)
         run.faults.at(step, "switch")
-        run.faults.arm(step, "rollout", lambda **fault: wg.call(HybridWorker.arm_fault, **fault))
+        run.arm_faults(wg, step, "rollout")
         with timer("rollout"):
             trajectories, collected = collection.rollout(step)
         run.faults.at(step, "rollout")
