@@ -33,7 +33,7 @@ EXIT_CONFIG = 2
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from hybridrl.controller import rundir
+    from hybridrl.store import rundir
     from hybridrl.preflight import PreflightError, preflight
 
     try:

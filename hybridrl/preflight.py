@@ -11,7 +11,7 @@
                 it: the train and validation splits at their configured sizes (data files are read
                 here, so a missing one is named with its option), SFT demonstrations, and tools that
                 exist for the tool calls its demonstrations make
-    run.dir     what the launch does with an earlier run there (`hybridrl.controller.rundir`)
+    run.dir     what the launch does with an earlier run there (`hybridrl.store.rundir`)
 
 `hybridrl train` runs these before it starts torchrun, and every rank runs them again before it
 joins the process group (for launches by torchrun or srun directly). Import-light: no torch.
@@ -35,7 +35,7 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
     """Check what `cfg.run.job` needs; returns notes for the user (e.g. what happens to run.dir).
     `overwrite`: the earlier run's outputs will be removed, so run.dir is not inspected.
     `world_size`: ranks the run will have (default: $WORLD_SIZE, else distributed.nproc_per_node)."""
-    from hybridrl.controller import rundir
+    from hybridrl.store import rundir
 
     if cfg.run.job not in rundir.JOBS:
         return []

@@ -112,7 +112,7 @@ def _restart_resume(cfg) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from hybridrl.controller import rundir
+    from hybridrl.store import rundir
     from hybridrl.preflight import PreflightError, preflight
 
     args = parse_args(argv)

@@ -43,14 +43,18 @@ def filter_trajectories(trajectories: Sequence[Trajectory], *, drop_truncated: b
             survivors.append(t)
     kept = survivors
     if drop_all_equal_groups:
-        by_group = defaultdict(list)
-        for t in survivors:
-            by_group[t.group_id].append(t)
-        flat = {g for g, members in by_group.items()
-                if max(m.reward for m in members) - min(m.reward for m in members) <= reward_tol}
+        flat = all_equal_groups(survivors, reward_tol)
         kept = [t for t in survivors if t.group_id not in flat]
         rejected["all_equal_group"] += [t for t in survivors if t.group_id in flat]
     return FilterResult(kept, dict(rejected))
+
+
+def all_equal_groups(trajectories: Sequence[Trajectory], tol: float = 1e-9) -> set[str]:
+    """Groups whose members all got the same reward (within `tol`): no signal for a group baseline."""
+    by_group: dict[str, list[float]] = defaultdict(list)
+    for t in trajectories:
+        by_group[t.group_id].append(t.reward)
+    return {g for g, rewards in by_group.items() if max(rewards) - min(rewards) <= tol}
 
 
 def _single_reason(t: Trajectory, drop_truncated: bool, current_version: int | None,
@@ -61,7 +65,11 @@ def _single_reason(t: Trajectory, drop_truncated: bool, current_version: int | N
         return "aborted"
     if drop_truncated and t.status == TrajectoryStatus.TRUNCATED:
         return "truncated"
-    if max_policy_lag is not None and current_version is not None and t.versions:
-        if min(t.versions) < current_version - max_policy_lag:
-            return "policy_lag"
+    if max_policy_lag is not None and current_version is not None and lagging(t, current_version, max_policy_lag):
+        return "policy_lag"
     return None
+
+
+def lagging(t: Trajectory, current_version: int, max_policy_lag: int) -> bool:
+    """A policy token of `t` is older than `current_version - max_policy_lag` (the lag bound's one test)."""
+    return bool(t.versions) and min(t.versions) < current_version - max_policy_lag

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hybridrl.controller import rundir
+from hybridrl.store import rundir
 from hybridrl.distributed.dispatch import ONE_TO_ALL, DPSplit
 from hybridrl.data.batch import Batch, pad_sequences
 from hybridrl.data.stream import ShuffledStream

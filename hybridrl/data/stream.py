@@ -41,3 +41,11 @@ class ShuffledStream(Generic[T]):
 
     def state(self) -> dict:
         return {"epoch": self.cursor.epoch, "position": self.cursor.position}
+
+    # a stateful part of a run's checkpoint (`store.checkpoints.Checkpointer`)
+    def state_dict(self) -> dict:
+        return self.state()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = Cursor(**state)
+        self._order = self._permutation(self.cursor.epoch)

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.backends.sglang.config import SGLangConfig
 from hybridrl.config.fields import check_choice, check_positive, knob, section
-
-ENGINES = ("native", "sglang")
+from hybridrl.rollout.registry import ENGINES
 
 
 @dataclass(kw_only=True)
@@ -22,6 +21,6 @@ class RolloutConfig:
     sglang: SGLangConfig = section(SGLangConfig, "the SGLang engine (GPU extra)")
 
     def __post_init__(self) -> None:
-        check_choice("engine", self.engine, ENGINES)
+        check_choice("engine", self.engine, sorted(ENGINES))
         check_positive("tp", self.tp)
 

@@ -21,8 +21,8 @@ from hybridrl.rollout.weight_spec import validate_named_tensors
 
 
 class FollowerEngine:
-    def __init__(self, spec: dict[str, tuple[tuple[int, ...], torch.dtype]], *, eos_token_ids: Sequence[int],
-                 vocab_size: int, max_model_len: int, releasable_tags: Iterable[str] = (KV_CACHE,),
+    def __init__(self, spec: dict[str, tuple[tuple[int, ...], torch.dtype]], *, eos_token_ids: Sequence[int] = (),
+                 vocab_size: int | None = None, max_model_len: int = 0, releasable_tags: Iterable[str] = (KV_CACHE,),
                  policy_version: int = 0):
         self._spec = dict(spec)
         self._publication = Publication(self._spec, policy_version)

@@ -12,7 +12,7 @@ step), its trace id `Trajectory.trace_id`. A data shard holds, per trajectory: t
 response token ids, the response mask (1 = sampled by the policy), the policy version of every
 token, the behaviour logprobs (what the engine returned), and, where the controller holds them
 (admitted trajectories), the trainer's recomputed logprobs, the reference's and the per-token
-advantages (with `HybridWorker.update_policy` they stay on the ranks: the columns are null and
+advantages (with `TrainSide.update_policy` they stay on the ranks: the columns are null and
 the index keeps the advantage the update reported for the row), the reward, its components and
 the evaluator of each, status, timings, tool calls and the trace events (`hybridrl.data.trace`).
 

@@ -127,7 +127,7 @@ PINNED_KEYS = [
     "task.name", "task.seed", "task.train_size", "task.validation_size", "task.format_weight",
     "task.sft_tool_use_fraction", "task.sft_guess_correct_fraction",       # task.options: a free mapping
     "env.db_path", "env.lease_ttl_s", "env.synchronous", "env.busy_timeout_s", "env.step_timeout_s", "env.max_retries",
-    "train.tp", "train.pp", "train.micro_batch_size", "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens",
+    "train.engine", "train.tp", "train.pp", "train.micro_batch_size", "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens",
     "train.dtype", "train.lr", "train.min_lr",
     "train.lr_warmup_steps", "train.lr_decay_steps", "train.lr_schedule", "train.weight_decay",
     "train.adam_beta1", "train.adam_beta2", "train.adam_eps", "train.clip_grad",

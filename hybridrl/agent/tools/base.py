@@ -36,7 +36,6 @@ class ToolBox:
         self.pool = pool
         self.cfg = cfg
         self.counts: dict[str, int] = {"calls": 0, "errors": 0, "infra_errors": 0}
-        self._fail_next: str | None = None
 
     @classmethod
     def from_config(cls, cfg, names: Iterable[str] = ("calculator", "python")) -> "ToolBox":
@@ -86,9 +85,6 @@ class ToolBox:
         started = time.monotonic()
         self.counts["calls"] += 1
         try:
-            if self._fail_next is not None:        # fault injection: this call's backend fails
-                message, self._fail_next = self._fail_next, None
-                raise RuntimeError(message)
             result = await self.tools[call.name](call.arguments)
         except Exception as err:  # noqa: BLE001 - a broken tool must not kill the batch
             log.warning("tool %s raised: %s", call.name, err, exc_info=True)
@@ -98,10 +94,6 @@ class ToolBox:
         self.counts["errors"] += not result.ok
         self.counts["infra_errors"] += result.infra_error
         return result
-
-    def fail_next(self, message: str) -> None:
-        """Fault injection: the next call fails in the tool system (an infrastructure error)."""
-        self._fail_next = message
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counts)

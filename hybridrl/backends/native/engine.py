@@ -108,9 +108,30 @@ class NativeEngine:
                                           policy_version=policy_version)
         return cls(core)
 
-    # -- properties ---------------------------------------------------------------------------
+    # -- as a registered rollout engine (`rollout.registry`) -------------------------------------
 
     releasable_tags = frozenset({KV_CACHE})     # weights stay (on a CPU there is nowhere else to put them)
+    serves_before_publication = True            # loaded from the model directory: it serves version 0
+
+    @classmethod
+    def for_rank(cls, cfg: Any, ctx: Any) -> "NativeEngine":
+        """The run's engine on this rank: the model directory, `rollout.native`'s knobs, the rank's device."""
+        if cfg.rollout.tp > 1:
+            log.warning("the native engine has no tensor parallelism: with rollout.tp=%d one replica on rank %d "
+                        "serves its group of %d ranks", cfg.rollout.tp, ctx.rank, cfg.rollout.tp)
+        return cls.from_pretrained(cfg.model.path, cfg.rollout.native, device=ctx.device)
+
+    @classmethod
+    def releasable_tags_for(cls, cfg: Any) -> frozenset[str]:
+        return cls.releasable_tags
+
+    def colocated_transport(self, ranks: Seq[int], group: Any) -> Any:
+        """Flat buckets copied into this engine's own storage, in the trainer's process."""
+        from hybridrl.publication.transport_inprocess import InProcessTransport
+
+        return InProcessTransport(self)
+
+    # -- properties ---------------------------------------------------------------------------
 
     @property
     def policy_version(self) -> int:

@@ -83,6 +83,27 @@ class SGLangEngine:
         self.eos_token_ids = tuple(self._eos_ids(model_path))
         self.max_model_len = max_model_len or int(self._engine.server_args.context_length or 0) or None
 
+    # ---------------------------------------------------------------- as a registered rollout engine
+
+    serves_before_publication = False        # dummy weights until the first publication (version -1)
+
+    @classmethod
+    def for_rank(cls, cfg: Any, ctx: Any) -> "SGLangEngine":
+        """The rollout group's engine on its first rank: `rollout.sglang`'s knobs, TP over `rollout.tp` GPUs
+        starting at this rank's, ports offset by the rank."""
+        return cls(cfg.model.path, cfg.rollout.sglang, tp_size=cfg.rollout.tp, base_gpu_id=ctx.local_rank,
+                   port_offset=ctx.rank, seed=cfg.run.seed, drain_timeout_s=cfg.hybrid.drain_deadline_s)
+
+    @classmethod
+    def releasable_tags_for(cls, cfg: Any) -> frozenset[str]:
+        return frozenset(cfg.rollout.sglang.releasable_tags())
+
+    def colocated_transport(self, ranks: Sequence[int], group: Any) -> Any:
+        """CUDA IPC handles of every rank's flat bucket, gathered to this engine on the group's first rank."""
+        from hybridrl.backends.sglang.transport import CudaIpcTransport
+
+        return CudaIpcTransport(self, list(ranks), group)
+
     # ---------------------------------------------------------------- protocol
 
     @property

@@ -12,7 +12,7 @@ import pytest
 
 from hybridrl.cli import main
 from hybridrl.config import load_config
-from hybridrl.controller import rundir
+from hybridrl.store import rundir
 from hybridrl.store.checkpoints import CheckpointManager
 from hybridrl.telemetry.metrics import MetricsLogger, read_metrics
 from tests.launch import ROOT
