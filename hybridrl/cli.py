@@ -250,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from hybridrl.envs.tasks.registry import importable_from_cwd
+    from hybridrl.host_memory import choose_pages
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -258,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.recipe_args = [*args.recipe_args, *extra]
     importable_from_cwd()          # task.name=module:Class from the working directory, as on the ranks
+    choose_pages()                 # in-process commands; the ranks of a run choose for their placement
     return args.func(args)
 
 

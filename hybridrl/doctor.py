@@ -65,7 +65,7 @@ def selftest(nproc: int = 2) -> dict:
         checks = json.loads(report_file.read_text())["checks"] if report_file.exists() else {}
         fail_rank = nproc - 1
         failed = _launch(nproc, Path(tmp) / "fail", f"selfcheck.fail_rank={fail_rank}")
-    expected = f"rank {fail_rank} failed in 'fail_on'"
+    expected = f"rank {fail_rank} failed in 'SelfCheckWorker.fail_on'"
     result = {
         "nproc": nproc,
         "clean_run": {"ok": clean["exit_code"] == 0 and bool(checks), "exit_code": clean["exit_code"],

@@ -21,6 +21,7 @@ import traceback
 from typing import Sequence
 
 from hybridrl.config import ConfigError, load_config
+from hybridrl.host_memory import choose_pages
 from hybridrl.telemetry.logs import setup_logging
 
 log = logging.getLogger("hybridrl.train")
@@ -125,11 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hybridrl: {err}", file=sys.stderr)
         return EXIT_CONFIG
     rundir.record_origin(args.config, args.overrides)
-    if cfg.placement.disaggregated and os.environ.get("HYBRIDRL_THP_DEFAULT") == "1":
-        # training and rollout processes side by side on one host's CPUs fault memory in at the same
-        # time: with huge pages they slowed each other by ~30% (benchmarks/overlap.py), without ~12-15%.
-        # Set before torch allocates anything (THP_MEM_ALLOC_ENABLE set by the user is kept).
-        os.environ["THP_MEM_ALLOC_ENABLE"] = "0"
+    choose_pages(roles_apart=cfg.placement.disaggregated)      # before torch allocates anything
     return run(cfg)
 
 

@@ -120,10 +120,10 @@ class AgentRunner:
         self.tools = tools
         self.run_id = run_id
         self.seed = seed
-        self.chat = ChatFormat(tokenizer, eos_token_ids=getattr(engine, "eos_token_ids", None))
+        self.chat = ChatFormat(tokenizer, eos_token_ids=engine.eos_token_ids)
         self.envs = envs or LocalEnvProvider()
         self.meter = EngineMeter()
-        self.max_model_len = int(getattr(engine, "max_model_len", 0) or 1 << 30)
+        self.max_model_len = int(engine.max_model_len or 1 << 30)
         self.counts: dict[str, int] = {"episodes": 0, "malformed_actions": 0, "unauthorized_actions": 0,
                                        "invalid_arguments": 0, "too_many_calls": 0, "tool_calls": 0,
                                        "tool_errors": 0}

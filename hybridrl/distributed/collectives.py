@@ -21,7 +21,7 @@ def backend_device(backend: str, device: torch.device) -> torch.device:
     """Where a collective of `backend` needs its tensors."""
     backend = str(backend).lower()
     if "nccl" in backend:
-        return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+        return device if device.type == "cuda" else torch.device("cuda")
     if backend == "gloo":
         return torch.device("cpu")
     return device

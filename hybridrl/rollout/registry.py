@@ -7,9 +7,10 @@ An engine class implements `rollout.protocol.RolloutEngine` and, for the workers
                                            of a rollout tensor-parallel group mirrors them)
     Engine.serves_before_publication       False: it starts without weights (version -1) until the first
                                            publication
-    engine.colocated_transport(ranks, group)   how a trainer in the same process delivers flat buckets to
-                                           it (`publication.transport.WeightTransport`); `ranks` is the
-                                           rollout tensor-parallel group this rank belongs to
+    Engine.colocated_transport(engine, ranks, group)   how a trainer in the same process delivers flat
+                                           buckets (`publication.transport.WeightTransport`) to this rank's
+                                           engine, or its stand-in on the other ranks of a rollout
+                                           tensor-parallel group (`ranks`, `group`)
 
 A new engine is its backend module(s), its config section and one line here.
 """

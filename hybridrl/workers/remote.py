@@ -153,8 +153,7 @@ class ReceivingEnd(RemotePublication):
             with self.phases.phase("probe", waits_for="the parity probe"):
                 outputs = None
                 if self.ctx.rank == self.first_rollout_rank:
-                    outputs = self.rollout.run(parity.engine_outputs(self.engine, self.probe,
-                                                                     self.cfg.publish.parity_tokens, tag=f"v{version}"))
+                    outputs = self.rollout.probe(self.probe, self.cfg.publish.parity_tokens, tag=f"v{version}")
                 self.peers.broadcast_object(outputs, self.first_rollout_rank, device=self.wire)
         return {}
 

@@ -81,6 +81,7 @@ class RolloutSide(Part):
                                   run_id=cfg.run.name, seed=cfg.run.seed, envs=self._env_provider())
         self.collector = None              # partial rollouts: episodes kept across steps (built on first use)
         self.everyone = Reducer.over_peers(ctx.control_peers)
+        self.probe_counts: dict[str, float] = {}    # engine counters spent on parity probes (not episodes)
 
     # ------------------------------------------------------------------ construction
 
@@ -179,6 +180,20 @@ class RolloutSide(Part):
         return [{"token_ids": o.token_ids, "logprobs": o.logprobs, "policy_version": o.policy_version,
                  "finish_reason": o.finish_reason.value} for o in self.run(go())]
 
+    def probe(self, prompts: list[list[int]], max_new_tokens: int, tag: str) -> list:
+        """The parity probe's greedy generations on this rank's engine. What the engine spends on them is
+        kept out of `rollout_stats`: a step's engine counters are its episodes' (a resumed run publishes,
+        and probes, where the uninterrupted one did not)."""
+        from hybridrl.publication import parity
+
+        before = self.run_sync(lambda: dict(self.engine.stats()))
+        outputs = self.run(parity.engine_outputs(self.engine, prompts, max_new_tokens, tag=tag))
+        after = self.run_sync(lambda: dict(self.engine.stats()))
+        for key, value in after.items():
+            if _counter(value) and key in before:
+                self.probe_counts[key] = self.probe_counts.get(key, 0) + value - before[key]
+        return outputs
+
     def score(self, trajectories) -> None:
         """The reward model's component on every trajectory it scores (total += weight * score), on the
         rank that ran them (phase `reward_model`: its weights come to the device only for this)."""
@@ -206,7 +221,9 @@ class RolloutSide(Part):
     def rollout_stats(self) -> dict:
         """Engine and agent-loop counters of this rank (cumulative)."""
         pool = self.tools.pool
-        return {"engine": self.run_sync(lambda: dict(self.engine.stats())),
+        engine = self.run_sync(lambda: dict(self.engine.stats()))
+        engine.update({k: engine[k] - v for k, v in self.probe_counts.items() if k in engine})
+        return {"engine": engine,
                 "agent": self.run_sync(lambda: dict(self.runner.counts)),
                 "sandbox": {"isolation": pool.mode if pool is not None else None}}
 
@@ -229,6 +246,10 @@ class RolloutSide(Part):
         self.run_sync(self.engine.close)
         if self.threads is not None:
             self.threads.stop()
+
+
+def _counter(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _placeholder_rows(n: int) -> Batch:

@@ -28,7 +28,6 @@ from typing import Any
 from hybridrl.distributed.collectives import Reducer
 from hybridrl.distributed.control import ErrorReport
 from hybridrl.distributed.dispatch import OneToAll
-from hybridrl.publication import parity
 from hybridrl.publication.manifest import PublicationError
 from hybridrl.rollout.protocol import WEIGHTS
 from hybridrl.workers.base import Part, register
@@ -44,7 +43,7 @@ class ModeSwitch(Part):
     def __init__(self, cfg: Any, ctx: Any, modes: ModeMachine, train: TrainSide, rollout: RolloutSide):
         self.cfg, self.ctx, self.modes, self.train, self.rollout = cfg, ctx, modes, train, rollout
         self.engine = rollout.engine
-        self.transport = self.engine.colocated_transport(rollout.group_ranks, rollout.group)
+        self.transport = rollout.engine_class.colocated_transport(self.engine, rollout.group_ranks, rollout.group)
         self.publisher = Publisher(cfg, ctx, train.actor, rollout.tokenizer)
         self.everyone = Reducer.over_peers(ctx.control_peers)
         self.tp_group = Reducer.over_group(rollout.group) if rollout.group is not None else None
@@ -109,8 +108,7 @@ class ModeSwitch(Part):
 
     def _parity_probe(self, version: int) -> dict:
         """Engine greedy logprobs vs the trainer's on fixed prefixes; raises above the tolerance."""
-        outputs = (self.rollout.run(parity.engine_outputs(self.engine, self.publisher.probe,
-                                                          self.cfg.publish.parity_tokens, tag=f"v{version}"))
+        outputs = (self.rollout.probe(self.publisher.probe, self.cfg.publish.parity_tokens, tag=f"v{version}")
                    if self.rollout.owns_engine else None)
         if self.rollout.group is not None:   # the group's engine answered on its owner: share it
             import torch.distributed as dist
@@ -138,7 +136,7 @@ class ModeSwitch(Part):
             self.rollout.run(asyncio.wait_for(self.engine.sleep(tags), self.cfg.hybrid.drain_deadline_s))
         except Exception as err:  # noqa: BLE001 - the switch's own error is the one to report
             log.error("rank %d: the engine did not go back to sleep after a failed switch: %r", self.ctx.rank, err)
-        self.train.reload()
+        self.train.reload(timed=False)
 
     def _engine_call(self, coro, waits_for: str):
         return self.modes.bounded(self.rollout.run, coro, waits_for)

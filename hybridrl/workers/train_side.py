@@ -130,9 +130,13 @@ class TrainSide(Part):
             with self.phases.phase(f"{prefix}offload") as rec:
                 rec.bytes_moved = engine.offload(TRAIN_MEMORY_TAGS, spill_dir=spill)
 
-    def reload(self) -> None:
-        """They come back (phases `reload`, `critic_reload`)."""
+    def reload(self, *, timed: bool = True) -> None:
+        """They come back (phases `reload`, `critic_reload`; `timed=False` after a failed switch: no
+        phase, so no barrier waits for ranks that may never come)."""
         for prefix, engine in self.trained():
+            if not timed:
+                engine.reload()
+                continue
             with self.phases.phase(f"{prefix}reload") as rec:
                 rec.bytes_moved = engine.reload()
 

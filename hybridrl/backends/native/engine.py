@@ -9,8 +9,8 @@ Where steps run (`rollout.native.driver`):
 - "loop": a driver task on the caller's event loop runs one step at a time and yields to the
   loop between steps (`await asyncio.sleep(0)`), so other coroutines run between steps; commands
   are applied at once. It exists because on CPU, OpenMP kernels launched from a second thread
-  pay a thread wake-up per parallel region (measured: ~2x slower steps on small models), which
-  the loop's own (main) thread does not. "auto" = loop on CPU, thread on CUDA.
+  pay a thread wake-up per parallel region (small models' steps are dominated by it; figures in
+  docs/architecture.md), which the loop's own (main) thread does not. "auto" = loop on CPU, thread on CUDA.
 Either way nothing depends on the loop staying up: a loop may stop and restart between rollout
 phases (`loop.run_until_complete` per phase; the loop driver resumes with it), and a new loop
 may be used each time.
@@ -125,11 +125,13 @@ class NativeEngine:
     def releasable_tags_for(cls, cfg: Any) -> frozenset[str]:
         return cls.releasable_tags
 
-    def colocated_transport(self, ranks: Seq[int], group: Any) -> Any:
-        """Flat buckets copied into this engine's own storage, in the trainer's process."""
+    @classmethod
+    def colocated_transport(cls, engine: Any, ranks: Seq[int], group: Any) -> Any:
+        """Flat buckets copied into `engine`'s own storage (the group's follower stand-in tracks them), in
+        the trainer's process."""
         from hybridrl.publication.transport_inprocess import InProcessTransport
 
-        return InProcessTransport(self)
+        return InProcessTransport(engine)
 
     # -- properties ---------------------------------------------------------------------------
 

@@ -98,11 +98,13 @@ class SGLangEngine:
     def releasable_tags_for(cls, cfg: Any) -> frozenset[str]:
         return frozenset(cfg.rollout.sglang.releasable_tags())
 
-    def colocated_transport(self, ranks: Sequence[int], group: Any) -> Any:
-        """CUDA IPC handles of every rank's flat bucket, gathered to this engine on the group's first rank."""
+    @classmethod
+    def colocated_transport(cls, engine: Any, ranks: Sequence[int], group: Any) -> Any:
+        """CUDA IPC handles of every rank's flat bucket, gathered to the engine on the group's first rank
+        (`engine` is this rank's: the group's engine there, its follower stand-in elsewhere)."""
         from hybridrl.backends.sglang.transport import CudaIpcTransport
 
-        return CudaIpcTransport(self, list(ranks), group)
+        return CudaIpcTransport(engine, list(ranks), group)
 
     # ---------------------------------------------------------------- protocol
 
