@@ -15,6 +15,7 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl agent sandbox-check|tasks|rollout the agent layer (see hybridrl/agent/cli.py)
     hybridrl score --model D --input I --output O [--tp T --pp P]   per-token logprobs (parity checks)
     hybridrl generate --model D --input I --output O --max-new-tokens N   token ids in, samples out
+    hybridrl eval RECIPE [--model DIR] [-n N]  greedy and sampled accuracy on the validation split + a verdict
     hybridrl demo [--dir D] [key=value | sft:key=value | grpo:key=value ...]   base model -> SFT -> GRPO
 """
 
@@ -173,6 +174,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from hybridrl.evaluate import main
+
+    return main(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from hybridrl.demo import main
 
@@ -261,6 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_inspect_arguments(p)
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("eval", help="greedy and sampled accuracy of a model on a task's validation split, and "
+                                    "whether RL has a signal")
+    from hybridrl.evaluate import add_arguments as add_eval_arguments
+
+    add_eval_arguments(p)
+    p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("init", help="start something of your own from a template")
     isub = p.add_subparsers(dest="init_command", required=True)
