@@ -16,6 +16,8 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl score --model D --input I --output O [--tp T --pp P]   per-token logprobs (parity checks)
     hybridrl generate --model D --input I --output O --max-new-tokens N   token ids in, samples out
     hybridrl eval RECIPE [--model DIR] [-n N]  greedy and sampled accuracy on the validation split + a verdict
+    hybridrl plot RUN [RUN ...] [--out F.png]  curves of one or more runs as a PNG
+    hybridrl compare A B                       config differences and a metric table of two runs
     hybridrl demo [--dir D] [key=value | sft:key=value | grpo:key=value ...]   base model -> SFT -> GRPO
 """
 
@@ -180,6 +182,18 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from hybridrl.telemetry.plot import main
+
+    return main(args)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from hybridrl.compare import main
+
+    return main(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from hybridrl.demo import main
 
@@ -275,6 +289,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_arguments(p)
     p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("plot", help="a run's curves as a PNG (reward, accuracy, KL, entropy, loss, stage times); "
+                                    "several runs overlaid")
+    from hybridrl.telemetry.plot import add_arguments as add_plot_arguments
+
+    add_plot_arguments(p)
+    p.set_defaults(func=_cmd_plot)
+    p = sub.add_parser("compare", help="two runs side by side: config differences and a metric table")
+    from hybridrl.compare import add_arguments as add_compare_arguments
+
+    add_compare_arguments(p)
+    p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("init", help="start something of your own from a template")
     isub = p.add_subparsers(dest="init_command", required=True)
