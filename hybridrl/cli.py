@@ -14,7 +14,8 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl bench mode-switch --model D --cycles N --json OUT   the hybrid engine's switch cost
     hybridrl agent sandbox-check|tasks|rollout the agent layer (see hybridrl/agent/cli.py)
     hybridrl score --model D --input I --output O [--tp T --pp P]   per-token logprobs (parity checks)
-    hybridrl generate --model D --input I --output O --max-new-tokens N   token ids in, samples out
+    hybridrl generate --model D --input I --output O --max-new-tokens N   token ids or text in, samples out
+    hybridrl chat MODEL                        text in, text out (chat template applied)
     hybridrl eval RECIPE [--model DIR] [-n N]  greedy and sampled accuracy on the validation split + a verdict
     hybridrl plot RUN [RUN ...] [--out F.png]  curves of one or more runs as a PNG
     hybridrl compare A B                       config differences and a metric table of two runs
@@ -194,6 +195,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from hybridrl.chat import main
+
+    return main(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from hybridrl.demo import main
 
@@ -263,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_score_arguments(p)
     p.set_defaults(func=_cmd_score)
-    p = sub.add_parser("generate", help="sample from an HF model with a rollout engine (token ids in/out, JSONL)")
+    p = sub.add_parser("generate", help="sample from an HF model with a rollout engine (token ids or text in, JSONL)")
     from hybridrl.backends.native.cli import add_arguments as add_generate_arguments
 
     add_generate_arguments(p)
@@ -290,6 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_arguments(p)
     p.set_defaults(func=_cmd_eval)
 
+    p = sub.add_parser("chat", help="talk to a model: text in, text out, its chat template applied")
+    from hybridrl.chat import add_arguments as add_chat_arguments
+
+    add_chat_arguments(p)
+    p.set_defaults(func=_cmd_chat)
     p = sub.add_parser("plot", help="a run's curves as a PNG (reward, accuracy, KL, entropy, loss, stage times); "
                                     "several runs overlaid")
     from hybridrl.telemetry.plot import add_arguments as add_plot_arguments
