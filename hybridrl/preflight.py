@@ -13,6 +13,9 @@
                 exist for the tool calls its demonstrations make
     run.dir     what the launch does with an earlier run there (`hybridrl.store.rundir`)
 
+Warnings (returned as notes, the run still starts): more CPU ranks than the CPUs this process may
+use, and a group estimator (GRPO, RLOO) with `trainer.group_size=1`, where every advantage is 0.
+
 `hybridrl train` runs these before it starts torchrun, and every rank runs them again before it
 joins the process group (for launches by torchrun or srun directly). Import-light: no torch.
 """
@@ -44,7 +47,7 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
     if critic is not None and cfg.algo.advantage == "gae" and critic.path:
         check_model(critic.path, key="critic.path")
     if reward_model is not None and reward_model.path:
-        check_model(reward_model.path, key="reward_model.path")
+        check_model(reward_model.path, key="reward_model.path", supported=False)
         check_scalar_head(reward_model.path)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE") or cfg.distributed.nproc_per_node)
@@ -60,18 +63,54 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
         world_key = "training ranks (world size - placement.rollout_ranks)"
     check_layout(cfg.model.path, cfg.train.tp, cfg.train.pp, world_size, world_key=world_key)
     check_task(cfg)
+    notes = warnings(cfg, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or
+                              cfg.distributed.nproc_per_node) if world_size is None else world_size)
     try:
         if overwrite:
             run_dir = Path(cfg.run.dir)
             rundir.check_model_outside(cfg, [run_dir / name for name in rundir.OUTPUTS], "--overwrite removes it")
-            return [f"--overwrite: an earlier run's outputs in {run_dir} are removed before the run starts"]
+            return [*notes, f"--overwrite: an earlier run's outputs in {run_dir} are removed before the run starts"]
         plan = rundir.plan(cfg)
     except rundir.RunDirError as err:
         raise PreflightError(str(err)) from None
-    return [plan.note] if plan.note else []
+    return [*notes, plan.note] if plan.note else notes
 
 
-def check_model(path: str, *, key: str = "model.path") -> None:
+GROUP_ESTIMATORS = ("grpo", "rloo")      # their baseline is the other samples of the prompt
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: what a container or taskset allows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:                # not Linux
+        return os.cpu_count() or 1
+
+
+def warnings(cfg: Any, ranks_per_node: int) -> list[str]:
+    """What is allowed but almost certainly not what the user wants, one line each."""
+    out = []
+    device = cfg.distributed.device
+    cpus = usable_cpus()
+    gpu = device == "cuda" or (device == "auto" and _has_cuda())
+    if not gpu and ranks_per_node > cpus:
+        out.append(f"warning: {ranks_per_node} CPU ranks on {cpus} CPU(s) (distributed.nproc_per_node="
+                   f"{cfg.distributed.nproc_per_node}): the ranks share cores and every collective waits for the "
+                   f"slowest; a run with distributed.nproc_per_node={cpus} is usually faster")
+    if cfg.run.job == "rl" and cfg.algo.advantage in GROUP_ESTIMATORS and cfg.trainer.group_size == 1:
+        out.append(f"warning: algo.advantage={cfg.algo.advantage} with trainer.group_size=1: the baseline of an "
+                   "episode is the other episodes of its prompt, so every advantage is 0 and nothing is learned; "
+                   "set trainer.group_size=4 or more, or algo.advantage=gae (a learned critic)")
+    return out
+
+
+def _has_cuda() -> bool:
+    """A CUDA device is present, without importing torch (preflight stays light)."""
+    return Path("/dev/nvidia0").exists() or bool(os.environ.get("CUDA_VISIBLE_DEVICES", "").strip("-1 "))
+
+
+def check_model(path: str, *, key: str = "model.path", supported: bool = True) -> None:
+    """An HF model directory hybridrl can load (`supported=False`: whatever its architecture)."""
     where = f"{key}={path}"
     d = Path(path)
     if not d.is_dir():
@@ -80,10 +119,15 @@ def check_model(path: str, *, key: str = "model.path") -> None:
     try:
         config = json.loads((d / "config.json").read_text())
     except FileNotFoundError:
-        raise PreflightError(f"{where}: no config.json there (is it the HF model directory itself?)") from None
+        hint = (f"did you mean {key}={d / 'hf'}?" if (d / "hf" / "config.json").exists()
+                else "is it the HF model directory itself?")
+        raise PreflightError(f"{where}: no config.json there ({hint})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise PreflightError(f"{where}: config.json is not valid JSON ({err})") from None
     if not isinstance(config, dict) or "model_type" not in config:
+        if (d / "run.json").exists() or (d / "hf" / "config.json").exists():
+            raise PreflightError(f"{where}: that is a run directory, not a model: did you mean {key}={d / 'hf'} "
+                                 "(the HF model a finished run exports)?")
         raise PreflightError(f"{where}: config.json has no model_type (not a transformers model config)")
     index = d / "model.safetensors.index.json"
     if index.exists():
@@ -103,6 +147,20 @@ def check_model(path: str, *, key: str = "model.path") -> None:
     if not any((d / name).exists() for name in TOKENIZER_FILES):
         raise PreflightError(f"{where}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); the tokenizer is "
                              "loaded from the model directory")
+    if supported:
+        check_supported(path, key=key)
+
+
+def check_supported(path: str, *, key: str = "model.path") -> None:
+    """The architecture is one hybridrl implements (its Megatron adapters and the native engine)."""
+    from hybridrl.backends.model_spec import ModelSpec
+
+    try:
+        ModelSpec.from_dir(path)
+    except (ValueError, KeyError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        detail = detail.split(": ", 1)[1] if detail.startswith(str(Path(path) / "config.json")) else detail
+        raise PreflightError(f"{key}={path}: unsupported model: {detail}") from None
 
 
 def check_scalar_head(path: str) -> None:
