@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from hybridrl.algo import partial
-from hybridrl.algo.filters import filter_trajectories
+from hybridrl.algo.filters import admit
 from hybridrl.algo.groups import group_index_of
 from hybridrl.algo.minibatches import lay_out, plan
 from hybridrl.controller import critic as C
@@ -57,10 +57,8 @@ def train(cfg, wg) -> dict:
             switch.update(wg.call(HybridWorker.enter_train))
 
         with timer("prep"):
-            kept = filter_trajectories(trajectories, drop_truncated=algo.drop_truncated,
-                                       drop_all_equal_groups=algo.drop_all_equal_groups,
-                                       current_version=run.version,
-                                       max_policy_lag=algo.max_policy_lag if algo.max_policy_lag >= 0 else None)
+            kept = admit(trajectories, algo, current_version=run.version,     # overlong penalty, then the filters
+                         max_response_tokens=cfg.agent.max_response_tokens)
             batch = to_batch(kept.kept, pad_id=run.pad_id) if kept.kept else None
             if batch is not None:
                 collected.update(partial.apply(algo.partial_policy, batch))   # multi-version rows
