@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 ESTIMATORS = ("k1", "k2", "k3")
 OPTIONS = ("auto", *ESTIMATORS)
 DEFAULT = {"loss": "k2", "reward": "k1"}     # algo.kl_estimator=auto: the option whose gradient is grad KL(pi || ref)
+FORWARD = {(kl_in, estimator) for kl_in, estimator in DEFAULT.items()}   # the (placement, option) pairs that give it
 
 GRADIENTS = {
     ("loss", "k1"): "zero in expectation (E_pi[grad log pi] = 0): adds noise, no regularisation",

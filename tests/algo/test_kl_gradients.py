@@ -58,9 +58,9 @@ EXPECTED = {
 
 def test_every_documented_option_is_checked_and_says_its_divergence():
     assert set(EXPECTED) == set(kl.GRADIENTS) == {(p, e) for p in ("loss", "reward") for e in kl.ESTIMATORS}
-    for key in (("loss", "k2"), ("reward", "k1")):
-        assert kl.GRADIENTS[key].startswith("grad KL(pi || ref)")
-        assert kl.DEFAULT[key[0]] == key[1]                  # auto picks the forward KL's gradient
+    assert kl.FORWARD == {("loss", "k2"), ("reward", "k1")} == {(p, kl.DEFAULT[p]) for p in ("loss", "reward")}
+    for key, text in kl.GRADIENTS.items():                 # auto picks the options whose gradient is grad KL(pi || ref)
+        assert (text == "grad KL(pi || ref)" or text.startswith("grad KL(pi || ref) (")) == (key in kl.FORWARD), key
     assert kl.GRADIENTS[("loss", "k3")].startswith("grad KL(ref || pi)")
     assert kl.GRADIENTS[("loss", "k1")].startswith("zero")
 
