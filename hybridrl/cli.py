@@ -4,7 +4,7 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl train RECIPE [key=value ...]      check the run's inputs, start torchrun on this node
                [--overwrite] [--check]         (--overwrite: replace an earlier run in run.dir)
     hybridrl sft RECIPE [key=value ...]        the same with run.job=sft (supervised warm start)
-    hybridrl config show RECIPE [k=v]          print the resolved config
+    hybridrl config show RECIPE [k=v] [--explain]   print the resolved config (and the objective it trains)
     hybridrl init task NAME [--dir D]          a runnable task module + its SFT and GRPO recipes
     hybridrl config defaults [--write DIR]     the documented defaults of every section
     hybridrl assets tiny-model --arch A --out D
@@ -73,6 +73,15 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
         print(f"hybridrl: {err}", file=sys.stderr)
         return EXIT_CONFIG
     sys.stdout.write(to_yaml(cfg))
+    if args.explain:         # the objective in words and the checks (hybridrl/config/explain.py)
+        from hybridrl.config.explain import REFUSE, explain
+
+        text, found = explain(cfg)
+        sys.stdout.write("".join(f"# {line}\n" for line in text.splitlines()))
+        refused = [f for f in found if f.level == REFUSE]
+        for f in refused:
+            print(f"hybridrl: refused: {f}", file=sys.stderr)
+        return EXIT_CONFIG if refused else 0
     return 0
 
 
@@ -177,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     csub = p.add_subparsers(dest="config_command", required=True)
     c = csub.add_parser("show", help="print the resolved config")
     add_recipe_arguments(c)
+    c.add_argument("--explain", action="store_true", help="also say what objective it trains and refuse or warn on "
+                                                          "combinations that would train something else (exit 2)")
     c.set_defaults(func=_cmd_config_show)
     c = csub.add_parser("defaults", help="the documented defaults (what configs/ holds)")
     c.add_argument("--write", default=None, metavar="DIR")
