@@ -5,6 +5,7 @@ given the same way everywhere: as the first positional argument or with --config
                [--overwrite] [--check]         (--overwrite: replace an earlier run in run.dir)
     hybridrl sft RECIPE [key=value ...]        the same with run.job=sft (supervised warm start)
     hybridrl config show RECIPE [k=v]          print the resolved config [--diff] [--section S[.KEY]]
+                                               [--explain]: and the objective it trains, refusals, warnings
     hybridrl init task NAME [--dir D]          a runnable task module + its SFT and GRPO recipes
     hybridrl init recipe NAME [--out F]        copy a shipped recipe here (--list: their names)
     hybridrl config defaults [--write DIR]     the documented defaults of every section
@@ -82,6 +83,15 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
         print(f"hybridrl: {err}", file=sys.stderr)
         return EXIT_CONFIG
     sys.stdout.write(text)
+    if args.explain:         # the objective in words and the checks (hybridrl/config/explain.py)
+        from hybridrl.config.explain import REFUSE, explain
+
+        text, found = explain(cfg)
+        sys.stdout.write("".join(f"# {line}\n" for line in text.splitlines()))
+        refused = [f for f in found if f.level == REFUSE]
+        for f in refused:
+            print(f"hybridrl: refused: {f}", file=sys.stderr)
+        return EXIT_CONFIG if refused else 0
     return 0
 
 
@@ -236,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--diff", action="store_true", help="only what differs from the defaults (each with its default)")
     c.add_argument("--section", action="append", default=[], metavar="SECTION[.KEY]",
                    help="only this section or key (repeatable), e.g. --section trainer --section agent.temperature")
+    c.add_argument("--explain", action="store_true", help="also say what objective it trains and refuse or warn on "
+                                                          "combinations that would train something else (exit 2)")
     c.set_defaults(func=_cmd_config_show)
     c = csub.add_parser("defaults", help="the documented defaults (what configs/ holds)")
     c.add_argument("--write", default=None, metavar="DIR")

@@ -44,7 +44,7 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
         return []
     check_model(cfg.model.path)
     critic, reward_model = getattr(cfg, "critic", None), getattr(cfg, "reward_model", None)
-    if critic is not None and cfg.algo.advantage == "gae" and critic.path:
+    if critic is not None and cfg.algo.uses_critic and critic.path:
         check_model(critic.path, key="critic.path")
     if reward_model is not None and reward_model.path:
         check_model(reward_model.path, key="reward_model.path", supported=False)
@@ -62,9 +62,10 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
         world_size -= placement.rollout_ranks
         world_key = "training ranks (world size - placement.rollout_ranks)"
     check_layout(cfg.model.path, cfg.train.tp, cfg.train.pp, world_size, world_key=world_key)
-    check_task(cfg)
+    train_size = check_task(cfg)
     notes = warnings(cfg, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or
                               cfg.distributed.nproc_per_node) if world_size is None else world_size)
+    notes += check_objective(cfg, train_size)
     try:
         if overwrite:
             run_dir = Path(cfg.run.dir)
@@ -76,7 +77,17 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
     return [*notes, plan.note] if plan.note else notes
 
 
-GROUP_ESTIMATORS = ("grpo", "rloo")      # their baseline is the other samples of the prompt
+def check_objective(cfg: Any, train_size: int | None) -> list[str]:
+    """Combinations that would train something else than the config says (hybridrl/config/explain.py):
+    the first refusal raises, the warnings come back as notes."""
+    from hybridrl.config.explain import REFUSE, findings
+
+    found = findings(cfg, train_size=train_size)
+    for f in found:
+        if f.level == REFUSE:
+            raise PreflightError(f"{f} (hybridrl config show --explain says what the config trains)")
+    return [f"warning: {f}" for f in found]
+
 
 
 def usable_cpus() -> int:
@@ -97,10 +108,6 @@ def warnings(cfg: Any, ranks_per_node: int) -> list[str]:
         out.append(f"warning: {ranks_per_node} CPU ranks on {cpus} CPU(s) (distributed.nproc_per_node="
                    f"{cfg.distributed.nproc_per_node}): the ranks share cores and every collective waits for the "
                    f"slowest; a run with distributed.nproc_per_node={cpus} is usually faster")
-    if cfg.run.job == "rl" and cfg.algo.advantage in GROUP_ESTIMATORS and cfg.trainer.group_size == 1:
-        out.append(f"warning: algo.advantage={cfg.algo.advantage} with trainer.group_size=1: the baseline of an "
-                   "episode is the other episodes of its prompt, so every advantage is 0 and nothing is learned; "
-                   "set trainer.group_size=4 or more, or algo.advantage=gae (a learned critic)")
     return out
 
 
@@ -201,8 +208,9 @@ def check_layout(path: str, tp: int, pp: int, world_size: int, *, keys: tuple[st
         raise PreflightError(problem)
 
 
-def check_task(cfg: Any) -> None:
-    """Draw what the run will draw from the task, so a task that cannot give it fails here."""
+def check_task(cfg: Any) -> int | None:
+    """Draw what the run will draw from the task, so a task that cannot give it fails here; returns the
+    train split's size (None for SFT)."""
     from hybridrl.envs.tasks import get_task
 
     name = cfg.task.name
@@ -222,10 +230,11 @@ def check_task(cfg: Any) -> None:
     if cfg.run.job == "sft":
         _step(name, f"draw sft.num_demonstrations={cfg.sft.num_demonstrations} demonstrations",
               lambda: task.sft_demonstrations(cfg.sft.num_demonstrations))
-    else:
-        _step(name, f"draw the train split (task.train_size={cfg.task.train_size})", task.train_split)
-        _step(name, f"draw the validation split (task.validation_size={cfg.task.validation_size})",
-              task.validation_split)
+        return None
+    split = _step(name, f"draw the train split (task.train_size={cfg.task.train_size})", task.train_split)
+    _step(name, f"draw the validation split (task.validation_size={cfg.task.validation_size})",
+          task.validation_split)
+    return len(split)
 
 
 def _step(name: str, what: str, fn):
