@@ -31,16 +31,19 @@ def model(tiny_models):
     return tiny_models("qwen2")
 
 
-def test_preflight_warns_about_more_cpu_ranks_than_cpus_and_groups_of_one(model, tmp_path):
+def test_preflight_warns_about_more_cpu_ranks_than_cpus_and_refuses_groups_of_one(model, tmp_path):
     ranks = usable_cpus() + 2
     out = hybridrl("train", GRPO, "--check", f"model.path={model}", f"run.dir={tmp_path / 'run'}",
-                   f"distributed.nproc_per_node={ranks}", "trainer.group_size=1")
+                   f"distributed.nproc_per_node={ranks}")
     assert out.returncode == 0, out.stderr
     warnings = [line for line in out.stderr.splitlines() if line.startswith("hybridrl: warning:")]
-    assert len(warnings) == 2, out.stderr
+    assert len(warnings) == 1, out.stderr
     assert f"{ranks} CPU ranks on {usable_cpus()} CPU(s)" in warnings[0]
     assert f"distributed.nproc_per_node={usable_cpus()}" in warnings[0]
-    assert "trainer.group_size=1" in warnings[1] and "every advantage is 0" in warnings[1]
+    # a group baseline with groups of one trains nothing: refused before launch (hybridrl/config/explain.py)
+    one = hybridrl("train", GRPO, "--check", f"model.path={model}", f"run.dir={tmp_path / 'run'}",
+                   "trainer.group_size=1")
+    assert one.returncode == 2 and "trainer.group_size" in one.stderr and "every advantage is 0" in one.stderr
     quiet = hybridrl("train", GRPO, "--check", f"model.path={model}", f"run.dir={tmp_path / 'run'}",
                      "distributed.nproc_per_node=1")
     assert quiet.returncode == 0 and "warning" not in quiet.stderr, quiet.stderr
