@@ -146,12 +146,13 @@ def prepare(venv: Path, wheelhouse: Path) -> dict:
     python = str(venv / "bin" / "python")
     found = _probe(python) if (venv / "bin" / "python").exists() else None
     if found is not None:
-        how = f"reused the venv {venv} (torch {found['torch']})"
+        how, before = f"reused the venv {venv} (torch {found['torch']})", _installed(python)
     else:
         system = _probe(sys.executable)
         if not (venv / "bin" / "python").exists():
             flags = ["--system-site-packages"] if system is not None else []
             subprocess.run([sys.executable, "-m", "venv", *flags, str(venv)], check=True)
+        before = _installed(python)
         if system is not None and _probe(python) is not None:
             how = f"reused the system torch {system['torch']} ({system['location']}) in a new venv {venv}"
         else:
@@ -165,7 +166,6 @@ def prepare(venv: Path, wheelhouse: Path) -> dict:
             if proc.returncode != 0:
                 raise SystemExit(f"gpu_env: installing torch from {wheelhouse} failed: {proc.stderr.strip()[-1500:]}")
         found = _probe(python)
-    before = _installed(python)
     reqs = requirements()
     proc = _pip(python, wheelhouse, *reqs)
     if proc.returncode != 0:
