@@ -91,14 +91,27 @@ def closure(roots: list[str], *, python_version: str, exclude: set[str]) -> dict
     return found
 
 
+def platforms(tag: str) -> list[str]:
+    """A manylinux_2_X_ARCH tag and every older manylinux tag a machine of that glibc also runs
+    (pip matches --platform literally), with the legacy aliases (manylinux2014 = 2_17, 2010 = 2_12,
+    1 = 2_5); any other tag as it is."""
+    parts = tag.split("_")
+    if not (tag.startswith("manylinux_2_") and len(parts) >= 4 and parts[2].isdigit()):
+        return [tag]
+    glibc, arch = int(parts[2]), "_".join(parts[3:])
+    tags = [f"manylinux_2_{minor}_{arch}" for minor in range(glibc, 4, -1)]
+    legacy = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+    return tags + [f"{name}_{arch}" for minor, name in legacy.items() if minor <= glibc]
+
+
 def wheels(args: argparse.Namespace) -> int:
     out = Path(args.wheelhouse).resolve()
     out.mkdir(parents=True, exist_ok=True)
     reqs = [r for r in requirements() if _canonical(_name(r)) != "torch"]
     pins = closure(reqs, python_version=args.python_version, exclude={"torch"})
     target = ["--only-binary=:all:", "--python-version", args.python_version]
-    if args.platform:
-        target += ["--platform", args.platform]
+    for platform in platforms(args.platform) if args.platform else []:
+        target += ["--platform", platform]
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(out), *target,
            *sorted(f"{n}=={v}" for n, v in pins.items())]
     print(f"gpu_env: downloading {len(pins)} wheels (hybridrl's requirements at the versions installed here, "

@@ -65,3 +65,11 @@ def test_the_wheelhouse_holds_what_hybridrl_needs_without_torch():
     pins = gpu_env.closure([r for r in reqs if not r.startswith("torch")], python_version="3.12", exclude={"torch"})
     assert {"megatron-core", "transformers", "tokenizers", "huggingface-hub", "numpy", "pytest"} <= set(pins)
     assert not {"torch", "sympy", "networkx"} & set(pins)                    # torch's own dependencies stay out
+
+
+def test_a_target_platform_takes_the_older_manylinux_tags_too():
+    tags = gpu_env.platforms("manylinux_2_28_x86_64")
+    assert tags[0] == "manylinux_2_28_x86_64" and tags[-3:] == ["manylinux2014_x86_64", "manylinux2010_x86_64",
+                                                               "manylinux1_x86_64"]
+    assert "manylinux_2_17_x86_64" in tags and "manylinux_2_29_x86_64" not in tags
+    assert gpu_env.platforms("macosx_14_0_arm64") == ["macosx_14_0_arm64"]
