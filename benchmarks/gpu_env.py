@@ -85,7 +85,8 @@ def closure(roots: list[str], *, python_version: str, exclude: set[str]) -> dict
         try:
             dist = metadata.distribution(req.name)
         except metadata.PackageNotFoundError:
-            raise SystemExit(f"gpu_env: {req.name} (required) is not installed here: run `make install` first") from None
+            raise SystemExit(f"gpu_env: {req.name} (required) is not installed here: run `make install` "
+                             "first") from None
         found[name] = dist.version
         todo += [(Requirement(sub), wanted) for sub in dist.requires or []]
     return found
@@ -142,8 +143,8 @@ def _probe(python: str) -> dict | None:
 
 
 def _installed(python: str) -> dict[str, str]:
-    code = ("import json; from importlib import metadata; "
-            "print(json.dumps({d.metadata['Name']: d.version for d in metadata.distributions() if d.metadata['Name']}))")
+    code = ("import json; from importlib import metadata; print(json.dumps({d.metadata['Name']: d.version "
+            "for d in metadata.distributions() if d.metadata['Name']}))")
     return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 

@@ -107,8 +107,8 @@ async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig
         for index in plans[i].groups:
             source.write_hf_group(index, bucket.views)
         sent = bucket.digests()
-        if bucket.buffer.device.type == "cuda":
-            torch.cuda.current_stream(bucket.buffer.device).synchronize()   # the receiver may read it from another stream
+        if bucket.buffer.device.type == "cuda":     # the receiver may read it from another stream
+            torch.cuda.current_stream(bucket.buffer.device).synchronize()
         return bucket, sent, time.perf_counter() - started
 
     async def deliver(bucket: FlatBucket, sent: dict[str, str]) -> None:

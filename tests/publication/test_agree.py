@@ -17,7 +17,7 @@ def test_a_refusal_on_one_rank_is_every_ranks_refusal(tmp_path):
     for case, refuser in (("owner refuses", 0), ("stand-in refuses", 1)):
         outcomes = [r[case] for r in ranks]
         message = outcomes[0]["outcome"]
-        assert message.startswith(f"refused: publication v") and f"(by rank {refuser})" in message, message
+        assert message.startswith("refused: publication v") and f"(by rank {refuser})" in message, message
         assert "dtype float32, expected bfloat16" in message            # the refuser's own reason, on both
         assert all(o["outcome"] == message for o in outcomes)            # the same branch, the same words
         assert all(o["gathered"] == 0 for o in outcomes)                 # nobody entered a collective alone
