@@ -7,6 +7,8 @@
     train.tp/pp a layout the model and the world size allow: pp <= layers, tp dividing the
                 attention heads, KV heads and FFN size, tp * pp dividing the world size (the
                 training ranks' number with a disaggregated placement, which must leave at least one)
+    dtypes      the rollout engine's dtype is train.dtype (an RL run publishes the trained weights
+                as they are), and publish.parity_tolerance is one that dtype can pass
     task        importable (loading the config did that) and able to give what the run asks of
                 it: the train and validation splits at their configured sizes (data files are read
                 here, so a missing one is named with its option), SFT demonstrations, and tools that
@@ -62,6 +64,8 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
         world_size -= placement.rollout_ranks
         world_key = "training ranks (world size - placement.rollout_ranks)"
     check_layout(cfg.model.path, cfg.train.tp, cfg.train.pp, world_size, world_key=world_key)
+    if cfg.run.job == "rl":
+        check_dtypes(cfg)
     train_size = check_task(cfg)
     notes = warnings(cfg, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or
                               cfg.distributed.nproc_per_node) if world_size is None else world_size)
@@ -206,6 +210,58 @@ def check_layout(path: str, tp: int, pp: int, world_size: int, *, keys: tuple[st
     problem = layout_problem(tp=tp, pp=pp, world_size=world_size, keys=keys, world_key=world_key, **shape)
     if problem:
         raise PreflightError(problem)
+
+
+def rollout_dtype(cfg: Any) -> tuple[str, str]:
+    """(the rollout engine's dtype, the key that sets it). The native engine's `auto` is bfloat16 on
+    CUDA and float32 on CPU (backends/native/core.py), decided by `distributed.device`; with
+    `auto` there as well, by whether torch sees a CUDA device (only then is torch imported)."""
+    engine = cfg.rollout.engine
+    dtype = getattr(cfg.rollout, engine).dtype
+    key = f"rollout.{engine}.dtype"
+    if dtype != "auto":
+        return dtype, key
+    device = cfg.distributed.device
+    if device == "auto":
+        device = "cuda" if _torch_sees_cuda() else "cpu"
+    return ("bfloat16" if device == "cuda" else "float32"), f"{key}=auto on {device}"
+
+
+def _torch_sees_cuda() -> bool:
+    """torch.cuda.is_available(), without importing torch for a CPU-only build (its version.py says
+    `cuda = None`), so that checks on a CPU machine stay light."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        version = Path(location) / "version.py"
+        if version.exists() and re.search(r"^cuda\b[^=]*=\s*None\s*$", version.read_text(), re.M):
+            return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_dtypes(cfg: Any) -> None:
+    """The publication copies the trained tensors into the engine as they are (it does not convert
+    dtypes), so an engine in another dtype than `train.dtype` refuses the first publication, after
+    every rank started: refuse it here. And a parity tolerance below what those dtypes can meet
+    (`publication.config.parity_tolerance_floor`) would fail the first probe."""
+    from hybridrl.publication.config import default_parity_tolerance, parity_tolerance_floor
+
+    train = cfg.train.dtype
+    engine, key = rollout_dtype(cfg)
+    if engine != train:
+        setting = key.split("=")[0]
+        raise PreflightError(f"train.dtype={train} but the rollout engine runs in {engine} ({key}): the weights are "
+                             f"published as they are, without conversion; set {setting}={train} or "
+                             f"train.dtype={engine}")
+    tolerance = cfg.publish.parity_tolerance
+    if cfg.publish.parity_prompts and tolerance < parity_tolerance_floor(train, engine):
+        raise PreflightError(f"publish.parity_tolerance={tolerance:g} cannot pass in {engine} (one {engine} rounding "
+                             f"step of a logit of ~3 is 2^-6 nats): set publish.parity_tolerance="
+                             f"{default_parity_tolerance(train, engine):g}, or publish.parity_prompts=0")
 
 
 def check_task(cfg: Any) -> int | None:
