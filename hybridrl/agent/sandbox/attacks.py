@@ -340,12 +340,16 @@ async def run_attacks(pool, ctx: dict, names: list[str] | None = None) -> list[V
     return [await run_attack(pool, a, ctx) for a in chosen]
 
 
-def run_attack_set(cfg, ctx: dict | None = None, names: list[str] | None = None) -> tuple[str, list[Verdict]]:
-    """(isolation, verdicts) for a fresh pool built from `cfg` (a ToolsConfig)."""
+def run_attack_set(cfg, ctx: dict | None = None, names: list[str] | None = None, *,
+                   with_limits: bool = False) -> tuple:
+    """(isolation, verdicts) for a fresh pool built from `cfg` (a ToolsConfig); with `with_limits`
+    also {"memory_limit": cgroup2 | cgroup1 | rlimit, "cgroup_problem": why not a cgroup}."""
     from hybridrl.agent.sandbox.pool import SandboxPool
 
     async def go():
         async with SandboxPool(cfg) as pool:
-            return pool.mode, await run_attacks(pool, ctx or attack_context(cfg), names)
+            limits = {"memory_limit": pool.memory_limit, "cgroup_problem": pool.cgroup_problem}
+            return pool.mode, await run_attacks(pool, ctx or attack_context(cfg), names), limits
 
-    return asyncio.run(go())
+    mode, verdicts, limits = asyncio.run(go())
+    return (mode, verdicts, limits) if with_limits else (mode, verdicts)
