@@ -16,6 +16,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from hybridrl.agent import killswitch
 from hybridrl.algo import partial
 from hybridrl.algo.filters import filter_trajectories
 from hybridrl.algo.groups import group_index_of
@@ -53,6 +54,8 @@ def train(cfg, wg) -> dict:
         with timer("rollout"):
             trajectories, collected = collection.rollout(step)
         run.faults.at(step, "rollout")
+        if killswitch.stop_requested(cfg, wg, run, step):     # hybridrl agent kill-switch RUN_DIR: resumable
+            return run.summary()
         with timer("sync"):
             switch.update(wg.call(HybridWorker.enter_train))
 
