@@ -153,7 +153,8 @@ def _audit(args) -> int:
     from collections import Counter
     from pathlib import Path
 
-    from hybridrl.agent import audit, killswitch
+    from hybridrl.agent import killswitch
+    from hybridrl.store import audit
 
     path = Path(args.run_dir)
     if path.is_dir():

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from hybridrl.agent import audit
+from hybridrl.store import audit
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@
 - The syscall filter (`seccomp.py`) is compiled here once and installed by every tool; a machine
   it cannot filter is refused.
 - Egress (`tools.network=allowlist`): the pool's proxy (`egress.py`) serves each sandbox's
-  listener; everything is logged to the run's audit log (`hybridrl/agent/audit.py`).
+  listener; everything is logged to the run's audit log (`hybridrl/store/audit.py`).
 - The kill switch (`kill(reason)`, any thread): every sandbox is SIGKILLed at once, every call in
   flight and every later one returns `killed`.
 - Fork bombs: RLIMIT_NPROC does not bind root, so as root each sandbox runs under its own
@@ -37,12 +37,13 @@ import sys
 import tempfile
 from typing import Any
 
-from hybridrl.agent import audit as audit_log
 from hybridrl.agent.config import ToolsConfig
 from hybridrl.agent.sandbox import cgroups, seccomp
 from hybridrl.agent.sandbox.egress import PROXY_PORT, EgressProxy
 from hybridrl.agent.sandbox.process import RUNNER, SandboxProcess, SandboxResult
 from hybridrl.agent.sandbox.uids import UidLease
+from hybridrl.agent.tools.base import TOOL_CALL
+from hybridrl.store import audit as audit_log
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +217,7 @@ class SandboxPool:
             return self._refused()
         await self.start()
         timeout = self.cfg.timeout_s if timeout_s is None else timeout_s
-        call = audit_log.TOOL_CALL.get() or {}
+        call = TOOL_CALL.get() or {}
         async with self._slots:
             if self.killed is not None:
                 return self._refused()

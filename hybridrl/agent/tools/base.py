@@ -3,6 +3,7 @@ switch's watcher (`hybridrl/agent/killswitch.py`)."""
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
 from dataclasses import dataclass, field
@@ -11,6 +12,11 @@ from typing import Any, Iterable, Protocol
 from hybridrl.agent.actions import ToolCall, ToolSpec
 
 log = logging.getLogger(__name__)
+
+# the tool call running in this task (set by ToolBox.call): {"episode": ..., "call": ...}; the sandbox
+# pool puts it in its audit records
+TOOL_CALL: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("hybridrl_tool_call",
+                                                                                   default=None)
 
 
 @dataclass
@@ -84,7 +90,8 @@ class ToolBox:
 
     def _watch(self) -> None:
         """Start the kill switch's watcher thread (once; only when the config names a switch file)."""
-        from hybridrl.agent import audit, killswitch
+        from hybridrl.agent import killswitch
+        from hybridrl.store import audit
 
         path = audit.configured_path(getattr(self.cfg, "kill_switch", None))
         if path is None or self._watcher is not None:
@@ -111,8 +118,6 @@ class ToolBox:
         """Run an authorized call. An exception inside a tool is an infrastructure error, and so is a
         call the kill switch stopped (neither is the policy's doing). `context` (episode, call id)
         goes with the call into the audit log."""
-        from hybridrl.agent.audit import TOOL_CALL
-
         started = time.monotonic()
         self.counts["calls"] += 1
         token = TOOL_CALL.set(context)

@@ -22,7 +22,6 @@ assumed), so they are not logged one by one; the filter itself (its hash) is.
 
 from __future__ import annotations
 
-import contextvars
 import fcntl
 import hashlib
 import json
@@ -34,11 +33,6 @@ from typing import Any, Iterator
 
 GENESIS = "0" * 64
 _TAIL = 1 << 16
-
-# the tool call a sandbox run belongs to (set by ToolBox.call): {"episode": ..., "call": ...}
-TOOL_CALL: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("hybridrl_tool_call",
-                                                                                   default=None)
-
 
 def configured_path(value: str | None) -> str | None:
     """A log / switch path from a config value: None when empty or when it still holds an
