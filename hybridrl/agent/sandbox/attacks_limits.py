@@ -100,11 +100,11 @@ print("DONE")
 
 # three children, each within the per-process address-space limit, together far above it
 CHILDREN = """
-import mmap, os, time
+import mmap, os, select, time
 per = max(1, int(0.8 * {memory_mb}))
 r, w = os.pipe()
 kids = []
-for _ in range(3):
+for i in range(3):
     pid = os.fork()
     if pid == 0:
         os.close(r)
@@ -112,21 +112,24 @@ for _ in range(3):
             m = mmap.mmap(-1, per << 20)
             for off in range(0, per << 20, 4096):
                 m[off] = 1
-            os.write(w, b"1")
+            os.write(w, bytes([i]))
         except (OSError, MemoryError, ValueError):
-            os.write(w, b"0")
+            pass
         time.sleep(30)
         os._exit(0)
     kids.append(pid)
 os.close(w)
-reported = 0
-while reported < 3 and os.read(r, 1):
-    reported += 1
-alive = [k for k in kids if os.waitpid(k, os.WNOHANG)[0] == 0]
+holding, dead = set(), set()
+while len(holding | dead) < 3:                         # each child holds its share, or has died
+    if select.select([r], [], [], 0.05)[0]:
+        holding.update(os.read(r, 3))
+    dead.update(i for i, k in enumerate(kids) if i not in dead and os.waitpid(k, os.WNOHANG)[0] != 0)
+alive = [i for i in holding if i not in dead and os.waitpid(kids[i], os.WNOHANG)[0] == 0]
 print("HELD_MIB", per * len(alive), "of", per * 3, flush=True)
-for k in alive:
-    os.kill(k, 9)
-    os.waitpid(k, 0)
+for i, k in enumerate(kids):
+    if i not in dead:
+        os.kill(k, 9)
+        os.waitpid(k, 0)
 print("DONE")
 """
 

@@ -128,7 +128,7 @@ class ToolBox:
                 message, self._fail_next = self._fail_next, None
                 raise RuntimeError(message)
             result = await self.tools[call.name](call.arguments)
-            if self.killed is not None and not result.infra_error:      # tripped during the call
+            if self.killed is not None:                   # tripped during the call
                 raise _Killed(self.killed)
         except _Killed as err:
             self.counts["killed"] += 1
