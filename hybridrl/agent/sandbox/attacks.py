@@ -348,7 +348,8 @@ def run_attack_set(cfg, ctx: dict | None = None, names: list[str] | None = None,
 
     async def go():
         async with SandboxPool(cfg) as pool:
-            limits = {"memory_limit": pool.memory_limit, "cgroup_problem": pool.cgroup_problem}
+            limits = {"memory_limit": getattr(pool, "memory_limit", "rlimit"),
+                      "cgroup_problem": getattr(pool, "cgroup_problem", "")}
             return pool.mode, await run_attacks(pool, ctx or attack_context(cfg), names), limits
 
     mode, verdicts, limits = asyncio.run(go())

@@ -15,7 +15,8 @@ Two layouts, probed once per pool (`probe`):
   memory.swap.max = 0, pids.max and memory.oom.group = 1 (an OOM kills the whole sandbox).
 - cgroup v1 (separate memory and pids hierarchies, e.g. a hybrid host): the same directories in
   both, under `tools.cgroup_parent` or this process's own cgroup there; memory.limit_in_bytes and
-  memory.memsw.limit_in_bytes (no swap), pids.max.
+  memory.memsw.limit_in_bytes (no swap), pids.max; v1 has no oom.group, so the pool listens on the
+  cgroup's OOM eventfd and kills the whole sandbox at its first OOM (`oom_events`).
 
 Where neither can be written (an unprivileged user without a delegated subtree, a container with
 a read-only /sys/fs/cgroup) `probe` says why: the pool then runs with rlimits only, says so
@@ -62,6 +63,26 @@ class SandboxCgroup:
             if key == "oom_kill":
                 return int(value)
         return 0
+
+    def oom_events(self) -> int | None:
+        """cgroup v1: an eventfd the kernel signals at every OOM in this cgroup (the pool then kills
+        the whole sandbox, as memory.oom.group does in v2); None in v2 or where unavailable."""
+        if self.kind != "cgroup1":
+            return None
+        try:
+            efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        except (AttributeError, OSError):
+            return None
+        try:
+            control = os.open(self.dirs[0] / "memory.oom_control", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                (self.dirs[0] / "cgroup.event_control").write_text(f"{efd} {control}")
+            finally:
+                os.close(control)
+        except OSError:
+            os.close(efd)
+            return None
+        return efd
 
     def pids(self) -> list[int]:
         out: set[int] = set()

@@ -54,13 +54,13 @@ class SandboxResult:
     isolation: str = "none"
     cpu_s: float | None = None         # the tool's CPU time, measured by its (trusted) parent
     cpu_limit_s: float | None = None   # its RLIMIT_CPU
-    oom_kills: int = 0                 # processes the sandbox's memory cgroup killed (its own counter)
+    oom_kills: int = 0                 # OOM kills in the sandbox's memory cgroup (its own counter / events)
     killed: str | None = None          # stopped by the kill switch (why): not the tool's doing
 
     @property
     def ok(self) -> bool:
         return (self.setup_error is None and not self.timed_out and not self.output_truncated
-                and self.killed is None and self.exit_code == 0)
+                and self.killed is None and not self.oom_kills and self.exit_code == 0)
 
     @property
     def limit_hit(self) -> str | None:
@@ -77,7 +77,7 @@ class SandboxResult:
             return "wall_clock"
         if self.output_truncated:
             return "output"
-        if self.oom_kills and self.exit_code != 0:
+        if self.oom_kills:                 # any process of the sandbox: the sandbox hit its limit
             return "memory"
         if (self.signal in (signal.SIGXCPU, signal.SIGKILL) and self.cpu_s is not None
                 and self.cpu_limit_s is not None and self.cpu_s >= 0.9 * self.cpu_limit_s):
@@ -135,6 +135,7 @@ class SandboxProcess:
         self.egress = egress                    # where pid 1 hands over its proxy listener
         self.killed: str | None = None
         self._servers: list[asyncio.AbstractServer] = []
+        self._ooms = 0                          # OOM events of its cgroup (v1) the pool acted on
 
     @classmethod
     async def spawn(cls, python: str, spec: dict[str, Any], *, max_output_bytes: int,
@@ -210,6 +211,9 @@ class SandboxProcess:
             listener = await _receive_listener(self.egress, timeout_s)
             if listener is not None:
                 self._servers.append(await proxy.serve(listener, call or {}))
+        oom = self.cgroup.oom_events() if self.cgroup is not None else None
+        if oom is not None:                     # cgroup v1: the first OOM ends the whole sandbox
+            asyncio.get_running_loop().add_reader(oom, self._on_oom, oom)
         # a lone surrogate in the code is the program's problem (Python reports it as a SyntaxError
         # the policy sees), not an exception of ours
         self.stdin.write(code.encode("utf-8", "surrogatepass"))
@@ -218,6 +222,9 @@ class SandboxProcess:
         overflow = asyncio.ensure_future(self.budget.overflow.wait())
         await asyncio.wait({ended, overflow}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         overflow.cancel()
+        if oom is not None:
+            asyncio.get_running_loop().remove_reader(oom)
+            os.close(oom)
         timed_out = truncated = False
         if not ended.done():
             truncated = self.budget.overflow.is_set()
@@ -243,7 +250,16 @@ class SandboxProcess:
             timed_out=timed_out, output_truncated=truncated, setup_error=setup,
             wall_s=time.monotonic() - started, isolation=self.mode,
             cpu_s=(exit_event or {}).get("cpu_s"), cpu_limit_s=self.cpu_limit_s,
-            oom_kills=self.cgroup.oom_kills() if self.cgroup is not None else 0, killed=self.killed)
+            oom_kills=max(self.cgroup.oom_kills(), self._ooms) if self.cgroup is not None else 0,
+            killed=self.killed)
+
+    def _on_oom(self, fd: int) -> None:
+        try:
+            os.eventfd_read(fd)
+        except OSError:
+            return
+        self._ooms += 1                          # the kernel may not kill anything itself: we do first
+        self.cgroup.kill()
 
     def hard_kill(self, reason: str) -> None:
         """The kill switch (any thread): SIGKILL everything of this sandbox now, without waiting for
