@@ -49,6 +49,21 @@ def parse_destination(entry: str) -> str:
     return f"{host.lower()}:{int(port)}"
 
 
+class Serving:
+    """The proxy serving one sandbox: `close()` (when the sandbox ends) stops accepting and ends
+    every connection still open, each with its audit record."""
+
+    def __init__(self) -> None:
+        self.server: asyncio.AbstractServer | None = None
+        self.tasks: set[asyncio.Task] = set()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for task in list(self.tasks):
+            task.cancel()
+
+
 class EgressProxy:
     """One per pool; `serve(listener, call)` per sandbox run (the listener came from its pid 1)."""
 
@@ -57,12 +72,16 @@ class EgressProxy:
         self.audit = audit
         self.counts = {"allowed": 0, "refused": 0}
 
-    async def serve(self, listener: socket.socket, call: dict[str, Any]) -> asyncio.AbstractServer:
+    async def serve(self, listener: socket.socket, call: dict[str, Any]) -> Serving:
         listener.setblocking(False)
-        return await asyncio.start_server(lambda r, w: self._handle(r, w, call), sock=listener)
+        serving = Serving()
+        serving.server = await asyncio.start_server(lambda r, w: self._handle(r, w, call, serving), sock=listener)
+        return serving
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      call: dict[str, Any]) -> None:
+                      call: dict[str, Any], serving: Serving) -> None:
+        task = asyncio.current_task()
+        serving.tasks.add(task)
         started = time.monotonic()
         target, verdict, up, down = "?", "refused", 0, 0
         try:
@@ -99,7 +118,11 @@ class EgressProxy:
         except (ConnectionError, OSError) as err:
             if verdict == "refused":
                 verdict = f"refused: {type(err).__name__}"
+        except asyncio.CancelledError:           # the sandbox ended: its connections end with it
+            if verdict == "refused":
+                verdict = "refused: the sandbox ended"
         finally:
+            serving.tasks.discard(task)
             self.counts["allowed" if verdict == "allowed" else "refused"] += 1
             writer.close()
             if self.audit is not None:
@@ -146,6 +169,8 @@ async def _relay(client_r, client_w, upstream_r, upstream_w) -> tuple[int, int]:
 
     try:
         await asyncio.gather(pump(client_r, upstream_w, 0), pump(upstream_r, client_w, 1))
+    except asyncio.CancelledError:
+        pass                                      # counted so far: the caller records them
     finally:
         upstream_w.close()
     return counts[0], counts[1]

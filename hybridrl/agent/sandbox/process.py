@@ -134,7 +134,7 @@ class SandboxProcess:
         self.cgroup: Any = None                 # its SandboxCgroup (cgroups.py), set by the pool
         self.egress = egress                    # where pid 1 hands over its proxy listener
         self.killed: str | None = None
-        self._servers: list[asyncio.AbstractServer] = []
+        self._servers: list[Any] = []           # egress.Serving of this call
         self._ooms = 0                          # OOM events of its cgroup (v1) the pool acted on
 
     @classmethod
@@ -309,10 +309,8 @@ class SandboxProcess:
                 transport.close()
         self.pipes["status"][0].close()
         self.stdin.close()
-        for server in self._servers:                     # its egress: no new connection, none left open
-            server.close()
-            if hasattr(server, "close_clients"):
-                server.close_clients()
+        for serving in self._servers:                    # its egress: no new connection, none left open
+            serving.close()
         self._servers.clear()
         if self.egress is not None:
             self.egress.close()
