@@ -1,6 +1,6 @@
 """The tool's syscall filter, compiled by libseccomp in the trusted pool and installed by the tool
 process itself right before it execs the runner (after no_new_privs, the dropped capabilities and
-its own uid; `boot.py` loads the exported BPF program with prctl(PR_SET_SECCOMP)).
+its own uid; `boot.py` loads the exported BPF program with seccomp(2), SPEC_ALLOW).
 
 The filter allows by default and refuses what a tool never needs and what would undo the other
 defences:
