@@ -64,13 +64,13 @@ import socket
 import sqlite3
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from hybridrl.data.episode import TaskInstance, Transition
 from hybridrl.envs.protocol import Environment
+from hybridrl.envs.service_owners import SERVICES, local_owner, local_return, owner_alive, start_time
 from hybridrl.envs.service_types import (  # noqa: F401  (the service's API, importable from here)
     DatabaseBusy,
     EnvServiceError,
@@ -138,11 +138,6 @@ AUDITED = {"bad_token", "refused", "reset_conflict", "idempotency_conflict", "ou
            "reclaimed", "step_failed"}
 _MAX_ERROR_CHARS = 2000
 
-# the live services of this process, by owner: an intent owned by one of them is in progress only
-# while that object executes it (pid and start time cannot tell two services of one process apart)
-_SERVICES: "weakref.WeakValueDictionary[str, EnvService]" = weakref.WeakValueDictionary()
-
-
 @dataclass(frozen=True)
 class _Outcome:                      # an executed step, before (or if) its record is written
     seq_no: int
@@ -161,41 +156,12 @@ def _canonical(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (Linux), None where unknown; with the
-    pid it names one process (pids are reused, start times with them are not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    if fields[0] in ("Z", "X"):                      # exited, not yet reaped: not alive
-        return "dead"
-    return fields[19]
-
-
 def _describe(err: BaseException) -> str:
     try:
         text = f"{type(err).__name__}: {err}"
     except Exception:  # noqa: BLE001 - an exception whose str() raises still gets a record
         text = type(err).__name__
     return text[:_MAX_ERROR_CHARS]
-
-
-def _owner_alive(owner: str) -> bool:
-    host, pid, start, _ = owner.split(":", 3)
-    if host != socket.gethostname():
-        return True                                   # cannot tell; SQLite WAL is one host anyway
-    if int(pid) == os.getpid() and start == (_start_time(os.getpid()) or "?"):
-        return False                                  # this process: see EnvService._local_owner
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    now = _start_time(int(pid))
-    return now != "dead" and (now is None or start == "?" or now == start)
 
 
 def default_make_env(task: str, instance: TaskInstance) -> Environment:
@@ -223,7 +189,7 @@ class EnvService:
         self.make_env = make_env
         self.clock = clock
         self.on_persisted = on_persisted          # fault-injection point: after commit, before reply
-        self.owner = (f"{socket.gethostname()}:{os.getpid()}:{_start_time(os.getpid()) or '?'}:"
+        self.owner = (f"{socket.gethostname()}:{os.getpid()}:{start_time(os.getpid()) or '?'}:"
                       f"{secrets.token_hex(4)}")
         self._lock = threading.Lock()
         self._envs: dict[str, tuple[Environment, int]] = {}     # episode -> (object, seq it is at)
@@ -231,7 +197,7 @@ class EnvService:
         from hybridrl.store.audit import open_log
 
         self.audit = open_log(audit_log)
-        _SERVICES[self.owner] = self
+        SERVICES[self.owner] = self
         self.db = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None,
                                   timeout=busy_timeout_s)
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -255,7 +221,7 @@ class EnvService:
     def shutdown(self) -> None:
         """Close the database; intents this object still owns are in doubt for every other service."""
         with self._lock:
-            _SERVICES.pop(self.owner, None)
+            SERVICES.pop(self.owner, None)
             self.db.close()
 
     # ------------------------------------------------------------------ API
@@ -350,11 +316,11 @@ class EnvService:
             if (episode_id, idempotency_key) in self._unwritten:
                 raise ResultNotWritten(f"episode {episode_id}: key {idempotency_key!r} executed here, its record "
                                        f"is not written yet; retry the step with the same key")
-            local = self._local_owner(row["owner"], episode_id, idempotency_key, take=False)
+            local = local_owner(self, row["owner"], episode_id, idempotency_key, take=False)
             if local == "unwritten":
                 raise ResultNotWritten(f"episode {episode_id}: key {idempotency_key!r} was executed by another "
                                        f"service of this process; retry the step with the same key")
-            if local == "busy" or (local is None and _owner_alive(row["owner"])):
+            if local == "busy" or (local is None and owner_alive(row["owner"])):
                 raise StepInProgress(f"episode {episode_id}: key {idempotency_key!r} is being executed by "
                                      f"service process {row['owner']}")
             raise StepInDoubt(f"episode {episode_id}: key {idempotency_key!r} was claimed by service process "
@@ -441,17 +407,17 @@ class EnvService:
                 if intent["idempotency_key"] != key:
                     raise OutOfOrder(f"episode {episode_id}: seq_no {seq_no} is claimed by key "
                                      f"{intent['idempotency_key']!r}")
-                local = self._local_owner(intent["owner"], episode_id, key, take=True)
+                local = local_owner(self, intent["owner"], episode_id, key, take=True)
                 if isinstance(local, _Outcome):
                     if local.action != _canonical(action) or local.seq_no != seq_no:
-                        self._local_return(intent["owner"], episode_id, key, local)
+                        local_return(intent["owner"], episode_id, key, local)
                         raise IdempotencyConflict(f"episode {episode_id}: key {key!r} was executed for seq "
                                                   f"{local.seq_no} with a different action")
                     self.db.execute("UPDATE transitions SET owner = ? WHERE episode_id = ? AND seq_no = ?",
                                     (self.owner, episode_id, seq_no))
                     self._unwritten[(episode_id, key)] = local
                     return local
-                if local == "busy" or (local is None and _owner_alive(intent["owner"])):
+                if local == "busy" or (local is None and owner_alive(intent["owner"])):
                     raise StepInProgress(f"episode {episode_id}: seq {seq_no} is being executed by service "
                                          f"process {intent['owner']}; ask action_status or retry the same key")
                 # dead: its owner process died, or it is this process's own (or another service's of
@@ -587,35 +553,6 @@ class EnvService:
                         (self.clock(), episode_id, kind, detail))
         if self.audit is not None and kind in AUDITED:
             self.audit.append(f"env_{kind}", episode=episode_id, detail=detail, service=self.owner)
-
-    def _local_owner(self, owner: str, episode_id: str, key: str, *, take: bool):
-        """For an intent owned by a service object of this process: "busy" (it is in a call now),
-        its executed outcome (taken over when `take`; "unwritten" otherwise), or "dead" (it is gone,
-        or holds nothing for this key: the intent is in doubt). None for another process's owner."""
-        host, pid, start, _ = owner.split(":", 3)
-        if host != socket.gethostname() or int(pid) != os.getpid():
-            return None
-        if owner == self.owner:
-            return "dead"                      # our own, and not in self._unwritten: lost track of it
-        other = _SERVICES.get(owner)
-        if other is None:
-            return "dead"
-        if not other._lock.acquire(blocking=False):
-            return "busy"
-        try:
-            outcome = other._unwritten.get((episode_id, key))
-            if outcome is None:
-                return "dead"
-            if not take:
-                return "unwritten"
-            return other._unwritten.pop((episode_id, key))
-        finally:
-            other._lock.release()
-
-    def _local_return(self, owner: str, episode_id: str, key: str, outcome: _Outcome) -> None:
-        other = _SERVICES.get(owner)
-        if other is not None:
-            other._unwritten.setdefault((episode_id, key), outcome)
 
     def _authorize(self, episode_id: str, token: str, now: float) -> sqlite3.Row:
         """Inside a transaction: the episode's current row, if `token` may use it."""

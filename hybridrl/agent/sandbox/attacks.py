@@ -246,13 +246,15 @@ ATTACKS: list[Attack] = [
            "import os, signal\nfor sig in (signal.SIGTERM, signal.SIGKILL):\n    try:\n        os.kill(0, sig)\n"
            "    except OSError:\n        pass",
            lambda r, ctx: r.setup_error is None and r.exit_code is None and r.signal == 15),
-    Attack("network", "a network namespace without interfaces: not even 127.0.0.1",
+    Attack("network", "no AF_INET socket (the syscall filter) in a network namespace without interfaces: not even "
+                      "127.0.0.1",
            "import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), 2)\n    print('CONNECTED')\n"
            "except OSError:\n    pass\nprint('DONE')", _absent("CONNECTED")),
     Attack("environment", "a clean environment: the trainer's variables are not inherited",
            "import os\nprint('{env_secret}' in repr(dict(os.environ)) and 'LEAKED')\nprint('DONE')",
            _absent("LEAKED"), modes=ALL_MODES),
-    Attack("fork_bomb", "RLIMIT_NPROC of a dedicated uid and a pid namespace: a fork bomb is cut off and reaped",
+    Attack("fork_bomb", "pids.max of its cgroup, RLIMIT_NPROC of a dedicated uid and a pid namespace: a fork bomb is "
+                        "cut off and reaped",
            "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
            lambda r, ctx: r.timed_out or r.limit_hit == "cpu", modes=ALL_MODES),
     # an 8 GiB mapping that is never touched: refused under RLIMIT_AS, costs no memory when allowed
