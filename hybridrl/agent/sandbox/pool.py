@@ -95,12 +95,25 @@ class SandboxPool:
         self._closed = False
         if self._uids is None and os.geteuid() == 0:
             self._uids = UidLease(self.cfg.pool_size + self.cfg.warm, self.cfg.uid_base)
-        if self.mode is not None and self._filter is None:     # closed and started again: new cgroups
-            self._prepare()
-        if self.mode is None:
-            self._prepare()
-            self.mode = await self._probe()
-            self._check_mode()
+        fresh = False
+        try:
+            if self.mode is not None and self._filter is None:     # closed and started again: new cgroups
+                self._prepare()
+            if self.mode is None:
+                self._prepare()
+                self.mode = await self._probe()
+                self._check_mode()
+                fresh = True
+        except BaseException:                      # refused: nothing of this pool is left behind
+            self.mode = None
+            if self.cgroups is not None:
+                self.cgroups.close()
+                self.cgroups = None
+            if self._uids is not None:
+                self._uids.release()
+                self._uids = None
+            raise
+        if fresh:
             if self.audit is not None:
                 self.audit.append("sandbox_pool", isolation=self.mode, memory_limit=self.memory_limit,
                                   cgroup_problem=self.cgroup_problem or None, uids=self.uids,
