@@ -47,9 +47,11 @@ setup(
         "pyarrow>=14",          # the run ledger's data plane (Parquet)
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.8"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.8", "pyseccomp>=0.1.2"],
         # `hybridrl plot` (imported only there; the command says how to install it when missing)
         "plot": ["matplotlib>=3.8"],
+        # the tool sandbox's syscall filter: libseccomp through a ctypes binding (the system's libseccomp.so.2)
+        "sandbox": ["pyseccomp>=0.1.2"],
         # GPU rollout backend; never needed on CPU.
         # One exact release, the one hybridrl/backends/sglang is written against (requests.SGLANG_VERSION):
         # 0.5.18-0.5.21 pin torch==2.13.0 and transformers==5.12.1 (inside our transformers>=5,<6); 0.5.4-0.5.9
