@@ -6,10 +6,13 @@ import statistics
 from collections import Counter
 from typing import Any, Sequence
 
-
 from hybridrl.algo.filters import FilterResult
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import Trajectory
+
+# the switch's named phases as the links report them, each timed on rank 0 (their sum is the timed part of T_sync)
+SWITCH_PHASES = ("switch/offload_s", "switch/publish_s", "switch/wake_s", "switch/probe_s", "switch/sleep_s",
+                 "switch/reload_s", "switch/arrival_rollout_s", "switch/arrival_train_s")
 
 
 def episode_rows(instances: Sequence[Any], group_size: int, step: int | str) -> Batch:
@@ -56,6 +59,9 @@ def step_metrics(trajectories: list[Trajectory], kept: FilterResult, batch: Batc
     for key, value in switch.items():
         if key.startswith(("switch/", "parity/", "publish/")):
             m[key] = float(value)
+    # the part of T_sync no phase of the switch accounts for (dispatch, the controller's own waits)
+    timed = sum(float(switch.get(key, 0.0)) for key in SWITCH_PHASES)
+    m["switch/untimed_s"] = max(stages.get("sync", 0.0) - timed, 0.0) if timed else 0.0
     for key, value in update.items():     # the update's own scalars; mismatch/, passes/, time/ keep their names
         m[key if "/" in key else f"train/{key}"] = float(value)
     if "kl" in update:

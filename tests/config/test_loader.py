@@ -142,7 +142,7 @@ PINNED_KEYS = [
     "rollout.sglang.mem_fraction_static", "rollout.sglang.dtype", "rollout.sglang.enable_memory_saver",
     "rollout.sglang.load_format", "rollout.sglang.base_port", "rollout.sglang.context_length", "rollout.sglang.cuda_graph",
     "rollout.sglang.deterministic_inference",
-    "publish.bucket_mb", "publish.verify", "publish.parity_prompts", "publish.parity_tokens",
+    "publish.bucket_mb", "publish.verify", "publish.parity_prompts", "publish.parity_tokens", "publish.parity_every",
     "publish.parity_tolerance", "hybrid.spill_optimizer", "hybrid.offload_deadline_s", "hybrid.publish_deadline_s",
     "hybrid.wake_deadline_s", "hybrid.sleep_deadline_s", "hybrid.reload_deadline_s", "hybrid.drain_deadline_s",
     "algo.advantage", "algo.norm_adv_by_std", "algo.reinforce_baseline", "algo.gamma", "algo.lam",
