@@ -36,6 +36,10 @@ class NativeEngineConfig:
         "drain", "requests in flight when new weights arrive: drain (they finish on the version they started "
                  "with, then the copy happens) | abort (they end now with finish_reason weights_updated)")
     watermark_blocks: int = knob(1, "free blocks kept in reserve when admitting a request (fewer preemptions)")
+    keep_kv_cache: bool = knob(
+        False, "keep the KV cache allocated while the engine sleeps (a mode switch then neither frees nor re-zeroes "
+               "it: on a CPU, where it is host memory, a wake costs nothing; the cache's contents are dropped all "
+               "the same). Costs its kv_cache_mb during training")
     driver: str = knob(
         "auto", "where steps run: loop (a task on the caller's event loop, which regains control between "
                 "steps) | thread (a dedicated thread: the loop never waits on a forward pass) | auto (loop on "

@@ -248,12 +248,15 @@ class EngineCore:
     # -- memory -------------------------------------------------------------------------------
 
     def sleep(self) -> int:
-        """Abort everything in flight (ABORT), free the KV cache (tag "kv_cache"). Returns the bytes released."""
+        """Abort everything in flight (ABORT), free the KV cache (tag "kv_cache"; kept allocated with
+        `keep_kv_cache`, its blocks forgotten all the same). Returns the bytes released."""
         self.abort_all(FinishReason.ABORT)
-        freed = self.runner.kv_cache_bytes
-        self.runner.free_kv()
         self.pool.invalidate()
         self.asleep = True
+        if self.cfg.keep_kv_cache:
+            return 0
+        freed = self.runner.kv_cache_bytes
+        self.runner.free_kv()
         release_host_memory()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
