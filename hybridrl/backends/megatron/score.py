@@ -1,12 +1,14 @@
 """`hybridrl score`: per-token log-probabilities of given token ids, through the Megatron backend.
 
     hybridrl score --model HF_DIR --backend megatron --tp 2 --pp 1 --input seqs.jsonl --output out.jsonl
+    hybridrl score --model MOE_DIR --ep 2 --nproc 2 --input seqs.jsonl --output out.jsonl   # experts split
 
 Input lines: {"id": ..., "token_ids": [int, ...]}. Output lines, in input order:
 {"id": ..., "logprobs": [null, lp_1, ..., lp_{n-1}]}: lp_t = log p(token_t | tokens before t) at
 the given temperature; the first token has no prefix, hence null. The command starts
-tp * pp * dp ranks with torchrun (dp = --nproc / (tp * pp)); each data-parallel group scores
-its share and rank 0 writes the file. Use it to check parity with another implementation.
+tp * pp * dp ranks with torchrun (dp = --nproc / (tp * pp); a mixture-of-experts model's experts
+are split over --ep of the dp ranks); each data-parallel group scores its share and rank 0 writes
+the file. Use it to check parity with another implementation.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help='JSONL to write {"id", "logprobs"} lines to')
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    parser.add_argument("--nproc", type=int, default=None, help="ranks to start (default tp * pp)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models; divides dp)")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks to start (default tp * pp * ep)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per compute_logprobs call")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -65,17 +68,18 @@ def main(args: argparse.Namespace) -> int:
     if not (Path(args.model) / "config.json").exists():
         print(f"hybridrl score: {args.model} is not an HF model directory (no config.json)", file=sys.stderr)
         return 2
-    nproc = args.nproc or args.tp * args.pp
+    nproc = args.nproc or args.tp * args.pp * args.ep
     from hybridrl.preflight import PreflightError, check_layout
 
     try:
-        check_layout(args.model, args.tp, args.pp, nproc, keys=("--tp", "--pp"), world_key="--nproc")
+        check_layout(args.model, args.tp, args.pp, nproc, keys=("--tp", "--pp"), world_key="--nproc", ep=args.ep,
+                     ep_key="--ep", training=False)
     except PreflightError as err:
         print(f"hybridrl score: {err}", file=sys.stderr)
         return 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "hybridrl.backends.megatron.score", "--model", args.model, "--input", args.input,
-           "--output", args.output, "--tp", str(args.tp), "--pp", str(args.pp),
+           "--output", args.output, "--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep),
            "--batch-size", str(args.batch_size), "--micro-batch-size", str(args.micro_batch_size),
            "--temperature", str(args.temperature), "--dtype", args.dtype]
     env = dict(os.environ)
@@ -93,7 +97,7 @@ def run_rank(args: argparse.Namespace) -> None:
     from hybridrl.distributed.config import DistributedConfig
 
     ctx = init_distributed(DistributedConfig())
-    cfg = MegatronConfig(tp=args.tp, pp=args.pp, micro_batch_size=args.micro_batch_size, dtype=args.dtype)
+    cfg = MegatronConfig(tp=args.tp, pp=args.pp, ep=args.ep, micro_batch_size=args.micro_batch_size, dtype=args.dtype)
     engine = MegatronEngine.from_hf(args.model, cfg, training=False, device=ctx.device)
     records = read_sequences(args.input)
     mesh = engine.mesh
