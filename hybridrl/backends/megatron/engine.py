@@ -90,10 +90,10 @@ class MegatronEngine:
         device = device or default_device()
         if device.type == "cpu":
             cpu_compat.activate()
-        adapter = adapter_for(ModelSpec.from_dir(model_dir), tp=cfg.tp,
+        adapter = adapter_for(ModelSpec.from_dir(model_dir), tp=cfg.tp, ep=cfg.ep,
                               vocab_divisible_by=cfg.make_vocab_size_divisible_by)
         with cpu_compat.device_scope(device):
-            mesh = parallel.ensure_model_parallel(cfg.tp, cfg.pp, cfg.seed)
+            mesh = parallel.ensure_model_parallel(cfg.tp, cfg.pp, cfg.seed, ep=cfg.ep)
             tconfig = transformer_config(adapter.spec, cfg, device=device)
             model = build_gpt_model(adapter.spec, cfg, tconfig, padded_vocab_size=adapter.padded_vocab_size,
                                     device=device)
@@ -294,6 +294,11 @@ class MegatronEngine:
                    "num_tokens": denominators.num_tokens, "num_sequences": denominators.num_sequences}
         for key, total in sorted(reduced.items()):
             metrics[key.removeprefix("metric/")] = total / max(denominators.num_tokens, 1.0)
+        from hybridrl.backends.megatron import moe
+
+        with self._scope():      # routing agreement, expert load, aux loss (MoE models; {} for dense)
+            metrics.update(moe.metrics(self.model, self.adapter.spec, dp_group=dp_group,
+                                       pp_group=ps.get_pipeline_model_parallel_group()))
         return metrics
 
     def _reduce_sums(self, sums: dict[str, torch.Tensor], dp_group) -> dict[str, float]:
@@ -338,24 +343,20 @@ class MegatronEngine:
     def hf_group_specs(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
         """The exported fused groups (a slot's HF tensors, e.g. q/k/v of one layer) as (name, shape,
         dtype), in model order, known without gathering: what a publication plans its buckets from."""
-        spec = self.hf_spec()
-        return [[(name, *spec[name]) for name in slot.hf_names] for slot in self._exported_slots()]
+        from hybridrl.backends.megatron.model import DTYPES
+        from hybridrl.backends.megatron.weights import group_specs
 
-    def _exported_slots(self) -> list:
-        if getattr(self, "_exported", None) is None:
-            self._exported = [s for s in self.adapter.slots() if s.exported]
-        return self._exported
+        return group_specs(self.adapter, DTYPES[self.cfg.dtype])
 
     def write_hf_group(self, index: int, out: dict[str, torch.Tensor]) -> None:
         """Write group `index` of `hf_group_specs()` into `out[name]` (contiguous tensors of those
         shapes), un-fusing in place. Every rank of the model-parallel group calls it, in order.
         Copies and collectives only: no CUDA literal to map, so no device scope (on a CPU its
         per-call Python dispatch doubled the time of a publication's writes)."""
-        from hybridrl.backends.megatron.weights import write_hf_group
+        from hybridrl.backends.megatron.weights import write_group
 
-        slot = self._exported_slots()[index]
         with torch.no_grad():
-            write_hf_group(self.adapter, slot, self.params.get(slot), self._owners[slot], out)
+            write_group(self.adapter, index, self.params, self._owners, out)
 
     def hf_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> (shape, dtype) of every tensor `iter_hf_tensors` yields, known without gathering."""
