@@ -78,10 +78,11 @@ class HybridWorker(PolicyUpdateMixin, CriticMixin, RewardModelMixin, FaultMixin,
 
     def _build_training(self) -> None:
         """The Megatron actor (+ a frozen reference with a KL term, + a critic for GAE) and its losses."""
-        from hybridrl.backends.megatron import MegatronEngine
+        from hybridrl.backends.megatron import MegatronEngine, moe
 
         cfg, ctx = self.cfg, self.ctx
         self.actor = MegatronEngine.from_hf(cfg.model.path, cfg.train, training=True, device=ctx.device)
+        moe.set_mode(self.actor.model, cfg.algo.router_replay)       # MoE routing replay (no-op for dense models)
         self.ref = (MegatronEngine.from_hf(cfg.model.path, cfg.train, training=False, device=ctx.device)
                     if cfg.algo.uses_reference else None)
         self.critic = self._build_critic()            # algo.advantage=gae only (hybridrl/workers/critic.py)
