@@ -7,7 +7,9 @@ everything else through the tokenizer manager's coroutines (the Engine's own syn
 that uses them: one engine, one loop, for its whole life. Memory by tags ("weights", "kv_cache",
 "cuda_graph"; `release/resume_memory_occupation`); weights through `update_weights_from_tensor`
 inside a weight-update session (begin at a version's first bucket, end once every tensor has
-arrived, then `flush_cache`), one serialized flat bucket per TP rank.
+arrived, then `flush_cache`), one serialized flat bucket per TP rank. Mixture-of-experts models:
+the server records routing (`enable_return_routed_experts`) and every request returns it
+(`return_routed_experts`), as `GenerationOutput.routed_experts` (routing replay).
 
 Lifecycle in the hybrid worker: start with dummy weights; per rollout: resume weights -> push every
 bucket (the version switches when all arrived) -> resume KV cache and CUDA graphs -> generate ->
@@ -65,15 +67,20 @@ class SGLangEngine:
                  drain_timeout_s: float = 60.0):
         import sglang
 
+        from hybridrl.backends.model_spec import ModelSpec
+
         self.cfg = cfg
         self.tp_size = tp_size
+        spec = ModelSpec.from_dir(model_path)
+        self._routing = spec if spec.is_moe else None      # MoE: record and return each token's experts
         self.dtype = getattr(torch, cfg.dtype)
         self.drain_timeout_s = drain_timeout_s
         self.releasable_tags = cfg.releasable_tags()
         if CUDA_GRAPH in self.releasable_tags:
             os.environ.setdefault("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "true")   # read by the scheduler processes
         self._engine = sglang.Engine(**engine_kwargs(model_path, cfg, tp_size=tp_size, base_gpu_id=base_gpu_id,
-                                                     port_offset=port_offset, seed=seed))
+                                                     port_offset=port_offset, seed=seed,
+                                                     routed_experts=self._routing is not None))
         self._tm = self._engine.tokenizer_manager
         self._spec = checkpoint_spec(model_path, self.dtype)
         self._publication = Publication(self._spec, -1 if cfg.load_format == "dummy" else 0)
@@ -103,7 +110,8 @@ class SGLangEngine:
         try:
             out = await self._engine.async_generate(
                 input_ids=list(token_ids), sampling_params=convert.sampling_params(sampling, self.eos_token_ids),
-                return_logprob=True, rid=request_id)
+                return_logprob=True, rid=request_id,
+                **({"return_routed_experts": True} if self._routing is not None else {}))
         finally:
             self._in_flight.discard(request_id)
         total = time.perf_counter() - started
@@ -111,7 +119,7 @@ class SGLangEngine:
             raise RuntimeError(f"request {request_id} spans a weight update (v{version} -> v{self.policy_version})")
         return convert.generation_output(out, request_id=request_id, policy_version=version,
                                          prompt_tokens=len(token_ids), max_new_tokens=sampling.max_new_tokens,
-                                         timings=GenerationTimings(total_s=total))
+                                         timings=GenerationTimings(total_s=total), routing=self._routing)
 
     async def abort(self, request_id: str) -> bool:
         if request_id not in self._in_flight:
@@ -232,7 +240,7 @@ class SGLangEngine:
 
 
 def engine_kwargs(model_path: str, cfg: SGLangConfig, *, tp_size: int, base_gpu_id: int, port_offset: int,
-                  seed: int) -> dict[str, Any]:
+                  seed: int, routed_experts: bool = False) -> dict[str, Any]:
     """`sglang.Engine(**kwargs)` for one engine of a rollout group (unique ports per engine)."""
     kwargs: dict[str, Any] = dict(
         model_path=model_path, tokenizer_path=model_path, skip_tokenizer_init=True, tp_size=tp_size,
@@ -242,5 +250,7 @@ def engine_kwargs(model_path: str, cfg: SGLangConfig, *, tp_size: int, base_gpu_
         random_seed=seed, log_level="error", disable_cuda_graph=not cfg.cuda_graph)
     if cfg.context_length:
         kwargs["context_length"] = cfg.context_length
+    if routed_experts:
+        kwargs["enable_return_routed_experts"] = True
     kwargs.update(cfg.engine_args)
     return kwargs
