@@ -81,3 +81,32 @@ def test_generate_cli_on_a_moe_model(family_models, tmp_path):
     for prompt, row, ref in zip(prompts, rows, expected):
         assert row["token_ids"] == ref
         torch.testing.assert_close(torch.tensor(row["logprobs"]), hf_logprobs(model, prompt, ref), atol=1e-4, rtol=0)
+
+
+def test_a_two_turn_episode_carries_the_routing_of_every_token_but_the_last(family_models, make_engine):
+    """Turn 1, an observation, turn 2 (whose context is the whole episode so far), as the agent loop
+    builds it: the trajectory's record covers every token but the last, turn 1's positions keep turn
+    1's record, and it survives to_batch -> from_batch."""
+    from hybridrl.data.trajectory import Trajectory, from_batch, to_batch
+
+    path = family_models("qwen3_moe")
+    model = load(path)
+    engine = make_engine(path, block_size=4)
+    prompt = prompts_of([9], vocab=300, seed=6)[0]
+    traj = Trajectory(run_id="r", task_id="t", group_id="g", attempt=0, prompt_ids=prompt)
+    first = generate_all(engine, [prompt], SamplingParams(max_new_tokens=5, temperature=1.0, seed=1))[0]
+    traj.append(first.token_ids, policy=True, logprobs=first.logprobs, version=0, routed_experts=first.routed_experts)
+    traj.append([17, 18, 19], policy=False)                                       # the tool's answer
+    second = generate_all(engine, [traj.prompt_ids + traj.response_ids],
+                          SamplingParams(max_new_tokens=4, temperature=1.0, seed=2), tag="t2")[0]
+    traj.append(second.token_ids, policy=True, logprobs=second.logprobs, version=0,
+                routed_experts=second.routed_experts)
+    ids = torch.tensor(traj.prompt_ids + traj.response_ids)
+    assert len(traj.routed_experts) == len(ids) - 1
+    assert torch.equal(traj.routed_experts[: len(first.routed_experts)], first.routed_experts)
+    assert torch.equal(traj.routed_experts.long().sort(dim=-1).values, hf_routing(model, ids[:-1]))
+    batch = to_batch([traj, Trajectory(run_id="r", task_id="t", group_id="g", attempt=1, prompt_ids=[5, 6])])
+    assert batch["routed_experts"].shape == (2, len(ids), 2, 2) and batch["routed_experts"].dtype == torch.int8
+    assert bool((batch["routed_experts"][0, -1] == -1).all()) and bool((batch["routed_experts"][1] == -1).all())
+    back = from_batch(batch)
+    assert torch.equal(back[0].routed_experts, traj.routed_experts) and len(back[1].routed_experts) == 0
