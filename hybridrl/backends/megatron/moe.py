@@ -188,6 +188,8 @@ def set_micro_batch(model, mb) -> None:
         valid = mask.transpose(0, 1).reshape(-1)                          # [s * b]
         target = (routed.to(mask.device).transpose(0, 1).reshape(-1, *routed.shape[2:]).long()
                   if routed is not None else None)
+    if mb.filler:                                                         # not counted in the metrics
+        valid = torch.zeros_like(valid)
     for hook in hooks:
         hook.valid = valid
         hook.target = None if target is None else target[:, hook.moe_index]

@@ -181,7 +181,10 @@ def _state(model, path) -> dict[str, torch.Tensor]:
 def train(out: Path, *dirs: str) -> None:
     results = {}
     layouts = {"qwen3": [("tp2", {"tp": 2})], "llama3": [("pp2", {"pp": 2})],
-               "qwen3_moe": [("ep2-aux", {"ep": 2, "moe_aux_loss_coef": 0.01})]}
+               # packed at EP=2: the two ranks' shards pack into 3 and 2 micro-batches (the second
+               # rank runs a filler so that every forward's token exchange has both ranks)
+               "qwen3_moe": [("ep2-aux", {"ep": 2, "moe_aux_loss_coef": 0.01}),
+                             ("ep2-packed", {"ep": 2, "max_tokens_per_micro_batch": 16})]}
     if SCOPE["full"]:
         layouts["qwen3_moe"] += [("ep2", {"ep": 2}), ("pp2-aux", {"pp": 2, "moe_aux_loss_coef": 0.01})]
     for path in dirs:

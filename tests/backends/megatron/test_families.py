@@ -167,3 +167,38 @@ def test_moe_checkpoint_under_expert_parallelism_resumes_exactly(tmp_path, famil
         assert after["extra"] == {"policy_version": 2}
         assert after["next"] == before["next"]                     # bit for bit
         assert before["before"][-1] != before["next"]["loss"]
+
+
+LAYOUTS = {"qwen3": [("--tp", 2), ("--pp", 2)], "llama3": [("--tp", 2), ("--pp", 2)],
+           "qwen3_moe": [("--ep", 2), ("--pp", 2)]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_score_cli_equals_transformers(tmp_path, family_models, family):
+    """`hybridrl score`, the command a user runs, at TP=2 and PP=2 (EP=2 for the MoE model)."""
+    import subprocess
+    import sys
+
+    from tests.backends.families import load
+    from tests.backends.megatron.reference import hf_logits, sequence_batch, token_logprobs
+    from tests.launch import ROOT, env_with_repo
+
+    path = family_models(family)
+    model = load(path)
+    batch = sequence_batch(5, vocab=model.config.vocab_size, seed=11)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    seqs = tmp_path / "seqs.jsonl"
+    seqs.write_text("".join(json.dumps({"id": f"s{i}", "token_ids": batch["input_ids"][i, :n].tolist()}) + "\n"
+                            for i, n in enumerate(lengths)))
+    ref, _ = token_logprobs(hf_logits(model, batch), batch["input_ids"], batch["attention_mask"])
+    for flag, size in LAYOUTS[family]:
+        out = tmp_path / f"out{flag}.jsonl"
+        proc = subprocess.run([sys.executable, "-m", "hybridrl.cli", "score", "--model", str(path), flag, str(size),
+                               "--nproc", "2", "--input", str(seqs), "--output", str(out), "--batch-size", "2"],
+                              cwd=ROOT, env=env_with_repo(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        for i, line in enumerate(out.read_text().splitlines()):
+            rec, n = json.loads(line), lengths[i]
+            assert rec["id"] == f"s{i}" and len(rec["logprobs"]) == n and rec["logprobs"][0] is None
+            assert max(abs(a - b) for a, b in zip(rec["logprobs"][1:], ref[i, 1:n].tolist())) < 1e-4, (flag, i)
