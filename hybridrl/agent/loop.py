@@ -324,7 +324,8 @@ class AgentRunner:
             out = await self._generate(ep, traj.prompt_ids + traj.response_ids, sampling, rid, stop)
             generate_event(traj, turn, rid, sampling, out, start=len(traj.response_ids))
             if out.token_ids:
-                traj.append(out.token_ids, policy=True, logprobs=out.logprobs, version=out.policy_version)
+                traj.append(out.token_ids, policy=True, logprobs=out.logprobs, version=out.policy_version,
+                            routed_experts=out.routed_experts)
             traj.sampler_contract = out.sampler_contract
             ids += out.token_ids
             finish = out.finish_reason
@@ -367,7 +368,7 @@ class AgentRunner:
                                start=len(ep.traj.response_ids))
                 produced = len(partial.token_ids)
                 ep.traj.append(partial.token_ids, policy=True, logprobs=partial.logprobs,
-                               version=partial.policy_version)
+                               version=partial.policy_version, routed_experts=partial.routed_experts)
             if which == "deadline":
                 raise _End(TrajectoryStatus.TRUNCATED, Truncation.WALL_CLOCK)
             raise _End(TrajectoryStatus.ABORTED, reason="stop requested")

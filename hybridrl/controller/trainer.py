@@ -112,8 +112,10 @@ def train(cfg, wg) -> dict:
 
 def update_inputs(batch: Batch) -> Batch:
     """What `TrainSide.update_policy` needs of a batch: tokens, masks, behaviour logprobs, the
-    outcome reward and each row's group as a dense index (metadata stays on the controller)."""
+    outcome reward, each row's group as a dense index (metadata stays on the controller) and, for
+    MoE policies, the rollout's routing record (the engine replays or compares it)."""
     names = ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "reward")
+    names += ("routed_experts",) if "routed_experts" in batch.tensors else ()    # MoE: the rollout's routing
     return Batch({**{n: batch[n] for n in names}, "group_index": group_index_of(batch["group_id"])})
 
 

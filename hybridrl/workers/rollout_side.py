@@ -37,7 +37,7 @@ ON_ROLLOUT_RANKS = OneToAll(mesh="rollout")
 
 # per-token tensors of a rollout: padded on the sequence dim when shards are put together
 ROLLOUT_PADS = (("input_ids", 0), ("attention_mask", 0), ("loss_mask", 0.0), ("behavior_logprobs", 0.0),
-                ("policy_version", -1))
+                ("policy_version", -1), ("routed_experts", -1))       # (MoE: the routing record, -1 = none)
 
 # what the reward model scores: every trajectory with a response the policy is answerable for
 SCORED = (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED, TrajectoryStatus.FAILED)
@@ -254,7 +254,7 @@ def _counter(value: Any) -> bool:
 
 def _placeholder_rows(n: int) -> Batch:
     tensors = {name: torch.full((n, 1), value, dtype=torch.float32 if isinstance(value, float) else torch.long)
-               for name, value in ROLLOUT_PADS}
+               for name, value in ROLLOUT_PADS if name != "routed_experts"}   # (concat fills it in)
     tensors["prompt_len"] = torch.zeros(n, dtype=torch.long)
     tensors["reward"] = torch.zeros(n)
     return Batch(tensors, {k: [None] * n for k in ("trajectory_id", "group_id", "status", "record")}, num_padding=n)

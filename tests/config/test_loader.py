@@ -130,7 +130,7 @@ PINNED_KEYS = [
     "task.sft_tool_use_fraction", "task.sft_guess_correct_fraction",       # task.options: a free mapping
     "env.db_path", "env.lease_ttl_s", "env.synchronous", "env.busy_timeout_s", "env.step_timeout_s", "env.max_retries",
     "env.audit_log",
-    "train.engine", "train.tp", "train.pp", "train.micro_batch_size", "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens",
+    "train.engine", "train.tp", "train.pp", "train.ep", "train.moe_aux_loss_coef", "train.moe_z_loss_coef", "train.micro_batch_size", "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens",
     "train.dtype", "train.lr", "train.min_lr",
     "train.lr_warmup_steps", "train.lr_decay_steps", "train.lr_schedule", "train.weight_decay",
     "train.adam_beta1", "train.adam_beta2", "train.adam_eps", "train.clip_grad",
@@ -145,7 +145,7 @@ PINNED_KEYS = [
     "publish.bucket_mb", "publish.verify", "publish.parity_prompts", "publish.parity_tokens", "publish.parity_every",
     "publish.parity_tolerance", "hybrid.spill_optimizer", "hybrid.offload_deadline_s", "hybrid.publish_deadline_s",
     "hybrid.wake_deadline_s", "hybrid.sleep_deadline_s", "hybrid.reload_deadline_s", "hybrid.drain_deadline_s",
-    "algo.advantage", "algo.norm_adv_by_std", "algo.reinforce_baseline", "algo.gamma", "algo.lam",
+    "algo.advantage", "algo.router_replay", "algo.norm_adv_by_std", "algo.reinforce_baseline", "algo.gamma", "algo.lam",
     "algo.gae_whiten",
     "critic.path", "critic.lr", "critic.min_lr", "critic.lr_warmup_steps", "critic.lr_decay_steps",
     "critic.lr_schedule", "critic.weight_decay", "critic.clip_grad", "critic.value_clip", "critic.warmup_steps",

@@ -109,10 +109,10 @@ class MegatronEngine:
         device = device or default_device()
         if device.type == "cpu":
             cpu_compat.activate()
-        adapter = adapter_for(ModelSpec.from_dir(model_dir), tp=cfg.tp,
+        adapter = adapter_for(ModelSpec.from_dir(model_dir), tp=cfg.tp, ep=cfg.ep,
                               vocab_divisible_by=cfg.make_vocab_size_divisible_by)
         with cpu_compat.device_scope(device):
-            mesh = parallel.ensure_model_parallel(cfg.tp, cfg.pp, cfg.seed)
+            mesh = parallel.ensure_model_parallel(cfg.tp, cfg.pp, cfg.seed, ep=cfg.ep)
             tconfig = transformer_config(adapter.spec, cfg, device=device)
             spec = adapter.spec if head == LM_HEAD else dataclasses.replace(adapter.spec, tie_word_embeddings=False)
             model = build_gpt_model(spec, cfg, tconfig, padded_vocab_size=adapter.padded_vocab_size, device=device)
@@ -177,6 +177,13 @@ class MegatronEngine:
         """Parameters of the whole model (all TP shards and PP stages; the vocabulary padding excluded)."""
         shapes = self.adapter.hf_shapes()
         return sum(torch.Size(s).numel() for s in shapes.values())
+
+    def set_router_replay(self, mode: str) -> None:
+        """Mixture-of-experts routing replay (`algo.router_replay`: "off" | "rollout"; `moe.py`): the
+        routers use the batch's `routed_experts` for recorded tokens. A no-op for dense models."""
+        from hybridrl.backends.megatron import moe
+
+        moe.set_mode(self.model, mode)
 
     # ------------------------------------------------------------------------------ logprobs
 
@@ -382,6 +389,11 @@ class MegatronEngine:
                 metrics[key.removeprefix("metric/")] = total / max(denominators.num_tokens, 1.0)
             else:       # an extreme: the min travelled negated, so that one MAX reduces both
                 metrics[key] = -total if key.endswith("_min") else total
+        from hybridrl.backends.megatron import moe
+
+        with self._scope():      # routing agreement, expert load, aux loss (MoE models; {} for dense)
+            metrics.update(moe.metrics(self.model, self.adapter.spec, dp_group=dp_group,
+                                       pp_group=ps.get_pipeline_model_parallel_group()))
         if capture:
             num_rows, length = batch["input_ids"].shape
             metrics["logprobs"] = _assemble(mbs, seen, num_rows, length) if self.is_loss_rank else None
@@ -442,25 +454,21 @@ class MegatronEngine:
     def hf_group_specs(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
         """The exported fused groups (a slot's HF tensors, e.g. q/k/v of one layer) as (name, shape,
         dtype), in model order, known without gathering: what a publication plans its buckets from."""
-        self._policy_only("hf_group_specs")
-        spec = self.hf_spec()
-        return [[(name, *spec[name]) for name in slot.hf_names] for slot in self._exported_slots()]
+        from hybridrl.backends.megatron.model import DTYPES
+        from hybridrl.backends.megatron.weights import group_specs
 
-    def _exported_slots(self) -> list:
-        if getattr(self, "_exported", None) is None:
-            self._exported = [s for s in self.adapter.slots() if s.exported]
-        return self._exported
+        self._policy_only("hf_group_specs")
+        return group_specs(self.adapter, DTYPES[self.cfg.dtype])
 
     def write_hf_group(self, index: int, out: dict[str, torch.Tensor]) -> None:
         """Write group `index` of `hf_group_specs()` into `out[name]` (contiguous tensors of those
         shapes), un-fusing in place. Every rank of the model-parallel group calls it, in order.
         Copies and collectives only: no CUDA literal to map, so no device scope (on a CPU its
         per-call Python dispatch doubled the time of a publication's writes)."""
-        from hybridrl.backends.megatron.weights import write_hf_group
+        from hybridrl.backends.megatron.weights import write_group
 
-        slot = self._exported_slots()[index]
         with torch.no_grad():
-            write_hf_group(self.adapter, slot, self.params.get(slot), self._owners[slot], out)
+            write_group(self.adapter, index, self.params, self._owners, out)
 
     def hf_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> (shape, dtype) of every tensor `iter_hf_tensors` yields, known without gathering."""
