@@ -4,13 +4,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, check_range, knob
+from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, check_range, knob, section
 
 # The modes of hybridrl.algo.aggregation.AGGREGATIONS (that module imports torch; a test keeps
 # the two equal).
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 LR_SCHEDULES = ("constant", "linear", "cosine", "inverse-square-root")
 DTYPES = ("float32", "bfloat16", "float16")
+# the HF projections a LoRA adapter can target (backends/megatron/lora.py maps them onto Megatron's linears)
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters on the actor (config section `train.lora`); rank 0 trains the full model."""
+
+    rank: int = knob(0, "LoRA rank r of every adapter; 0 = off (full fine-tuning)")
+    alpha: float = knob(16.0, "LoRA scale numerator: the delta is (alpha / rank) * B A x")
+    dropout: float = knob(0.0, "dropout on the adapters' input while training")
+    target_modules: list[str] = knob(factory=lambda: list(LORA_PROJECTIONS),
+                                     help="HF projections that get adapters (of q_proj k_proj v_proj o_proj gate_proj "
+                                          "up_proj down_proj); empty = all seven")
+
+    def __post_init__(self) -> None:
+        check_positive("rank", self.rank, allow_zero=True)
+        check_positive("alpha", self.alpha)
+        check_range("dropout", self.dropout, 0.0, 0.999)
+        if not self.target_modules:
+            self.target_modules = list(LORA_PROJECTIONS)
+        unknown = [m for m in self.target_modules if m not in LORA_PROJECTIONS]
+        if unknown:
+            raise ConfigValueError("target_modules", f"unknown projection(s) {unknown}: use HF names among "
+                                   f"{list(LORA_PROJECTIONS)}")
+        self.target_modules = [m for m in LORA_PROJECTIONS if m in self.target_modules]   # canonical order
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
 
 @dataclass(kw_only=True)
@@ -51,6 +85,8 @@ class MegatronConfig:
     recompute_activations: bool = knob(False, "recompute each layer's activations in backward (saves memory)")
     make_vocab_size_divisible_by: int = knob(128, "pad the vocabulary to a multiple of this times tp")
     seed: int = knob(1234, "seed of Megatron's RNG trackers (dropout); weights come from the HF checkpoint")
+    lora: LoraConfig = section(LoraConfig, "low-rank adapters on the actor (rank 0 = off): the base is frozen and "
+                                           "serves as the reference model")
 
     def __post_init__(self) -> None:
         from hybridrl.training.registry import ENGINES
