@@ -1,4 +1,4 @@
-"""Evaluate an HF model directory on a task: greedy and sampled accuracy, and what they say for RL.
+"""The recipe form of `hybridrl eval`: greedy and sampled accuracy on a task, and what they say for RL.
 
     hybridrl eval RECIPE [key=value ...] [--model DIR] [-n N] [--temperature T] [--json OUT]
 
@@ -115,19 +115,6 @@ def evaluate(cfg: Any, model_dir: str | Path, *, n: int | None = None, temperatu
 
 
 # ------------------------------------------------------------------ command
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hybridrl.config.cli import add_recipe_arguments
-
-    add_recipe_arguments(p)
-    p.add_argument("--model", default=None, help="HF model directory (default: model.path); a run directory "
-                                                 "means its hf/")
-    p.add_argument("-n", type=int, default=None, help="validation instances (default: task.validation_size)")
-    p.add_argument("--temperature", type=float, default=None, help="the sampled pass's temperature "
-                                                                  "(default: agent.temperature)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--json", default=None, help="also write the result here")
 
 
 def main(args: argparse.Namespace) -> int:
