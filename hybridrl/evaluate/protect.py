@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Iterable, Sequence
 
 
@@ -40,3 +41,48 @@ def stream_lookup(stream: Any, task_id: str) -> Any:
         if inst.task_id == task_id:
             return inst
     raise KeyError(f"the training stream holds no instance {task_id!r}")
+
+
+@lru_cache(maxsize=4)
+def loaded_suite(name: str) -> Any:
+    from hybridrl.evaluate.suite import load_suite
+
+    return load_suite(name)
+
+
+def check_run(cfg: Any) -> str | None:
+    """What would make `trainer.eval_suite` wrong for this run, in one line (None when it is right): an
+    unknown suite, a task the run does not hold, budgets or top_p / top_k other than the run's, or
+    instances shared with the training split."""
+    from hybridrl.envs.tasks import get_task
+    from hybridrl.envs.tasks.registry import task_class
+    from hybridrl.evaluate.suite import SuiteError
+
+    tc = cfg.trainer
+    if not tc.eval_suite:
+        return None
+    try:
+        suite = loaded_suite(tc.eval_suite)
+    except SuiteError as err:
+        return f"trainer.eval_suite: {err}"
+    task = get_task(cfg.task.name, cfg.task)
+    held = set(task.task_names())
+    for name in suite.tasks():
+        if task_class(name).name not in held:
+            return (f"trainer.eval_suite={tc.eval_suite}: the suite evaluates task {name!r}, which this run does not "
+                    f"hold ({', '.join(sorted(held))}): add it to task.mixture, or evaluate with `hybridrl eval`")
+    for key, value in suite.spec.agent.items():
+        if getattr(cfg.agent, key) != value:
+            return (f"trainer.eval_suite={tc.eval_suite}: the suite runs with agent.{key}={value}, this run with "
+                    f"{getattr(cfg.agent, key)}: in-loop results would not be the suite's (set agent.{key}={value}, "
+                    "or evaluate checkpoints with `hybridrl eval --run`)")
+    for s in suite.spec.sampling:
+        if (s.top_p, s.top_k) != (cfg.agent.top_p, cfg.agent.top_k):
+            return (f"trainer.eval_suite={tc.eval_suite}: sampling {s.name!r} uses top_p={s.top_p}, top_k={s.top_k}, "
+                    f"the run's engines agent.top_p={cfg.agent.top_p}, agent.top_k={cfg.agent.top_k}")
+    try:
+        check_disjoint(task.train_split(), [inst for _, inst in suite.instances()], suite=suite.name,
+                       where="this run's training split (task.train_size instances)")
+    except SuiteOverlap as err:
+        return f"trainer.eval_suite: {err}"
+    return None
