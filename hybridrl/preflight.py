@@ -86,7 +86,7 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
 def check_curriculum_and_suite(cfg: Any) -> None:
     """task.mixture settings the collection can honour, and trainer.eval_suite: tasks the run holds, the
     run's budgets, no instance shared with the training split (hybridrl.evaluate.protect)."""
-    from hybridrl.controller.curriculum import check_mixture
+    from hybridrl.envs.tasks.mixture import check_mixture
     from hybridrl.evaluate.protect import check_run
 
     problem = check_mixture(cfg) or check_run(cfg)
@@ -95,9 +95,9 @@ def check_curriculum_and_suite(cfg: Any) -> None:
 
 
 def check_objective(cfg: Any, train_size: int | None) -> list[str]:
-    """Combinations that would train something else than the config says (hybridrl/config/explain.py):
+    """Combinations that would train something else than the config says (hybridrl/algo/explain.py):
     the first refusal raises, the warnings come back as notes."""
-    from hybridrl.config.explain import REFUSE, findings
+    from hybridrl.algo.explain import REFUSE, findings
 
     found = findings(cfg, train_size=train_size)
     for f in found:

@@ -8,10 +8,10 @@
     protect.py   suites disjoint from training splits, never in the training stream
     episodes.py  the recipe form (`hybridrl eval RECIPE`): greedy and sampled accuracy and a verdict,
                  and the episode runner SFT's self-validation uses
-    cli.py       the command
+
+The command, `hybridrl eval`, is hybridrl/cli/eval.py.
 """
 
-from hybridrl.evaluate.cli import add_arguments, main
 from hybridrl.evaluate.episodes import correct, evaluate, run_episodes, summarize, verdict
 
-__all__ = ["add_arguments", "correct", "evaluate", "main", "run_episodes", "summarize", "verdict"]
+__all__ = ["correct", "evaluate", "run_episodes", "summarize", "verdict"]

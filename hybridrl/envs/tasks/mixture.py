@@ -88,3 +88,20 @@ def shares(weights: dict[str, float], n: int) -> dict[str, int]:
     for k in sorted(exact, key=lambda k: out[k] - exact[k])[: n - sum(out.values())]:
         out[k] += 1
     return out
+
+
+def check_mixture(cfg: Any) -> str | None:
+    """A mixture setting this run's collection cannot honour (hybridrl/controller/curriculum.py), in one
+    line (None when there is none); the preflight refuses it before any process starts."""
+    tc, task = cfg.trainer, cfg.task
+    if not task.mixture:
+        return None
+    if tc.rollout_mode == "partial" and task.share_policy != "none" and tc.max_groups_per_step:
+        return (f"task.share_policy={task.share_policy} holds a task's extra groups itself: it does not combine with "
+                "trainer.max_groups_per_step (the group queue); set one of them off")
+    quota = shares({e.name: e.weight for e in task.mixture}, tc.quorum_groups)
+    if tc.rollout_mode == "partial" and task.share_policy != "none" and not all(quota.values()):
+        empty = [k for k, v in quota.items() if not v]
+        return (f"task.mixture: with a quorum of {tc.quorum_groups} groups, task {empty[0]!r} gets no share of a step "
+                "(raise trainer.quorum / prompts_per_step, or its weight)")
+    return None

@@ -13,11 +13,12 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl assets tiny-classifier --policy P --out D
     hybridrl doctor [--json]                   versions, devices, a 2-rank self-test
     hybridrl bench mode-switch --model D --cycles N --json OUT   the hybrid engine's switch cost
-    hybridrl agent sandbox-check|tasks|rollout the agent layer (see hybridrl/agent/cli.py)
+    hybridrl agent sandbox-check|tasks|rollout the agent layer (see hybridrl/cli/agent.py)
     hybridrl score --model D --input I --output O [--tp T --pp P]   per-token logprobs (parity checks)
     hybridrl generate --model D --input I --output O --max-new-tokens N   token ids or text in, samples out
     hybridrl chat MODEL                        text in, text out (chat template applied)
     hybridrl eval RECIPE [--model DIR] [-n N]  greedy and sampled accuracy on the validation split + a verdict
+    hybridrl eval SUITE --model DIR | --run RUN_DIR [--checkpoints all|last|N,M] [--compare]   a suite (configs/eval/)
     hybridrl plot RUN [RUN ...] [--out F.png]  curves of one or more runs as a PNG
     hybridrl compare A B                       config differences and a metric table of two runs
     hybridrl demo [--dir D] [key=value | sft:key=value | grpo:key=value ...]   base model -> SFT -> GRPO
@@ -83,8 +84,8 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
         print(f"hybridrl: {err}", file=sys.stderr)
         return EXIT_CONFIG
     sys.stdout.write(text)
-    if args.explain:         # the objective in words and the checks (hybridrl/config/explain.py)
-        from hybridrl.config.explain import REFUSE, explain
+    if args.explain:         # the objective in words and the checks (hybridrl/algo/explain.py)
+        from hybridrl.algo.explain import REFUSE, explain
 
         text, found = explain(cfg)
         sys.stdout.write("".join(f"# {line}\n" for line in text.splitlines()))
@@ -151,13 +152,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
-    from hybridrl.agent.cli import main
+    from hybridrl.cli.agent import main
 
     return main(args)
 
 
 def _cmd_score(args: argparse.Namespace) -> int:
-    from hybridrl.backends.megatron.score import main
+    from hybridrl.cli.score import main
     from hybridrl.preflight import PreflightError, check_model
 
     try:                           # before torchrun: one line, not a traceback per rank
@@ -170,7 +171,7 @@ def _cmd_score(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from hybridrl.backends.native.cli import main
+    from hybridrl.cli.generate import main
 
     return main(args)
 
@@ -188,7 +189,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from hybridrl.evaluate import main
+    from hybridrl.cli.eval import main
 
     return main(args)
 
@@ -273,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("agent", help="agent layer: sandbox check, task data, episodes")
-    from hybridrl.agent.cli import add_arguments as add_agent_arguments
+    from hybridrl.cli.agent import add_arguments as add_agent_arguments
 
     add_agent_arguments(p)
     p.set_defaults(func=_cmd_agent)
@@ -283,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_score_arguments(p)
     p.set_defaults(func=_cmd_score)
     p = sub.add_parser("generate", help="sample from an HF model with a rollout engine (token ids or text in, JSONL)")
-    from hybridrl.backends.native.cli import add_arguments as add_generate_arguments
+    from hybridrl.cli.generate import add_arguments as add_generate_arguments
 
     add_generate_arguments(p)
     p.set_defaults(func=_cmd_generate)
@@ -302,9 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect_arguments(p)
     p.set_defaults(func=_cmd_inspect)
 
-    p = sub.add_parser("eval", help="greedy and sampled accuracy of a model on a task's validation split, and "
-                                    "whether RL has a signal")
-    from hybridrl.evaluate import add_arguments as add_eval_arguments
+    p = sub.add_parser("eval", help="a suite (configs/eval/) on a model or a run's checkpoints; or, given a recipe, "
+                                    "greedy and sampled accuracy on a task's validation split and whether RL has a signal")
+    from hybridrl.cli.eval import add_arguments as add_eval_arguments
 
     add_eval_arguments(p)
     p.set_defaults(func=_cmd_eval)

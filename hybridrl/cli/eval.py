@@ -55,8 +55,6 @@ def main(args: argparse.Namespace) -> int:
     first = args.recipe_args[0] if args.recipe_args and "=" not in args.recipe_args[0] else None
     if args.run or args.checkpoints or args.compare or (first is not None and is_suite(first)):
         return suite_main(args)
-    from hybridrl.evaluate.episodes import main as recipe_main
-
     return recipe_main(args)
 
 
@@ -156,3 +154,33 @@ def format_result(result: dict) -> str:
         for sampling, values in samplings.items():
             lines.append(f"    {task}/{sampling}: accuracy {100 * values.get('accuracy', 0):5.1f}%")
     return "\n".join(lines)
+
+
+def recipe_main(args: argparse.Namespace) -> int:
+    """The recipe form: the task's validation split greedily and sampled, and a verdict."""
+    from hybridrl.config import ConfigError, load_config
+    from hybridrl.config.cli import recipe_and_overrides
+    from hybridrl.preflight import PreflightError, check_model
+
+    try:
+        recipe, overrides = recipe_and_overrides(args.recipe_args, args.config)
+        cfg = load_config(recipe, overrides)
+        model = args.model or cfg.model.path
+        if model and (Path(model) / "run.json").exists() and (Path(model) / "hf" / "config.json").exists():
+            model = str(Path(model) / "hf")                       # a finished run: its exported model
+        check_model(model, key="--model" if args.model else "model.path")
+    except (ConfigError, PreflightError) as err:
+        print(f"hybridrl eval: {err}", file=sys.stderr)
+        return 2
+    from hybridrl.evaluate.episodes import evaluate
+
+    result = evaluate(cfg, model, n=args.n, temperature=args.temperature, device=args.device)
+    g, s = result["greedy"], result["sampled"]
+    print(f"{result['task']}: {result['instances']} validation instances, model {model} ({result['seconds']:.0f}s)")
+    for name, r in (("greedy", g), (f"sampled T={result['temperature']:g}", s)):
+        print(f"  {name:16s} accuracy {100 * r['accuracy']:5.1f}%  reward {r['reward']:.3f}  "
+              f"tool calls/episode {r['tool_calls']:.2f}  response tokens {r['response_tokens']:.1f}")
+    print(result["verdict"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
