@@ -7,7 +7,9 @@ validation does. The scores go to metrics.jsonl and TensorBoard (`eval/<suite>/<
 `eval/<suite>/<task>/<sampling>/accuracy`), to `<run.dir>/eval/<suite>/step_NNNNNN.in_loop.json`
 (the same result format as `hybridrl eval`), and to the ledger's lineage: the step, policy version,
 the checkpoint the step writes (when it writes one) and the published weights' hash -> the scores.
-The episodes themselves are recorded nowhere (not in the ledger, not in samples.jsonl).
+The episodes themselves are recorded nowhere (not in the ledger, not in samples.jsonl); the result
+holds one digest per sampling of the episodes' response tokens (`hybridrl.evaluate.runner.digests`),
+which a greedy `hybridrl eval` of the step's checkpoint reproduces.
 
 The suite must evaluate tasks the run holds (a mixture's tasks, or the run's task) under the run's
 own episode budgets and top_p / top_k (they are the rollout side's): checked before the run starts
@@ -47,7 +49,7 @@ def evaluate_in_loop(cfg: Any, wg: Any, run: Any, link: Any, step: int) -> dict[
     """The suite's scores of the current policy when an evaluation is due at `step` (else {})."""
     from hybridrl.evaluate.metrics import flat, suite_metrics
     from hybridrl.evaluate.protect import loaded_suite
-    from hybridrl.evaluate.runner import record_of, write_result
+    from hybridrl.evaluate.runner import digests, record_of, write_result
     from hybridrl.evaluate.suite import instances_hash
 
     tc = cfg.trainer
@@ -76,7 +78,8 @@ def evaluate_in_loop(cfg: Any, wg: Any, run: Any, link: Any, step: int) -> dict[
                   "checkpoint": str(run.checkpoints.path(step)) if writes_checkpoint else None},
         "sampler": {"engine": cfg.rollout.engine, "contracts": sorted(contracts), "seed": cfg.run.seed,
                     "sampling": [vars(s) for s in suite.spec.sampling]},
-        "metrics": suite_metrics(suite, records), "episodes": len(records), "episodes_resumed": 0,
+        "metrics": suite_metrics(suite, records), "digests": digests(records),
+        "episodes": len(records), "episodes_resumed": 0,
         "episodes_run": len(records), "seconds": time.perf_counter() - started, "written_at": time.time(),
         "source": "train",
     }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -42,7 +43,23 @@ def record_of(trajectory: Any, *, task: str, sampling: str) -> dict[str, Any]:
             "task": task, "task_id": trajectory.task_id, "attempt": trajectory.attempt,
             "correct": correct(trajectory), "reward": float(trajectory.reward), "status": trajectory.status.value,
             "tool_calls": len(trajectory.tool_calls), "response_tokens": len(trajectory.response_ids),
-            "turns": trajectory.turns, "sampler_contract": int(trajectory.sampler_contract)}
+            "turns": trajectory.turns, "sampler_contract": int(trajectory.sampler_contract),
+            "response_hash": response_hash(trajectory.response_ids)}
+
+
+def response_hash(ids: Sequence[int]) -> str:
+    """A short hash of an episode's response tokens: two evaluations of the same weights, greedy, agree on
+    it episode by episode (the tokens themselves are not kept)."""
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
+def digests(records: Sequence[dict]) -> dict[str, str]:
+    """sampling -> one hash over its episodes' (key, response hash), in key order: equal digests of a greedy
+    sampling are the same episodes token for token."""
+    by_sampling: dict[str, list[str]] = {}
+    for r in records:
+        by_sampling.setdefault(r["sampling"], []).append(f"{r['key']}:{r.get('response_hash', '')}")
+    return {s: hashlib.sha256("\n".join(sorted(rows)).encode()).hexdigest()[:16] for s, rows in by_sampling.items()}
 
 
 class EpisodeLog:
@@ -198,7 +215,7 @@ def run_suite(suite: Suite, cfg: Any, model_dir: str | Path, result_path: Path, 
                     "agent": {k: getattr(agent_config(cfg.agent, suite, suite.spec.sampling[0]), k)
                               for k in ("max_turns", "max_new_tokens_per_turn", "max_response_tokens", "max_episode_s",
                                         "on_turn_limit")}},
-        "metrics": suite_metrics(suite, records),
+        "metrics": suite_metrics(suite, records), "digests": digests(records),
         "episodes": len(records), "episodes_resumed": episodes.resumed, "episodes_run": len(todo),
         "seconds": time.perf_counter() - started, "written_at": time.time(), "source": "cli",
     }

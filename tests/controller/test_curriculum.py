@@ -16,6 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
+pytestmark = pytest.mark.slow     # three 10-step collections with a slow environment: ~4 min on a loaded 2-core machine
+
 SLOW_ENV_S = 0.1
 STEPS = 10
 OVERSAMPLE = 4.0          # 16 groups in flight for a quorum of 4: room for the fast task to fill every step
