@@ -67,6 +67,8 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
     if cfg.run.job == "rl":
         check_dtypes(cfg)
     train_size = check_task(cfg)
+    if cfg.run.job == "rl":
+        check_curriculum_and_suite(cfg)
     notes = warnings(cfg, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or
                               cfg.distributed.nproc_per_node) if world_size is None else world_size)
     notes += check_objective(cfg, train_size)
@@ -79,6 +81,17 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
     except rundir.RunDirError as err:
         raise PreflightError(str(err)) from None
     return [*notes, plan.note] if plan.note else notes
+
+
+def check_curriculum_and_suite(cfg: Any) -> None:
+    """task.mixture settings the collection can honour, and trainer.eval_suite: tasks the run holds, the
+    run's budgets, no instance shared with the training split (hybridrl.evaluate.protect)."""
+    from hybridrl.envs.tasks.mixture import check_mixture
+    from hybridrl.evaluate.protect import check_run
+
+    problem = check_mixture(cfg) or check_run(cfg)
+    if problem:
+        raise PreflightError(problem)
 
 
 def check_objective(cfg: Any, train_size: int | None) -> list[str]:

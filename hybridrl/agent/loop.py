@@ -10,7 +10,8 @@ One episode (`AgentRunner.run_episode`):
     until an answer / env done (COMPLETED), no action (FAILED), a budget (TRUNCATED, with
     which), a stop request (ABORTED), or an infrastructure fault (INFRA_INVALID).
 
-Budgets: `max_turns` assistant turns; `max_new_tokens_per_turn` (ends the episode, or with
+Budgets (the agent config's; a mixture's task may set its own, `Task.budgets`, and a mixture's
+episode is run by the task that made its instance, `Task.for_instance`): `max_turns` assistant turns; `max_new_tokens_per_turn` (ends the episode, or with
 `on_turn_limit=close_turn` closes the turn the way the template would, with mask 0, and goes
 on); `max_response_tokens` for
 everything after the prompt (an observation that would not fit ends the episode before it is
@@ -29,6 +30,7 @@ resampled; every episode returns a `Trajectory`, in (task, attempt) order.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
@@ -92,6 +94,7 @@ class _Episode:
     deadline: float
     seed: int
     temperature: float
+    cfg: AgentConfig                        # the runner's, with the task's own budgets (a mixture's entry)
     answer: str | None = None
     num_answers: int = 0
     final_text: str = ""
@@ -218,12 +221,14 @@ class AgentRunner:
         can be interrupted between (and within) requests and continued later (see `PauseGate`); while
         it waits at a closed gate it gives back its concurrency `slot` (when admitted with one)."""
         started = time.monotonic()
+        task = task.for_instance(instance)          # a mixture: the task that made the instance
+        cfg = dataclasses.replace(self.cfg, **task.budgets) if task.budgets else self.cfg
         traj = Trajectory(run_id=self.run_id, task_id=instance.task_id, group_id=group_id or instance.task_id,
                           attempt=attempt, prompt_ids=[])
         seed = int.from_bytes(hashlib.sha256(f"{self.seed}/{traj.trajectory_id}".encode()).digest()[:4],
                               "little")
-        ep = _Episode(instance, task, traj, started + self.cfg.max_episode_s, seed,
-                      temperature=self.cfg.temperature if temperature is None else temperature,
+        ep = _Episode(instance, task, traj, started + cfg.max_episode_s, seed,
+                      temperature=cfg.temperature if temperature is None else temperature, cfg=cfg,
                       pause=pause, paused_at_start=pause.paused_s() if pause is not None else 0.0, slot=slot)
         self.counts["episodes"] += 1
         if pause is not None:
@@ -259,7 +264,7 @@ class AgentRunner:
         return traj
 
     async def _episode(self, ep: _Episode, stop: asyncio.Event | None) -> None:
-        cfg, traj = self.cfg, ep.traj
+        cfg, traj = ep.cfg, ep.traj
         if stop is not None and stop.is_set():
             raise _End(TrajectoryStatus.ABORTED, reason="stopped before it started")
         if getattr(self.tools, "killed", None) is not None:     # the kill switch (agent/killswitch.py)
@@ -304,7 +309,7 @@ class AgentRunner:
     async def _turn(self, ep: _Episode, turn: int,
                     stop: asyncio.Event | None) -> tuple[list[int], FinishReason]:
         """One assistant turn (several requests if new weights interrupt it); appends its tokens."""
-        cfg, traj = self.cfg, ep.traj
+        cfg, traj = ep.cfg, ep.traj
         ids: list[int] = []
         segment = 0
         while True:
@@ -395,7 +400,7 @@ class AgentRunner:
     async def _act(self, ep: _Episode, turn: int, calls: Sequence[ToolCall], errors: Sequence[ActionError],
                    authorizer: ToolAuthorizer, stop: asyncio.Event | None) -> list[dict[str, str]]:
         """Authorize and run the turn's calls (concurrently); one observation message per call."""
-        traj, cfg = ep.traj, self.cfg
+        traj, cfg = ep.traj, ep.cfg
         plan: list[tuple[ToolCall | None, ActionError | None]] = [(None, e) for e in errors]
         for i, call in enumerate(calls):
             if i >= cfg.max_tool_calls_per_turn:
@@ -448,10 +453,10 @@ class AgentRunner:
                             finish: FinishReason) -> None:
         traj = ep.traj
         clean = [{"role": m["role"], "content": self.chat.sanitize(m["content"],
-                                                                   self.cfg.max_observation_chars)}
+                                                                   ep.cfg.max_observation_chars)}
                  for m in messages]
         ids = self.chat.observation_ids(clean, after_eos=after_eos)
-        if len(traj.response_ids) + len(ids) > self.cfg.max_response_tokens:
+        if len(traj.response_ids) + len(ids) > ep.cfg.max_response_tokens:
             raise _End(TrajectoryStatus.TRUNCATED, Truncation.MAX_RESPONSE_TOKENS,
                        reason="the next observation does not fit the response budget")
         if len(traj.prompt_ids) + len(traj.response_ids) + len(ids) >= self.max_model_len:

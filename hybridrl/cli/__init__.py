@@ -18,6 +18,7 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl generate --model D --input I --output O --max-new-tokens N   token ids or text in, samples out
     hybridrl chat MODEL                        text in, text out (chat template applied)
     hybridrl eval RECIPE [--model DIR] [-n N]  greedy and sampled accuracy on the validation split + a verdict
+    hybridrl eval SUITE --model DIR | --run RUN_DIR [--checkpoints all|last|N,M] [--compare]   a suite (configs/eval/)
     hybridrl plot RUN [RUN ...] [--out F.png]  curves of one or more runs as a PNG
     hybridrl compare A B                       config differences and a metric table of two runs
     hybridrl demo [--dir D] [key=value | sft:key=value | grpo:key=value ...]   base model -> SFT -> GRPO
@@ -188,7 +189,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from hybridrl.evaluate import main
+    from hybridrl.cli.eval import main
 
     return main(args)
 
@@ -302,9 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect_arguments(p)
     p.set_defaults(func=_cmd_inspect)
 
-    p = sub.add_parser("eval", help="greedy and sampled accuracy of a model on a task's validation split, and "
-                                    "whether RL has a signal")
-    from hybridrl.evaluate import add_arguments as add_eval_arguments
+    p = sub.add_parser("eval", help="a suite (configs/eval/) on a model or a run's checkpoints; or, given a recipe, "
+                                    "greedy and sampled accuracy on a task's validation split and whether RL has a signal")
+    from hybridrl.cli.eval import add_arguments as add_eval_arguments
 
     add_eval_arguments(p)
     p.set_defaults(func=_cmd_eval)

@@ -25,6 +25,7 @@ from hybridrl.algo.minibatches import lay_out, plan
 from hybridrl.controller import critic as C
 from hybridrl.controller import metrics as M
 from hybridrl.controller.collection import admitted
+from hybridrl.controller.evaluation import evaluate_in_loop
 from hybridrl.controller.placements import make_worker
 from hybridrl.controller.state import RunState
 from hybridrl.data.batch import Batch
@@ -44,7 +45,7 @@ def train(cfg, wg) -> dict:
     run.restore(collection)
     link = collection.link
     if run.step == 0:
-        run.log(0, validate(cfg, wg, run, link, step=0))
+        run.log(0, {**validate(cfg, wg, run, link, step=0), **evaluate_in_loop(cfg, wg, run, link, 0)})
     bar = tqdm(range(run.step + 1, tc.total_steps + 1), initial=run.step, total=tc.total_steps,
                desc="rl", dynamic_ncols=True, disable=None)
     for step in bar:
@@ -95,6 +96,7 @@ def train(cfg, wg) -> dict:
         metrics.update(M.engine_metrics(wg.call(RolloutSide.rollout_stats), run))
         if step == tc.total_steps or (tc.validate_every and step % tc.validate_every == 0):
             metrics.update(validate(cfg, wg, run, link, step))
+        metrics.update(evaluate_in_loop(cfg, wg, run, link, step))     # trainer.eval_suite, when due
         checkpoint = tc.checkpoint_every and step % tc.checkpoint_every == 0
         metrics["time/T_store"] = run.ledger.record_step(
             step, trajectories=trajectories, kept=kept, batch=batch, switch=switch, rollout_version=rollout_version,

@@ -101,7 +101,22 @@ def format_summary(s: dict) -> str:
         lines.append(f"  release v{r['version']}: {r['checkpoint_hash']} (published at step {r['published_at_step']})")
     for e in s["events"]:
         lines.append(f"  event {e['kind']} at step {e['step']}: {e['detail']}")
+    lines += format_evaluations(s.get("evaluations", []))
     return "\n".join(lines)
+
+
+def format_evaluations(rows: list[dict]) -> list[str]:
+    """Which checkpoint scored what on which suite (the ledger's evaluations), one line each."""
+    lines = []
+    for r in rows:
+        scores = ", ".join(f"{sampling} " + " ".join(f"{k} {100 * v:.1f}%" for k, v in values.items()
+                                                     if k == "accuracy" or k.startswith("pass@"))
+                           for sampling, values in r["metrics"]["sampling"].items())
+        where = r["checkpoint"] or "no checkpoint at this step"
+        lines.append(f"  eval {r['suite']} v{r['suite_version']} ({r['suite_hash']}) step {r['step']} "
+                     f"({r['source']}, policy v{r['policy_version'] if r['policy_version'] is not None else '?'}, "
+                     f"model {str(r['model_hash'])[:12]}, {where}): {scores}")
+    return lines
 
 
 def format_list(out: dict) -> str:

@@ -128,6 +128,8 @@ PINNED_KEYS = [
     "tools.max_output_bytes", "tools.uid_base", "tools.visible_paths", "tools.hidden_paths", "tools.python", "tools.calculator_max_chars",
     "task.name", "task.seed", "task.train_size", "task.validation_size", "task.format_weight",
     "task.sft_tool_use_fraction", "task.sft_guess_correct_fraction",       # task.options: a free mapping
+    "task.mixture", "task.sampler", "task.sampler_floor", "task.sampler_window", "task.share_policy",
+    "task.share_tolerance", "task.share_max_wait_rounds",
     "env.db_path", "env.lease_ttl_s", "env.synchronous", "env.busy_timeout_s", "env.step_timeout_s", "env.max_retries",
     "env.audit_log",
     "train.engine", "train.tp", "train.pp", "train.ep", "train.moe_aux_loss_coef", "train.moe_z_loss_coef", "train.micro_batch_size", "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens",
@@ -158,7 +160,7 @@ PINNED_KEYS = [
     "algo.drop_truncated", "algo.overlong_buffer", "algo.overlong_penalty", "algo.drop_all_equal_groups",
     "algo.max_policy_lag", "algo.stale", "algo.partial_policy", "algo.ppo_epochs", "algo.ppo_mini_batches",
     "trainer.total_steps", "trainer.prompts_per_step", "trainer.group_size", "trainer.validate_every",
-    "trainer.validation_temperature", "trainer.checkpoint_every",
+    "trainer.validation_temperature", "trainer.eval_suite", "trainer.eval_every", "trainer.checkpoint_every",
     "trainer.keep_checkpoints", "trainer.resume", "trainer.export_hf", "trainer.log_samples", "trainer.max_restarts",
     "trainer.inject",
     "trainer.rollout_mode", "trainer.oversample", "trainer.quorum", "trainer.rollout_deadline_s", "trainer.collect_poll_s",
