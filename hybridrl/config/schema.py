@@ -15,6 +15,7 @@ from hybridrl.config.fields import ConfigValueError, check_choice, knob, section
 from hybridrl.distributed.config import DistributedConfig
 from hybridrl.distributed.placement import PlacementConfig
 from hybridrl.envs.config import EnvServiceConfig, TaskConfig
+from hybridrl.gateway.config import GatewayConfig
 from hybridrl.rollout.config import RolloutConfig
 from hybridrl.algo.config import AlgoConfig
 from hybridrl.controller.config import TrainerConfig
@@ -82,6 +83,7 @@ class Config:
     tools: ToolsConfig = section(ToolsConfig, "the tool sandbox pool and its limits")
     task: TaskConfig = section(TaskConfig, "the task: splits, reward weights, SFT demonstrations, options")
     env: EnvServiceConfig = section(EnvServiceConfig, "the leased environment service")
+    gateway: GatewayConfig = section(GatewayConfig, "the OpenAI-compatible gateway of task.agent episodes")
     algo: AlgoConfig = section(AlgoConfig, "the RL algorithm: advantages, policy loss, KL, filters")
     critic: CriticConfig = section(CriticConfig, "the value model of algo.advantage=gae: init, optimizer, value clip")
     reward_model: RewardModelConfig = section(RewardModelConfig, "a learned reward model as a reward component")
