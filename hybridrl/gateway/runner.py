@@ -49,6 +49,7 @@ class GatewayRunner:
         self.engine = engines[0]
         self.cfg, self.gateway_cfg = agent_cfg, gateway_cfg
         self.tools, self.run_id, self.seed = tools, run_id, seed
+        self.envs = None                        # an agent drives its episodes: no environment service
         self.agent_spec = agent if isinstance(agent, str) else f"{agent.__module__}:{agent.__qualname__}"
         self.agent = load_agent(agent) if isinstance(agent, str) else agent
         self.router = Router([Replica(e, f"replica{i}") for i, e in enumerate(engines)],
@@ -347,3 +348,15 @@ def _http_client(server: HttpServer, *, limit: int, timeout: float) -> Any:
     transport = httpx.AsyncHTTPTransport(uds=str(server.socket_path), limits=limits) \
         if server.socket_path is not None else httpx.AsyncHTTPTransport(limits=limits)
     return factory(transport=transport, timeout=timeout, trust_env=False)
+
+
+def agent_runner(cfg: Any, engine: Any, tokenizer: Any, *, tools: Any, envs: Any = None) -> Any:
+    """The rollout side's runner: `GatewayRunner` when `task.agent` names an OpenAI-client agent, else the
+    built-in `AgentRunner` (`hybridrl/agent/loop.py`)."""
+    if cfg.task.agent:
+        return GatewayRunner(engine, tokenizer, agent_cfg=cfg.agent, gateway_cfg=cfg.gateway, tools=tools,
+                             run_id=cfg.run.name, agent=cfg.task.agent, seed=cfg.run.seed)
+    from hybridrl.agent.loop import AgentRunner
+
+    return AgentRunner(engine, tokenizer, agent_cfg=cfg.agent, tools=tools, run_id=cfg.run.name, seed=cfg.run.seed,
+                       envs=envs)
