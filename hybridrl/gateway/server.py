@@ -80,6 +80,10 @@ def build_app(service: GatewayService, keys: EpisodeKeys) -> Any:
         return serve
 
     async def models(request) -> Response:
+        try:
+            keys.find(request.headers)              # every endpoint needs a running episode's key
+        except GatewayError as err:
+            return error(err)
         return Response(json.dumps({"object": "list", "data": [{"id": service.model_name, "object": "model",
                                                                 "created": 0, "owned_by": "hybridrl"}]}),
                         media_type="application/json")

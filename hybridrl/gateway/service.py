@@ -184,13 +184,13 @@ class GatewayService:
             sampling = SamplingParams(max_new_tokens=room - len(ids), temperature=episode.temperature,
                                       top_p=episode.top_p, top_k=episode.top_k, seed=seed, stop_token_ids=stops)
             rid = f"{episode.episode_id}/t{turn}" + (f".c{choice}" if choice else "") + (f".{segment}" if segment else "")
-            out = await self._call_engine(episode, episode.replica, context + ids, sampling, rid)
+            out, late = await self._call_engine(episode, episode.replica, context + ids, sampling, rid)
             if out is not None and out.token_ids:
                 ids += out.token_ids
                 logprobs += out.logprobs
                 versions += [out.policy_version] * len(out.token_ids)
                 episode.sampler_contract = out.sampler_contract
-            if out is None:                          # the wall clock ran out mid-request
+            if late:                                 # the wall clock ran out mid-request: keep what came back
                 return Generated(ids, logprobs, versions, "length")
             finish = out.finish_reason
             if finish == FinishReason.WEIGHTS_UPDATED and self.agent_cfg.on_weights_updated == "continue":
@@ -215,8 +215,8 @@ class GatewayService:
 
     async def _call_engine(self, episode: GatewayEpisode, replica: Replica, context: list[int],
                            sampling: SamplingParams, rid: str):
-        """The engine's output, or its partial output (None when none came back) if the episode's
-        deadline passes first (the episode is then TRUNCATED(wall_clock))."""
+        """(the engine's output, False), or (its partial output or None, True) when the episode's deadline
+        passes first (the episode is then TRUNCATED(wall_clock))."""
         started = time.monotonic()
         replica.in_flight += 1
         replica.served += 1
@@ -230,7 +230,7 @@ class GatewayService:
                 timeout = episode.deadline_at() - time.monotonic()
                 done, _ = await asyncio.wait({request}, timeout=max(0.0, timeout))
                 if done:
-                    return request.result()
+                    return request.result(), False
                 if time.monotonic() >= episode.deadline_at():
                     break
             episode.truncate(Truncation.WALL_CLOCK, "the episode's wall-clock budget ran out mid-request")
@@ -239,8 +239,8 @@ class GatewayService:
                 out = await asyncio.wait_for(request, timeout=self.abort_grace_s)
             except (asyncio.TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001 - nothing to keep
                 request.cancel()
-                return None
-            return out if out.token_ids else None
+                return None, True
+            return out, True
         except asyncio.CancelledError:
             request.cancel()
             raise
