@@ -15,10 +15,12 @@ from hybridrl.gateway.runner import GatewayRunner
 
 def run_agent(engine: Any, tokenizer: Any, agent: Callable, *, n: int = 2, group_size: int = 1,
               agent_cfg: AgentConfig | None = None, gateway_cfg: GatewayConfig | None = None,
-              inspect: Callable | None = None, **run_kwargs) -> tuple[list, GatewayRunner]:
-    """`n` calculator instances x `group_size` episodes of `agent` through a gateway on `engine`;
-    `inspect(runner)` runs on the loop after the episodes, before the gateway closes."""
+              inspect: Callable | None = None, instances: list[str] = (), **run_kwargs) -> tuple[list, GatewayRunner]:
+    """`n` calculator validation instances (or the `instances` expressions) x `group_size` episodes of
+    `agent` through a gateway on `engine`; `inspect(runner)` runs on the loop after the episodes, before
+    the gateway closes."""
     task = get_task("calculator")
+    chosen = [task.instance(e) for e in instances] or task.validation_split(n)
     agent_cfg = agent_cfg or AgentConfig(max_turns=4, max_new_tokens_per_turn=64, max_response_tokens=400)
     gateway_cfg = gateway_cfg or GatewayConfig()
 
@@ -28,7 +30,7 @@ def run_agent(engine: Any, tokenizer: Any, agent: Callable, *, n: int = 2, group
         runner = GatewayRunner(engines, tokenizer, agent_cfg=agent_cfg, gateway_cfg=gateway_cfg, tools=tools,
                                run_id="test", agent=agent)
         try:
-            trajs = await runner.run(task.validation_split(n), task=task, group_size=group_size, **run_kwargs)
+            trajs = await runner.run(chosen, task=task, group_size=group_size, **run_kwargs)
             if inspect is not None:
                 await inspect(runner)
             return trajs, runner
