@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -52,12 +53,9 @@ print(json.dumps(out))
 '''
 
 
-def attack(known: dict, *, user: int | None = None) -> dict:
-    def drop():
-        os.setgid(user)
-        os.setuid(user)
+def attack(known: dict) -> dict:
     proc = subprocess.run([sys.executable, "-c", ATTACKER, json.dumps(known)], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT, preexec_fn=drop if user is not None else None)
+                          timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -106,19 +104,43 @@ class Live:
         return asyncio.run(go())
 
 
+def connect_as(uid: int, path: str) -> str:
+    """A forked process that becomes `uid` and connects to the Unix socket at `path`: what it got."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                    # the attacker
+        try:
+            os.close(r)
+            os.setgid(uid)
+            os.setuid(uid)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(5)
+                s.connect(path)
+            msg = "CONNECTED"
+        except OSError as err:
+            msg = f"{type(err).__name__} {err.errno}"
+        os.write(w, msg.encode())
+        os._exit(0)
+    os.close(w)
+    try:
+        return os.read(r, 200).decode()
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+
+
 def test_another_user_cannot_reach_the_socket(tiny_tokenizer):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the attacker as another user")
     live = Live(tiny_tokenizer, "unix")
 
     def during(runner):
         path = runner.server.socket_path
         assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-        return attack({"socket": str(path), "key": live.started[0][0], "messages": live.started[0][1]},
-                      user=65534)
+        return connect_as(65534, str(path)), connect_as(0, str(path))
 
-    if os.geteuid() != 0:
-        pytest.skip("needs root to run the attacker as another user")
-    result, _, _ = live.run(during)
-    assert "PermissionError" in result["error"], result
+    (other, owner), _, _ = live.run(during)
+    assert other.startswith("PermissionError") and owner == "CONNECTED", (other, owner)
 
 
 @pytest.mark.parametrize("listen", ["unix", "tcp"])
@@ -137,10 +159,9 @@ def test_no_key_a_made_up_key_or_an_expired_one_is_refused_and_a_key_reads_only_
     assert during_run["no_key"] == 401 and during_run["made_up"] == 401
     # A's key serves A only: B's conversation is a new context in A's episode (none of B's tokens reused)
     assert during_run["leaked"] == [200, 0]
-    a, b = trajs
-    assert a.metadata["gateway_requests"] == 2 and a.metadata["gateway_branches"] if "gateway_branches" in a.metadata \
-        else a.metadata["gateway_segments"] == 2
-    assert b.metadata["gateway_requests"] == 1 and b.metadata["gateway_segments"] == 1
+    a, b = sorted(trajs, key=lambda t: -t.metadata["gateway_requests"])
+    assert (a.metadata["gateway_requests"], a.metadata["gateway_segments"]) == (2, 2)    # its own + the attacker's
+    assert (b.metadata["gateway_requests"], b.metadata["gateway_segments"]) == (1, 1)    # untouched
     assert after_end["leaked"][0] == 401                  # the episode ended: its key is dead
 
 
@@ -169,7 +190,8 @@ def test_tool_code_in_the_sandbox_cannot_reach_the_gateway(tiny_tokenizer, netwo
         engine = ScriptedEngine(tiny_tokenizer, calculator_oracle(tiny_tokenizer, calls=0))
         tcp = GatewayRunner(engine, tiny_tokenizer, agent_cfg=AgentConfig(), tools=None, run_id="s", agent=Live.agent,
                             gateway_cfg=gateway(listen="tcp"))
-        unix = GatewayRunner(engine, tiny_tokenizer, agent_cfg=AgentConfig(), tools=None, run_id="s", agent=Live.agent)
+        unix = GatewayRunner(engine, tiny_tokenizer, agent_cfg=AgentConfig(), tools=None, run_id="s", agent=Live.agent,
+                             gateway_cfg=gateway(listen="unix"))
         await tcp.start()
         await unix.start()
         cfg = ToolsConfig(kill_switch="", audit_log="", network=network,
