@@ -82,9 +82,9 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
 
 
 def check_objective(cfg: Any, train_size: int | None) -> list[str]:
-    """Combinations that would train something else than the config says (hybridrl/config/explain.py):
+    """Combinations that would train something else than the config says (hybridrl/algo/explain.py):
     the first refusal raises, the warnings come back as notes."""
-    from hybridrl.config.explain import REFUSE, findings
+    from hybridrl.algo.explain import REFUSE, findings
 
     found = findings(cfg, train_size=train_size)
     for f in found:

@@ -40,7 +40,7 @@ def test_preflight_warns_about_more_cpu_ranks_than_cpus_and_refuses_groups_of_on
     assert len(warnings) == 1, out.stderr
     assert f"{ranks} CPU ranks on {usable_cpus()} CPU(s)" in warnings[0]
     assert f"distributed.nproc_per_node={usable_cpus()}" in warnings[0]
-    # a group baseline with groups of one trains nothing: refused before launch (hybridrl/config/explain.py)
+    # a group baseline with groups of one trains nothing: refused before launch (hybridrl/algo/explain.py)
     one = hybridrl("train", GRPO, "--check", f"model.path={model}", f"run.dir={tmp_path / 'run'}",
                    "trainer.group_size=1")
     assert one.returncode == 2 and "trainer.group_size" in one.stderr and "every advantage is 0" in one.stderr

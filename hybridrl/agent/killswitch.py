@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from hybridrl.store import audit
+from hybridrl.telemetry import audit
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The `algo` config section: which estimator, loss, KL, off-policy correction and filters an RL run uses.
 
 Estimator and policy-loss names are checked against their registries (`algo/registry.py`);
-combinations that involve other sections are checked by `hybridrl/config/explain.py`.
+combinations that involve other sections are checked by `hybridrl/algo/explain.py`.
 """
 
 from __future__ import annotations

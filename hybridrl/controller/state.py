@@ -5,7 +5,7 @@ aside when told) and picks the checkpoint to resume (`trainer.resume=auto`: the 
 one, or a given path). `restore(collection)` then brings back every stateful part of the run from
 it through one `Checkpointer` (`store/checkpoints.py`):
 
-    run            step, policy version, the run's identity and config
+    (the run)      step, policy version, the run's identity and config: the state's top level
     data_cursor    the training split's stream
     collection     what the collection holds between steps (groups in flight or finished ahead)
     rng            the controller's Python / numpy / torch generators
@@ -159,9 +159,8 @@ class RunState:
         """Every stateful part from the checkpoint `open` chose (nothing without one)."""
         wg = self.wg
         self.checkpointer = Checkpointer(
-            self.checkpoints,
-            {"run": self, "data_cursor": self.stream, "collection": collection, "rng": ControllerRng(),
-             "logs": RunLogs(self)},
+            self.checkpoints, self,
+            {"data_cursor": self.stream, "collection": collection, "rng": ControllerRng(), "logs": RunLogs(self)},
             write_model=lambda d: wg.call(TrainSide.save_checkpoint, path=str(d),
                                           extra={"step": self.step, "policy_version": self.version}),
             read_model=lambda d: wg.call(TrainSide.load_checkpoint, path=str(d)))

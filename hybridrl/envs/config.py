@@ -50,7 +50,7 @@ class TaskConfig:
         import importlib.util
 
         from hybridrl.envs.tasks.base import Task
-        from hybridrl.gateway.agent import check_agent
+        from hybridrl.envs.agent_spec import check_agent
 
         missing = [m for m in ("openai", "starlette", "uvicorn") if importlib.util.find_spec(m) is None]
         if missing:

@@ -45,7 +45,7 @@
   of the last committed state), so nothing is ever re-executed.
 - Every decision (reset, step, replay, rejection, renewal, expiry, close) is appended to the
   `events` audit table; refusals and lease revocations also to the run's audit log
-  (`env.audit_log`, hash-chained: `hybridrl/store/audit.py`).
+  (`env.audit_log`, hash-chained: `hybridrl/telemetry/audit.py`).
 
 SQLite in WAL mode needs every process on one host (it is not safe on a network filesystem),
 which is what makes the owner check (pid and process start time) sound.
@@ -194,7 +194,7 @@ class EnvService:
         self._lock = threading.Lock()
         self._envs: dict[str, tuple[Environment, int]] = {}     # episode -> (object, seq it is at)
         self._unwritten: dict[tuple[str, str], _Outcome] = {}   # executed, record not yet written
-        from hybridrl.store.audit import open_log
+        from hybridrl.telemetry.audit import open_log
 
         self.audit = open_log(audit_log)
         SERVICES[self.owner] = self

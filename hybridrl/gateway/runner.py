@@ -25,7 +25,8 @@ from typing import Any, Callable, Sequence
 
 from hybridrl.data.episode import EpisodeOutcome, TaskInstance
 from hybridrl.data.trajectory import Trajectory, TrajectoryStatus, Truncation
-from hybridrl.gateway.agent import CURRENT_TOOLS, EpisodeTools, Outcome, load_agent
+from hybridrl.envs.agent_spec import load_agent
+from hybridrl.gateway.agent import CURRENT_TOOLS, EpisodeTools, Outcome
 from hybridrl.gateway.capture import EpisodeCapture, Template
 from hybridrl.gateway.episodes import Budgets, EpisodeKeys, GatewayEpisode
 from hybridrl.gateway.routing import Replica, Router

@@ -19,7 +19,7 @@ from hybridrl.agent.tools.base import ToolBox
 from hybridrl.data.episode import TaskInstance
 from hybridrl.data.trajectory import TrajectoryStatus as S
 from hybridrl.envs.tasks import get_task
-from hybridrl.store.audit import records, verify
+from hybridrl.telemetry.audit import records, verify
 from tests.agent.helpers import json_call, script
 
 IN_FLIGHT = 32

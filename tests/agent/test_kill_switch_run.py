@@ -11,8 +11,8 @@ import time
 import pytest
 
 from hybridrl.agent import killswitch
-from hybridrl.controller import rundir
-from hybridrl.store.audit import records, verify
+from hybridrl.store import rundir
+from hybridrl.telemetry.audit import records, verify
 from hybridrl.telemetry.metrics import read_metrics
 from tests.controller.conftest import STRAIGHT, rl_model, straight_run  # noqa: F401  (fixtures)
 from tests.controller.test_rl_e2e import RECIPE, assert_same_run, hybridrl_train

@@ -18,7 +18,7 @@ import threading
 import pytest
 
 from hybridrl.agent.config import ToolsConfig
-from hybridrl.store.audit import records, verify
+from hybridrl.telemetry.audit import records, verify
 from tests.launch import ROOT
 
 # what the tool does (str.format'ed with the ports and paths)

@@ -9,7 +9,7 @@ import gc
 
 import pytest
 
-from hybridrl.store.audit import verify
+from hybridrl.telemetry.audit import verify
 from hybridrl.envs.service import EnvService, EnvStepError, LeaseError, ResultNotWritten, StepInDoubt
 from tests.envs import helpers
 from tests.envs.helpers import Interrupted, counter_instance, executions, make_counter_env, release_lock
@@ -184,6 +184,6 @@ def test_refusals_and_revocations_go_to_the_audit_log(paths, tmp_path):
 
 
 def helpers_records(path):
-    from hybridrl.store.audit import records
+    from hybridrl.telemetry.audit import records
 
     return list(records(path))

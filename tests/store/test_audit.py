@@ -7,12 +7,12 @@ import json
 import subprocess
 import sys
 
-from hybridrl.store.audit import AuditLog, head, records, verify
+from hybridrl.telemetry.audit import AuditLog, head, records, verify
 from tests.launch import ROOT, env_with_repo
 
 WRITER = """
 import sys
-from hybridrl.store.audit import AuditLog
+from hybridrl.telemetry.audit import AuditLog
 log = AuditLog(sys.argv[1])
 for i in range(50):
     log.append("probe", writer=sys.argv[2], i=i)

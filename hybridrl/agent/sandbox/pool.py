@@ -14,7 +14,7 @@
 - The syscall filter (`seccomp.py`) is compiled here once and installed by every tool; a machine
   it cannot filter is refused.
 - Egress (`tools.network=allowlist`): the pool's proxy (`egress.py`) serves each sandbox's
-  listener; everything is logged to the run's audit log (`hybridrl/store/audit.py`).
+  listener; everything is logged to the run's audit log (`hybridrl/telemetry/audit.py`).
 - The kill switch (`kill(reason)`, any thread): every sandbox is SIGKILLed at once, every call in
   flight and every later one returns `killed`.
 - Fork bombs: RLIMIT_NPROC does not bind root, so as root each sandbox runs under its own
@@ -43,7 +43,7 @@ from hybridrl.agent.sandbox.egress import PROXY_PORT, EgressProxy
 from hybridrl.agent.sandbox.process import RUNNER, SandboxProcess, SandboxResult
 from hybridrl.agent.sandbox.uids import UidLease
 from hybridrl.agent.tools.base import TOOL_CALL
-from hybridrl.store import audit as audit_log
+from hybridrl.telemetry import audit as audit_log
 
 log = logging.getLogger(__name__)
 

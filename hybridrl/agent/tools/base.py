@@ -90,7 +90,7 @@ class ToolBox:
     def _watch(self) -> None:
         """Start the kill switch's watcher thread (once; only when the config names a switch file)."""
         from hybridrl.agent import killswitch
-        from hybridrl.store import audit
+        from hybridrl.telemetry import audit
 
         path = audit.configured_path(getattr(self.cfg, "kill_switch", None))
         if path is None or self._watcher is not None:

@@ -6,7 +6,7 @@ Small pure functions, one batch of rows (sequences that need a token this step) 
   (temperature 1 for greedy rows), in float32: the same quantity SGLang returns and the trainer
   recomputes. Under top-k / top-p it is NOT the logprob of the distribution sampled from, so a
   behaviour weight built from it would not be an importance ratio: the objective checks refuse
-  algo.tis_cap / algo.mis with agent.top_p < 1 or agent.top_k > 0 (`hybridrl/config/explain.py`);
+  algo.tis_cap / algo.mis with agent.top_p < 1 or agent.top_k > 0 (`hybridrl/algo/explain.py`);
   a contract that returned the filtered distribution's logprob would need every engine to;
 - greedy = argmax(logits), ties to the lowest id;
 - sampling draws from the top-k then top-p filtered, renormalised distribution by inverse CDF

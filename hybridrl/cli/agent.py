@@ -154,7 +154,7 @@ def _audit(args) -> int:
     from pathlib import Path
 
     from hybridrl.agent import killswitch
-    from hybridrl.store import audit
+    from hybridrl.telemetry import audit
 
     path = Path(args.run_dir)
     if path.is_dir():

@@ -13,7 +13,7 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl assets tiny-classifier --policy P --out D
     hybridrl doctor [--json]                   versions, devices, a 2-rank self-test
     hybridrl bench mode-switch --model D --cycles N --json OUT   the hybrid engine's switch cost
-    hybridrl agent sandbox-check|tasks|rollout the agent layer (see hybridrl/agent/cli.py)
+    hybridrl agent sandbox-check|tasks|rollout the agent layer (see hybridrl/cli/agent.py)
     hybridrl score --model D --input I --output O [--tp T --pp P]   per-token logprobs (parity checks)
     hybridrl generate --model D --input I --output O --max-new-tokens N   token ids or text in, samples out
     hybridrl chat MODEL                        text in, text out (chat template applied)
@@ -83,8 +83,8 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
         print(f"hybridrl: {err}", file=sys.stderr)
         return EXIT_CONFIG
     sys.stdout.write(text)
-    if args.explain:         # the objective in words and the checks (hybridrl/config/explain.py)
-        from hybridrl.config.explain import REFUSE, explain
+    if args.explain:         # the objective in words and the checks (hybridrl/algo/explain.py)
+        from hybridrl.algo.explain import REFUSE, explain
 
         text, found = explain(cfg)
         sys.stdout.write("".join(f"# {line}\n" for line in text.splitlines()))
@@ -151,13 +151,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
-    from hybridrl.agent.cli import main
+    from hybridrl.cli.agent import main
 
     return main(args)
 
 
 def _cmd_score(args: argparse.Namespace) -> int:
-    from hybridrl.backends.megatron.score import main
+    from hybridrl.cli.score import main
     from hybridrl.preflight import PreflightError, check_model
 
     try:                           # before torchrun: one line, not a traceback per rank
@@ -170,7 +170,7 @@ def _cmd_score(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from hybridrl.backends.native.cli import main
+    from hybridrl.cli.generate import main
 
     return main(args)
 
@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("agent", help="agent layer: sandbox check, task data, episodes")
-    from hybridrl.agent.cli import add_arguments as add_agent_arguments
+    from hybridrl.cli.agent import add_arguments as add_agent_arguments
 
     add_agent_arguments(p)
     p.set_defaults(func=_cmd_agent)
@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_score_arguments(p)
     p.set_defaults(func=_cmd_score)
     p = sub.add_parser("generate", help="sample from an HF model with a rollout engine (token ids or text in, JSONL)")
-    from hybridrl.backends.native.cli import add_arguments as add_generate_arguments
+    from hybridrl.cli.generate import add_arguments as add_generate_arguments
 
     add_generate_arguments(p)
     p.set_defaults(func=_cmd_generate)

@@ -7,7 +7,7 @@ import pytest
 
 from hybridrl.cli import main
 from hybridrl.config import load_config
-from hybridrl.config.explain import REFUSE, WARN, explain, findings
+from hybridrl.algo.explain import REFUSE, WARN, explain, findings
 from tests.launch import ROOT
 
 GRPO = str(ROOT / "recipes" / "calc_grpo_cpu.yaml")
