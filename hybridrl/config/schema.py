@@ -74,6 +74,7 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("tools", "hybridrl.agent.config:ToolsConfig", "the tool sandbox pool and its limits"),
     ("task", "hybridrl.envs.config:TaskConfig", "the task: splits, reward weights, SFT demonstrations, options"),
     ("env", "hybridrl.envs.config:EnvServiceConfig", "the leased environment service"),
+    ("gateway", "hybridrl.gateway.config:GatewayConfig", "the OpenAI-compatible gateway of task.agent episodes"),
     ("algo", "hybridrl.algo.config:AlgoConfig", "the RL algorithm: advantages, policy loss, KL, filters"),
     ("critic", "hybridrl.workers.critic_config:CriticConfig",
      "the value model of algo.advantage=gae: init, optimizer, value clip"),

@@ -91,7 +91,10 @@ def engine_metrics(per_rank: list[dict], run) -> dict[str, float]:
     deltas = {k: v - run.counters.get(k, 0) for k, v in totals.items()}
     run.counters = dict(totals)
     keep = ("prefill_tokens", "prefix_hit_tokens", "decode_tokens", "preemptions", "episodes", "malformed_actions",
-            "unauthorized_actions", "invalid_arguments", "tool_errors", "tool_calls")
+            "unauthorized_actions", "invalid_arguments", "tool_errors", "tool_calls",
+            # the gateway of task.agent episodes (hybridrl/gateway/runner.py)
+            "template_drift", "token_drift", "gateway_splits", "gateway_branches", "budget_refusals", "agent_errors",
+            "sampling_overridden", "untrained_policy_tokens")
     out = {k: float(v) for k, v in deltas.items() if any(k.endswith(s) for s in keep)}
     # the tool sandbox's isolation (root | userns | none): ranks running in each mode, every step
     for stats in per_rank:

@@ -56,6 +56,9 @@ class TaskConfig:
     format_weight: float = knob(0.0, "weight of the format reward added to the correctness reward")
     sft_tool_use_fraction: float = knob(1.0, "SFT demonstrations that use the tool (the rest guess)")
     sft_guess_correct_fraction: float = knob(0.0, "guessing demonstrations whose guess is right")
+    agent: str = knob("", "an agent written with the OpenAI client, 'module:function' (async def run(client, "
+                          "instance) -> reward | Outcome) or 'module:Class'; its episodes run through the gateway "
+                          "(gateway.*) instead of the built-in agent loop. Empty: the built-in loop")
     options: dict[str, Any] = knob(
         help="the task's own options (for calculator: min_digits, max_digits, min_ops, max_ops, ops, "
              "parentheses, action_format, system_prompt); checked against the task's Options dataclass",
@@ -108,6 +111,26 @@ class TaskConfig:
             registry.task_class(self.name)          # imports a 'module:Class' task: errors name the key
         if self.options:      # checking options imports a shipped task's module (only when there are some)
             self.options = registry.check_options(self.name, self.options)   # typed: "3" -> 3 for an int
+        if self.agent:
+            self._check_agent(registry)
+
+    def _check_agent(self, registry) -> None:
+        """`agent` names an importable agent of the right shape, the task has no environment of its own
+        (the agent drives its episodes), and the gateway's packages are installed."""
+        import importlib.util
+
+        from hybridrl.envs.tasks.base import Task
+        from hybridrl.envs.agent_spec import check_agent
+
+        missing = [m for m in ("openai", "starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ConfigValueError("agent", f"an OpenAI-client agent needs {', '.join(missing)}: "
+                                            "pip install -e .[gateway]")
+        registry.importable_from_cwd()
+        check_agent(self.agent)
+        if registry.task_class(self.name).make_env is not Task.make_env:
+            raise ConfigValueError("agent", f"task {self.name!r} has an environment of its own (make_env); an "
+                                            "OpenAI-client agent drives its episodes itself: use a task without one")
 
 
 @dataclass(kw_only=True)

@@ -29,9 +29,9 @@ def run_episodes(cfg: Any, model_dir: str | Path, instances: Sequence[Any], *, t
     """One episode per instance through the agent loop on `model_dir` (or on `engine`, when given)."""
     from transformers import AutoTokenizer
 
-    from hybridrl.agent.loop import AgentRunner
     from hybridrl.agent.tools.base import ToolBox
     from hybridrl.envs.tasks import Task, get_task
+    from hybridrl.gateway.runner import agent_runner
 
     task = get_task(cfg.task.name, cfg.task)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -50,10 +50,13 @@ def run_episodes(cfg: Any, model_dir: str | Path, instances: Sequence[Any], *, t
 
     async def go():
         async with ToolBox.from_config(cfg.tools, names=names) as tools:
-            runner = AgentRunner(engine, tokenizer, agent_cfg=cfg.agent, tools=tools, run_id=cfg.run.name,
-                                 seed=cfg.run.seed, envs=envs)
+            runner = agent_runner(cfg, engine, tokenizer, tools=tools, envs=envs)   # task.agent: the gateway's
             attempts = [(inst, 0, f"{inst.task_id}@{group_id}") for inst in instances]
-            return await runner.run_attempts(attempts, task=task, temperature=temperature)
+            try:
+                return await runner.run_attempts(attempts, task=task, temperature=temperature)
+            finally:
+                if cfg.task.agent:
+                    await runner.close()
 
     try:
         return asyncio.run(go())

@@ -127,9 +127,12 @@ PINNED_KEYS = [
     "tools.allowed_destinations", "tools.audit_log", "tools.kill_switch",
     "tools.max_output_bytes", "tools.uid_base", "tools.visible_paths", "tools.hidden_paths", "tools.python", "tools.calculator_max_chars",
     "task.name", "task.seed", "task.train_size", "task.validation_size", "task.format_weight",
-    "task.sft_tool_use_fraction", "task.sft_guess_correct_fraction",       # task.options: a free mapping
+    "task.sft_tool_use_fraction", "task.sft_guess_correct_fraction", "task.agent",  # task.options: a free mapping
     "task.mixture", "task.sampler", "task.sampler_floor", "task.sampler_window", "task.share_policy",
     "task.share_tolerance", "task.share_max_wait_rounds",
+    "gateway.listen", "gateway.host", "gateway.port", "gateway.tool_parser", "gateway.reasoning_parser",
+    "gateway.render_tools", "gateway.on_drift", "gateway.check_tokens", "gateway.prefix_affinity_slack",
+    "gateway.agent_grace_s", "gateway.model_name",
     "env.db_path", "env.lease_ttl_s", "env.synchronous", "env.busy_timeout_s", "env.step_timeout_s", "env.max_retries",
     "env.audit_log",
     "train.engine", "train.tp", "train.pp", "train.ep", "train.moe_aux_loss_coef", "train.moe_z_loss_coef", "train.micro_batch_size", "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens",
