@@ -85,7 +85,8 @@ def engine_metrics(per_rank: list[dict], run) -> dict[str, float]:
     deltas = {k: v - run.counters.get(k, 0) for k, v in totals.items()}
     run.counters = dict(totals)
     keep = ("prefill_tokens", "prefix_hit_tokens", "decode_tokens", "preemptions", "episodes", "malformed_actions",
-            "unauthorized_actions", "invalid_arguments", "tool_errors", "tool_calls")
+            "unauthorized_actions", "invalid_arguments", "tool_errors", "tool_calls",
+            "engine/steps", "step_time_s")      # the engines' busy time (cost accounting, the planner)
     out = {k: float(v) for k, v in deltas.items() if any(k.endswith(s) for s in keep)}
     # the tool sandbox's isolation (root | userns | none): ranks running in each mode, every step
     for stats in per_rank:

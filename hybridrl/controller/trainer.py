@@ -24,6 +24,7 @@ from hybridrl.controller import critic as C
 from hybridrl.controller import metrics as M
 from hybridrl.controller.collection import make_collection
 from hybridrl.controller.state import RunState
+from hybridrl.cost.clock import RunClock
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import from_batch, to_batch
 from hybridrl.jobs import Job
@@ -38,11 +39,13 @@ def train(cfg, wg) -> dict:
     tc, algo = cfg.trainer, cfg.algo
     run = RunState.start(cfg, wg)
     collection = make_collection(cfg, wg, run)     # trainer.rollout_mode: sync | partial
+    clock = RunClock.start(cfg, resumed=run.resumed_from is not None, step=run.step, world_size=wg.world_size)
     if run.step == 0:
         run.log(0, validate(cfg, wg, run, step=0))
     bar = tqdm(range(run.step + 1, tc.total_steps + 1), initial=run.step, total=tc.total_steps,
                desc="rl", dynamic_ncols=True, disable=None)
     for step in bar:
+        clock.mark("step", step)                   # what the step's metrics do not time: hybridrl/cost
         timer, started = StageTimer(), time.perf_counter()
         rollout_version = run.version
 
@@ -103,8 +106,11 @@ def train(cfg, wg) -> dict:
         run.faults.at(step, "log")
         bar.set_postfix_str(M.postfix(metrics))
         if tc.checkpoint_every and step % tc.checkpoint_every == 0:
-            run.save_checkpoint(wg, step)
+            with clock.span("checkpoint", step):
+                run.save_checkpoint(wg, step)
+    clock.mark("finish", run.step)
     run.finish(wg)
+    clock.mark("end", run.step)
     return run.summary()
 
 
