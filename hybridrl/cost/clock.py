@@ -13,7 +13,13 @@ Marks, in the order an attempt writes them:
                  validation, store, and `time/logged_at` when the row was ready)
     checkpoint   a checkpoint began; `checkpoint_end` when it was complete
     finish       the loop is over: export and shutdown follow
-    end          the last mark of a finished attempt
+    end          the loop's last mark (the summary is printed)
+    exit         the process exits normally (an atexit hook: after the worker group's shutdown)
+    released     the launcher (torchrun) exited after a normal exit: the devices are free. Written by
+                 a small watcher process the start mark spawns (stdlib only, no inherited output):
+                 the ranks' interpreter teardown and torchrun's own exit take seconds that no rank
+                 can time. The watcher ends with the launcher (at most `WATCH_LIMIT_S` after the
+                 exit mark); an attempt that did not exit normally gets no `released` mark.
 
 A fresh run rewrites the file; a resumed run appends a new attempt (the killed attempt's marks stay:
 the time it spent is part of what the run cost). `hybridrl.cost.accounting` reads the marks back.
@@ -22,6 +28,7 @@ Writing a mark costs one small append: it never changes what the run computes.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -72,6 +79,8 @@ class RunClock:
         clock = cls(cfg.run.dir, attempt=1 + max((m.get("attempt", 0) for m in earlier), default=0))
         clock.mark("start", step, launched_at=launched_at(), rank_started_at=_process_start(),
                    world_size=world_size, pid=os.getpid(), resumed=resumed)
+        atexit.register(clock.mark, "exit")      # after the worker group and process groups are shut down
+        clock.watch_release()
         return clock
 
     def mark(self, mark: str, step: int | None = None, **extra: Any) -> None:
@@ -79,12 +88,71 @@ class RunClock:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
+    def watch_release(self) -> None:
+        """Start the watcher that writes `released` when the launcher exits after this attempt's exit."""
+        import subprocess
+        import sys
+
+        try:
+            import psutil
+
+            parent = psutil.Process().parent()
+            launcher = parent.pid if parent is not None and any(
+                k in " ".join(parent.cmdline()) for k in _LAUNCHERS) else None
+        except Exception:
+            launcher = None
+        if launcher is None:
+            return
+        env = {"HYBRIDRL_CLOCK": str(self.path), "HYBRIDRL_CLOCK_ATTEMPT": str(self.attempt),
+               "HYBRIDRL_CLOCK_RANK_PID": str(os.getpid()), "HYBRIDRL_CLOCK_LAUNCHER_PID": str(launcher),
+               "HYBRIDRL_CLOCK_LIMIT_S": str(WATCH_LIMIT_S)}
+        try:
+            subprocess.Popen([sys.executable, "-S", "-c", _WATCHER], env=env, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+                             start_new_session=True)
+        except OSError:
+            pass                    # no watcher: the books end at the exit mark
+
     @contextlib.contextmanager
     def span(self, mark: str, step: int | None = None) -> Iterator[None]:
         """`mark` before the block, `<mark>_end` after it (not written when the block raises)."""
         self.mark(mark, step)
         yield
         self.mark(f"{mark}_end", step)
+
+
+WATCH_LIMIT_S = 60.0
+
+# The watcher (a separate interpreter, stdlib only): wait for this rank to end; if its attempt's last
+# mark is `exit`, wait for the launcher to end too and append `released` with the time.
+_WATCHER = r"""
+import json, os, time
+env = os.environ
+path, attempt = env["HYBRIDRL_CLOCK"], int(env["HYBRIDRL_CLOCK_ATTEMPT"])
+rank, launcher, limit = int(env["HYBRIDRL_CLOCK_RANK_PID"]), int(env["HYBRIDRL_CLOCK_LAUNCHER_PID"]), float(env["HYBRIDRL_CLOCK_LIMIT_S"])
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+while alive(rank):
+    time.sleep(0.05)
+try:
+    marks = [json.loads(l) for l in open(path) if l.strip()]
+except OSError:
+    marks = []
+mine = [m for m in marks if m.get("attempt") == attempt]
+if mine and mine[-1].get("mark") == "exit":
+    deadline = time.time() + limit
+    while alive(launcher) and time.time() < deadline:
+        time.sleep(0.02)
+    if not alive(launcher):
+        with open(path, "a") as f:
+            f.write(json.dumps({"mark": "released", "step": None, "at": time.time(), "attempt": attempt}) + "\n")
+"""
 
 
 def read_clock(run_dir: str | Path) -> list[dict]:
