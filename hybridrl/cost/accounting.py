@@ -243,11 +243,11 @@ def _attempt_books(books: Books, rec: RunRecords, attempt: dict, redone_after: i
             row = rec.row(step) if not lost else None
             complete = nxt["mark"] in ("step", "checkpoint", "finish")
             if row is None or not complete:
-                acc.lost("redone" if lost or row is None else "unfinished", span)
+                acc.lost(span, "redone" if lost or row is None else "unfinished")
             else:
                 acc.step(row, span)
         elif kind == "checkpoint":
-            acc.all_ranks("checkpoint", span) if nxt["mark"] == "checkpoint_end" else acc.lost("unfinished", span)
+            acc.all_ranks("checkpoint", span) if nxt["mark"] == "checkpoint_end" else acc.lost(span, "unfinished")
         elif kind == "checkpoint_end":
             acc.controller("controller", span)
         elif kind == "finish":

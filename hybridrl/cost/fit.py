@@ -124,7 +124,7 @@ def workload_from_run(rec: RunRecords, *, calibrate: bool = True) -> Workload:
         w.notes.append(f"{len(rec.pruned_steps)} step(s) of the ledger were deleted by retention: their episodes "
                        "are not in the distribution")
     if calibrate and not disagg:
-        calibrate_rollout(w, steps=max(3, len(rows)))
+        calibrate_rollout(w, steps=len(rows), target=_mean_of(rows, "time/T_rollout"))
     return w
 
 
@@ -140,7 +140,7 @@ def workload_from_episodes(groups: list[list[EpisodeShape]], rows: list[dict], m
     w.measured_step_s, w.measured_admitted_tokens_per_s, w.measured_rollout_s = (
         tw["step_s"], tw["admitted_tokens_per_s"], tw["rollout_s"])
     if calibrate:
-        calibrate_rollout(w, steps=max(3, len(rows)))
+        calibrate_rollout(w, steps=len(rows), target=_mean_of(rows, "time/T_rollout"))
     return w
 
 
@@ -156,22 +156,26 @@ def measured_as_config(w: Workload) -> Any:
                   drop_all_equal_groups=m.drop_all_equal_groups)
 
 
-def calibrate_rollout(w: Workload, *, steps: int) -> None:
-    """Set `rollout_factor` so that the simulated measured configuration's median rollout equals the
-    measured median T_rollout (secant steps on the factor; the rollout grows with it monotonically)."""
-    from hybridrl.cost.simulate import simulate
+def _mean_of(rows: Sequence[dict], key: str) -> float:
+    xs = [float(r[key]) for r in rows if r["step"] > 0 and r.get(key) is not None]
+    return statistics.fmean(xs) if xs else 0.0
 
-    if w.measured_rollout_s <= 0:
+
+def calibrate_rollout(w: Workload, *, steps: int, target: float) -> None:
+    """Set `rollout_factor` so that a replay of the measured configuration (the measured groups in their
+    order) has the measured mean T_rollout (secant steps on the factor; the rollout grows with it)."""
+    from hybridrl.cost.simulate import Simulation
+
+    if target <= 0 or steps < 1:
         return
     cfg = measured_as_config(w)
 
-    def rollout(f: float) -> float:
+    def rollout(f: float) -> float:         # a replay: the measured groups in their measured order
         w.rollout_factor = f
-        r = simulate(w, cfg, steps=steps, warmup=WARMUP, seeds=1)
-        window = r.steps[r.window[0] - 1:r.window[1]] or r.steps
-        return statistics.median(s["rollout_s"] for s in window)
+        r = Simulation(w, cfg, seed=None).run(steps, WARMUP)
+        return statistics.fmean(s["rollout_s"] for s in r.steps)
 
-    f, target = 1.0, w.measured_rollout_s
+    f = 1.0
     got = rollout(f)
     for _ in range(6):
         if got <= 0 or abs(got - target) / target < 0.01:
@@ -179,5 +183,5 @@ def calibrate_rollout(w: Workload, *, steps: int) -> None:
         f_new = max(0.05, f * target / got)
         f, got = f_new, rollout(f_new)
     w.rollout_factor = f
-    w.notes.append(f"rollout_factor {f:.3f}: the measured configuration's simulated median rollout is "
+    w.notes.append(f"rollout_factor {f:.3f}: a replay of the measured configuration has a mean rollout of "
                    f"{got:.3f}s at this factor, measured {target:.3f}s (at factor 1 the engine model alone)")

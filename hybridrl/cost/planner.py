@@ -68,11 +68,9 @@ def what_if(w: Workload, changes: dict[str, float]) -> Workload:
         out.notes.append(f"what-if model_scale={k:g}: per-token engine and trainer costs and the weight moves x{k:g}")
     c = float(changes.get("context_scale", 1.0))
     if c != 1.0:
-        for g in out.groups:
-            for e in g:
-                for t in e.turns:
-                    t.generated = max(1, round(t.generated * c))
-                    t.prompt_tokens = round(t.prompt_tokens * c)
+        for t in _turns(out):
+            t.generated = max(1, round(t.generated * c))
+            t.prompt_tokens = round(t.prompt_tokens * c)
         out.notes.append(f"what-if context_scale={c:g}: every turn's prompt and generated tokens x{c:g}")
     f = float(changes.get("tool_scale", 1.0))
     if "tool_latency_s" in changes:
@@ -82,22 +80,28 @@ def what_if(w: Workload, changes: dict[str, float]) -> Workload:
         if mean > 0:
             f *= target / mean
         else:
-            for g in out.groups:
-                for e in g:
-                    for t in e.turns[:-1]:
-                        t.wait_s = target
+            for t in _turns(out, last=False):
+                t.wait_s = target
         out.notes.append(f"what-if tool_latency_s={target:g}: tool / environment waits scaled to that mean")
     if f != 1.0:
-        for g in out.groups:
-            for e in g:
-                for t in e.turns:
-                    t.wait_s *= f
+        for t in _turns(out):
+            t.wait_s *= f
         out.notes.append(f"what-if: tool / environment waits x{f:.3g}")
     unknown = set(changes) - {"model_scale", "context_scale", "tool_latency_s", "tool_scale"}
     if unknown:
         raise ValueError(f"--what-if {sorted(unknown)[0]}: unknown (use model_scale, context_scale, tool_latency_s, "
                          "tool_scale)")
     return out
+
+
+def _turns(w: Workload, *, last: bool = True) -> list:
+    """Every turn of the workload once (shapes may share objects: a resampled or repeated episode)."""
+    seen: dict[int, Any] = {}
+    for g in w.groups:
+        for e in g:
+            for t in (e.turns if last else e.turns[:-1]):
+                seen.setdefault(id(t), t)
+    return list(seen.values())
 
 
 # ---------------------------------------------------------------------------- capacities
@@ -181,7 +185,7 @@ def bound(w: Workload, cfg: Config, caps: dict[str, dict]) -> dict[str, Any]:
 
 
 def candidates(w: Workload, ranks: int, *, placements=("colocated", "disaggregated"), prompts: int | None = None,
-               lags=(0, 1, 2), oversamples=(1.25, 1.5, 2.0)) -> list[Config]:
+               lags=(1, 2, 4, 8), disaggregated_lags=(0, 1, 2), oversamples=(1.25, 1.5, 2.0)) -> list[Config]:
     m = w.measured
     base = dict(prompts_per_step=prompts or m.prompts_per_step, group_size=m.group_size,
                 max_concurrent=m.max_concurrent, drop_truncated=m.drop_truncated,
@@ -199,7 +203,7 @@ def candidates(w: Workload, ranks: int, *, placements=("colocated", "disaggregat
         for r in range(1, ranks):
             if base["prompts_per_step"] % r:
                 continue
-            for lag in lags:
+            for lag in disaggregated_lags:
                 out.append(Config(placement="disaggregated", train_ranks=ranks - r, rollout_ranks=r,
                                   max_policy_lag=lag, **base))
     return out
@@ -231,7 +235,7 @@ def queue_bounds(cfg: Config, result: SimResult) -> dict[str, Any]:
 
 
 def plan(w: Workload, *, ranks: int | None = None, target: float | None = None, headroom: float = 0.8,
-         placements=("colocated", "disaggregated"), steps: int = 12, warmup: int = 2) -> dict[str, Any]:
+         placements=("colocated", "disaggregated"), steps: int = 30, warmup: int = 2) -> dict[str, Any]:
     """The answer: capacities and bottleneck at the measured configuration, every candidate simulated,
     the recommendation (and, for a target, the ranks it needs)."""
     from hybridrl.cost.fit import measured_as_config
@@ -252,6 +256,11 @@ def plan(w: Workload, *, ranks: int | None = None, target: float | None = None, 
         r = simulate(w, cfg, steps=steps, warmup=warmup)
         table.append((cfg, r))
     table.sort(key=lambda cr: -cr[1].admitted_tokens_per_s)
+    # within 2% of the fastest, the smallest lag (staleness costs learning, not throughput)
+    top = table[0][1].admitted_tokens_per_s
+    near = [cr for cr in table if cr[1].admitted_tokens_per_s >= 0.98 * top]
+    near.sort(key=lambda cr: (cr[0].max_policy_lag if cr[0].max_policy_lag >= 0 else 99, -cr[1].admitted_tokens_per_s))
+    table = near[:1] + [cr for cr in table if cr is not near[0]]
     default = default_config(w, n)
     if prompts:
         default = dataclasses.replace(default, prompts_per_step=prompts)
@@ -335,7 +344,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model_scale=K (parameters x K), context_scale=C (tokens per turn x C), tool_latency_s=S "
                         "(mean tool / environment wait), tool_scale=F")
     p.add_argument("--placements", default="colocated,disaggregated")
-    p.add_argument("--steps", type=int, default=12, help="simulated steps per candidate")
+    p.add_argument("--steps", type=int, default=30, help="simulated steps per candidate")
     p.add_argument("--json", action="store_true")
 
 
@@ -360,12 +369,14 @@ def main(args: argparse.Namespace) -> int:
         changes = _parse_what_if(args.what_if)
         if args.run_dir is None and not args.measure:
             raise ValueError("give a RUN_DIR (an RL run's directory) or --measure --model DIR --recipe RECIPE")
+        measured = None
         if args.run_dir is not None:
-            w = workload_from_run(read_run(args.run_dir))
+            rec = read_run(args.run_dir)
+            w = workload_from_run(rec)
             if args.measure:
                 from hybridrl.cost.measure import measure_into
 
-                measure_into(w, model=args.model or w_model(args.run_dir), config=read_run(args.run_dir).config)
+                measured = measure_into(w, rec, model=args.model or rec.config.get("model", {}).get("path"))
         else:
             from hybridrl.cost.measure import workload_from_measurement
 
@@ -377,17 +388,13 @@ def main(args: argparse.Namespace) -> int:
         placements = tuple(p.strip() for p in args.placements.split(",") if p.strip())
         out = plan(w, ranks=args.ranks, target=args.target_tokens_per_s, headroom=args.headroom,
                    placements=placements, steps=args.steps)
+        if measured is not None:
+            out["measurements"] = {k: v for k, v in measured.items() if k != "engine_rows"}
     except (FileNotFoundError, ValueError) as err:
         print(f"hybridrl plan: {err}", file=sys.stderr)
         return 2
     print(json.dumps(out, indent=1, default=_json_default) if args.json else format_plan(out))
     return 0
-
-
-def w_model(run_dir: str) -> str:
-    from hybridrl.cost.records import read_run
-
-    return read_run(run_dir).config.get("model", {}).get("path")
 
 
 def _json_default(x: Any) -> Any:

@@ -149,7 +149,8 @@ class _Engine:
 
 
 class Simulation:
-    def __init__(self, workload: Workload, cfg: Config, *, seed: int = 0):
+    def __init__(self, workload: Workload, cfg: Config, *, seed: int | None = 0):
+        """`seed` None: the groups in their measured order (a replay), else a seeded shuffle."""
         self.w, self.cfg = workload, cfg
         self.t = 0.0
         self.events: list = []
@@ -157,9 +158,11 @@ class Simulation:
         self.version = 0
         self.engines = [_Engine(r) for r in range(cfg.rollout_ranks)]
         order = list(range(len(workload.groups)))
-        random.Random(seed).shuffle(order)
+        if seed is not None:
+            random.Random(seed).shuffle(order)
         self.order, self.next_group = order, 0
         self.groups: list[_Group] = []
+        self._dirty: set[int] = set()
         self.launched_shapes: list[EpisodeShape] = []
         self.tool_busy_s = 0.0
 
@@ -219,6 +222,16 @@ class Simulation:
             self._push(self.t + ep.shape.reward_s, "done", ep)
 
     def _kick(self, eng: _Engine) -> None:
+        """Ask for an engine step; it starts once every event of this instant is handled (requests that
+        arrive together share the step)."""
+        self._dirty.add(eng.rank)
+
+    def _start_steps(self) -> None:
+        for rank in sorted(self._dirty):
+            self._step_now(self.engines[rank])
+        self._dirty.clear()
+
+    def _step_now(self, eng: _Engine) -> None:
         if eng.busy or not eng.enabled or not eng.gen:
             return
         batch = eng.gen[: self.w.engine.max_batch]
@@ -257,10 +270,14 @@ class Simulation:
             g.complete_at = self.t
 
     def _run_until(self, done: Callable[[], bool] | None = None, until: float | None = None) -> None:
+        self._start_steps()
         while self.events:
             if done is not None and done():
                 return
             at, _, kind, obj, epoch = self.events[0]
+            if self._dirty and at > self.t:
+                self._start_steps()             # this instant is over: its requests share a step
+                continue
             if until is not None and at > until:
                 break
             heapq.heappop(self.events)
@@ -273,6 +290,8 @@ class Simulation:
                 self._begin_turn(self.engines[obj.group.rank], obj)
             elif kind == "done":
                 self._on_done(obj)
+            if not self.events:
+                self._start_steps()
         if until is not None:
             self.t = max(self.t, until)
 
@@ -440,7 +459,7 @@ class Simulation:
             window=(lo + 1, hi))
 
 
-def simulate(workload: Workload, cfg: Config, *, steps: int = 10, warmup: int = 2, seeds: int = 3) -> SimResult:
+def simulate(workload: Workload, cfg: Config, *, steps: int = 30, warmup: int = 2, seeds: int = 3) -> SimResult:
     """The median (by admitted tokens/s) of `seeds` simulations with different episode orders."""
     results = [Simulation(workload, cfg, seed=s).run(steps, warmup) for s in range(seeds)]
     results.sort(key=lambda r: r.admitted_tokens_per_s)

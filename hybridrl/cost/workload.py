@@ -229,27 +229,44 @@ def fit_engine(rows: Sequence[dict], *, ranks: int, max_batch: int) -> EngineMod
 
 def fit_trainer(rows: Sequence[dict], *, ranks: int, key: str = "time/T_train",
                 tokens_key: str = "tokens/admitted") -> TrainerModel:
-    """T_train = base + per_token x tokens / ranks, NNLS over the step rows (data parallel: a training
-    rank's time follows its share of the tokens). Needs steps with different admitted tokens to
-    separate base from per_token; otherwise base = 0."""
+    """T_train = base + per_token x tokens / ranks (data parallel: a training rank's time follows its
+    share of the tokens). Three models are fitted to the step rows, a constant (base only), a
+    proportional one (per_token only) and both (non-negative least squares), and the one with the
+    lowest BIC kept, unless the steps' tokens vary by less than 50% (they cannot tell a fixed cost
+    from a per-rank one) or the constant and the proportional one fit alike: then the proportional
+    one, which is conservative for fewer ranks."""
+    import math as _m
+
     data = [(float(r.get(tokens_key) or 0), float(r.get(key) or 0)) for r in rows]
     data = [d for d in data if d[0] > 0 and d[1] > 0]
     if not data:
         return TrainerModel(base_s=0.0, per_token_s=0.0, how=f"no step with admitted tokens and {key}")
-    toks = [d[0] for d in data]
-    spread = (max(toks) - min(toks)) / max(statistics.fmean(toks), 1e-9)
-    base, slope = nnls([[1.0, d[0] / ranks] for d in data], [d[1] for d in data])
-    r2 = r_squared([[1.0, d[0] / ranks] for d in data], [d[1] for d in data], [base, slope])
-    how = (f"NNLS over {len(data)} step rows of {key} = base + per_token x {tokens_key} / {ranks} rank(s) "
-           f"(R^2 {r2:.2f})")
-    if r2 < 0.5 and spread >= 0.3:
-        how += "; the tokens explain too little of the time (R^2 < 0.5: noise), so base = 0"
-        spread = 0.0
-    if spread < 0.3 or slope <= 0:
-        base, slope = 0.0, sum(d[1] for d in data) / sum(d[0] / ranks for d in data)
-        how += (f"; the steps' tokens spread {100 * spread:.0f}% (< 30%): too little to tell a fixed cost from a "
-                "per-token one, so base = 0 and all of it scales with tokens / ranks (conservative for fewer ranks)")
-    return TrainerModel(base_s=base, per_token_s=slope, how=how)
+    n = len(data)
+    xs, ys = [d[0] / ranks for d in data], [d[1] for d in data]
+
+    def bic(pred: list[float], k: int) -> float:
+        rss = max(sum((y - p) ** 2 for y, p in zip(ys, pred)), 1e-12)
+        return n * _m.log(rss / n) + k * _m.log(n)
+
+    const = statistics.fmean(ys)
+    slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    b2, s2 = nnls([[1.0, x] for x in xs], ys)
+    fits = {"constant": (const, 0.0, bic([const] * n, 1)),
+            "proportional": (0.0, slope, bic([slope * x for x in xs], 1)),
+            "both": (b2, s2, bic([b2 + s2 * x for x in xs], 2))}
+    name = min(fits, key=lambda k: fits[k][2])
+    spread = (max(xs) - min(xs)) / statistics.fmean(xs)
+    why = "lowest BIC"
+    if name != "proportional" and spread < 0.5:
+        name, why = "proportional", (f"the steps' tokens spread {100 * spread:.0f}% (< 50%): too little to tell a "
+                                     "fixed cost from one that follows the tokens per rank, so all of it follows them "
+                                     "(conservative for fewer ranks); BIC")
+    elif name == "constant" and fits["proportional"][2] - fits["constant"][2] < 2:
+        name, why = "proportional", "constant and proportional fit alike (BIC within 2): proportional kept; BIC"
+    base, per_token, _ = fits[name]
+    how = (f"{name} fit of {key} = base + per_token x {tokens_key} / {ranks} rank(s) over {n} step rows ({why} "
+           + ", ".join(f"{k} {v[2]:.1f}" for k, v in fits.items()) + ")")
+    return TrainerModel(base_s=base, per_token_s=per_token, how=how)
 
 
 def median(rows: Sequence[dict], key: str) -> float:
