@@ -16,7 +16,7 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl generate --model D --input I --output O --max-new-tokens N   token ids in, samples out
     hybridrl demo [--dir D] [key=value | sft:key=value | grpo:key=value ...]   base model -> SFT -> GRPO
     hybridrl cost RUN_DIR [RUN_DIR ...] [--json]   device-seconds by stage, what never trained, money
-    hybridrl plan [RUN_DIR | --measure] [--target-tokens-per-s X | --ranks N] [--what-if k=v]   capacity plan
+    hybridrl plan RUN_DIR [--measure] [--target-tokens-per-s X | --ranks N] [--what-if k=v]   capacity plan
 """
 
 from __future__ import annotations

@@ -194,8 +194,3 @@ def measure_into(w: Workload, rec: Any, *, model: str) -> dict[str, Any]:
     w.notes.append(f"--measure replaced the fitted engine and trainer (load average {load[0]:.1f}); "
                    f"rollout_factor was {factor_before:.3f} with the fitted engine")
     return {"engine_rows": engine_rows, "trainer_by_budget": by_budget, "tools": measure_tools(), "load_average": load}
-
-
-def workload_from_measurement(model: str, recipe: str) -> Workload:
-    raise ValueError("--measure without a run needs an episode distribution: run a few steps of the recipe first "
-                     "(e.g. `hybridrl train RECIPE trainer.total_steps=5`) and pass its RUN_DIR with --measure")

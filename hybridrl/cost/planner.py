@@ -1,10 +1,10 @@
 """`hybridrl plan`: stage capacities, the bottleneck, and the configuration to run.
 
     hybridrl plan RUN_DIR                          fit the workload of a run (its ledger and metrics)
-    hybridrl plan RUN_DIR --measure                ... and measure the engine and trainer directly
-    hybridrl plan --measure --model DIR            short benchmarks only (no run yet): engine by
-                                                   batch and context, tools, trainer by token budget
-    ... --ranks N | --target-tokens-per-s X        how many ranks, or the ranks a target needs
+    hybridrl plan RUN_DIR --measure                ... with the engine (by batch and context), the
+                                                   trainer (by micro-batch token budget) and the
+                                                   tools measured by short benchmarks instead
+    ... --ranks N | --nodes K | --target-tokens-per-s X   for N ranks, K nodes, or what reaches X
     ... --what-if model_scale=4 context_scale=2 tool_latency_s=0.5 tool_scale=3
     ... --json
 
@@ -234,8 +234,18 @@ def queue_bounds(cfg: Config, result: SimResult) -> dict[str, Any]:
     return {"expected_queue_depth": 0.0, "how": "synchronous: nothing is carried across a step"}
 
 
+def length_shift(r: SimResult) -> float:
+    """Selection bias: of the episodes launched early in the simulated window, how far the admitted ones'
+    mean length (their full, measured length) is from all of theirs (relative). Completion-time
+    filtering and a tight lag bound drop the long ones; the group filter drops by reward, not length."""
+    sel = r.launched.get("selection") or {}
+    a, lo = sel.get("admitted_length_mean"), sel.get("launched_length_mean")
+    return abs(a - lo) / lo if a is not None and lo else 0.0
+
+
 def plan(w: Workload, *, ranks: int | None = None, target: float | None = None, headroom: float = 0.8,
-         placements=("colocated", "disaggregated"), steps: int = 30, warmup: int = 2) -> dict[str, Any]:
+         placements=("colocated", "disaggregated"), steps: int = 30, warmup: int = 2,
+         max_shift: float = 0.1) -> dict[str, Any]:
     """The answer: capacities and bottleneck at the measured configuration, every candidate simulated,
     the recommendation (and, for a target, the ranks it needs)."""
     from hybridrl.cost.fit import measured_as_config
@@ -256,23 +266,28 @@ def plan(w: Workload, *, ranks: int | None = None, target: float | None = None, 
         r = simulate(w, cfg, steps=steps, warmup=warmup)
         table.append((cfg, r))
     table.sort(key=lambda cr: -cr[1].admitted_tokens_per_s)
-    # within 2% of the fastest, the smallest lag (staleness costs learning, not throughput)
-    top = table[0][1].admitted_tokens_per_s
-    near = [cr for cr in table if cr[1].admitted_tokens_per_s >= 0.98 * top]
-    near.sort(key=lambda cr: (cr[0].max_policy_lag if cr[0].max_policy_lag >= 0 else 99, -cr[1].admitted_tokens_per_s))
-    table = near[:1] + [cr for cr in table if cr is not near[0]]
+    # a configuration whose admitted episodes are not the launched ones (completion-time filtering
+    # keeps the short, a tight lag drops the long) trains on another distribution: not recommended
     default = default_config(w, n)
     if prompts:
         default = dataclasses.replace(default, prompts_per_step=prompts)
     d_result = next((r for c, r in table if c == default), None) or simulate(w, default, steps=steps, warmup=warmup)
-    best_cfg, best = table[0]
+    allowed = length_shift(d_result) + max_shift     # the default's own filters (all-equal groups) set the base
+    eligible = [cr for cr in table if length_shift(cr[1]) <= allowed]
+    # within 2% of the fastest eligible, the smallest lag (staleness costs learning, not throughput)
+    top = eligible[0][1].admitted_tokens_per_s if eligible else 0.0
+    near = [cr for cr in eligible if cr[1].admitted_tokens_per_s >= 0.98 * top]
+    near.sort(key=lambda cr: (cr[0].max_policy_lag if cr[0].max_policy_lag >= 0 else 99, -cr[1].admitted_tokens_per_s))
+    best_cfg, best = near[0] if near else (default, d_result)
     # the default stays unless another configuration is clearly faster (the simulation's own spread)
     if best.admitted_tokens_per_s < d_result.admitted_tokens_per_s * 1.05:
         best_cfg, best = default, d_result
     caps_best = capacities(w, best_cfg)
     out["candidates"] = [{"label": c.label(), "overrides": c.overrides(), "admitted_tokens_per_s":
                           r.admitted_tokens_per_s, "step_s": r.step_s, "utilisation": r.utilisation,
-                          "queue_depth": r.queue_depth, "lag": r.lag_histogram} for c, r in table]
+                          "queue_depth": r.queue_depth, "lag": r.lag_histogram,
+                          "admitted_length_shift": length_shift(r), "eligible": length_shift(r) <= allowed}
+                         for c, r in table]
     out["default"] = {"label": default.label(), "overrides": default.overrides(),
                       "predicted": _predicted(d_result)}
     out["recommended"] = {
@@ -284,7 +299,9 @@ def plan(w: Workload, *, ranks: int | None = None, target: float | None = None, 
         "queue_bounds": queue_bounds(best_cfg, best),
         "how": ("every candidate simulated for "
                 f"{steps} steps (median of 3 episode orders), admitted tokens/s over steps {warmup + 1}..{steps - 1}; "
-                "the fastest is recommended, the default kept unless another is >= 5% faster")}
+                f"among those whose admitted episodes' mean length is within {100 * max_shift:.0f}% (beyond the "
+                "default's own shift) of the launched ones', the fastest (within 2% of it the smallest lag) is recommended, the default kept unless "
+                "another is >= 5% faster")}
     return out
 
 
@@ -334,9 +351,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure", action="store_true",
                    help="run short benchmarks: engine step time by batch and context, the task's tools and sandbox "
                         "start, trainer tokens/s by micro-batch token budget (they replace the fitted models)")
-    p.add_argument("--model", default=None, help="--measure without a run: the HF model directory to benchmark")
-    p.add_argument("--recipe", default=None, help="--measure without a run: the recipe whose task and shapes to use")
+    p.add_argument("--model", default=None, help="--measure: the HF model directory to benchmark (default: the run's)")
     p.add_argument("--ranks", type=int, default=None, help="plan for this many ranks (default: the run's)")
+    p.add_argument("--nodes", type=int, default=None, help="plan for this many nodes of --ranks-per-node ranks")
+    p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--target-tokens-per-s", type=float, default=None, metavar="X",
                    help="the ranks and configuration that reach X admitted tokens/s")
     p.add_argument("--headroom", type=float, default=0.8, help="most utilisation of the bottleneck stage (target)")
@@ -367,25 +385,21 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         changes = _parse_what_if(args.what_if)
-        if args.run_dir is None and not args.measure:
-            raise ValueError("give a RUN_DIR (an RL run's directory) or --measure --model DIR --recipe RECIPE")
+        if args.run_dir is None:
+            raise ValueError("give a RUN_DIR: an RL run's directory, whose ledger is the episode distribution (a "
+                             "few steps are enough: `hybridrl train RECIPE trainer.total_steps=5`)")
         measured = None
-        if args.run_dir is not None:
-            rec = read_run(args.run_dir)
-            w = workload_from_run(rec)
-            if args.measure:
-                from hybridrl.cost.measure import measure_into
+        rec = read_run(args.run_dir)
+        w = workload_from_run(rec)
+        if args.measure:
+            from hybridrl.cost.measure import measure_into
 
-                measured = measure_into(w, rec, model=args.model or rec.config.get("model", {}).get("path"))
-        else:
-            from hybridrl.cost.measure import workload_from_measurement
-
-            if not args.model or not args.recipe:
-                raise ValueError("--measure without a RUN_DIR needs --model DIR and --recipe RECIPE")
-            w = workload_from_measurement(args.model, args.recipe)
+            measured = measure_into(w, rec, model=args.model or rec.config.get("model", {}).get("path"))
         if changes:
             w = what_if(w, changes)
         placements = tuple(p.strip() for p in args.placements.split(",") if p.strip())
+        if args.nodes:
+            args.ranks = args.nodes * args.ranks_per_node
         out = plan(w, ranks=args.ranks, target=args.target_tokens_per_s, headroom=args.headroom,
                    placements=placements, steps=args.steps)
         if measured is not None:
@@ -425,11 +439,13 @@ def format_plan(out: dict) -> str:
         t = out["target"]
         lines += [f"target {t['target_tokens_per_s']:,.0f} tokens/s: {t['ranks']} ranks, {t['prompts_per_step']} "
                   f"prompts per step ({t['how']})", ""]
-    lines.append(f"{'candidate':<52}{'tokens/s':>10}{'step s':>9}{'util roll/train':>17}{'queue':>7}")
+    lines.append(f"{'candidate':<52}{'tokens/s':>10}{'step s':>9}{'util roll/train':>17}{'queue':>7}"
+                 f"{'length shift':>14}")
     for c in out["candidates"]:
         u = c["utilisation"]
         lines.append(f"  {c['label']:<50}{c['admitted_tokens_per_s']:>10,.0f}{c['step_s']:>9.3f}"
-                     f"{u['rollout']:>9.2f}/{u['train']:.2f}{c['queue_depth']:>7.1f}")
+                     f"{u['rollout']:>9.2f}/{u['train']:.2f}{c['queue_depth']:>7.1f}"
+                     f"{100 * c['admitted_length_shift']:>12.1f}%" + ("" if c["eligible"] else " (biased)"))
     p = rec["predicted"]
     lines += ["", f"recommended: {rec['label']}" + (" (the default)" if rec["is_default"] else
                                                     f" ({rec['speedup_over_default']:.2f}x the default, "

@@ -67,9 +67,8 @@ def format_run(r: dict) -> str:
     roles = ", ".join(f"{n} {role}" for role, n in r["roles"].items())
     lines = [f"run {r['run_dir']}: {r['world_size']} ranks ({roles}), {r['steps']} steps, "
              f"{len(r['attempts'])} attempt(s), wall {_dur(r['wall_s'])}",
-             f"  device-seconds: {r['device_s_total']:.1f} assigned, wall x ranks = {r['device_s_expected']:.1f}"
-             + (f" (books close within {100 * r['books_close_within']:.2f}%)" if r["books_close_within"] is not None
-                else ""), ""]
+             f"  device-seconds: {r['device_s_total']:.1f} assigned of wall x ranks = {r['device_s_expected']:.1f} "
+             "(wall: the launch to the launcher's exit, on the run's clock.jsonl)", ""]
     lines.append(f"  {'stage':<28}{'device-s':>10}{'share':>8}{'money':>14}")
     for role, stages in r["device_s"].items():
         if len(r["device_s"]) > 1:

@@ -324,6 +324,7 @@ class Simulation:
                 reasons["all_equal_group"] += 1
             else:
                 out.append(ep)
+                ep.state = "admitted"
                 lag[lag_of] += 1
         return out, Counter({**{f"lag/{k}": v for k, v in lag.items()}, **{f"filter/{k}": v for k, v in reasons.items()}})
 
@@ -445,6 +446,16 @@ class Simulation:
         util = {"rollout": busy / (wall * self.cfg.rollout_ranks) if wall else 0.0,
                 "train": train / wall if wall else 0.0}
         shapes = self.launched_shapes
+        # selection: of the episodes launched in the window's first part (late launches may still run
+        # at the end), which were admitted; a length-blind admission keeps their mean length
+        tail = max([int(k) for k in lags] + [1]) + 1
+        cohort = [ep for g in self.groups if lo < g.step <= max(lo + 1, hi - tail) for ep in g.members]
+        kept = [ep for ep in cohort if ep.state == "admitted"]
+        selection = {"launched": len(cohort), "admitted": len(kept),
+                     "launched_length_mean": statistics.fmean(ep.shape.policy_tokens for ep in cohort) if cohort else None,
+                     "admitted_length_mean": statistics.fmean(ep.shape.policy_tokens for ep in kept) if kept else None,
+                     "launched_reward_mean": statistics.fmean(ep.shape.reward for ep in cohort) if cohort else None,
+                     "admitted_reward_mean": statistics.fmean(ep.shape.reward for ep in kept) if kept else None}
         return SimResult(
             config=self.cfg, steps=[{k: v for k, v in r.items() if k not in ("lengths", "rewards")} for r in rows],
             admitted_tokens_per_s=tokens / wall if wall else 0.0,
@@ -455,7 +466,8 @@ class Simulation:
                       "reward_mean": statistics.fmean(rewards) if rewards else None},
             launched={"episodes": len(shapes),
                       "length_mean": statistics.fmean(s.policy_tokens for s in shapes) if shapes else None,
-                      "reward_mean": statistics.fmean(s.reward for s in shapes) if shapes else None},
+                      "reward_mean": statistics.fmean(s.reward for s in shapes) if shapes else None,
+                      "selection": selection},
             window=(lo + 1, hi))
 
 

@@ -52,11 +52,11 @@ def test_tool_waits_go_on_while_the_engine_is_off_and_a_batch_shares_its_steps()
 def test_partial_rollouts_carry_stragglers_and_the_lag_filter_drops_them():
     groups = [[episode(20), episode(20)]] * 6 + [[episode(400), episode(400)]] * 2
     w = workload(groups, train_s=0.1)
-    sync = simulate(w, sync_cfg(), steps=20, seeds=3)
-    partial = simulate(w, sync_cfg(rollout_mode="partial", oversample=2.0, max_policy_lag=-1), steps=20, seeds=3)
+    sync = simulate(w, sync_cfg(), steps=16, seeds=3)
+    partial = simulate(w, sync_cfg(rollout_mode="partial", oversample=2.0, max_policy_lag=-1), steps=16, seeds=3)
     assert partial.admitted_tokens_per_s > 1.5 * sync.admitted_tokens_per_s
     assert partial.queue_depth > 0 and max(int(k) for k in partial.lag_histogram) >= 1
-    strict = simulate(w, sync_cfg(rollout_mode="partial", oversample=2.0, max_policy_lag=0), steps=20, seeds=3)
+    strict = simulate(w, sync_cfg(rollout_mode="partial", oversample=2.0, max_policy_lag=0), steps=16, seeds=3)
     assert set(strict.lag_histogram) == {"0"}                     # every continued episode was dropped
     assert strict.admitted["length_mean"] < partial.admitted["length_mean"]
     assert sum(s.get("filter/policy_lag", 0) for s in strict.steps) > 0
@@ -94,7 +94,7 @@ def test_fits_recover_known_engine_and_trainer_costs():
 def test_the_plan_recommends_partial_rollouts_for_stragglers_and_explains_itself():
     groups = [[episode(20, reward=r), episode(20, reward=1 - r)] for r in (0, 1)] * 3 + [[episode(400), episode(400)]]
     w = workload(groups, train_s=0.1)
-    out = plan(w, placements=("colocated",), steps=20)
+    out = plan(w, placements=("colocated",), steps=16)
     rec = out["recommended"]
     assert not rec["is_default"] and rec["config"]["rollout_mode"] == "partial"
     assert rec["speedup_over_default"] > 1.3
