@@ -125,6 +125,7 @@ class Stragglers:
         rows, launched, admitted, groups = [], [], [], []
         version = 0
         last = dict(engine.stats())
+        seen = 0            # requests recorded so far: each one's context is work for the scripted engine
 
         def task_of(t) -> str:        # the workload's two kinds of prompt: 10x longer reasoning or not
             return "long" if _prompt_draw(_question(self.tokenizer, t), "len") < a.tail else "short"
@@ -155,12 +156,14 @@ class Stragglers:
                 loop.run_until_complete(engine.update_weights([], version))
                 sync_s = time.perf_counter() - t2
                 s = dict(engine.stats())
+                context = sum(len(r.input_ids) for r in engine.requests[seen:])   # decoded and matched per request
+                seen = len(engine.requests)
                 rows.append({"step": step, "time/T_rollout": rollout_s, "time/T_train": train_s, "time/T_sync": sync_s,
                              "time/T_prep": 0.0, "time/T_store": 0.0, "time/step_s": time.perf_counter() - t0,
                              "time/logged_at": time.time(), "tokens/admitted": float(tokens),
                              "engine/steps": float(s["steps"] - last["steps"]),
                              "engine/step_time_s": s["busy_s"] - last["busy_s"],
-                             "engine/decode_tokens": float(s["tokens"] - last["tokens"]), "engine/prefill_tokens": 0.0,
+                             "engine/decode_tokens": float(s["tokens"] - last["tokens"]), "engine/prefill_tokens": float(context),
                              "queue_depth": float(depth), "episodes": float(len(out)), "admitted": float(len(kept))})
                 last = s
                 by_group: dict[str, list] = {}

@@ -124,7 +124,7 @@ def workload_from_run(rec: RunRecords, *, calibrate: bool = True) -> Workload:
         w.notes.append(f"{len(rec.pruned_steps)} step(s) of the ledger were deleted by retention: their episodes "
                        "are not in the distribution")
     if calibrate and not disagg:
-        calibrate_rollout(w, steps=len(rows), target=_mean_of(rows, "time/T_rollout"))
+        calibrate_rollout(w, steps=len(rows), target=_mean_of(rows, "time/T_rollout"), rows=rows)
     return w
 
 
@@ -140,7 +140,7 @@ def workload_from_episodes(groups: list[list[EpisodeShape]], rows: list[dict], m
     w.measured_step_s, w.measured_admitted_tokens_per_s, w.measured_rollout_s = (
         tw["step_s"], tw["admitted_tokens_per_s"], tw["rollout_s"])
     if calibrate:
-        calibrate_rollout(w, steps=len(rows), target=_mean_of(rows, "time/T_rollout"))
+        calibrate_rollout(w, steps=len(rows), target=_mean_of(rows, "time/T_rollout"), rows=rows)
     return w
 
 
@@ -161,27 +161,40 @@ def _mean_of(rows: Sequence[dict], key: str) -> float:
     return statistics.fmean(xs) if xs else 0.0
 
 
-def calibrate_rollout(w: Workload, *, steps: int, target: float) -> None:
-    """Set `rollout_factor` so that a replay of the measured configuration (the measured groups in their
-    order) has the measured mean T_rollout (secant steps on the factor; the rollout grows with it)."""
+def calibrate_rollout(w: Workload, *, steps: int, target: float, rows: Sequence[dict] | None = None) -> None:
+    """Calibrate `rollout_factor` and `launch_s` on a replay of the measured configuration (the measured
+    groups in their order). For each launch cost on a grid, secant steps on the factor match the
+    measured mean T_rollout; the pair whose replay is closest to the measured rollout of every step is
+    kept. A short step (no straggler) is mostly launch cost, a long one mostly engine steps: the steps
+    tell the two apart."""
     from hybridrl.cost.simulate import Simulation
 
     if target <= 0 or steps < 1:
         return
     cfg = measured_as_config(w)
+    measured = [float(r["time/T_rollout"]) for r in sorted(rows or [], key=lambda r: r["step"])
+                if r["step"] > 0 and r.get("time/T_rollout") is not None][:steps]
 
-    def rollout(f: float) -> float:         # a replay: the measured groups in their measured order
-        w.rollout_factor = f
-        r = Simulation(w, cfg, seed=None).run(steps, WARMUP)
-        return statistics.fmean(s["rollout_s"] for s in r.steps)
+    def replay(f: float, launch: float) -> list[float]:
+        w.rollout_factor, w.launch_s = f, launch
+        return [s["rollout_s"] for s in Simulation(w, cfg, seed=None).run(steps, WARMUP).steps]
 
-    f = 1.0
-    got = rollout(f)
-    for _ in range(6):
-        if got <= 0 or abs(got - target) / target < 0.01:
+    best = None
+    for launch in (0.0, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016):
+        f = 1.0
+        got = statistics.fmean(replay(f, launch))
+        for _ in range(6):
+            if got <= 0 or abs(got - target) / target < 0.01:
+                break
+            f = max(0.05, f * target / got)
+            got = statistics.fmean(replay(f, launch))
+        sim = replay(f, launch)
+        err = (sum((a - b) ** 2 for a, b in zip(sim, measured)) if measured else 0.0) + (got - target) ** 2
+        if best is None or err < best[0] - 1e-12:
+            best = (err, f, launch, got)
+        if not measured:
             break
-        f_new = max(0.05, f * target / got)
-        f, got = f_new, rollout(f_new)
-    w.rollout_factor = f
-    w.notes.append(f"rollout_factor {f:.3f}: a replay of the measured configuration has a mean rollout of "
-                   f"{got:.3f}s at this factor, measured {target:.3f}s (at factor 1 the engine model alone)")
+    _, f, launch, got = best
+    w.rollout_factor, w.launch_s = f, launch
+    w.notes.append(f"rollout_factor {f:.3f}, launch_s {launch * 1e3:.1f} ms: the replay of the measured configuration "
+                   f"closest to its per-step rollouts (mean {got:.3f}s, measured {target:.3f}s)")

@@ -190,7 +190,8 @@ def measure_into(w: Workload, rec: Any, *, model: str) -> dict[str, Any]:
                                          micro_batch_size=int(train.get("micro_batch_size", 32)))
     w.trainer = trainer            # one training rank measured; the run's ranks each take their share
     if w.measured.placement == "colocated":
-        calibrate_rollout(w, steps=len(rec.step_rows()), target=_mean_of(rec.rows, "time/T_rollout"))
+        calibrate_rollout(w, steps=len(rec.step_rows()), target=_mean_of(rec.rows, "time/T_rollout"),
+                          rows=rec.step_rows())
     w.notes.append(f"--measure replaced the fitted engine and trainer (load average {load[0]:.1f}); "
                    f"rollout_factor was {factor_before:.3f} with the fitted engine")
     return {"engine_rows": engine_rows, "trainer_by_budget": by_budget, "tools": measure_tools(), "load_average": load}

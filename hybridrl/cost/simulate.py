@@ -10,7 +10,8 @@ seeded order) through the same rules the collectors apply:
                 max_batch) by one token and takes engine.step_s(batch, prompt tokens computed in it)
                 x rollout_factor seconds; an episode's turn needs its prompt tokens computed first
                 (a continued turn recomputes its context: the new policy invalidates the cache)
-    episodes    per turn: generate its tokens, then wait its tool/environment seconds (wall clock:
+    episodes    a launched episode starts after launch_s of its rank's event loop (one launch after
+                another); per turn: generate its tokens, then wait its tool/environment seconds (wall clock:
                 a tool call goes on while the engines are off), the last turn then its verifier
                 seconds; at most max_concurrent episodes in flight per rank (admission waits)
     sync        a step launches prompts_per_step groups and waits for all of them
@@ -145,6 +146,7 @@ class _Engine:
         self.enabled = False
         self.version = 0
         self.busy_s = 0.0
+        self.launch_clock = 0.0
         self.pending: list[_Group] = []       # disaggregated: granted groups not yet started
 
 
@@ -194,8 +196,15 @@ class Simulation:
                 eng.waiting.append(ep)
 
     def _admit(self, eng: _Engine, ep: _Episode) -> None:
+        """An episode starts once the rank's event loop has spent `launch_s` on it (prompt rendering, the
+        environment's reset), one launch after another."""
         eng.in_flight += 1
-        self._begin_turn(eng, ep)
+        if self.w.launch_s <= 0:
+            self._begin_turn(eng, ep)
+            return
+        eng.launch_clock = max(eng.launch_clock, self.t) + self.w.launch_s
+        ep.state = "launching"
+        self._push(eng.launch_clock, "turn", ep)
 
     def _begin_turn(self, eng: _Engine, ep: _Episode) -> None:
         turn = ep.shape.turns[ep.turn] if ep.turn < len(ep.shape.turns) else None

@@ -9,8 +9,10 @@
     trainer     one update: base_s + per_token_s x admitted tokens / training ranks
     overheads   per step: sync (colocated mode switches), publish (disaggregated publication), prep,
                 store, controller; validation seconds and cadence
-    rollout_factor  measured T_rollout / the simulated T_rollout of the measured configuration (the
-                agent loop's own work, scheduling, the host: what the engine model leaves out)
+    rollout_factor, launch_s  calibrated on a replay of the measured configuration: a factor on the
+                engine model's step time and the event-loop seconds each launched episode costs before its
+                first request (the agent loop's own work, scheduling, the host: what the engine counters
+                leave out); the pair whose replay fits the measured per-step rollouts best
 
 Every figure carries `how`: the formula and the records it came from.
 """
@@ -126,6 +128,7 @@ class Workload:
     measured_admitted_tokens_per_s: float = 0.0
     measured_rollout_s: float = 0.0
     rollout_factor: float = 1.0
+    launch_s: float = 0.0     # the rank's event-loop seconds per launched episode (calibrated with the factor)
     name: str = "workload"
     notes: list[str] = field(default_factory=list)
 
@@ -139,7 +142,7 @@ class Workload:
                 "engine": asdict(self.engine), "trainer": asdict(self.trainer), "overheads": asdict(self.overheads),
                 "measured_config": asdict(self.measured), "measured_step_s": self.measured_step_s,
                 "measured_admitted_tokens_per_s": self.measured_admitted_tokens_per_s,
-                "rollout_factor": self.rollout_factor, "notes": self.notes}
+                "rollout_factor": self.rollout_factor, "launch_s": self.launch_s, "notes": self.notes}
 
 
 def _dist(xs: Sequence[float]) -> dict | None:

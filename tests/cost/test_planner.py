@@ -137,3 +137,18 @@ def test_plan_cli_errors_are_one_line(tmp_path, capsys):
     assert "expected KEY=VALUE" in capsys.readouterr().err
     assert main(["cost", str(tmp_path)]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_measure_runs_the_engine_at_each_batch_and_prompt_and_times_the_tools(tiny_models):
+    from hybridrl.cost.measure import measure_engine, measure_tools
+
+    model, rows = measure_engine(str(tiny_models("qwen2")), batches=(1, 4), prompt_tokens=(8, 24), new_tokens=3,
+                                 kv_cache_mb=8, max_num_seqs=8, repeats=1)
+    assert [(r["batch"], r["prompt_tokens"]) for r in rows] == [(1, 8), (4, 8), (1, 24), (4, 24)]
+    for r in rows:       # the prefill step samples the first token, decode steps the other 2; no prefix cache
+        assert r["engine/decode_tokens"] == r["batch"] * 2 and r["engine/steps"] == 3
+        assert r["engine/prefill_tokens"] == r["batch"] * r["prompt_tokens"]
+    assert min(model.base_s, model.per_seq_s, model.per_prefill_token_s) >= 0 and model.max_batch == 8
+    assert "--measure" in model.how
+    tools = measure_tools(calls=2, sandbox_runs=1)
+    assert tools["calculator_call_s"] > 0 and "sandbox" in tools
