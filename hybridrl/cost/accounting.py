@@ -32,7 +32,8 @@ loop time splits into engine busy time, their measured idle time (stream/rollout
 rest ("rollout/agent": agent loops, tools, receiving weights).
 
 Generation that never trained: each training trajectory's share of its step's rollout
-device-seconds is its share of the step's policy tokens; the shares of the trajectories the
+device-seconds is its share of the step's policy tokens (a partial rollout's continued episode
+counts in the step that returned it); the shares of the trajectories the
 ledger says no update consumed add up by reason (its filter_reason: all_equal_group, truncated,
 policy_lag, infra_invalid, aborted). Tokens the engines decoded that reached no trajectory in the
 ledger (groups requeued as stale, dropped from a full queue, still in flight at the end) are

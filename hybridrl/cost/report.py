@@ -81,11 +81,11 @@ def format_run(r: dict) -> str:
                                               sorted(fam.items(), key=lambda kv: -kv[1])))
     nt = r.get("never_trained") or {}
     if nt:
-        rollout = sum(v for k, v in r["by_stage"].items() if k.startswith(("rollout/", "idle/rollout")))
+        generation = sum(v["device_s"] for v in nt.values())
         lines += ["", f"  {'generation by outcome':<28}{'episodes':>9}{'policy tokens':>15}{'rollout dev-s':>15}"
                       f"{'share':>8}"]
         for reason, v in sorted(nt.items(), key=lambda kv: (kv[0] == "validation", kv[0] != "trained", kv[0])):
-            share = v["device_s"] / (rollout + nt.get("validation", {}).get("device_s", 0.0)) if rollout else 0.0
+            share = v["device_s"] / generation if generation else 0.0
             lines.append(f"  {reason:<28}{int(v['trajectories']):>9}{int(v['policy_tokens']):>15}"
                          f"{v['device_s']:>15.1f}{100 * share:>7.1f}%")
     env = r["environment"]
