@@ -88,9 +88,11 @@ def distribution_check(launched: list[dict], admitted: list[dict]) -> dict:
                         "task_mix": mix(admitted)},
            "length_ks": ks_statistic(la, ad)}
     lm, am = out["launched"], out["admitted"]
-    shift = abs(am["length_mean"] - lm["length_mean"]) / lm["length_mean"] if lm["length_mean"] and am["length_mean"] else None
+    both = lm["length_mean"] and am["length_mean"]
+    shift = abs(am["length_mean"] - lm["length_mean"]) / lm["length_mean"] if both else None
     out["length_mean_shift"] = shift
-    out["reward_mean_shift"] = (am["reward_mean"] - lm["reward_mean"]) if am["reward_mean"] is not None and lm["reward_mean"] is not None else None
+    rewards = am["reward_mean"] is not None and lm["reward_mean"] is not None
+    out["reward_mean_shift"] = (am["reward_mean"] - lm["reward_mean"]) if rewards else None
     tasks = set(out["launched"]["task_mix"]) | set(out["admitted"]["task_mix"])
     out["task_mix_gap"] = max((abs(out["launched"]["task_mix"].get(t, 0) - out["admitted"]["task_mix"].get(t, 0))
                                for t in tasks), default=0.0)
@@ -163,7 +165,8 @@ class Stragglers:
                              "time/logged_at": time.time(), "tokens/admitted": float(tokens),
                              "engine/steps": float(s["steps"] - last["steps"]),
                              "engine/step_time_s": s["busy_s"] - last["busy_s"],
-                             "engine/decode_tokens": float(s["tokens"] - last["tokens"]), "engine/prefill_tokens": float(context),
+                             "engine/decode_tokens": float(s["tokens"] - last["tokens"]),
+                             "engine/prefill_tokens": float(context),
                              "queue_depth": float(depth), "episodes": float(len(out)), "admitted": float(len(kept))})
                 last = s
                 by_group: dict[str, list] = {}

@@ -129,7 +129,8 @@ _WATCHER = r"""
 import json, os, time
 env = os.environ
 path, attempt = env["HYBRIDRL_CLOCK"], int(env["HYBRIDRL_CLOCK_ATTEMPT"])
-rank, launcher, limit = int(env["HYBRIDRL_CLOCK_RANK_PID"]), int(env["HYBRIDRL_CLOCK_LAUNCHER_PID"]), float(env["HYBRIDRL_CLOCK_LIMIT_S"])
+rank, launcher = int(env["HYBRIDRL_CLOCK_RANK_PID"]), int(env["HYBRIDRL_CLOCK_LAUNCHER_PID"])
+limit = float(env["HYBRIDRL_CLOCK_LIMIT_S"])
 
 def alive(pid):
     try:

@@ -300,7 +300,8 @@ def plan(w: Workload, *, ranks: int | None = None, target: float | None = None, 
         "how": ("every candidate simulated for "
                 f"{steps} steps (median of 3 episode orders), admitted tokens/s over steps {warmup + 1}..{steps - 1}; "
                 f"among those whose admitted episodes' mean length is within {100 * max_shift:.0f}% (beyond the "
-                "default's own shift) of the launched ones', the fastest (within 2% of it the smallest lag) is recommended, the default kept unless "
+                "default's own shift) of the launched ones', the fastest (within 2% of it the smallest lag) is "
+                "recommended, the default kept unless "
                 "another is >= 5% faster")}
     return out
 

@@ -71,7 +71,8 @@ def test_a_killed_attempt_counts_its_redone_steps_as_lost(tmp_path):
              mark("step", T0 + 6, 1), mark("step", T0 + 9, 2), mark("checkpoint", T0 + 11.5, 2),
              mark("checkpoint_end", T0 + 12, 2), mark("step", T0 + 12.1, 3),            # killed during step 3
              mark("start", T0 + 30, 2, attempt=2, launched_at=T0 + 20, rank_started_at=T0 + 21, world_size=2),
-             mark("step", T0 + 30, 3, attempt=2), mark("finish", T0 + 33, 3, attempt=2), mark("end", T0 + 33.5, 3, attempt=2)]
+             mark("step", T0 + 30, 3, attempt=2), mark("finish", T0 + 33, 3, attempt=2),
+             mark("end", T0 + 33.5, 3, attempt=2)]
     rows = [{"step": 0}, step_row(1, T0 + 8.6), step_row(2, T0 + 11.4), step_row(3, T0 + 32.5)]
     books = account(write_run(tmp_path, rows, marks))
     assert [a["finished"] for a in books.attempts] == [False, True]
