@@ -1,5 +1,6 @@
-"""`hybridrl cost` and `hybridrl plan` on a miniature real run (2 ranks over gloo, partial rollouts with a
-lag bound of 0 so that the continued trajectories go stale, validations and checkpoints): the
+"""`hybridrl cost` and `hybridrl plan` on a miniature real run (2 ranks over gloo, partial rollouts that wait
+for all 8 groups in flight and train at most 6 a step, so that the queued groups are a version behind
+at the next step and the lag bound of 0 drops them; validations and checkpoints): the
 books add up to the wall time the test measured around the command, every second in a stage, and the
 never-trained shares are what the ledger and the metrics count."""
 
@@ -30,7 +31,8 @@ def mini(tmp_path_factory, tiny_models):
     run_dir = tmp_path_factory.mktemp("cost") / "run"
     cmd = [sys.executable, "-m", "hybridrl", "train", str(RECIPE), f"model.path={model}", f"run.dir={run_dir}",
            "trainer.total_steps=4", "trainer.validate_every=2", "trainer.checkpoint_every=2",
-           "trainer.rollout_mode=partial", "trainer.oversample=2", "trainer.quorum=1", "algo.max_policy_lag=0"]
+           "trainer.rollout_mode=partial", "trainer.oversample=2", "trainer.quorum=8", "trainer.max_groups_per_step=6",
+           "algo.max_policy_lag=0"]
     started = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env_with_repo(), capture_output=True, text=True, timeout=900)
     wall = time.time() - started
@@ -70,7 +72,7 @@ def test_the_never_trained_shares_are_what_the_ledger_and_the_metrics_count(mini
     rows = [r for r in read_metrics(run_dir) if r["step"] > 0]
     for reason in ("truncated", "policy_lag"):
         assert nt.get(reason, {}).get("trajectories", 0) == sum(r.get(f"filter/{reason}") or 0 for r in rows)
-    assert nt["policy_lag"]["trajectories"] > 0           # the continued episodes were a version behind
+    assert nt["policy_lag"]["trajectories"] > 0           # the queued groups were a version behind
     # each trajectory's share of its step's rollout: the shares add up to the rollouts' device-seconds
     rollout = sum((r.get("time/T_rollout") or 0) * 2 for r in rows)
     assert sum(v["device_s"] for v in nt.values()) == pytest.approx(rollout, rel=1e-6)
