@@ -56,7 +56,7 @@ LAYERS = (
     ("algorithms and protocols", {"algo", "reward", "distributed", "training", "rollout"}),
     ("components", {"envs", "store", "publication", "agent", "gateway", "backends", "assets"}),
     ("assembly", {"workers", "jobs", "host_memory", "shipped"}),
-    ("loops and checks", {"controller", "preflight", "evaluate", "bench", "inspect"}),
+    ("loops and checks", {"controller", "preflight", "evaluate", "bench", "inspect", "cost"}),
 )
 
 

@@ -22,6 +22,8 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl plot RUN [RUN ...] [--out F.png]  curves of one or more runs as a PNG
     hybridrl compare A B                       config differences and a metric table of two runs
     hybridrl demo [--dir D] [key=value | sft:key=value | grpo:key=value ...]   base model -> SFT -> GRPO
+    hybridrl cost RUN_DIR [RUN_DIR ...] [--json]   device-seconds by stage, what never trained, money
+    hybridrl plan RUN_DIR [--measure] [--target-tokens-per-s X | --ranks N] [--what-if k=v]   capacity plan
 """
 
 from __future__ import annotations
@@ -218,6 +220,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_cost(args: argparse.Namespace) -> int:
+    from hybridrl.cost.cli import cost_main
+
+    return cost_main(args)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from hybridrl.cost.cli import plan_main
+
+    return plan_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridrl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -326,6 +340,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_compare_arguments(p)
     p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("cost", help="what a run cost: device-seconds by stage, never-trained work, money")
+    from hybridrl.cost.cli import add_cost_arguments, add_plan_arguments
+
+    add_cost_arguments(p)
+    p.set_defaults(func=_cmd_cost)
+    p = sub.add_parser("plan", help="capacity plan: stage capacities, the bottleneck, placement, ranks, lag")
+    add_plan_arguments(p)
+    p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("init", help="start something of your own from a template")
     isub = p.add_subparsers(dest="init_command", required=True)

@@ -94,7 +94,8 @@ def engine_metrics(per_rank: list[dict], run) -> dict[str, float]:
             "unauthorized_actions", "invalid_arguments", "tool_errors", "tool_calls",
             # the gateway of task.agent episodes (hybridrl/gateway/runner.py)
             "template_drift", "token_drift", "gateway_splits", "gateway_branches", "budget_refusals", "agent_errors",
-            "sampling_overridden", "untrained_policy_tokens")
+            "sampling_overridden", "untrained_policy_tokens",
+            "engine/steps", "step_time_s")      # the engines' busy time (cost accounting, the planner)
     out = {k: float(v) for k, v in deltas.items() if any(k.endswith(s) for s in keep)}
     # the tool sandbox's isolation (root | userns | none): ranks running in each mode, every step
     for stats in per_rank:

@@ -28,6 +28,7 @@ from hybridrl.controller.collection import admitted
 from hybridrl.controller.evaluation import evaluate_in_loop
 from hybridrl.controller.placements import make_worker
 from hybridrl.controller.state import RunState
+from hybridrl.cost.clock import RunClock
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import from_batch, to_batch
 from hybridrl.jobs import Job
@@ -44,11 +45,13 @@ def train(cfg, wg) -> dict:
     collection = cfg.placement.resolve().collection(cfg, wg, run)     # sync | partial | stream
     run.restore(collection)
     link = collection.link
+    clock = RunClock.start(cfg, resumed=run.resumed_from is not None, step=run.step, world_size=wg.world_size)
     if run.step == 0:
         run.log(0, {**validate(cfg, wg, run, link, step=0), **evaluate_in_loop(cfg, wg, run, link, 0)})
     bar = tqdm(range(run.step + 1, tc.total_steps + 1), initial=run.step, total=tc.total_steps,
                desc="rl", dynamic_ncols=True, disable=None)
     for step in bar:
+        clock.mark("step", step)                   # what the step's metrics do not time: hybridrl/cost
         timer, started = StageTimer(), time.perf_counter()
         rollout_version = run.version
 
@@ -107,8 +110,11 @@ def train(cfg, wg) -> dict:
         run.hooks.at(step, "log")
         bar.set_postfix_str(M.postfix(metrics))
         if checkpoint:
-            run.save_checkpoint(step, link)
+            with clock.span("checkpoint", step):
+                run.save_checkpoint(step, link)
+    clock.mark("finish", run.step)
     run.finish(wg)
+    clock.mark("end", run.step)
     return run.summary()
 
 
