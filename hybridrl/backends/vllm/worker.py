@@ -22,6 +22,7 @@ does on CUDA.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Sequence
 
 import torch
@@ -38,6 +39,11 @@ Region = tuple[str, int, int]       # (vLLM parameter name, first row, end row);
 @register_model_loader(PLAIN_CPU_LOAD_FORMAT)
 class PlainWeightsLoader(DefaultModelLoader):
     """vLLM's default loader, leaving every weight as the plain parameter the forward reads (CPU)."""
+
+    def __init__(self, load_config: Any):
+        load_config = copy.copy(load_config)
+        load_config.load_format = "auto"             # the default loader picks the checkpoint files by it
+        super().__init__(load_config)
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
         from vllm.model_executor.layers.linear import LinearBase
