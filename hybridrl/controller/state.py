@@ -5,7 +5,7 @@ aside when told) and picks the checkpoint to resume (`trainer.resume=auto`: the 
 one, or a given path). `restore(collection)` then brings back every stateful part of the run from
 it through one `Checkpointer` (`store/checkpoints.py`):
 
-    run            step, policy version, the run's identity and config
+    (the run)      step, policy version, the run's identity and config: the state's top level
     data_cursor    the training split's stream
     collection     what the collection holds between steps (groups in flight or finished ahead)
     rng            the controller's Python / numpy / torch generators
@@ -25,6 +25,7 @@ from typing import Any
 
 from hybridrl.config.loader import to_dict
 from hybridrl.controller.faults import Injector
+from hybridrl.jobs import JobStopped
 from hybridrl.data.stream import ShuffledStream
 from hybridrl.store import rundir
 from hybridrl.store.checkpoints import CheckpointManager, Checkpointer, capture_rng, restore_rng
@@ -63,19 +64,28 @@ class RunLogs:
 
 class Hooks:
     """What happens at the named moments of a step, outside the algorithm: faults due there fire
-    (job kinds) or are armed on the workers (worker kinds, before the phase they fire in)."""
+    (job kinds) or are armed on the workers (worker kinds, before the phase they fire in); after the
+    rollout, the kill switch (`hybridrl agent kill-switch RUN_DIR`) is read and, when set, the run
+    stops without training on the step (`jobs.JobStopped`: resumable)."""
 
     ARMS_BEFORE = {"switch": "rollout", "log": "checkpoint"}      # moment -> the phase armed after it
 
     def __init__(self, cfg: Any, wg: Any, run_dir: Path):
-        self.wg = wg
+        self.cfg, self.wg = cfg, wg
         self.faults = Injector(cfg.trainer.inject, run_dir, checkpoint_every=cfg.trainer.checkpoint_every)
+        self.run: Any = None
 
     def at(self, step: int, moment: str) -> None:
+        from hybridrl.agent import killswitch
+        from hybridrl.workers.rank import RankWorker
+
         self.faults.at(step, moment)
         phase = self.ARMS_BEFORE.get(moment)
         if phase is not None:
             self.faults.arm(step, phase, lambda **fault: self.wg.call(Faults.arm_fault, **fault))
+        if moment == "rollout" and killswitch.stop_requested(self.cfg, self.run, step,
+                                                             lambda: self.wg.call(RankWorker.close)):
+            raise JobStopped(f"stopped by the kill switch at step {step}")
 
 
 @dataclass
@@ -135,21 +145,22 @@ class RunState:
             (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
         if source is not None:
             log.info("%s", plan.note)
-        return cls(cfg=cfg, wg=wg, step=step, version=0,
+        run = cls(cfg=cfg, wg=wg, step=step, version=0,
                    stream=ShuffledStream(task.train_split(), seed=cfg.run.seed),
                    validation=task.validation_split(),
                    logger=MetricsLogger(run_dir, resume_from_step=step if source is not None else None),
                    checkpoints=CheckpointManager(run_dir, keep=tc.keep_checkpoints),
                    tokenizer=AutoTokenizer.from_pretrained(cfg.model.path), hooks=Hooks(cfg, wg, run_dir),
                    identity=rundir.identity(cfg), source=source)
+        run.hooks.run = run
+        return run
 
     def restore(self, collection: Any) -> None:
         """Every stateful part from the checkpoint `open` chose (nothing without one)."""
         wg = self.wg
         self.checkpointer = Checkpointer(
-            self.checkpoints,
-            {"run": self, "data_cursor": self.stream, "collection": collection, "rng": ControllerRng(),
-             "logs": RunLogs(self)},
+            self.checkpoints, self,
+            {"data_cursor": self.stream, "collection": collection, "rng": ControllerRng(), "logs": RunLogs(self)},
             write_model=lambda d: wg.call(TrainSide.save_checkpoint, path=str(d),
                                           extra={"step": self.step, "policy_version": self.version}),
             read_model=lambda d: wg.call(TrainSide.load_checkpoint, path=str(d)))
