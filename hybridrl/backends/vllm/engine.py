@@ -267,8 +267,8 @@ class VLLMEngine:
         validate_named_tensors(items, self._spec)
         names = [n for n, _ in items]
         self._check_update(version, names, digests)
-        items = [(n, t.detach().contiguous()) for n, t in items]
-        await self._on_engine_loop(self._apply("hybridrl_load", (items,), names, version, digests))
+        wire = [(n, list(t.shape), _dtype_name(t.dtype), _raw_bytes(t)) for n, t in items]
+        await self._on_engine_loop(self._apply("hybridrl_load", (wire,), names, version, digests))
 
     async def load_bucket(self, bucket: Any, version: int, *, names: Sequence[str] | None = None,
                           digests: Mapping[str, str] | None = None) -> None:
@@ -277,10 +277,13 @@ class VLLMEngine:
         names = list(names) if names is not None else list(bucket.views)
         validate_named_tensors(bucket.named(names), self._spec)
         self._check_update(version, names, digests)
-        entries = [(e.name, e.shape, str(e.dtype).replace("torch.", ""), e.start, e.end) for e in bucket.plan.entries]
-        buffer = bucket.buffer if bucket.buffer.device.type == "cpu" else _cuda_handle(bucket.buffer)
-        await self._on_engine_loop(self._apply("hybridrl_load_bucket", (buffer, entries, names), names, version,
-                                               digests))
+        entries = [(e.name, list(e.shape), _dtype_name(e.dtype), e.start, e.end) for e in bucket.plan.entries]
+        if bucket.buffer.device.type == "cpu":
+            encoding, buffer = "raw", _raw_bytes(bucket.buffer)
+        else:
+            encoding, buffer = "cuda_ipc", _cuda_handle(bucket.buffer)
+        await self._on_engine_loop(self._apply("hybridrl_load_bucket", (encoding, buffer, entries, names), names,
+                                               version, digests))
 
     async def sleep(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
         """Abort the requests in flight (FinishReason.ABORT), then release the tagged memory (see the module doc;
@@ -477,6 +480,18 @@ def _check_spans(spans: Any, version: int, request_id: str) -> None:
     if labels - {str(version)}:
         raise RuntimeError(f"request {request_id}: vLLM reports tokens from weight version(s) {sorted(labels)}, "
                            f"expected only v{version}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    """A CPU tensor's bytes. Tensors cross vLLM's RPC as bytes: its engine core decodes a utility call's
+    arguments without their types, so a tensor would arrive as a [dtype, shape, buffer index] list whose
+    out-of-band buffer is already gone."""
+    flat = tensor.detach().contiguous().view(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
 
 
 def _cuda_handle(buffer: torch.Tensor) -> bytes:

@@ -100,25 +100,39 @@ class WeightSync:
         with torch.no_grad():
             self._hybridrl_model().load_weights(iter(items))
 
-    def hybridrl_load(self, items: list[tuple[str, torch.Tensor]], verify: bool) -> dict[str, str] | None:
-        """Load tensors; with `verify`, the digest of each one read back from this worker's storage."""
+    def hybridrl_load(self, wire: list[tuple[str, list[int], str, bytes]], verify: bool) -> dict[str, str] | None:
+        """Load tensors sent as (name, shape, dtype, bytes); with `verify`, the digest of each one read back
+        from this worker's storage."""
+        return self._hybridrl_load([(n, _from_bytes(data, dtype, shape)) for n, shape, dtype, data in wire], verify)
+
+    def hybridrl_load_bucket(self, encoding: str, buffer: bytes, entries: list[tuple[str, list[int], str, int, int]],
+                             names: list[str], verify: bool) -> dict[str, str] | None:
+        """One flat bucket: `buffer` is its bytes (`encoding` "raw") or a pickled CUDA IPC handle of the owner's
+        buffer ("cuda_ipc"), `entries` (name, shape, dtype, start, end) its layout; `names` are loaded."""
+        if encoding == "cuda_ipc":
+            import pickle
+
+            rebuild, args = pickle.loads(buffer)
+            flat = rebuild(*args)
+        elif encoding == "raw":
+            flat = torch.frombuffer(bytearray(buffer), dtype=torch.uint8)
+        else:
+            raise ValueError(f"unknown bucket encoding {encoding!r}")
+        views = {name: flat[start:end].view(getattr(torch, dtype)).view(shape)
+                 for name, shape, dtype, start, end in entries}
+        return self._hybridrl_load([(n, views[n]) for n in names], verify)
+
+    def _hybridrl_load(self, items: list[tuple[str, torch.Tensor]], verify: bool) -> dict[str, str] | None:
         self.hybridrl_copy(items)
         if not verify:
             return None
         return tensor_digests([(n, self.hybridrl_storage(n)) for n, _ in items])
 
-    def hybridrl_load_bucket(self, buffer: Any, entries: list[tuple[str, tuple[int, ...], str, int, int]],
-                             names: list[str], verify: bool) -> dict[str, str] | None:
-        """One flat bucket: `buffer` is its bytes (a uint8 tensor; on CUDA a pickled IPC handle of the
-        owner's buffer), `entries` (name, shape, dtype, start, end) its layout; `names` are loaded."""
-        if isinstance(buffer, (bytes, bytearray)):
-            import pickle
 
-            rebuild, args = pickle.loads(buffer)
-            buffer = rebuild(*args)
-        views = {name: buffer[start:end].view(getattr(torch, dtype)).view(shape)
-                 for name, shape, dtype, start, end in entries}
-        return self.hybridrl_load([(n, views[n]) for n in names], verify)
+def _from_bytes(data: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+    if not data:
+        return torch.empty(tuple(shape), dtype=getattr(torch, dtype))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).view(tuple(shape))
 
 
 def _locate(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], packed: dict[str, list[str]],

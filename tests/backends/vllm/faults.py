@@ -9,6 +9,7 @@ def damage_after_copy(worker, name: str, times: int = 1) -> None:
     one; 0: none any more). The sender and the read-back are untouched."""
     import types
 
+    worker = getattr(worker, "worker", worker)     # a function gets vLLM's WorkerWrapperBase; ours is its .worker
     real = type(worker).hybridrl_copy
     left = [float("inf") if times < 0 else times]
 
