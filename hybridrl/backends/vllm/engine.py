@@ -6,8 +6,11 @@ builds an engine must keep its entry under `if __name__ == "__main__":` (`python
 does). The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0) is not used: inside a rank,
 torch.distributed is already initialised for the run's world, and vLLM would take that world as
 its own (its group creation is collective over every rank, including those that run no engine).
-Its own world of one lives in its worker process instead. The worker's OpenMP threads are
-`rollout.vllm.threads` (default: this process's torch threads, 1 per rank under torchrun), unbound.
+Its own world of one lives in its worker process instead. vLLM ends those processes at shutdown; so
+that a rank killed outright (SIGKILL, an out-of-memory kill) leaves none of them behind either, a
+`distributed.reaper.Reaper` watches them and kills them once this process is gone. The worker's
+OpenMP threads are `rollout.vllm.threads` (default: this process's torch threads, 1 per rank under
+torchrun), unbound.
 
 Threads: the AsyncLLM lives on an event loop in a thread of this engine's own, so the protocol's
 coroutines work from any caller loop (the caller awaits a future of that loop) and its output
@@ -51,6 +54,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from hybridrl.backends.vllm.config import VLLMConfig
+from hybridrl.distributed.reaper import Reaper, descendants
 from hybridrl.rollout.protocol import (
     KV_CACHE,
     WEIGHTS,
@@ -146,9 +150,12 @@ class VLLMEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="hybridrl-vllm", daemon=True)
         self._thread.start()
-        self._llm = None
+        self._llm, self._reaper = None, None
         try:
+            before = set(descendants())
             self._llm = self._start(dtype, on_cuda)
+            # vLLM ends its processes at shutdown; a rank killed outright shuts nothing down
+            self._reaper = Reaper([p for p in descendants() if p not in before])
             self.max_model_len = int(self._llm.model_config.max_model_len)
             tied = bool(hf.get("tie_word_embeddings", False))
             layout = self._rpc("hybridrl_layout", list(checkpoint_names(self.model_path)), tied)
@@ -315,6 +322,8 @@ class VLLMEngine:
                 self._call(_shutdown(llm))
             except Exception as err:  # noqa: BLE001 - closing goes on
                 log.warning("vLLM engine shutdown: %r", err)
+        if self._reaper is not None:
+            self._reaper.close()                 # whatever the shutdown left running
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)

@@ -22,9 +22,9 @@ VLLM = ("rollout.engine=vllm", "rollout.vllm.kv_cache_mb=16")
 
 
 def train(tmp_path, *overrides, timeout=1500):
-    """The run in a session of its own, its output in files: when a rank is killed after a worker error, the
-    vLLM engine-core processes it started outlive it (orphaned, holding any pipe they inherited), so the run's
-    process group is killed once the launcher has exited."""
+    """The run in a session of its own, its output in files, and its process group killed once the launcher
+    has exited: a belt to the engine's braces (a rank killed after a worker error has its vLLM processes
+    ended by the engine's reaper; tests/backends/vllm/test_processes.py)."""
     cmd = [sys.executable, "-m", "hybridrl", "train", str(RECIPE), *VLLM, *overrides]
     env = env_with_repo({"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})   # the fault is a function sent to the worker
     out, err = tmp_path.with_suffix(".out"), tmp_path.with_suffix(".err")     # beside the run directory
