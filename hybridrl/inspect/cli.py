@@ -97,10 +97,18 @@ def format_summary(s: dict) -> str:
              f"{b['per_trajectory'] / 1024:.2f} KiB per trajectory"
              + (f"; data of steps {s['pruned_steps']} deleted by retention" if s["pruned_steps"] else "")]
     for r in s["releases"]:
-        lines.append(f"  release v{r['version']}: {r['checkpoint_hash']} (published at step {r['published_at_step']})")
+        what = "the validation after its update" if r.get("published_for") == "validation" else "its rollout"
+        lines.append(f"  release v{r['version']} ({_made_by(r['version'], r['training_step'])}): "
+                     f"{r['checkpoint_hash']}, published at step {r['published_at_step']} for {what}")
+    if s.get("diagnosis"):
+        lines.append(f"  {s['diagnosis']}")
     for e in s["events"]:
         lines.append(f"  event {e['kind']} at step {e['step']}: {e['detail']}")
     return "\n".join(lines)
+
+
+def _made_by(version: int, training_step: int) -> str:
+    return "the initial weights" if version == 0 else f"the update of step {training_step}"
 
 
 def format_list(out: dict) -> str:
