@@ -15,12 +15,12 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl score --model D --input I --output O [--tp T --pp P]   per-token logprobs (parity checks)
     hybridrl generate --model D --input I --output O --max-new-tokens N   token ids in, samples out
     hybridrl demo [--dir D] [key=value | sft:key=value | grpo:key=value ...]   base model -> SFT -> GRPO
+    hybridrl export RUN --step N --out DIR     a run's checkpoint as an HF directory (starts torchrun)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -62,8 +62,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     print(f"hybridrl: launching {nproc} rank(s): {' '.join(cmd[1:])}", file=sys.stderr)
     sys.stderr.flush()
-    os.execv(sys.executable, cmd)
-    return 1  # not reached
+    from hybridrl.launcher import supervise
+
+    return supervise(cmd, run_dir=cfg.run.dir if cfg.run.job in rundir.JOBS else None)   # Ctrl-C: see launcher.py
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
@@ -141,6 +142,12 @@ def _cmd_bench_mode_switch(args: argparse.Namespace) -> int:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from hybridrl.inspect.cli import main
+
+    return main(args)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from hybridrl.controller.export import main
 
     return main(args)
 
@@ -230,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_inspect_arguments(p)
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("export", help="a run's checkpoint (an intermediate step) as an HF directory (starts torchrun)")
+    from hybridrl.controller.export import add_arguments as add_export_arguments
+
+    add_export_arguments(p)
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("init", help="start something of your own from a template")
     isub = p.add_subparsers(dest="init_command", required=True)
