@@ -3,7 +3,7 @@
 PyTorch's CPU allocator reads THP_MEM_ALLOC_ENABLE once, at its first allocation, and with it puts
 allocations of 2 MiB and more on huge pages: memory released between modes (gradient buffers, the
 KV cache) is then faulted back in 2 MiB pages instead of 4 KiB ones, so re-creating a buffer runs
-near copy speed (measurements: docs/architecture.md, "Publication"). When training and rollout
+near copy speed (measurements: docs/publication.md). When training and rollout
 processes share a host's CPUs side by side (roles apart), faulting memory in at the same time with
 huge pages slows them down more than without, so those runs keep small pages.
 

@@ -54,7 +54,7 @@ def run(cfg) -> int:
     from hybridrl.distributed.bootstrap import init_distributed, shutdown_distributed
     from hybridrl.distributed.control import ErrorReport
     from hybridrl.distributed.watchdog import Watchdog
-    from hybridrl.jobs import resolve_job
+    from hybridrl.jobs import JobStopped, resolve_job
     from hybridrl.workers.serve import serve
 
     job = resolve_job(cfg.run.job)
@@ -79,6 +79,9 @@ def run(cfg) -> int:
         group = WorkerGroup(worker, ctx, watchdog)
         try:
             job.controller(cfg, group)
+            group.shutdown()
+        except JobStopped as stopped:       # stopped cleanly, resumable: the workers were closed
+            log.warning("%s", stopped)
             group.shutdown()
         except WorkerGroupError as err:
             print(f"hybridrl: run failed: {err}", file=sys.stderr)

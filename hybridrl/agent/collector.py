@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from hybridrl.agent.pause import PauseGate
-from hybridrl.algo.filters import all_equal_groups
+from hybridrl.algo.filters import informative_groups
 from hybridrl.data.trajectory import Trajectory
 
 
@@ -119,8 +119,8 @@ class PartialCollector:
         complete = [g for g, m in self.members.items() if len(m) == self.expected[g]]
         if not informative_only:
             return complete
-        flat = all_equal_groups([t for g in complete for t in self.members[g]])
-        return [g for g in complete if g not in flat]
+        signal = informative_groups([t for g in complete for t in self.members[g]])
+        return [g for g in complete if g in signal]
 
     def pending_groups(self) -> list[str]:
         """Groups launched here and not yet returned (running, paused or partly ended)."""

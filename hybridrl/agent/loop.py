@@ -223,6 +223,8 @@ class AgentRunner:
         cfg, traj = self.cfg, ep.traj
         if stop is not None and stop.is_set():
             raise _End(TrajectoryStatus.ABORTED, reason="stopped before it started")
+        if getattr(self.tools, "killed", None) is not None:     # the kill switch (agent/killswitch.py)
+            raise _End(TrajectoryStatus.ABORTED, reason=f"kill switch: {self.tools.killed}")
         authorizer = ToolAuthorizer(self.tools.specs, ep.instance.tools)
         tool_json = [authorizer.specs[n].to_json() for n in authorizer.allowed] if ep.task.render_tools else None
         messages = list(ep.instance.messages)
@@ -362,7 +364,8 @@ class AgentRunner:
                 continue
             problem = authorizer.check(call)
             plan.append((call, None) if problem is None else (None, problem))
-        run = [self.tools.call(call) for call, _ in plan if call is not None]
+        run = [self.tools.call(call, context={"episode": traj.trajectory_id, "call": f"t{turn}.{i}"})
+               for i, (call, _) in enumerate(plan) if call is not None]
         results = iter(await _within_budget(ep, asyncio.gather(*run), stop, "tool_s"))
         messages = []
         for call, problem in plan:

@@ -42,7 +42,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from hybridrl.algo.filters import all_equal_groups, filter_trajectories, lagging
+from hybridrl.algo.filters import admit, informative_groups, stale_groups
 from hybridrl.controller import metrics as M
 from hybridrl.data.queue import GroupQueue
 from hybridrl.data.trajectory import Trajectory, from_batch
@@ -53,27 +53,15 @@ from hybridrl.workers.switch import ModeSwitch
 
 
 def admitted(cfg: Any, trajectories: list[Trajectory], version: int):
-    """The trajectories an update would admit (`algo/filters.py`, with this run's settings), with reasons."""
-    algo = cfg.algo
-    return filter_trajectories(trajectories, drop_truncated=algo.drop_truncated,
-                               drop_all_equal_groups=algo.drop_all_equal_groups, current_version=version,
-                               max_policy_lag=algo.max_policy_lag if algo.max_policy_lag >= 0 else None)
-
-
-def informative_groups(trajectories: list[Trajectory]) -> set[str]:
-    """Groups whose members' rewards are not all equal (a group baseline gets a signal from them)."""
-    return {t.group_id for t in trajectories} - all_equal_groups(trajectories)
+    """The trajectories an update would admit (`algo.filters.admit` with this run's settings: the overlong
+    penalty, then the filters), with the reasons of the others."""
+    return admit(trajectories, cfg.algo, current_version=version, max_response_tokens=cfg.agent.max_response_tokens)
 
 
 def informative_admitted(cfg: Any, trajectories: list[Trajectory], version: int) -> set[str]:
     """What dynamic sampling counts: the groups whose members an update would admit (after the filters
-    dropped the others, `algo/filters.py`) do not all have the same reward."""
+    dropped the others) do not all have the same reward."""
     return informative_groups(admitted(cfg, trajectories, version).kept)
-
-
-def stale_groups(trajectories: list[Trajectory], version: int, max_lag: int) -> set[str]:
-    """Groups holding a policy token more than `max_lag` versions older than `version`."""
-    return {t.group_id for t in trajectories if lagging(t, version, max_lag)}
 
 
 def lag_histogram(trajectories: list[Trajectory], version: int) -> dict[str, float]:

@@ -5,7 +5,7 @@ aside when told) and picks the checkpoint to resume (`trainer.resume=auto`: the 
 one, or a given path). `restore(collection)` then brings back every stateful part of the run from
 it through one `Checkpointer` (`store/checkpoints.py`):
 
-    run            step, policy version, the run's identity and config
+    (the run)      step, policy version, the run's identity and config: the state's top level
     data_cursor    the training split's stream
     collection     what the collection holds between steps (groups in flight or finished ahead)
     serving        the policy version the rollout side serves (a validation leaves it serving the new one)
@@ -36,6 +36,7 @@ from hybridrl.controller.callbacks import Events
 from hybridrl.controller.diagnosis import SignalWatch, diagnose
 from hybridrl.controller.faults import Injector
 from hybridrl.controller.progress import Progress
+from hybridrl.jobs import JobStopped
 from hybridrl.data.stream import ShuffledStream
 from hybridrl.store import rundir
 from hybridrl.store.checkpoints import CheckpointManager, Checkpointer, capture_rng, restore_rng
@@ -111,24 +112,33 @@ class Serving:
 
 class Hooks:
     """What happens at the named moments of a run, outside the algorithm: faults due at a step's moment
-    fire (job kinds) or are armed on the workers (worker kinds, before the phase they fire in), and the
-    run's observers hear its events (`controller/callbacks.py`)."""
+    fire (job kinds) or are armed on the workers (worker kinds, before the phase they fire in); after
+    the rollout, the kill switch (`hybridrl agent kill-switch RUN_DIR`) is read and, when set, the run
+    stops without training on the step (`jobs.JobStopped`: resumable); and the run's observers hear
+    its events (`controller/callbacks.py`)."""
 
     ARMS_BEFORE = {"switch": "rollout", "log": "checkpoint"}      # moment -> the phase armed after it
 
     def __init__(self, cfg: Any, wg: Any, run_dir: Path):
-        self.wg = wg
+        self.cfg, self.wg = cfg, wg
         self.faults = Injector(cfg.trainer.inject, run_dir, checkpoint_every=cfg.trainer.checkpoint_every)
+        self.run: Any = None
         tc = cfg.trainer
         self.watch = SignalWatch(group_baseline=not cfg.algo.uses_critic, total_steps=tc.total_steps,
                                  stop_after=tc.stop_after_dead_steps)
         self.events = Events.from_specs(tc.callbacks, builtin=[Progress(tc.total_steps), self.watch])
 
     def at(self, step: int, moment: str) -> None:
+        from hybridrl.agent import killswitch
+        from hybridrl.workers.rank import RankWorker
+
         self.faults.at(step, moment)
         phase = self.ARMS_BEFORE.get(moment)
         if phase is not None:
             self.faults.arm(step, phase, lambda **fault: self.wg.call(Faults.arm_fault, **fault))
+        if moment == "rollout" and killswitch.stop_requested(self.cfg, self.run, step,
+                                                             lambda: self.wg.call(RankWorker.close)):
+            raise JobStopped(f"stopped by the kill switch at step {step}")
 
     # the run's events
     def started(self, run: dict) -> None:
@@ -214,12 +224,13 @@ class RunState:
         if source is not None:
             log.info("%s", plan.note)
         run = cls(cfg=cfg, wg=wg, step=step, version=0,
-                  stream=ShuffledStream(task.train_split(), seed=cfg.run.seed),
-                  validation=task.validation_split(),
-                  logger=MetricsLogger(run_dir, resume_from_step=step if source is not None else None),
-                  checkpoints=CheckpointManager(run_dir, keep=tc.keep_checkpoints),
-                  tokenizer=AutoTokenizer.from_pretrained(cfg.model.path), hooks=Hooks(cfg, wg, run_dir),
-                  identity=rundir.identity(cfg), source=source)
+                   stream=ShuffledStream(task.train_split(), seed=cfg.run.seed),
+                   validation=task.validation_split(),
+                   logger=MetricsLogger(run_dir, resume_from_step=step if source is not None else None),
+                   checkpoints=CheckpointManager(run_dir, keep=tc.keep_checkpoints),
+                   tokenizer=AutoTokenizer.from_pretrained(cfg.model.path), hooks=Hooks(cfg, wg, run_dir),
+                   identity=rundir.identity(cfg), source=source)
+        run.hooks.run = run
         interrupts.on_controller(run.where, run.hooks.interrupted)     # SIGINT / SIGTERM: what to say, who to tell
         return run
 
@@ -229,9 +240,9 @@ class RunState:
         wg = self.wg
         collection.link = serving = Serving(collection.link, self)
         self.checkpointer = Checkpointer(
-            self.checkpoints,
-            {"run": self, "data_cursor": self.stream, "collection": collection, "serving": serving,
-             "rng": ControllerRng(), "logs": RunLogs(self)},     # (the generators after the serving's publication)
+            self.checkpoints, self,
+            {"data_cursor": self.stream, "collection": collection, "serving": serving, "rng": ControllerRng(),
+             "logs": RunLogs(self)},     # (the generators after the serving's publication)
             write_model=lambda d: wg.call(TrainSide.save_checkpoint, path=str(d),
                                           extra={"step": self.step, "policy_version": self.version}),
             read_model=lambda d: wg.call(TrainSide.load_checkpoint, path=str(d)))

@@ -59,10 +59,6 @@ class FollowerEngine:
             raise ValueError(f"update_weights: {len(unknown)} unknown tensor(s): {unknown[:5]}")
         self._publication.arrive(names, version)
 
-    def rollback(self, version: int) -> None:
-        """The group's engine refused a publication this stand-in took: follow the owner back."""
-        self._publication = Publication(self._spec, version)
-
     async def sleep(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
         if WEIGHTS in check_tags(self, tags):
             self._publication.forget()

@@ -4,8 +4,9 @@ and the one contract every stateful part of a run keeps (`Stateful`, saved and r
 
     <run.dir>/checkpoints/step_000012/
         model/               the training side's distributed checkpoint (every training rank writes)
-        trainer_state.json   each controller-side part's state under its name (the run's cursor and
-                             policy version, the data stream, the collection, the controller's RNG)
+        trainer_state.json   the run's own state at the top (step, policy version, identity, config)
+                             and each other part's under its name (the data stream, the collection,
+                             the controller's RNG, the logs)
         trainer_state.pkl    what a part holds that is not JSON (e.g. trajectories a collection
                              finished before the checkpoint), when any part does
         COMPLETE             written last; a directory without it is ignored (a killed save)
@@ -39,19 +40,21 @@ class Stateful(Protocol):
 class Checkpointer:
     """Saves and restores every stateful part of a run in one checkpoint.
 
-    `parts`: name -> Stateful (JSON-able state goes to trainer_state.json under the name; a part whose
-    state holds `Blob` values has them pickled to trainer_state.pkl). `write_model(dir)` / `read_model(dir)`
-    are the training side's own checkpoint (a collective on every training rank)."""
+    `run`: the run's own part, whose state is trainer_state.json's top level (step, policy version,
+    identity: what `resume` and the run directory's checks read); `parts`: name -> Stateful (JSON-able
+    state under the name; `Blob` values pickled to trainer_state.pkl). `write_model(dir)` /
+    `read_model(dir)` are the training side's own checkpoint (a collective on every training rank)."""
 
-    def __init__(self, manager: "CheckpointManager", parts: Mapping[str, Stateful], *,
+    def __init__(self, manager: "CheckpointManager", run: Stateful, parts: Mapping[str, Stateful], *,
                  write_model: Callable[[Path], None], read_model: Callable[[Path], None]):
-        self.manager, self.parts = manager, dict(parts)
+        self.manager, self.run, self.parts = manager, run, dict(parts)
         self.write_model, self.read_model = write_model, read_model
 
     def save(self, step: int, *, before_complete: Callable[[], None] | None = None) -> Path:
-        state, blobs = {}, {}
+        state, blobs = dict(self.run.state_dict()), {}
         for name, part in self.parts.items():
             state[name], blobs[name] = _split_blobs(part.state_dict())
+        state.pop("step", None)          # the manager writes it
         return self.manager.save(step, state, self.write_model, before_complete=before_complete,
                                  blobs={k: v for k, v in blobs.items() if v})
 
@@ -60,6 +63,7 @@ class Checkpointer:
         state = CheckpointManager.load_state(path)
         self.read_model(path / "model")
         blobs = CheckpointManager.load_blobs(path)
+        self.run.load_state_dict(state)
         for name, part in self.parts.items():
             part.load_state_dict({**state.get(name, {}), **blobs.get(name, {})})
         return state

@@ -239,7 +239,6 @@ def aside_path(run_dir: Path) -> Path:
 
 def checkpoint_identity(checkpoint: Path) -> dict[str, Any]:
     state = CheckpointManager.load_state(checkpoint)
-    state = state.get("run", state)             # the run's own part (top level in checkpoints of before)
     if "identity" in state:
         return state["identity"]
     config = state.get("config", {})            # a checkpoint written before run.json existed

@@ -3,15 +3,13 @@
     build(cfg, role, device)   the actor, the reference (frozen) or the critic (a value head) of a run
 
 An engine class provides `from_hf(model_dir, train_cfg, *, training, device, head)` and implements
-`training.protocol.TrainEngine`. A new engine is its module and one line here.
+`training.protocol.TrainEngine`. A new engine is its module and one line here. Import-light (config validation reads `ENGINES`).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
-
-from hybridrl.training.protocol import LM_HEAD, VALUE_HEAD
 
 ENGINES = {
     "megatron": "hybridrl.backends.megatron.engine:MegatronEngine",
@@ -30,6 +28,8 @@ def engine_class(name: str) -> Any:
 def build(cfg: Any, role: str, device: Any) -> Any:
     """A training engine of this run: the `actor`, the `reference` (the actor's weights, frozen) or the
     `critic` (`critic.path` or the actor's weights, with a value head and its own optimizer settings)."""
+    from hybridrl.training.protocol import LM_HEAD, VALUE_HEAD
+
     cls = engine_class(cfg.train.engine)
     if role == ACTOR:
         return cls.from_hf(cfg.model.path, cfg.train, training=True, device=device, head=LM_HEAD)

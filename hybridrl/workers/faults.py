@@ -55,18 +55,20 @@ def fail_once(obj: Any, attr: str, error: Callable[[], BaseException]) -> None:
 
 def fail_next_tool_call(tools: Any, message: str) -> None:
     """The next call of any of the toolbox's tools raises inside the tool system (an infrastructure error
-    of that call, as a killed sandbox gives); the other tools are put back with it."""
+    of that call, as a killed sandbox gives); the other tools are put back with it. Each stand-in keeps
+    its tool's spec, so the authorizer and the prompt see the same tools as before."""
     originals = dict(tools.tools)
 
-    def restore() -> None:
-        tools.tools.update(originals)
+    class Failing:
+        def __init__(self, tool: Any):
+            self.spec = tool.spec
 
-    async def failing(arguments: dict) -> Any:
-        restore()
-        raise RuntimeError(message)
+        async def __call__(self, arguments: dict) -> Any:
+            tools.tools.update(originals)
+            raise RuntimeError(message)
 
-    for name in originals:
-        tools.tools[name] = failing
+    for name, tool in originals.items():
+        tools.tools[name] = Failing(tool)
 
 
 class Faults(Part):

@@ -33,14 +33,16 @@ class Publisher:
         n = cfg.publish.parity_prompts
         self.probe = parity.probe_prompts(len(tokenizer), n, avoid=special) if n else []
 
-    def publish(self, version: int, step: int, *, target: Any, transport: Any,
-                run: Callable[[Any, str], Any]) -> str | None:
+    def publish(self, version: int, step: int, *, target: Any, transport: Any, run: Callable[[Any, str], Any],
+                peers: Any) -> str | None:
         """Publish `version` into `target` (an engine, or what the sender knows of remote ones);
-        `run(coro, waits_for)` awaits within the phase's deadline. A refusal happens before any copy."""
+        `run(coro, waits_for)` awaits within the phase's deadline. `peers`: every rank the publication's
+        collectives span, which decide together (`publication/agree.py`): a refusal on any of them is a
+        refusal on all, before any copy, so every engine keeps serving what it had."""
         try:
             self.release, self.stats = run(publish(
                 self.actor, engine=target, transport=transport, cfg=self.cfg.publish, version=version, step=step,
-                hashes=self.hashes, staging=self.staging), "the weights to reach the rollout engine")
+                hashes=self.hashes, staging=self.staging, peers=peers), "the weights to reach the rollout engine")
         except PublicationRefused as err:
             log.error("rank %d: %s", self.ctx.rank, err)
             return str(err)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from hybridrl.distributed.collectives import Reducer, backend_device
 from hybridrl.distributed.dispatch import OneToAll
-from hybridrl.distributed.peers import build_group
+from hybridrl.distributed.peers import Peers, build_group
 from hybridrl.publication import parity
 from hybridrl.publication.transport_remote import BroadcastTransport, RemoteTarget, receive_publication
 from hybridrl.workers.base import Part, register
@@ -83,6 +83,7 @@ class SendingEnd(RemotePublication):
             self.target = FollowerEngine(box[0], releasable_tags=())
             self.transport = InProcessTransport(self.target)
         self.trainers = Reducer.over_group(None, ctx.device)     # the training ranks' world
+        self.training_peers = Peers(dist.group.WORLD, ctx.roles.train_ranks, ctx.rank)
         self.loop = asyncio.new_event_loop()
 
     @register(dispatch=OneToAll("rank0"))
@@ -95,7 +96,7 @@ class SendingEnd(RemotePublication):
         with self.phases.phase("publish", waits_for="the weights to reach the rollout ranks") as rec:
             try:
                 refused = self.publisher.publish(version, step, target=self.target, transport=self.transport,
-                                                 run=self._run)
+                                                 run=self._run, peers=self.training_peers)
             finally:
                 if self.peers is not None:
                     self.transport.finish(version)

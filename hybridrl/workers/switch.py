@@ -46,7 +46,6 @@ class ModeSwitch(Part):
         self.transport = rollout.engine_class.colocated_transport(self.engine, rollout.group_ranks, rollout.group)
         self.publisher = Publisher(cfg, ctx, train.actor, rollout.tokenizer)
         self.everyone = Reducer.over_peers(ctx.control_peers)
-        self.tp_group = Reducer.over_group(rollout.group) if rollout.group is not None else None
         rollout.run(self.engine.sleep(self.engine.releasable_tags))     # start in TRAIN: the engine holds nothing
 
     @register(dispatch=OneToAll("rank0"))
@@ -92,15 +91,10 @@ class ModeSwitch(Part):
         return {**out, **self.publisher.release_metrics(published)}
 
     def _publish(self, version: int, step: int) -> str | None:
-        """Publish `version` into this rank's engine; returns why it was refused (None: published). A refusal
-        happens before any copy, so the engine still serves what it had."""
-        previous = self.engine.policy_version
+        """Publish `version` into this rank's engine; returns why it was refused (None: published). Every rank
+        decides together, before any copy, so the engines still serve what they had."""
         refused = self.publisher.publish(version, step, target=self.engine, transport=self.transport,
-                                         run=self._engine_call)
-        if self.tp_group is not None and self.tp_group.any(refused is not None) and refused is None:
-            # the group's engine refused it on its owner: this rank's stand-in stays where the owner is
-            refused = "refused by the rollout group's engine"
-            self.engine.rollback(previous)
+                                         run=self._engine_call, peers=self.ctx.control_peers)
         if refused is not None and self.engine.policy_version < 0:
             raise PublicationError(f"publication v{version} refused ({refused}) and the engine holds no "
                                    "weights to fall back on (SGLang releases them between rollouts): nothing to serve")

@@ -63,13 +63,23 @@ def reward_model_rollout(cfg, wg):
     from hybridrl.data.trajectory import from_batch
     from hybridrl.envs.tasks import get_task
 
-    instances = get_task(cfg.task.name, cfg.task).train_split()[:2]
+    instances = get_task(cfg.task.name, cfg.task).train_split()[:4]
     wg.call(ModeSwitch.enter_rollout, version=0, step=1)
-    trajectories = from_batch(wg.call(RolloutSide.rollout, M.episode_rows(instances, 2, 1)))
+    trajectories = from_batch(wg.call(RolloutSide.rollout, M.episode_rows(instances[:2], 2, 1)))
+    # the partial collection's complete groups are scored too
+    rows = M.episode_rows(instances[2:], 2, 2)
+    episodes = [{"instance": i, "attempt": a, "group_id": g}
+                for i, a, g in zip(rows["instance"], rows["attempt"], rows["group_id"])]
+    outs = wg.call(RolloutSide.collect, episodes=episodes, quorum=10 ** 6, deadline_s=0.0, poll_s=0.01)
+    collected = [t for out in outs for t in out["trajectories"]]
     report = wg.call(RankWorker.memory_report)[0]
-    _write(cfg, {"trajectories": [{"ids": t.prompt_ids + t.response_ids, "rewards": t.rewards,
-                                   "evaluators": t.reward_evaluators, "reward": t.reward, "status": t.status.value}
-                                  for t in trajectories], "report": report})
+
+    def record(t):
+        return {"ids": t.prompt_ids + t.response_ids, "rewards": t.rewards, "evaluators": t.reward_evaluators,
+                "reward": t.reward, "status": t.status.value}
+
+    _write(cfg, {"trajectories": [record(t) for t in trajectories], "collected": [record(t) for t in collected],
+                 "report": report})
 
 
 REWARD_MODEL_ROLLOUT = Job("reward-model-rollout", build_colocated, reward_model_rollout)

@@ -10,7 +10,7 @@ Where steps run (`rollout.native.driver`):
   loop between steps (`await asyncio.sleep(0)`), so other coroutines run between steps; commands
   are applied at once. It exists because on CPU, OpenMP kernels launched from a second thread
   pay a thread wake-up per parallel region (small models' steps are dominated by it; figures in
-  docs/architecture.md), which the loop's own (main) thread does not. "auto" = loop on CPU, thread on CUDA.
+  docs/native-engine.md), which the loop's own (main) thread does not. "auto" = loop on CPU, thread on CUDA.
 Either way nothing depends on the loop staying up: a loop may stop and restart between rollout
 phases (`loop.run_until_complete` per phase; the loop driver resumes with it), and a new loop
 may be used each time.

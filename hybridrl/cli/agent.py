@@ -1,6 +1,9 @@
-"""`hybridrl agent ...`: check the tool sandbox, dump task data, run episodes.
+"""`hybridrl agent ...`: check the tool sandbox, stop a run's tools, read its audit log, dump task
+data, run episodes.
 
     hybridrl agent sandbox-check [RECIPE | --config RECIPE] [k=v ...] [--json] [--attack NAME ...]
+    hybridrl agent kill-switch RUN_DIR [--reason TEXT | --clear | --status]
+    hybridrl agent audit RUN_DIR [--json]
     hybridrl agent tasks [RECIPE | --config RECIPE] [k=v ...] [--split train|validation|sft] [-n N] [--out FILE]
     hybridrl agent rollout [RECIPE | --config RECIPE] [k=v ...] [--engine scripted|native] [-n N]
                            [--group-size G] [--split train|validation] [--temperature T] [--json OUT]
@@ -31,6 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--attack", action="append", default=[], metavar="NAME",
                    help="run only this attack (repeatable); default: all")
+    p = sub.add_parser("kill-switch", help="stop every tool call and new episode of a running job within a second "
+                                           "(and the run at the end of its step, resumable); --clear before resuming")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--reason", default="stopped by an operator", help="recorded with the switch and in the audit log")
+    p.add_argument("--clear", action="store_true", help="clear the switch (the run can be resumed)")
+    p.add_argument("--status", action="store_true", help="only say whether the switch is set")
+    p = sub.add_parser("audit", help="verify a run's hash-chained audit log and summarise it (exit 1 if tampered)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or the audit log itself")
+    p.add_argument("--json", action="store_true")
     p = sub.add_parser("tasks", help="print task instances or SFT demonstrations as JSON lines")
     common(p)
     p.add_argument("--split", choices=["train", "validation", "sft"], default="train")
@@ -54,6 +66,8 @@ def main(args: argparse.Namespace) -> int:
     from hybridrl.config import ConfigError, load_config
     from hybridrl.config.cli import recipe_and_overrides
 
+    if args.agent_command in ("kill-switch", "audit"):          # about a run directory: no recipe
+        return {"kill-switch": _kill_switch, "audit": _audit}[args.agent_command](args)
     try:
         cfg = load_config(*recipe_and_overrides(args.recipe_args, args.config))
     except ConfigError as err:
@@ -83,9 +97,11 @@ def _sandbox_check(cfg, args) -> int:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
-    tools = dataclasses.replace(cfg.tools, cpu_s=min(cfg.tools.cpu_s, 2))
+    # the check is no part of a run: nothing goes to the configured run's audit log
+    tools = dataclasses.replace(cfg.tools, cpu_s=min(cfg.tools.cpu_s, 2), audit_log="")
     try:
-        mode, verdicts = run_attack_set(tools, attack_context(tools, port=listener.getsockname()[1]), names)
+        mode, verdicts, limits = run_attack_set(tools, attack_context(tools, port=listener.getsockname()[1]), names,
+                                                with_limits=True)
     except SandboxUnavailable as err:
         print(f"FAIL sandbox: {err}")
         return 1
@@ -93,11 +109,12 @@ def _sandbox_check(cfg, args) -> int:
         listener.close()
     failed = [v.name for v in verdicts if v.status == "FAIL"]
     if args.json:
-        print(json.dumps({"isolation": mode, "failed": failed,
+        print(json.dumps({"isolation": mode, **limits, "failed": failed,
                           "attacks": {v.name: {"status": v.status, "what": v.what, "detail": v.detail, **v.result}
                                       for v in verdicts}}, indent=2))
     else:
-        print(f"tool sandbox isolation: {mode}")
+        print(f"tool sandbox isolation: {mode}, memory limit: {limits['memory_limit']}"
+              + (f" ({limits['cgroup_problem']})" if limits["cgroup_problem"] else ""))
         for v in verdicts:
             print(f"{v.status:4s} {v.name:14s} {v.what}")
             if v.status != "PASS":
@@ -105,6 +122,61 @@ def _sandbox_check(cfg, args) -> int:
         print(f"{len(verdicts) - len(failed)}/{len(verdicts)} attacks contained or not promised"
               if not failed else f"{len(failed)} attack(s) NOT contained: {', '.join(failed)}")
     return 1 if failed else 0
+
+
+def _kill_switch(args) -> int:
+    from pathlib import Path
+
+    from hybridrl.agent import killswitch
+
+    if not Path(args.run_dir).is_dir():
+        print(f"hybridrl: {args.run_dir} is not a directory: pass the run directory (run.dir) of the job",
+              file=sys.stderr)
+        return 2
+    path, audit_log = killswitch.switch_path(args.run_dir)
+    if args.status:
+        record = killswitch.read(path)
+        print(f"kill switch {path}: " + (f"SET ({record.get('reason')}, by {record.get('by')})" if record else "clear"))
+        return 0
+    if args.clear:
+        cleared = killswitch.clear(path, audit_log=audit_log)
+        print(f"kill switch {path}: " + ("cleared; resume the run with trainer.resume=auto" if cleared
+                                         else "was not set"))
+        return 0
+    killswitch.trip(path, args.reason, audit_log=audit_log)
+    print(f"kill switch set ({path}): every tool call and new episode of the job stops within a second; the run "
+          f"stops after its current step, resumable (clear with: hybridrl agent kill-switch {args.run_dir} --clear)")
+    return 0
+
+
+def _audit(args) -> int:
+    from collections import Counter
+    from pathlib import Path
+
+    from hybridrl.agent import killswitch
+    from hybridrl.telemetry import audit
+
+    path = Path(args.run_dir)
+    if path.is_dir():
+        path = Path(killswitch.switch_path(path)[1] or path / "audit.jsonl")
+    if not path.is_file():
+        print(f"hybridrl: no audit log at {path}", file=sys.stderr)
+        return 2
+    intact, count, problem = audit.verify(path)
+    kinds = Counter(r.get("kind") for r in audit.records(path))
+    n, head = audit.head(path) if count else (0, audit.GENESIS)
+    egress = Counter(r.get("verdict", "?").split(":")[0] for r in audit.records(path) if r.get("kind") == "egress")
+    if args.json:
+        print(json.dumps({"path": str(path), "intact": intact, "records": count, "problem": problem or None,
+                          "head": head, "kinds": dict(kinds), "egress": dict(egress)}, indent=2))
+    else:
+        print(f"audit log {path}: {count} records, " + ("chain intact" if intact else f"TAMPERED: {problem}"))
+        print(f"head: record {n} {head}")
+        for kind, k in sorted(kinds.items()):
+            print(f"  {kind:24s} {k}")
+        if egress:
+            print("egress: " + ", ".join(f"{v} {k}" for v, k in sorted(egress.items())))
+    return 0 if intact else 1
 
 
 def _tasks(cfg, args) -> int:

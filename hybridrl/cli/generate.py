@@ -1,11 +1,14 @@
-"""`hybridrl generate`: token ids in (JSONL), samples with logprobs out (JSONL).
+"""`hybridrl generate`: prompts in (JSONL), samples with logprobs out (JSONL).
 
     hybridrl generate --model HF_DIR --input prompts.jsonl --output out.jsonl \\
         [--greedy | --temperature T --top-p P --top-k K --seed S] --max-new-tokens N [--n K] \\
         [--config RECIPE] [rollout.key=value ...]
 
-Input lines: {"id": ..., "token_ids": [...]}. Output lines, in input order then sample order:
-{"id", "sample", "token_ids", "logprobs", "finish_reason", "policy_version"}. Sample k of
+Input lines: {"id": ..., "token_ids": [...]}, or text: {"id", "text": "..."} (tokenized as it is)
+or {"id", "messages": [{"role", "content"}, ...]} (the model's chat template applied, with the
+assistant's turn opened). Output lines, in input order then sample order: {"id", "sample",
+"token_ids", "logprobs", "finish_reason", "policy_version"}, and "text" (the sample decoded) for
+text prompts. Sample k of
 prompt `id` is request "<id>/<k>"; its seed is derived from --seed and that request id, so a
 run is reproducible and independent of batching.
 """
@@ -24,7 +27,8 @@ EXIT_USAGE = 2
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF model directory (config.json + *.safetensors)")
     parser.add_argument("--engine", default="native", choices=["native"], help="rollout engine")
-    parser.add_argument("--input", required=True, help='JSONL, one {"id", "token_ids"} per line')
+    parser.add_argument("--input", required=True, help='JSONL, one {"id", "token_ids"}, {"id", "text"} or '
+                                                       '{"id", "messages"} per line')
     parser.add_argument("--output", required=True, help="JSONL to write")
     parser.add_argument("--greedy", action="store_true", help="temperature 0 (argmax)")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -39,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="rollout.key=value")
 
 
-def read_prompts(path: Path) -> list[tuple[str, list[int]]]:
-    prompts, seen = [], set()
+def read_prompts(path: Path, tokenizer_dir: str | None = None) -> list[tuple[str, list[int]]]:
+    """(id, prompt token ids) per line; text and chat prompts are tokenized with the model's tokenizer."""
+    prompts, seen, chat = [], set(), None
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -48,8 +53,20 @@ def read_prompts(path: Path) -> list[tuple[str, list[int]]]:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{lineno}: not JSON ({err.msg})") from None
-        if not isinstance(row, dict) or "token_ids" not in row or "id" not in row:
-            raise ValueError(f'{path}:{lineno}: expected an object with "id" and "token_ids"')
+        if not isinstance(row, dict) or "id" not in row or not ({"token_ids", "text", "messages"} & set(row)):
+            raise ValueError(f'{path}:{lineno}: expected an object with "id" and one of "token_ids", "text", '
+                             '"messages"')
+        if "token_ids" not in row:
+            if chat is None:
+                chat = _chat_format(tokenizer_dir)
+            if "messages" in row:
+                messages = row["messages"]
+                if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                             for m in messages):
+                    raise ValueError(f'{path}:{lineno}: "messages" must be a list of {{"role", "content"}}')
+                row["token_ids"] = chat.prompt_ids(messages)
+            else:
+                row["token_ids"] = chat.encode(str(row["text"]))
         ids = row["token_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
             raise ValueError(f"{path}:{lineno}: token_ids must be a list of ints")
@@ -61,6 +78,22 @@ def read_prompts(path: Path) -> list[tuple[str, list[int]]]:
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
+
+
+def _text_ids(path: Path) -> set[str]:
+    """The ids of the prompts given as text or messages (their samples are decoded too)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {str(r["id"]) for r in rows if "token_ids" not in r}
+
+
+def _chat_format(model_dir: str | None):
+    from transformers import AutoTokenizer
+
+    from hybridrl.agent.chat import ChatFormat
+
+    if model_dir is None:
+        raise ValueError("text prompts need the model's tokenizer")
+    return ChatFormat(AutoTokenizer.from_pretrained(model_dir))
 
 
 async def _generate_all(engine, prompts, sampling, n: int) -> list[dict]:
@@ -89,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"hybridrl: {err}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        prompts = read_prompts(Path(args.input))
+        prompts = read_prompts(Path(args.input), args.model)
         if args.n < 1:
             raise ValueError(f"--n must be >= 1, got {args.n}")
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
@@ -109,6 +142,12 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     finally:
         engine.close()
+    texts = _text_ids(Path(args.input))
+    if texts:
+        chat = _chat_format(args.model)
+        for row in rows:
+            if str(row["id"]) in texts:
+                row["text"] = chat.decode(row["token_ids"])
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as f:

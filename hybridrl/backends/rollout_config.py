@@ -1,4 +1,5 @@
-"""The `rollout` section: which engine generates, its layout, and each backend's own knobs."""
+"""The `rollout` section: which engine generates, its layout, and each backend's own knobs (each
+backend's config beside it: the section lives among the backends it chooses from)."""
 
 from __future__ import annotations
 

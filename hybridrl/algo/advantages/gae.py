@@ -1,5 +1,5 @@
 """Generalised advantage estimation (Schulman et al., 2016, arXiv:1506.02438) over the policy
-tokens of agent episodes.
+tokens of agent episodes, with a learned critic.
 
 A row is one trajectory, token-aligned: `mask[t] = 1` on the tokens the policy chose, 0 on the
 prompt, on observation (tool / environment) tokens and on padding. Only policy tokens are
@@ -14,17 +14,25 @@ positions of a row and r, V its token rewards and the critic's values there:
 
 gamma and lam apply once per policy token, not per observation token. Off-policy positions of
 A and R are 0. Token rewards are the outcome reward on the row's last policy token plus, when
-configured, per-token rewards (e.g. -beta * KL) on every policy token (`token_rewards`).
+configured, per-token rewards (e.g. -beta * KL) on every policy token (`token_rewards`). With
+algo.gae_whiten the advantages are whitened over the batch's policy tokens (all ranks').
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+from hybridrl.algo.registry import AdvantageInputs, Estimator
+
+if TYPE_CHECKING:
+    import torch
 
 
-def advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *,
-               gamma: float = 1.0, lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+def advantages(token_rewards: "torch.Tensor", values: "torch.Tensor", mask: "torch.Tensor", *,
+               gamma: float = 1.0, lam: float = 0.95) -> tuple["torch.Tensor", "torch.Tensor"]:
     """token_rewards, values, mask [N, T] -> (advantages [N, T], returns [N, T]); 0 off-mask."""
+    import torch
+
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise ValueError(f"gae needs 0 <= gamma, lam <= 1, got gamma={gamma}, lam={lam}")
     mask = mask.to(torch.float32)
@@ -45,10 +53,12 @@ def advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Te
     return adv, (adv + values) * mask
 
 
-def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor,
-                          token_rewards: torch.Tensor | None = None) -> torch.Tensor:
+def outcome_token_rewards(rewards: "torch.Tensor", mask: "torch.Tensor",
+                          token_rewards: "torch.Tensor | None" = None) -> "torch.Tensor":
     """rewards [N] (outcome) placed on each row's last policy token, plus token_rewards [N, T] on
     the policy tokens -> [N, T]. A row without policy tokens gets nothing."""
+    import torch
+
     mask = mask.to(torch.float32)
     out = torch.zeros_like(mask) if token_rewards is None else token_rewards.to(torch.float32) * mask
     positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
@@ -58,16 +68,25 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor,
     return out
 
 
-def whiten(adv: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8, reduce=None) -> torch.Tensor:
-    """(A - mean) / std over the batch's policy tokens (unbiased std); 0 off-mask. With `reduce` (a
-    sum of a float64 tensor over the ranks holding the batch) the mean and std are those of every
-    rank's tokens together. With fewer than two policy tokens in all, A is returned unchanged."""
-    reduce = reduce or (lambda t: t)
-    a, m = adv.to(torch.float64), mask.to(torch.float64)
-    sums = reduce(torch.stack([m.sum(), (a * m).sum()]))
-    n = float(sums[0])
-    if n < 2:
-        return (adv * mask).to(torch.float32)
-    mean = sums[1] / n
-    var = reduce(((a - mean) * m).pow(2).sum().reshape(1))[0] / (n - 1)
-    return ((a - mean) / (var.sqrt() + eps) * m).to(torch.float32)
+def _compute(cfg, x: AdvantageInputs):
+    from hybridrl.algo.groups import whiten
+
+    if x.values is None:
+        raise ValueError("gae needs the critic's values [N, T] (AdvantageInputs.values)")
+    adv, returns = advantages(outcome_token_rewards(x.rewards, x.mask, x.token_rewards), x.values, x.mask,
+                              gamma=cfg.gamma, lam=cfg.lam)
+    if cfg.gae_whiten:
+        adv = whiten(adv, x.mask, eps=1e-8, reduce=x.reduce, single="keep")
+    return adv, returns
+
+
+ESTIMATOR = Estimator(
+    name="gae",
+    summary="GAE(gamma, lambda) over the policy tokens with a learned critic's values (trains the critic: "
+            "see the critic section), whitened with algo.gae_whiten",
+    compute=_compute,
+    formula=lambda cfg: (f"GAE(gamma={cfg.gamma}, lambda={cfg.lam}) over the critic's values at the policy tokens"
+                         + (", whitened over the batch's policy tokens" if cfg.gae_whiten else "")),
+    group_baseline=lambda cfg: False,
+    needs_critic=True,
+)
