@@ -6,7 +6,7 @@ the user's signals.
 The agent starts with SIGINT and SIGTERM ignored (inherited, and its `--signals-to-handle`, set
 through `PET_SIGNALS_TO_HANDLE`, leaves them out), so it neither stops the ranks itself nor prints
 its failure report for them, and never restarts them for a Ctrl-C. The first SIGINT / SIGTERM this process gets is forwarded to the
-ranks (rank 0 stops the run: `hybridrl/interrupts.py`), again every second until they are gone (a
+ranks (rank 0 stops the run: `hybridrl/controller/interrupts.py`), again every second until they are gone (a
 rank still starting may not listen yet). A second signal, or ranks still running `KILL_AFTER_S`
 after the first, kill the job: SIGKILL to the agent and every process under it.
 

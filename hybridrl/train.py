@@ -5,7 +5,7 @@
 The config is loaded and validated, and the run's inputs checked (`hybridrl.preflight`: model
 files, the task, what happens to run.dir), before any process group starts: a bad recipe or a
 missing input exits with code 2 and one line naming it. Exit codes: 0 done, 1 the run failed (every rank exits),
-2 bad configuration; after SIGINT / SIGTERM (`hybridrl.interrupts`) 0 under torchrun's agent, else 128 +
+2 bad configuration; after SIGINT / SIGTERM (`hybridrl/controller/interrupts.py`) 0 under torchrun's agent, else 128 +
 the signal. When torchrun restarts the ranks (`trainer.max_restarts`), an RL run resumes
 from its newest complete checkpoint (TORCHELASTIC_RESTART_COUNT > 0 forces `trainer.resume=auto`).
 """
@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Sequence
 
-from hybridrl import interrupts
+from hybridrl.controller import interrupts
 from hybridrl.config import ConfigError, load_config
 from hybridrl.host_memory import choose_pages
 from hybridrl.telemetry.logs import setup_logging

@@ -213,7 +213,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from hybridrl.controller.export import main
+    from hybridrl.cli.export import main
 
     return main(args)
 
@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("export", help="a run's checkpoint (an intermediate step) as an HF directory (starts torchrun)")
-    from hybridrl.controller.export import add_arguments as add_export_arguments
+    from hybridrl.cli.export import add_arguments as add_export_arguments
 
     add_export_arguments(p)
     p.set_defaults(func=_cmd_export)

@@ -1,4 +1,4 @@
-"""The ranks of `hybridrl export` (`hybridrl/controller/export.py`): each builds the run's actor, loads
+"""The ranks of `hybridrl export` (`hybridrl/cli/export.py`): each builds the run's actor, loads
 the checkpoint named in $HYBRIDRL_EXPORT_CHECKPOINT into it and takes part in writing the HF directory
 $HYBRIDRL_EXPORT_OUT (rank 0 writes)."""
 
@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 
-from hybridrl.controller.export import FROM, TO
 from hybridrl.distributed.dispatch import ONE_TO_ALL
 from hybridrl.jobs import Job
 from hybridrl.workers.base import Worker, register
+
+FROM, TO = "HYBRIDRL_EXPORT_CHECKPOINT", "HYBRIDRL_EXPORT_OUT"     # what the job's ranks read
 
 
 class ExportWorker(Worker):

@@ -17,14 +17,9 @@ import sys
 import time
 from typing import IO
 
+from hybridrl.telemetry.progress import fmt_duration as duration
+
 log = logging.getLogger("hybridrl.controller.trainer")
-
-
-def duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def fields(m: dict) -> list[str]:

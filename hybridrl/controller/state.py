@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridrl import interrupts
+from hybridrl.controller import interrupts
 from hybridrl.config.loader import to_dict
 from hybridrl.controller.callbacks import Events
 from hybridrl.controller.diagnosis import SignalWatch, diagnose

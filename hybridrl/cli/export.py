@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 EXIT_CONFIG = 2
-FROM, TO = "HYBRIDRL_EXPORT_CHECKPOINT", "HYBRIDRL_EXPORT_OUT"     # what the job's ranks read
 
 
 # ------------------------------------------------------------------ the command
@@ -65,6 +64,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, int, Path, Path]:
 def main(args: argparse.Namespace) -> int:
     import yaml
 
+    from hybridrl.controller.export_job import FROM, TO
     from hybridrl.launcher import supervise
 
     try:
