@@ -7,7 +7,7 @@ from collections import Counter
 from typing import Any, Sequence
 
 
-from hybridrl.algo.filters import FilterResult, all_equal_groups
+from hybridrl.algo.filters import FilterResult, informative_groups
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import Trajectory
 
@@ -34,7 +34,7 @@ def signal_metrics(trajectories: list[Trajectory], kept: FilterResult) -> dict[s
     admitted groups whose members scored differently, successes, the admitted rewards' spread."""
     admitted = [t.reward for t in kept.kept]
     return {"groups": float(len({t.group_id for t in trajectories})),
-            "groups/informative": float(len({t.group_id for t in kept.kept} - all_equal_groups(kept.kept))),
+            "groups/informative": float(len(informative_groups(kept.kept))),
             "episodes/succeeded": float(sum(_score(t) > 0 for t in trajectories)),
             "reward/admitted_std": statistics.pstdev(admitted) if admitted else 0.0}
 
