@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -189,8 +190,9 @@ def test_ctrl_c_says_how_to_resume_and_the_same_command_resumes_bitwise(referenc
     assert len(said) == 1, interrupted[-3000:]
     assert "by SIGINT after step 2 of 4" in said[0] or "by SIGINT after step 3 of 4" in said[0]
     assert "the newest checkpoint is step 2" in said[0] and str(run_dir / "checkpoints" / "step_000002") in said[0]
-    assert said[0].endswith(f"the same command resumes from it: hybridrl train {os.path.relpath(RECIPE, ROOT)} "
-                            + " ".join(COIN) + f" model.path={models[1]} run.dir={run_dir}")
+    command = shlex.join(["hybridrl", "train", os.path.relpath(RECIPE, ROOT), *COIN, f"model.path={models[1]}",
+                          f"run.dir={run_dir}"])                   # quoted where a shell needs it: pasted, it runs
+    assert said[0].endswith(f"the same command resumes from it: {command}")
     assert "Traceback" not in interrupted and "torch.distributed.elastic" not in interrupted
     stacks = (run_dir / "interrupted.log").read_text()
     assert "=== " in stacks and "rank 0: rl interrupted by SIGINT" in stacks and "rank 1: stopping" in stacks
