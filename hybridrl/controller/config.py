@@ -17,6 +17,11 @@ class TrainerConfig:
     group_size: int = knob(8, "samples per instance (the group of GRPO / RLOO)")
     validate_every: int = knob(5, "validate on the task's held-out split (task.validation_size instances) every k steps, and always before the first and after the last; 0 = only then")
     validation_temperature: float = knob(0.0, "sampling temperature of validation episodes (0 = greedy)")
+    eval_suite: str = knob("", "an evaluation suite (a name in configs/eval/ or a suite's YAML) run on the current policy "
+                               "beside validation: scores in metrics.jsonl (eval/<suite>/...), <run.dir>/eval/<suite>/ and "
+                               "the ledger; empty: none")
+    eval_every: int = knob(0, "run trainer.eval_suite every k steps, and always before the first and after the last; "
+                              "0 = only then")
     checkpoint_every: int = knob(10, "save a checkpoint every k steps; 0 = never")
     keep_checkpoints: int = knob(2, "complete checkpoints kept")
     resume: str = knob("auto", "auto: continue the run in run.dir from its newest checkpoint (another task / model "
@@ -100,6 +105,14 @@ class TrainerConfig:
         if self.rollout_mode == "partial" and self.quorum_groups > self.groups_in_flight:
             raise ConfigValueError("quorum", f"{self.quorum_groups} complete groups can never be reached with "
                                              f"{self.groups_in_flight} in flight: raise oversample or lower quorum")
+        check_positive("eval_every", self.eval_every, allow_zero=True)
+        if self.eval_suite:
+            from hybridrl.evaluate.suite import SuiteError, suite_path
+
+            try:
+                suite_path(self.eval_suite)
+            except SuiteError as err:
+                raise ConfigValueError("eval_suite", str(err)) from None
         if self.validation_temperature < 0:
             raise ConfigValueError("validation_temperature", f"must be >= 0, got {self.validation_temperature}")
 

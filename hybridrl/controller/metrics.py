@@ -6,10 +6,13 @@ import statistics
 from collections import Counter
 from typing import Any, Sequence
 
-
 from hybridrl.algo.filters import FilterResult, informative_groups
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import Trajectory
+
+# the switch's named phases as the links report them, each timed on rank 0 (their sum is the timed part of T_sync)
+SWITCH_PHASES = ("switch/offload_s", "switch/publish_s", "switch/wake_s", "switch/probe_s", "switch/sleep_s",
+                 "switch/reload_s", "switch/arrival_rollout_s", "switch/arrival_train_s")
 
 
 def episode_rows(instances: Sequence[Any], group_size: int, step: int | str) -> Batch:
@@ -73,6 +76,9 @@ def step_metrics(trajectories: list[Trajectory], kept: FilterResult, batch: Batc
     for key, value in switch.items():
         if key.startswith(("switch/", "parity/", "publish/")):
             m[key] = float(value)
+    # the part of T_sync no phase of the switch accounts for (dispatch, the controller's own waits)
+    timed = sum(float(switch.get(key, 0.0)) for key in SWITCH_PHASES)
+    m["switch/untimed_s"] = max(stages.get("sync", 0.0) - timed, 0.0) if timed else 0.0
     for key, value in update.items():     # the update's own scalars; mismatch/, passes/, time/ keep their names
         m[key if "/" in key else f"train/{key}"] = float(value)
     if "kl" in update:
@@ -102,7 +108,11 @@ def engine_metrics(per_rank: list[dict], run) -> dict[str, float]:
     deltas = {k: v - run.counters.get(k, 0) for k, v in totals.items()}
     run.counters = dict(totals)
     keep = ("prefill_tokens", "prefix_hit_tokens", "decode_tokens", "preemptions", "episodes", "malformed_actions",
-            "unauthorized_actions", "invalid_arguments", "tool_errors", "tool_calls")
+            "unauthorized_actions", "invalid_arguments", "tool_errors", "tool_calls",
+            # the gateway of task.agent episodes (hybridrl/gateway/runner.py)
+            "template_drift", "token_drift", "gateway_splits", "gateway_branches", "budget_refusals", "agent_errors",
+            "sampling_overridden", "untrained_policy_tokens",
+            "engine/steps", "step_time_s")      # the engines' busy time (cost accounting, the planner)
     out = {k: float(v) for k, v in deltas.items() if any(k.endswith(s) for s in keep)}
     # the tool sandbox's isolation (root | userns | none): ranks running in each mode, every step
     for stats in per_rank:

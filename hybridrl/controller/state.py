@@ -6,7 +6,7 @@ one, or a given path). `restore(collection)` then brings back every stateful par
 it through one `Checkpointer` (`store/checkpoints.py`):
 
     (the run)      step, policy version, the run's identity and config: the state's top level
-    data_cursor    the training split's stream
+    data_cursor    the training split's stream (a task mixture's: every task's cursor, its sampler's state)
     collection     what the collection holds between steps (groups in flight or finished ahead)
     serving        the policy version the rollout side serves (a validation leaves it serving the new one)
     rng            the controller's Python / numpy / torch generators
@@ -34,9 +34,11 @@ from hybridrl.controller import interrupts
 from hybridrl.config.loader import to_dict
 from hybridrl.controller.callbacks import Events
 from hybridrl.controller.diagnosis import SignalWatch, diagnose
+from hybridrl.controller.curriculum import training_stream
 from hybridrl.controller.faults import Injector
 from hybridrl.controller.progress import Progress
 from hybridrl.jobs import JobStopped
+from hybridrl.data.mixture import MixtureStream
 from hybridrl.data.stream import ShuffledStream
 from hybridrl.store import rundir
 from hybridrl.store.checkpoints import CheckpointManager, Checkpointer, capture_rng, restore_rng
@@ -170,7 +172,7 @@ class RunState:
     wg: Any
     step: int
     version: int
-    stream: ShuffledStream
+    stream: ShuffledStream | MixtureStream
     validation: list
     logger: MetricsLogger
     checkpoints: CheckpointManager
@@ -224,7 +226,7 @@ class RunState:
         if source is not None:
             log.info("%s", plan.note)
         run = cls(cfg=cfg, wg=wg, step=step, version=0,
-                   stream=ShuffledStream(task.train_split(), seed=cfg.run.seed),
+                   stream=training_stream(cfg, task),        # the train split; task.mixture: a MixtureStream
                    validation=task.validation_split(),
                    logger=MetricsLogger(run_dir, resume_from_step=step if source is not None else None),
                    checkpoints=CheckpointManager(run_dir, keep=tc.keep_checkpoints),

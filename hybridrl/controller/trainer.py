@@ -25,8 +25,10 @@ from hybridrl.algo.minibatches import lay_out, plan
 from hybridrl.controller import critic as C
 from hybridrl.controller import metrics as M
 from hybridrl.controller.collection import admitted
+from hybridrl.controller.evaluation import evaluate_in_loop
 from hybridrl.controller.placements import make_worker
 from hybridrl.controller.state import RunState
+from hybridrl.cost.clock import RunClock
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import from_batch, to_batch
 from hybridrl.jobs import Job
@@ -43,9 +45,11 @@ def train(cfg, wg) -> dict:
     collection = cfg.placement.resolve().collection(cfg, wg, run)     # sync | partial | stream
     run.restore(collection)
     link = collection.link
+    clock = RunClock.start(cfg, resumed=run.resumed_from is not None, step=run.step, world_size=wg.world_size)
     if run.step == 0:
-        run.log(0, validate(cfg, wg, run, link, step=0))
+        run.log(0, {**validate(cfg, wg, run, link, step=0), **evaluate_in_loop(cfg, wg, run, link, 0)})
     for step in run.steps():                   # to trainer.total_steps, or until the hooks stop the run
+        clock.mark("step", step)                   # what the step's metrics do not time: hybridrl/cost
         timer, started = StageTimer(), time.perf_counter()
         rollout_version = run.version
 
@@ -90,6 +94,7 @@ def train(cfg, wg) -> dict:
         metrics.update(M.engine_metrics(wg.call(RolloutSide.rollout_stats), run))
         if step == tc.total_steps or (tc.validate_every and step % tc.validate_every == 0):
             metrics.update(validate(cfg, wg, run, link, step))
+        metrics.update(evaluate_in_loop(cfg, wg, run, link, step))     # trainer.eval_suite, when due
         checkpoint = tc.checkpoint_every and step % tc.checkpoint_every == 0
         metrics["time/T_store"] = run.ledger.record_step(
             step, trajectories=trajectories, kept=kept, batch=batch, switch=switch, rollout_version=rollout_version,
@@ -99,15 +104,20 @@ def train(cfg, wg) -> dict:
         run.log(step, metrics, samples=trajectories)
         run.hooks.at(step, "log")
         if checkpoint:
-            run.save_checkpoint(step, link)
+            with clock.span("checkpoint", step):
+                run.save_checkpoint(step, link)
+    clock.mark("finish", run.step)
     run.finish(wg)
+    clock.mark("end", run.step)
     return run.summary()
 
 
 def update_inputs(batch: Batch) -> Batch:
     """What `TrainSide.update_policy` needs of a batch: tokens, masks, behaviour logprobs, the
-    outcome reward and each row's group as a dense index (metadata stays on the controller)."""
+    outcome reward, each row's group as a dense index (metadata stays on the controller) and, for
+    MoE policies, the rollout's routing record (the engine replays or compares it)."""
     names = ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "reward")
+    names += ("routed_experts",) if "routed_experts" in batch.tensors else ()    # MoE: the rollout's routing
     return Batch({**{n: batch[n] for n in names}, "group_index": group_index_of(batch["group_id"])})
 
 

@@ -4,6 +4,8 @@ The page embeds its data as JSON and draws everything with inline JavaScript and
   - reward and validation-accuracy curves per step (metrics.jsonl),
   - stage times per step as stacked bars (rollout, sync, prep, train, store, the rest),
   - per step: policy lag, trajectories not trained on and why (filter reasons), statuses,
+  - the run's cost (`hybridrl cost`): device-seconds by stage family and stage, never-trained work by
+    reason, money,
   - episodes turn by turn: every token coloured by the policy version that produced it (observation
     tokens grey), its behaviour logprob as the colour's strength, and a hover title with the token,
     its version, behaviour / trainer logprob and advantage; tool calls with the authorizer's
@@ -46,7 +48,22 @@ def page_data(ledger: RunLedger, ids: list[str]) -> dict:
                       "filters": filters, "statuses": statuses, "version": [s["rollout_version"], s["version_after"]],
                       "store_s": s["write_s"], "pruned": bool(s["pruned"])})
     return {"summary": ledger.summary(), "curves": curves, "stages": stages, "steps": steps,
-            "episodes": [ledger.explain(i) for i in ids]}
+            "episodes": [ledger.explain(i) for i in ids], "cost": cost_data(ledger.run_dir)}
+
+
+def cost_data(run_dir: Path) -> dict | None:
+    """The run's books for the page's cost section (hybridrl/cost): None where they cannot be made."""
+    try:
+        from hybridrl.cost.accounting import account
+        from hybridrl.cost.prices import load_prices
+        from hybridrl.cost.report import run_report
+
+        r = run_report(account(run_dir), load_prices())
+    except Exception as err:        # the page still renders without the books
+        return {"error": f"{type(err).__name__}: {err}"}
+    keys = ("wall_s", "world_size", "roles", "device_s_total", "device_s_expected", "by_stage", "by_family",
+            "never_trained", "tokens", "episodes", "environment", "stored_bytes", "notes")
+    return {**{k: r[k] for k in keys}, "money": {k: v for k, v in r["money"].items() if k != "by_stage"}}
 
 
 def write_html(ledger: RunLedger, out: str | Path, ids: list[str]) -> Path:
@@ -79,6 +96,7 @@ table{border-collapse:collapse;margin:.4em 0}td,th{border:1px solid #ddd;padding
 <h2>Curves</h2><div class="charts" id="curves"></div>
 <h2>Stage times per step</h2><div class="charts" id="stages"></div>
 <h2>Lag and filter reasons</h2><div id="steps"></div>
+<h2>Cost</h2><div id="cost"></div>
 <h2>Episodes</h2><div class="legend" id="legend"></div><div id="episodes"></div>
 <script type="application/json" id="ledger-data">__DATA__</script>
 <script>
@@ -173,6 +191,40 @@ lineChart("validation-curve", "Validation accuracy", [{name: "val/accuracy", col
      Object.entries(s.statuses).map(([k, v]) => `${k} ${v}`).join(", "), fmt(s.store_s, 4)]
       .forEach(x => el("td", {}, tr, String(x)));
   }
+})();
+
+// ---------------------------------------------------------------- cost: device-seconds by stage, never-trained work
+(function () {
+  const c = D.cost, box = document.getElementById("cost");
+  if (!c) { el("p", {}, box, "no cost data"); return; }
+  if (c.error) { el("p", {}, box, "the books could not be made: " + c.error); return; }
+  const m = c.money;
+  el("p", {}, box, `wall ${fmt(c.wall_s, 1)}s x ${c.world_size} ranks = ${fmt(c.device_s_expected, 1)} device-s; ` +
+     `assigned ${fmt(c.device_s_total, 1)}; ${fmt(m.total, 6)} ${m.currency} (${m.device_kind} at ${m.device_hour}/device-hour)` +
+     (m.per_million_admitted_tokens ? `; ${fmt(m.per_million_admitted_tokens, 4)} per million admitted tokens` : ""));
+  const fam = Object.entries(c.by_family).sort((a, b) => b[1] - a[1]);
+  const total = Math.max(1e-9, c.device_s_total), W = 900;
+  const svg = el("svg:svg", {id: "cost-bar", width: W, height: 34}, box);
+  let x = 0;
+  fam.forEach(([k, v], i) => {
+    const w = v / total * W;
+    const r = el("svg:rect", {class: "cost", "data-family": k, x: x, y: 0, width: Math.max(0, w), height: 24,
+                              fill: `hsl(${(i * 47) % 360}, 60%, ${k === "idle" ? 80 : 55}%)`}, svg);
+    el("svg:title", {}, r, `${k}: ${fmt(v, 1)} device-s (${fmt(100 * v / total, 1)}%)`);
+    if (w > 40) el("svg:text", {x: x + 3, y: 16, "font-size": 11}, svg, k);
+    x += w;
+  });
+  const t = el("table", {id: "cost-stages"}, box), h = el("tr", {}, t);
+  ["stage", "device-s", "share"].forEach(x => el("th", {}, h, x));
+  Object.entries(c.by_stage).sort((a, b) => b[1] - a[1]).forEach(([k, v]) => {
+    const tr = el("tr", {"data-stage": k}, t);
+    [k, fmt(v, 2), fmt(100 * v / total, 1) + "%"].forEach(x => el("td", {}, tr, x)); });
+  const n = el("table", {id: "cost-never-trained"}, box), nh = el("tr", {}, n);
+  ["generation by outcome", "episodes", "policy tokens", "rollout device-s"].forEach(x => el("th", {}, nh, x));
+  Object.entries(c.never_trained || {}).forEach(([k, v]) => {
+    const tr = el("tr", {"data-reason": k}, n);
+    [k, v.trajectories, v.policy_tokens, fmt(v.device_s, 2)].forEach(x => el("td", {}, tr, String(x))); });
+  (c.notes || []).forEach(x => el("p", {class: "note"}, box, "note: " + x));
 })();
 
 // ---------------------------------------------------------------- episodes token by token

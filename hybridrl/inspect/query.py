@@ -14,6 +14,7 @@ For a trajectory id the answers are:
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,21 @@ class RunLedger:
         critic = self.config.get("algo", {}).get("advantage") == "gae"
         found = diagnose(read_metrics(self.run_dir), group_baseline=not critic)
         return found.text if found is not None else None
+
+    def evaluations(self, suite: str | None = None) -> list[dict]:
+        """Which checkpoint scored what on which suite: one row per (step, suite, source), by step. A
+        ledger written before evaluations were recorded has none."""
+        try:
+            rows = self.db.execute("SELECT * FROM evaluations" + (" WHERE suite = ?" if suite else "")
+                                   + " ORDER BY suite, step, source", (suite,) if suite else ()).fetchall()
+        except sqlite3.OperationalError:
+            return []
+        out = []
+        for r in rows:
+            row = dict(r)
+            row["metrics"] = json.loads(row["metrics"])
+            out.append(row)
+        return out
 
     def resolve(self, target: str) -> str:
         """A trajectory id, its trace id, or a unique prefix of either -> the trajectory id."""
@@ -107,7 +123,7 @@ class RunLedger:
                           "per_trajectory": (data + text) / n if n else 0.0,
                           "data_per_trajectory": data / n if n else 0.0},
                 "pruned_steps": [s["step"] for s in steps if s["pruned"]], "events": events,
-                "diagnosis": self.diagnosis()}
+                "diagnosis": self.diagnosis(), "evaluations": self.evaluations()}
 
     # ------------------------------------------------------------------ one trajectory
 
