@@ -41,7 +41,7 @@ from hybridrl.agent.actions import ActionError, ActionParser, ToolAuthorizer, To
 from hybridrl.agent.chat import ChatFormat
 from hybridrl.agent.config import AgentConfig
 from hybridrl.agent.env_sessions import EnvProvider, EnvSession, LocalEnvProvider
-from hybridrl.agent.pause import PauseGate
+from hybridrl.agent.pause import PauseGate, Slot
 from hybridrl.agent.tools.base import ToolBox
 from hybridrl.data.trajectory import ToolCallRecord, Trajectory, TrajectoryStatus, Truncation
 from hybridrl.data.episode import EpisodeOutcome, TaskInstance
@@ -102,7 +102,7 @@ class _Episode:
     session: EnvSession | None = None
     pause: PauseGate | None = None
     paused_at_start: float = 0.0
-    slot: "_Slot | None" = None
+    slot: Slot | None = None
     open_turn: tuple | None = None          # (turn, timings, first response index) of the turn being traced
     timings: dict[str, float] = field(default_factory=lambda: {"generate_s": 0.0, "tool_s": 0.0,
                                                                "env_s": 0.0})
@@ -112,23 +112,6 @@ class _Episode:
         if self.pause is None:
             return self.deadline
         return self.pause.deadline(self.deadline, self.paused_at_start)
-
-
-class _Slot:
-    """One episode's hold on the runner's concurrency limit (`agent.max_concurrent_episodes`): taken
-    at admission, given back at the end, and in between while the episode waits at a closed gate."""
-
-    def __init__(self, limit: asyncio.Semaphore):
-        self.limit, self.held = limit, False
-
-    async def take(self) -> None:
-        await self.limit.acquire()
-        self.held = True
-
-    def give_back(self) -> None:
-        if self.held:
-            self.held = False
-            self.limit.release()
 
 
 class AgentRunner:
@@ -181,7 +164,7 @@ class AgentRunner:
         loop = asyncio.get_running_loop()
         if self._slots is None or self._slots_loop is not loop:    # one limit per event loop
             self._slots, self._slots_loop = asyncio.Semaphore(self.cfg.max_concurrent_episodes), loop
-        slot = _Slot(self._slots)
+        slot = Slot(self._slots)
         await slot.take()
         try:
             return await self.run_episode(inst, task=task, attempt=attempt, group_id=group_id, stop=stop,
@@ -195,27 +178,12 @@ class AgentRunner:
         per episode, so a subclass may return a stateful one)."""
         return ActionParser(task.action_formats)
 
-    @staticmethod
-    async def _wait_at_gate(ep: "_Episode") -> None:
-        """Wait for a closed gate to open. The episode's concurrency slot is given back meanwhile, so
-        that paused episodes never hold every slot while other episodes of this runner must run
-        (validation between the steps of a partial-rollout run); it takes a slot again before its
-        next request."""
-        if ep.slot is None:
-            await ep.pause.wait()
-            return
-        ep.slot.give_back()
-        try:
-            await ep.pause.wait()
-        finally:
-            await ep.slot.take()
-
     # ------------------------------------------------------------------ one episode
 
     async def run_episode(self, instance: TaskInstance, *, task: Task, attempt: int = 0,
                           group_id: str | None = None, stop: asyncio.Event | None = None, queue_s: float = 0.0,
                           temperature: float | None = None, pause: PauseGate | None = None,
-                          slot: "_Slot | None" = None) -> Trajectory:
+                          slot: Slot | None = None) -> Trajectory:
         """One episode; never raises for the episode's own problems (they become its status).
         `temperature` overrides `agent.temperature` for this episode; with a `pause` gate the episode
         can be interrupted between (and within) requests and continued later (see `PauseGate`); while
@@ -321,8 +289,8 @@ class AgentRunner:
             limit, room = min(bounds.items(), key=lambda kv: kv[1])
             if room < 1:
                 raise _End(TrajectoryStatus.TRUNCATED, limit)
-            if ep.pause is not None and not ep.pause.is_open:
-                await self._wait_at_gate(ep)           # interrupted: continue when the gate opens again
+            if ep.pause is not None:
+                await ep.pause.wait(ep.slot)           # interrupted: continue when the gate opens again
             sampling = SamplingParams(max_new_tokens=room, temperature=ep.temperature, top_p=cfg.top_p,
                                       top_k=cfg.top_k, seed=(ep.seed + 7919 * turn + 104729 * segment) % (1 << 31))
             rid = f"{traj.trajectory_id}/t{turn}" + (f".{segment}" if segment else "")

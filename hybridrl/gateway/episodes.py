@@ -63,6 +63,7 @@ class GatewayEpisode:
     started: float = field(default_factory=time.monotonic)
     pause: Any = None                # a PauseGate (partial rollouts)
     paused_at_start: float = 0.0
+    slot: Any = None                 # its hold on the runner's concurrency limit (agent.pause.Slot)
     replica: Any = None
     turns: int = 0                   # requests served
     truncation: Truncation | None = None

@@ -23,6 +23,7 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
+from hybridrl.agent.pause import Slot
 from hybridrl.data.episode import EpisodeOutcome, TaskInstance
 from hybridrl.data.trajectory import Trajectory, TrajectoryStatus, Truncation
 from hybridrl.envs.agent_spec import load_agent
@@ -129,21 +130,26 @@ class GatewayRunner:
                      temperature: float | None, pause: Any = None) -> Trajectory:
         await self.start()
         queued = time.monotonic()
-        async with self._slots:
+        slot = Slot(self._slots)
+        await slot.take()
+        try:
             return await self.run_episode(inst, task=task, attempt=attempt, group_id=group_id, stop=stop,
-                                          queue_s=time.monotonic() - queued, temperature=temperature, pause=pause)
+                                          queue_s=time.monotonic() - queued, temperature=temperature, pause=pause,
+                                          slot=slot)
+        finally:
+            slot.give_back()
 
     # ------------------------------------------------------------------ one episode
 
     async def run_episode(self, instance: TaskInstance, *, task: Any, attempt: int = 0, group_id: str | None = None,
                           stop: asyncio.Event | None = None, queue_s: float = 0.0, temperature: float | None = None,
-                          pause: Any = None) -> Trajectory:
+                          pause: Any = None, slot: Slot | None = None) -> Trajectory:
         """One episode; never raises for the episode's own problems (they become its status)."""
         await self.start()
         started = time.monotonic()
         traj = Trajectory(run_id=self.run_id, task_id=instance.task_id, group_id=group_id or instance.task_id,
                           attempt=attempt, prompt_ids=[])
-        episode = self._open(traj, temperature, pause)
+        episode = self._open(traj, temperature, pause, slot)
         self.parser.action_formats = tuple(task.action_formats)
         tool_results: list[Any] = []
         tools = EpisodeTools(self.tools, tuple(instance.tools), traj.trajectory_id, tool_results.append)
@@ -169,7 +175,7 @@ class GatewayRunner:
             traj.metadata["end_reason"] = f"invalid trajectory: {err}"
         return traj
 
-    def _open(self, traj: Trajectory, temperature: float | None, pause: Any) -> GatewayEpisode:
+    def _open(self, traj: Trajectory, temperature: float | None, pause: Any, slot: Slot | None) -> GatewayEpisode:
         cfg = self.cfg
         seed = int.from_bytes(hashlib.sha256(f"{self.seed}/{traj.trajectory_id}".encode()).digest()[:4], "little")
         capture = EpisodeCapture(self.template, on_drift=self.gateway_cfg.on_drift,
@@ -181,7 +187,7 @@ class GatewayRunner:
                                  capture=capture, budgets=budgets,
                                  temperature=cfg.temperature if temperature is None else temperature,
                                  top_p=cfg.top_p, top_k=cfg.top_k, seed=seed, pause=pause,
-                                 paused_at_start=pause.paused_s() if pause is not None else 0.0)
+                                 paused_at_start=pause.paused_s() if pause is not None else 0.0, slot=slot)
         self.keys.add(episode)
         if pause is not None:
             pause.running[traj.trajectory_id] = episode

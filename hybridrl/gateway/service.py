@@ -179,7 +179,7 @@ class GatewayService:
         segment = 0
         while True:
             if episode.pause is not None:
-                await episode.pause.wait()
+                await episode.pause.wait(episode.slot)
             seed = (episode.seed + 7919 * turn + 104729 * segment + 15485863 * choice) % (1 << 31)
             sampling = SamplingParams(max_new_tokens=room - len(ids), temperature=episode.temperature,
                                       top_p=episode.top_p, top_k=episode.top_k, seed=seed, stop_token_ids=stops)
