@@ -24,12 +24,12 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl demo [--dir D] [key=value | sft:key=value | grpo:key=value ...]   base model -> SFT -> GRPO
     hybridrl cost RUN_DIR [RUN_DIR ...] [--json]   device-seconds by stage, what never trained, money
     hybridrl plan RUN_DIR [--measure] [--target-tokens-per-s X | --ranks N] [--what-if k=v]   capacity plan
+    hybridrl export RUN --step N --out DIR     a run's checkpoint as an HF directory (starts torchrun)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -72,8 +72,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     print(f"hybridrl: launching {nproc} rank(s): {' '.join(cmd[1:])}", file=sys.stderr)
     sys.stderr.flush()
-    os.execv(sys.executable, cmd)
-    return 1  # not reached
+    from hybridrl.launcher import supervise
+
+    return supervise(cmd, run_dir=cfg.run.dir if cfg.run.job in rundir.JOBS else None)   # Ctrl-C: see launcher.py
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
@@ -214,6 +215,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from hybridrl.cli.export import main
+
+    return main(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from hybridrl.demo import main
 
@@ -340,6 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_compare_arguments(p)
     p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("export", help="a run's checkpoint (an intermediate step) as an HF directory (starts torchrun)")
+    from hybridrl.cli.export import add_arguments as add_export_arguments
+
+    add_export_arguments(p)
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("cost", help="what a run cost: device-seconds by stage, never-trained work, money")
     from hybridrl.cost.cli import add_cost_arguments, add_plan_arguments

@@ -57,6 +57,13 @@ class TrainerConfig:
                                          "counts such groups only)")
     max_sampling_rounds: int = knob(4, "dynamic_sampling: at most this many rollout rounds per step (a hard task "
                                        "may have no informative group for a while)")
+    stop_after_dead_steps: int = knob(0, "end the run after this many steps in a row without a learning signal (no "
+                                         "admitted group whose rewards differ); the run says why after 3 such steps "
+                                         "either way; 0 = never stop for it")
+    callbacks: list[str] = knob(help="observers of the run's events (start, step, validation, checkpoint, "
+                                     "interrupt, end) on the controller: module:Class of yours, or wandb / mlflow "
+                                     "(skipped with a note when the package is missing); see "
+                                     "hybridrl/controller/callbacks.py", factory=list)
 
     def __post_init__(self) -> None:
         for name in ("total_steps", "prompts_per_step", "group_size"):
@@ -79,6 +86,14 @@ class TrainerConfig:
         check_positive("rollout_deadline_s", self.rollout_deadline_s, allow_zero=True)
         check_positive("collect_poll_s", self.collect_poll_s)
         check_positive("max_sampling_rounds", self.max_sampling_rounds)
+        check_positive("stop_after_dead_steps", self.stop_after_dead_steps, allow_zero=True)
+        from hybridrl.controller.callbacks import CallbackError, resolve
+
+        for spec in self.callbacks:
+            try:
+                resolve(spec)
+            except CallbackError as err:
+                raise ConfigValueError("callbacks", str(err)) from None
         check_positive("max_groups_per_step", self.max_groups_per_step, allow_zero=True)
         check_positive("queue_max_groups", self.queue_max_groups)
         check_positive("queue_max_tokens", self.queue_max_tokens, allow_zero=True)

@@ -57,9 +57,9 @@ def evaluate_in_loop(cfg: Any, wg: Any, run: Any, link: Any, step: int) -> dict[
         return {}
     started = time.perf_counter()
     suite = loaded_suite(tc.eval_suite)
-    switch = link.ensure_rollout(run.version, step)
+    switch = link.ensure_rollout(run.version, run.trained_at)     # (the step whose update made the version)
     if switch is not None:
-        run.ledger.record_switch(step, switch)
+        run.ledger.record_switch(step, switch, purpose="evaluation")
     instances = suite.instances()
     task_of = {inst.task_id: inst.task for _, inst in instances}
     records, contracts = [], set()

@@ -6,7 +6,7 @@ import statistics
 from collections import Counter
 from typing import Any, Sequence
 
-from hybridrl.algo.filters import FilterResult
+from hybridrl.algo.filters import FilterResult, informative_groups
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import Trajectory
 
@@ -22,9 +22,24 @@ def episode_rows(instances: Sequence[Any], group_size: int, step: int | str) -> 
                        "group_id": [f"{inst.task_id}@{step}" for inst, _ in rows]})
 
 
+def _score(t: Trajectory) -> float:
+    """How well an episode solved its task: the `correct` reward term, else the whole reward."""
+    return t.rewards.get("correct", t.reward)
+
+
 def _accuracy(ts: Sequence[Trajectory]) -> float:
-    scores = [t.rewards.get("correct", t.reward) for t in ts]
+    scores = [_score(t) for t in ts]
     return sum(scores) / len(scores) if scores else 0.0
+
+
+def signal_metrics(trajectories: list[Trajectory], kept: FilterResult) -> dict[str, float]:
+    """What says whether a step can teach the policy anything (`controller/diagnosis.py`): groups, the
+    admitted groups whose members scored differently, successes, the admitted rewards' spread."""
+    admitted = [t.reward for t in kept.kept]
+    return {"groups": float(len({t.group_id for t in trajectories})),
+            "groups/informative": float(len(informative_groups(kept.kept))),
+            "episodes/succeeded": float(sum(_score(t) > 0 for t in trajectories)),
+            "reward/admitted_std": statistics.pstdev(admitted) if admitted else 0.0}
 
 
 def step_metrics(trajectories: list[Trajectory], kept: FilterResult, batch: Batch | None, update: dict,
@@ -40,8 +55,10 @@ def step_metrics(trajectories: list[Trajectory], kept: FilterResult, batch: Batc
         "tokens/generated": policy_tokens, "tokens/admitted": admitted,
         "episode/turns": statistics.fmean(t.turns for t in trajectories),
         "episode/tool_calls": statistics.fmean(len(t.tool_calls) for t in trajectories),
+        "episode/with_tool_call": statistics.fmean(bool(t.tool_calls) for t in trajectories),
         "episode/response_tokens": statistics.fmean(len(t.response_ids) for t in trajectories),
         "time/step_s": wall_s, "policy/version": version,
+        **signal_metrics(trajectories, kept),
     }
     for name in ("rollout", "reward", "prep", "train", "sync"):
         m[f"time/T_{name}"] = stages.get(name, 0.0)
@@ -103,15 +120,3 @@ def engine_metrics(per_rank: list[dict], run) -> dict[str, float]:
         if mode:
             out[f"sandbox/isolation_{mode}"] = out.get(f"sandbox/isolation_{mode}", 0.0) + 1.0
     return out
-
-
-def postfix(m: dict[str, float]) -> str:
-    parts = [f"reward={m['reward/mean']:.3f}"]
-    if "val/accuracy" in m:
-        parts.append(f"val_acc={m['val/accuracy']:.3f}")
-    if "loss" in m:
-        parts.append(f"loss={m['loss']:.4f}")
-    parts.append(f"step={m['time/step_s']:.1f}s")
-    return " ".join(parts)
-
-

@@ -42,7 +42,22 @@ class RunLedger:
         return [dict(r) for r in self.db.execute("SELECT * FROM steps ORDER BY step")]
 
     def releases(self) -> dict[int, dict]:
-        return {r["version"]: dict(r) for r in self.db.execute("SELECT * FROM releases ORDER BY version")}
+        """version -> the release (its row, and `published_for`: the step's rollout or the validation after
+        its update; rollout when the ledger predates the distinction)."""
+        out = {}
+        for r in self.db.execute("SELECT * FROM releases ORDER BY version"):
+            manifest = json.loads(r["manifest"]) if r["manifest"] else {}
+            out[r["version"]] = {**dict(r), "published_for": manifest.get("published_for", "rollout")}
+        return out
+
+    def diagnosis(self) -> str | None:
+        """Why the run learned nothing, when its metrics show it (`controller/diagnosis.py`)."""
+        from hybridrl.controller.diagnosis import diagnose
+        from hybridrl.telemetry.metrics import read_metrics
+
+        critic = self.config.get("algo", {}).get("advantage") == "gae"
+        found = diagnose(read_metrics(self.run_dir), group_baseline=not critic)
+        return found.text if found is not None else None
 
     def evaluations(self, suite: str | None = None) -> list[dict]:
         """Which checkpoint scored what on which suite: one row per (step, suite, source), by step. A
@@ -108,7 +123,7 @@ class RunLedger:
                           "per_trajectory": (data + text) / n if n else 0.0,
                           "data_per_trajectory": data / n if n else 0.0},
                 "pruned_steps": [s["step"] for s in steps if s["pruned"]], "events": events,
-                "evaluations": self.evaluations()}
+                "diagnosis": self.diagnosis(), "evaluations": self.evaluations()}
 
     # ------------------------------------------------------------------ one trajectory
 

@@ -106,7 +106,7 @@ class NullLedger:
     def record_step(self, step: int, **kwargs: Any) -> float:
         return 0.0
 
-    def record_switch(self, step: int, switch: dict | None) -> None:
+    def record_switch(self, step: int, switch: dict | None, purpose: str = "rollout") -> None:
         return None
 
     def record_evaluation(self, step: int, result: dict, *, result_path: str) -> None:
@@ -130,15 +130,16 @@ class Ledger:
 
     # ------------------------------------------------------------------ writing
 
-    def record_switch(self, step: int, switch: dict | None) -> None:
-        """A mode switch's result: the release it published, if any."""
+    def record_switch(self, step: int, switch: dict | None, purpose: str = "rollout") -> None:
+        """A mode switch's result: the release it published, if any, and what for: the `rollout` of step
+        `step`, or the `validation` after it (the manifest's `published_for`)."""
         self._first_record(step)
         release = (switch or {}).get("release")
         if not release:
             return
         self.db.execute("INSERT OR REPLACE INTO releases VALUES (?, ?, ?, ?, ?)",
                         (int(release["policy_version"]), int(release.get("training_step", -1)), step,
-                         release.get("checkpoint_hash"), _json(release)))
+                         release.get("checkpoint_hash"), _json({**release, "published_for": purpose})))
 
     def record_step(self, step: int, *, trajectories: Sequence[Any], kept: Any, batch: Any, switch: dict | None,
                     rollout_version: int, version_after: int, metrics: dict | None = None,
