@@ -20,6 +20,7 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -120,6 +121,58 @@ def test_inspect_says_what_each_release_was_published_for(reference):
     assert by_version[3].endswith("published at step 4 for its rollout")
     assert by_version[4].endswith("published at step 4 for the validation after its update")
     assert "no learning signal" not in proc.stdout
+
+
+COIN_SUITE = """
+suite: coin_check
+version: 1
+description: the coin run's held-out tosses, greedy and 4 samples at T=1
+entries:
+  - {task: "tests.controller.coin_task:CoinTask", split: validation, seeds: "0", size: 8}
+sampling:
+  - {name: greedy, temperature: 0.0, samples: 1}
+  - {name: sampled, temperature: 1.0, samples: 4}
+pass_k: [1, 2, 4]
+metrics: [accuracy, pass@k, reward, tool_calls, length]
+agent: {max_turns: 3, max_new_tokens_per_turn: 12, max_response_tokens: 40}
+"""
+
+
+def test_eval_of_a_runs_checkpoints_is_its_validation_and_pass_at_k_counts_the_samples(reference, tmp_path):
+    """`hybridrl eval SUITE --run RUN --checkpoints 2,4 --compare` on the run's own held-out instances under
+    its episode budgets: greedy accuracy is the trainer's validation at those steps; pass@k is the share of
+    k-subsets of each instance's samples holding a success (counted by enumeration), averaged."""
+    import itertools
+
+    from PIL import Image
+
+    run_dir, _ = reference
+    suite = tmp_path / "coin_check.yaml"
+    suite.write_text(COIN_SUITE)
+    proc = subprocess.run([sys.executable, "-m", "hybridrl", "eval", str(suite), "--run", str(run_dir),
+                           "--checkpoints", "2,4", "--compare", "--no-progress", "--json", str(tmp_path / "r.json")],
+                          cwd=ROOT, env=env_with_repo(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {r["model"]["step"]: r for r in json.loads((tmp_path / "r.json").read_text())}
+    assert sorted(results) == [2, 4]
+    validation = {r["step"]: r["val/accuracy"] for r in read_metrics(run_dir) if "val/accuracy" in r}
+    greedy = {step: r["metrics"]["sampling"]["greedy"]["accuracy"] for step, r in results.items()}
+    assert greedy == {step: validation[step] for step in (2, 4)}, (greedy, validation)
+    assert 0.0 < greedy[4] < 1.0                       # a guesser: the comparison is not one of zeros
+    out = run_dir / "eval" / "coin_check"
+    for step, result in results.items():
+        records = [json.loads(line) for line in (out / f"step_{step:06d}.episodes.jsonl").read_text().splitlines()]
+        samples: dict[str, list[bool]] = {}
+        for r in records:
+            if r.get("sampling") == "sampled":
+                samples.setdefault(r["task_id"], []).append(bool(r["correct"]))
+        assert len(samples) == 8 and all(len(v) == 4 for v in samples.values())
+        for k in (1, 2, 4):
+            counted = sum(statistics.fmean(any(c) for c in itertools.combinations(v, k)) for v in samples.values())
+            assert result["metrics"]["sampling"]["sampled"][f"pass@{k}"] == pytest.approx(counted / len(samples))
+    png = Image.open(out / "compare.png")
+    assert png.size[0] >= 600 and png.size[1] >= 200
+    assert len(set(png.convert("L").getdata())) > 8          # drawn on: more than a blank page's few greys
 
 
 def test_export_of_the_last_checkpoint_equals_the_runs_own_export(reference, tmp_path):
