@@ -82,9 +82,11 @@ def suite_main(args: argparse.Namespace) -> int:
             candidate = models.from_model(args.model)
             check_model(str(candidate.path), key="--model")
             candidates, run_dir = [candidate], candidate.run_dir
-            recipe = args.config or (str(run_dir / "config.json") if run_dir is not None else None)
+            # a run's own settings where it kept them (an SFT run of an older version did not: the defaults)
+            recipe = args.config or (str(run_dir / "config.json") if run_dir is not None
+                                     and (run_dir / "config.json").exists() else None)
             cfg = _config(recipe, overrides)
-        if run_dir is not None:          # what the run trained on, whatever the overrides say
+        if run_dir is not None and (run_dir / "config.json").exists():   # what it trained on, whatever the overrides
             check_against_training(suite, _config(str(run_dir / "config.json"), []),
                                    where=f"the training split of {run_dir}")
         elif args.config:
