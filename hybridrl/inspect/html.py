@@ -47,8 +47,22 @@ def page_data(ledger: RunLedger, ids: list[str]) -> dict:
         steps.append({"step": s["step"], "episodes": s["episodes"], "admitted": s["admitted"], "lag_max": lag,
                       "filters": filters, "statuses": statuses, "version": [s["rollout_version"], s["version_after"]],
                       "store_s": s["write_s"], "pruned": bool(s["pruned"])})
-    return {"summary": ledger.summary(), "curves": curves, "stages": stages, "steps": steps,
+    return {"summary": ledger.summary(), "curves": curves, "evaluations": evaluation_series(ledger), "stages": stages,
+            "steps": steps,
             "episodes": [ledger.explain(i) for i in ids], "cost": cost_data(ledger.run_dir)}
+
+
+def evaluation_series(ledger: RunLedger) -> list[dict]:
+    """The suites' results across the run's checkpoints (`hybridrl eval SUITE --run`, in-loop evaluation):
+    one series per suite, sampling and metric (accuracy, and pass@k for the largest k), points by step."""
+    series: dict[str, list[list[float]]] = {}
+    for row in ledger.evaluations():
+        for sampling, values in row["metrics"].get("sampling", {}).items():
+            ks = sorted((int(k[5:]) for k in values if k.startswith("pass@") and k[5:].isdigit()), reverse=True)
+            for metric in ["accuracy"] + [f"pass@{k}" for k in ks[:1] if k > 1]:
+                if values.get(metric) is not None:
+                    series.setdefault(f"{row['suite']} {sampling} {metric}", []).append([row["step"], values[metric]])
+    return [{"name": name, "points": sorted(points)} for name, points in series.items()]
 
 
 def cost_data(run_dir: Path) -> dict | None:
@@ -145,13 +159,19 @@ function lineChart(id, title, series, yMax) {
                         points: s.points.map(p => X(p[0]).toFixed(1) + "," + Y(p[1]).toFixed(1)).join(" ")}, svg);
     s.points.forEach(p => el("svg:circle", {cx: X(p[0]), cy: Y(p[1]), r: 3, fill: s.color}, svg)
       .appendChild(el("svg:title", {}, null, `${s.name} step ${p[0]}: ${fmt(p[1])}`)));
-    el("svg:text", {x: L + 8 + 130 * i, y: 22, fill: s.color, "font-size": 11}, svg, s.name);
+    el("svg:text", {x: L + 8, y: 22 + 13 * i, fill: s.color, "font-size": 11}, svg, s.name);
   });
 }
 lineChart("reward-curve", "Training reward per step",
           [{name: "reward/mean", color: "#1f77b4", points: D.curves.reward},
            {name: "reward/accuracy", color: "#2ca02c", points: D.curves.accuracy}]);
 lineChart("validation-curve", "Validation accuracy", [{name: "val/accuracy", color: "#d62728", points: D.curves.validation}], 1);
+const PALETTE = ["#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#ff7f0e", "#1f77b4"];
+if (D.evaluations.length)
+  lineChart("evaluation-curve", "Evaluations across checkpoints (hybridrl eval)",
+            D.evaluations.map((s, i) => ({name: s.name, color: PALETTE[i % PALETTE.length], points: s.points})), 1);
+else
+  el("p", {}, document.getElementById("curves"), "No evaluation recorded: hybridrl eval SUITE --run RUN_DIR.");
 
 // ---------------------------------------------------------------- stacked stage bars
 (function () {

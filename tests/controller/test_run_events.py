@@ -173,6 +173,18 @@ def test_eval_of_a_runs_checkpoints_is_its_validation_and_pass_at_k_counts_the_s
     png = Image.open(out / "compare.png")
     assert png.size[0] >= 600 and png.size[1] >= 200
     assert len(set(png.convert("L").getdata())) > 8          # drawn on: more than a blank page's few greys
+    # the run's page draws the same results across its checkpoints (from the ledger, where eval recorded them)
+    page = tmp_path / "run.html"
+    shown = subprocess.run([sys.executable, "-m", "hybridrl", "inspect", str(run_dir), "--html", str(page)], cwd=ROOT,
+                           env=env_with_repo(), capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    text = page.read_text()
+    blob = text.split('id="ledger-data">', 1)[1].split("</script>", 1)[0]
+    series = {s["name"]: s["points"] for s in json.loads(blob)["evaluations"]}
+    assert series["coin_check greedy accuracy"] == [[2, greedy[2]], [4, greedy[4]]]
+    assert series["coin_check sampled pass@4"] == [[s, results[s]["metrics"]["sampling"]["sampled"]["pass@4"]]
+                                                   for s in (2, 4)]
+    assert "evaluation-curve" in text
 
 
 def test_export_of_the_last_checkpoint_equals_the_runs_own_export(reference, tmp_path):
