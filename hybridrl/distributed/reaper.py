@@ -24,12 +24,16 @@ from typing import Iterable
 
 
 def start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None if it is gone."""
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None where unknown,
+    "dead" for a process that exited and is not yet reaped; with the pid it names one process (pids
+    are reused, start times with them are not)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    if fields[0] in ("Z", "X"):
+        return "dead"
+    return fields[19]
 
 
 def descendants(pid: int | None = None) -> list[int]:
@@ -51,7 +55,7 @@ def descendants(pid: int | None = None) -> list[int]:
 
 class Reaper:
     def __init__(self, pids: Iterable[int]):
-        targets = [f"{pid}:{started}" for pid in pids if (started := start_time(pid)) is not None]
+        targets = [f"{pid}:{started}" for pid in pids if (started := start_time(pid)) not in (None, "dead")]
         self.pids = [int(t.split(":")[0]) for t in targets]
         read, self._write = os.pipe()                    # both ends close on exec: only the watcher gets `read`
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
