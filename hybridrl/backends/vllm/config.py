@@ -25,7 +25,7 @@ class VLLMConfig:
                               "float16")
     kv_cache_mb: int = knob(64, "KV-cache budget in MiB (vLLM's kv_cache_memory_bytes), allocated at start")
     max_num_seqs: int = knob(64, "most sequences in the running batch")
-    max_num_batched_tokens: int = knob(0, "tokens computed per step; 0 = vLLM's default")
+    max_num_batched_tokens: int = knob(0, "tokens computed per step; 0 = vLLM's default (on CPU at least the longest context: prompts are never prefilled in chunks there, as vLLM's CPU sampler cannot rewind a seeded request's generator)")
     max_model_len: int = knob(0, "longest sequence (prompt + output); 0 = the model's")
     enable_prefix_caching: bool = knob(True, "vLLM's prefix cache (reset whenever a new policy version arrives)")
     enforce_eager: bool = knob(True, "no torch.compile / CUDA graphs (start-up in seconds; the CPU default)")

@@ -194,6 +194,15 @@ class VLLMEngine:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.enable_sleep_mode)
         if cfg.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+        if not on_cuda:
+            # Every request here is seeded (a generator of its own); a prompt prefilled in chunks has the
+            # token sampled after a partial chunk thrown away, and vLLM then rewinds that generator's
+            # offset, which a CPU generator does not have ("CPU Generator does not use offset": the
+            # engine core dies). So on CPU prompts are never chunked: the step's token budget holds a
+            # whole context, and a request that does not fit waits for the next step.
+            longest = cfg.max_model_len or int(checkpoint_config(self.model_path).get("max_position_embeddings", 0))
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(cfg.max_num_batched_tokens, longest, 2048)
         if cfg.max_model_len:
             kwargs["max_model_len"] = cfg.max_model_len
         kwargs.update(cfg.engine_args)

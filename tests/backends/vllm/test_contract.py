@@ -142,3 +142,14 @@ def test_a_damaged_copy_inside_vllm_is_caught_and_the_version_does_not_switch(en
     torch.testing.assert_close(torch.tensor(out.logprobs), hf_logprobs(hf_model(other), prompt, out.token_ids),
                                atol=1e-4, rtol=0)
     engine.call_worker(damage_after_copy, target, 0)
+
+
+def test_seeded_sampling_over_more_prompt_tokens_than_a_step_holds(engine):
+    """Ten sampled (seeded) requests of 600 prompt tokens at once: more than one step's token budget. Had a
+    prompt been prefilled in chunks, vLLM's CPU sampler would rewind its generator and the engine core die
+    ('CPU Generator does not use offset'); every request completes, and a seeded one reproduces alone."""
+    prompts = prompts_of([600] * 10, seed=11)
+    sampled = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=7)
+    together = run(engine, prompts, sampled, tag="budget")
+    assert [len(o.token_ids) for o in together] == [4] * 10
+    assert run(engine, prompts[3:4], sampled, tag="alone")[0].token_ids == together[3].token_ids
