@@ -34,6 +34,9 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))   # this checkout's package, whatever the venv has installed
+
 SIZES = {
     # name: TinyModelSpec overrides. "demo" is the architecture of the CPU calculator demo's base
     # model (hybridrl.demo.BASE_MODEL_ARGS); "h128" its earlier, smaller one.
