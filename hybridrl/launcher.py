@@ -43,6 +43,8 @@ def supervise(cmd: Sequence[str], run_dir: str | None = None) -> int:
     handlers = {sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in SIGNALS}
     started = time.time()
     env = dict(os.environ, PET_SIGNALS_TO_HANDLE="SIGHUP,SIGQUIT")     # torchrun's --signals-to-handle
+    # the run's clock starts when the command did, not when its agent did (hybridrl/cost/clock.py)
+    env["HYBRIDRL_LAUNCHED_AT"] = repr(psutil.Process().create_time())
     try:
         job = subprocess.Popen(list(cmd), env=env, preexec_fn=_ignore_signals)
         first_at, forwarded_at, killed = None, 0.0, False

@@ -93,6 +93,7 @@ def run(cfg) -> int:
     else:
         code = serve(worker, ctx, watchdog)
     watchdog.stop()
+    interrupts.detach()   # no thread of ours left inside a store call when the store goes
     if code != EXIT_OK:
         _exit_now(code)   # peers may be gone: tearing down process groups could block
     shutdown_distributed()

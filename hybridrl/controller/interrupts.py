@@ -19,6 +19,7 @@ nor restarts them (`trainer.max_restarts`); `hybridrl train` exits 130 (SIGINT) 
 
 from __future__ import annotations
 
+import atexit
 import os
 import shlex
 import signal
@@ -49,6 +50,8 @@ class _Rank:
     watchdog: Any = None
     describe: Callable[[], dict] | None = None        # the job's account of where it is (rank 0)
     listeners: list[Callable[[dict], None]] = field(default_factory=list)
+    listening: Any = None                             # the thread of `_listen` (other ranks)
+    stop_listening: threading.Event = field(default_factory=threading.Event)
 
 
 _state: _Rank | None = None
@@ -76,7 +79,20 @@ def attach(ctx: Any, watchdog: Any) -> None:
     st.control, st.probe = ctx.control.clone(), ctx.control.clone()
     st.world_size, st.watchdog = ctx.world_size, watchdog
     if st.rank != 0:
-        threading.Thread(target=_listen, args=(st.control,), name="hybridrl-interrupt", daemon=True).start()
+        st.listening = threading.Thread(target=_listen, args=(st.control,), name="hybridrl-interrupt", daemon=True)
+        st.listening.start()
+        atexit.register(detach)
+
+
+def detach() -> None:
+    """Stop listening before the interpreter exits (run at exit): a thread left inside a store call
+    while the process tears down its store client aborts the process ("terminate called without an
+    active exception"), turning a finished rank's exit code 0 into -6."""
+    st = _state
+    if st is not None and st.listening is not None:
+        st.stop_listening.set()
+        st.listening.join(timeout=10)
+        st.listening = None
 
 
 def on_controller(describe: Callable[[], dict], listener: Callable[[dict], None]) -> None:
@@ -182,7 +198,8 @@ def _listen(control: Any) -> None:
     st = _state
     try:
         while not control.store.check([KEY]):
-            time.sleep(_POLL_S)
+            if st.stop_listening.wait(_POLL_S):
+                return
         name = control.store.get(KEY).decode()
         from hybridrl.store.rundir import JOBS
 

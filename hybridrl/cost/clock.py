@@ -6,9 +6,10 @@ step metrics do not time (start-up, validations, checkpoints, the export, the ti
 Marks, in the order an attempt writes them:
 
     start        the loop is ready: model loaded, worker group up, checkpoint restored. Carries
-                 `launched_at` (the launcher's process start: `hybridrl train` execs torchrun,
-                 so that process started when the command did) and `rank_started_at` (this
-                 rank's process start), so start-up is [launched_at, rank_started_at, start].
+                 `launched_at` (when the command started: `hybridrl train` passes its own process
+                 start to the job in HYBRIDRL_LAUNCHED_AT; else torchrun's process start) and
+                 `rank_started_at` (this rank's process start), so start-up is [launched_at,
+                 rank_started_at, start].
     step         the top of an RL step (its metrics row times what follows: stages, step_s,
                  validation, store, and `time/logged_at` when the row was ready)
     checkpoint   a checkpoint began; `checkpoint_end` when it was complete
@@ -50,8 +51,14 @@ def _process_start(pid: int | None = None) -> float | None:
 
 
 def launched_at() -> float | None:
-    """When the job's launcher started: torchrun's process start when this rank runs under it (the
-    `hybridrl train` command execs torchrun, keeping its process), else this process's own start."""
+    """When the job was launched: the `hybridrl train` command's process start (it runs torchrun's agent
+    as its child and says when it started in HYBRIDRL_LAUNCHED_AT); else torchrun's process start when
+    this rank runs under it; else this process's own start."""
+    if os.environ.get("HYBRIDRL_LAUNCHED_AT"):
+        try:
+            return float(os.environ["HYBRIDRL_LAUNCHED_AT"])
+        except ValueError:
+            pass
     try:
         import psutil
 
