@@ -1,7 +1,8 @@
 """Everything a run needs, checked before any process starts: each problem is one line (exit 2).
 
     model.path  an HF directory: config.json (JSON, with model_type), safetensors weights
-                (critic.path and reward_model.path too, when set; a reward model needs a scalar head)
+                (critic.path, reward_model.path and distill.teacher too, when set; a reward model needs a
+                scalar head, a teacher the policy's tokenizer)
                 (model.safetensors, or model.safetensors.index.json and every shard it names),
                 a tokenizer (tokenizer.json, or tokenizer_config.json with its vocabulary files)
     train.tp/pp a layout the model and the world size allow: pp <= layers, tp dividing the
@@ -51,6 +52,7 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
     if reward_model is not None and reward_model.path:
         check_model(reward_model.path, key="reward_model.path", supported=False)
         check_scalar_head(reward_model.path)
+    teacher = check_teacher(cfg) if cfg.run.job == "rl" else None
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE") or cfg.distributed.nproc_per_node)
     world_key = "world size (distributed.nproc_per_node)"
@@ -64,6 +66,9 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
         world_size -= placement.rollout_ranks
         world_key = "training ranks (world size - placement.rollout_ranks)"
     check_layout(cfg.model.path, cfg.train.tp, cfg.train.pp, world_size, world_key=world_key, ep=cfg.train.ep)
+    if teacher:                            # the teacher runs in the actor's layout
+        check_layout(teacher, cfg.train.tp, cfg.train.pp, world_size, world_key=world_key, ep=cfg.train.ep,
+                     training=False)
     if cfg.run.job == "rl":
         check_dtypes(cfg)
     train_size = check_task(cfg)
@@ -81,6 +86,20 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
     except rundir.RunDirError as err:
         raise PreflightError(str(err)) from None
     return [*notes, plan.note] if plan.note else notes
+
+
+def check_teacher(cfg: Any) -> str | None:
+    """distill.teacher: a model hybridrl can load with the policy's tokenizer; returns its path (None: no teacher)."""
+    from hybridrl.algo import distill
+
+    if not distill.enabled(cfg):
+        return None
+    teacher = cfg.distill.teacher
+    check_model(teacher, key="distill.teacher")
+    problem = distill.tokenizer_problem(cfg.model.path, teacher)
+    if problem:
+        raise PreflightError(problem)
+    return teacher
 
 
 def check_curriculum_and_suite(cfg: Any) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybridrl.algo import kl
+from hybridrl.algo import distill, kl
 from hybridrl.algo.registry import estimator, policy_loss
 
 REFUSE, WARN = "refuse", "warn"
@@ -88,6 +88,9 @@ def findings(cfg: Any, *, train_size: int | None = None) -> list[Finding]:
         if (algo.kl_in, option) not in kl.FORWARD:
             warn("algo.kl_estimator", f"{option} in the {algo.kl_in} gives {gradient}; "
                                       f"algo.kl_estimator=auto gives grad KL(pi || ref)")
+    if distill.enabled(cfg) and algo.drop_all_equal_groups:
+        warn("algo.drop_all_equal_groups", "the teacher scores every token, so a group of equal rewards still carries "
+                                           "its signal, and such groups are dropped; set it false to distil on them")
     if algo.drop_truncated:
         warn("algo.drop_truncated", "truncated members leave their group before its statistics, so running out "
                                     "of budget is a way out of a negative advantage; false keeps them with "
@@ -121,6 +124,11 @@ def describe(cfg: Any) -> list[str]:
                      f"{kl.GRADIENTS[(algo.kl_in, option)]}")
     else:
         lines.append("KL penalty     off (algo.kl_coef=0): no reference model")
+    if distill.enabled(cfg):
+        d = cfg.distill
+        lines.append(f"distillation   teacher {d.teacher}: per token A = {d.reward_weight} x the advantage above - "
+                     f"{d.kl_coef} x (log pi - log teacher) of the sampled token; {kl.GRADIENTS[('reward', 'k1')]} "
+                     "with the teacher in the reference's place")
     lines.append(f"entropy bonus  {algo.entropy_coef}" if algo.entropy_coef > 0 else "entropy bonus  off")
     if algo.tis_cap > 0:
         how = "truncated (TIS)" if algo.tis_mode == "truncate" else "masked above it (decoupled PPO)"

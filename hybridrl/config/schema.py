@@ -78,6 +78,7 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("algo", "hybridrl.algo.config:AlgoConfig", "the RL algorithm: advantages, policy loss, KL, filters"),
     ("critic", "hybridrl.workers.critic_config:CriticConfig",
      "the value model of algo.advantage=gae: init, optimizer, value clip"),
+    ("distill", "hybridrl.algo.distill:DistillConfig", "on-policy distillation: a teacher that scores the policy's tokens"),
     ("reward_model", "hybridrl.reward.config:RewardModelConfig", "a learned reward model as a reward component"),
     ("trainer", "hybridrl.controller.config:TrainerConfig", "the RL loop: steps, batch shape, validation, checkpoints"),
     ("sft", "hybridrl.controller.sft_config:SFTConfig", "supervised warm start on the task's demonstrations"),

@@ -15,7 +15,7 @@ ENGINES = {
     "megatron": "hybridrl.backends.megatron.engine:MegatronEngine",
 }
 
-ACTOR, REFERENCE, CRITIC = "actor", "reference", "critic"
+ACTOR, REFERENCE, CRITIC, TEACHER = "actor", "reference", "critic", "teacher"
 
 
 def engine_class(name: str) -> Any:
@@ -27,7 +27,8 @@ def engine_class(name: str) -> Any:
 
 def build(cfg: Any, role: str, device: Any) -> Any:
     """A training engine of this run: the `actor`, the `reference` (the actor's weights, frozen) or the
-    `critic` (`critic.path` or the actor's weights, with a value head and its own optimizer settings)."""
+    `critic` (`critic.path` or the actor's weights, with a value head and its own optimizer settings) or the
+    `teacher` of on-policy distillation (`distill.teacher`, frozen, the actor's layout)."""
     from hybridrl.training.protocol import LM_HEAD, VALUE_HEAD
 
     cls = engine_class(cfg.train.engine)
@@ -41,4 +42,6 @@ def build(cfg: Any, role: str, device: Any) -> Any:
     if role == CRITIC:
         return cls.from_hf(cfg.critic.path or cfg.model.path, cfg.critic.megatron(cfg.train), training=True,
                            device=device, head=VALUE_HEAD)
+    if role == TEACHER:
+        return cls.from_hf(cfg.distill.teacher, cfg.train, training=False, device=device, head=LM_HEAD)
     raise ValueError(f"no training role {role!r}")

@@ -3,14 +3,17 @@ protocol (`training.protocol.TrainEngine`): pipeline stages, pass counting and r
 the engines; this file is the algorithm.
 
     reference logprobs (a KL term)      -> batch['ref_logprobs']
+    teacher logprobs (distillation)      -> batch['teacher_logprobs']
     old logprobs                         a forward only when the batch takes more than one optimizer
-                                         step or the KL goes into the reward; otherwise the first
+                                         step, the KL goes into the reward or a teacher distils (the
+                                         advantages need the policy's logprobs); otherwise the first
                                          training forward's detached logprobs serve (ratio 1 by
                                          construction, and the rollout/trainer mismatch comes from it)
     the critic's values (GAE)            -> batch['values']
     KL in the reward, advantages         on the loss ranks; group and batch statistics summed over
                                          the data-parallel ranks, so a group split over ranks gets the
-                                         whole group's statistics
+                                         whole group's statistics; a teacher's per-token term added
+                                         (`algo/distill.py`)
     critic steps, then ppo_epochs x mini-batches actor steps, on the same mini-batches
 
 The batch arrives laid out by `algo.minibatches` (tensors: input_ids, attention_mask, loss_mask,
@@ -38,27 +41,33 @@ from hybridrl.data.batch import Batch
 @dataclass
 class Objective:
     """The configured losses: `policy` when old logprobs come from a separate forward, `on_policy` when
-    the training forward's own detached logprobs are the old ones; `value` for a critic."""
+    the training forward's own detached logprobs are the old ones; `value` for a critic; `distill` the
+    distillation section when a teacher scores the tokens."""
 
     algo: Any
     policy: Callable
     on_policy: Callable
     value: Callable | None = None
+    distill: Any = None
 
 
 def update_policy(actor, ref, critic, objective: Objective, batch: Batch, *, mini_batch_rows: list[int],
-                  num_groups: int, epochs: int, temperature: float, update_actor: bool = True) -> Batch | None:
+                  num_groups: int, epochs: int, temperature: float, update_actor: bool = True,
+                  teacher=None) -> Batch | None:
     algo = objective.algo
+    if (teacher is None) != (objective.distill is None):
+        raise ValueError("update_policy: a teacher needs the objective's distill section, and that section a teacher")
     batch = batch.to(actor.device)
     slices = mini_batch_slices(mini_batch_rows)
     if slices[-1][1] != len(batch):
         raise ValueError(f"mini_batch_rows {mini_batch_rows} cover {slices[-1][1]} rows, this rank holds "
                          f"{len(batch)}: lay the batch out with algo.minibatches.lay_out")
     updates = epochs * len(slices)
-    separate_old = updates > 1 or (ref is not None and algo.kl_in == "reward")
-    before = (dict(actor.passes), dict(ref.passes) if ref is not None else {})
+    separate_old = updates > 1 or (ref is not None and algo.kl_in == "reward") or teacher is not None
+    before = (dict(actor.passes), dict(ref.passes) if ref is not None else {},
+              dict(teacher.passes) if teacher is not None else {})
     mask = batch["loss_mask"]
-    timings = {"time/T_ref": 0.0, "time/T_old": 0.0}
+    timings = {"time/T_ref": 0.0, "time/T_old": 0.0, "time/T_teacher": 0.0}
 
     def timed(name: str, fn: Callable[[], Any]) -> Any:
         started = time.perf_counter()
@@ -72,6 +81,9 @@ def update_policy(actor, ref, critic, objective: Objective, batch: Batch, *, min
     if ref is not None:
         batch.set("ref_logprobs", timed("ref", lambda: everywhere(
             ref.compute_logprobs(batch, temperature=temperature, on_last_stage=True), "logprobs")))
+    if teacher is not None:
+        batch.set("teacher_logprobs", timed("teacher", lambda: everywhere(
+            teacher.compute_logprobs(batch, temperature=temperature, on_last_stage=True), "logprobs")))
     if separate_old:
         batch.set("old_logprobs", timed("old", lambda: everywhere(
             actor.compute_logprobs(batch, temperature=temperature, on_last_stage=True), "logprobs")))
@@ -79,6 +91,7 @@ def update_policy(actor, ref, critic, objective: Objective, batch: Batch, *, min
     if critic is not None:
         batch.set("values", everywhere(critic.compute_values(batch, on_last_stage=True), "values"))
     advantages = torch.zeros_like(mask)
+    distilled: dict[str, float] = {}
     if actor.is_loss_rank:
         token_rewards = (kl_token_rewards(algo, batch["old_logprobs"], batch["ref_logprobs"], mask)
                          if ref is not None and algo.kl_in == "reward" else None)
@@ -89,6 +102,12 @@ def update_policy(actor, ref, critic, objective: Objective, batch: Batch, *, min
         else:
             advantages = compute_advantages(algo, batch["reward"], batch["group_index"], mask,
                                             token_rewards=token_rewards, num_groups=num_groups, reduce=actor.dp_sum)
+        if teacher is not None:        # the teacher's per-token term on the student's old logprobs
+            from hybridrl.algo import distill
+
+            old, scored = batch["old_logprobs"], batch["teacher_logprobs"]
+            advantages = distill.token_advantages(objective.distill, advantages, old, scored, mask)
+            distilled = distill.metrics(actor.dp_sum(distill.reverse_kl_sums(old, scored, mask)))
     elif critic is not None:                 # ranks off the last stage compute no loss: shapes only
         batch.set("returns", torch.zeros_like(mask))
     batch.set("advantages", advantages.to(torch.float32))
@@ -117,11 +136,13 @@ def update_policy(actor, ref, critic, objective: Objective, batch: Batch, *, min
         timed("update", steps)
     passes = {"passes/train": float(actor.passes["train"] - before[0]["train"]),
               "passes/old_logprobs": float(actor.passes["logprobs"] - before[0]["logprobs"]),
-              "passes/ref_logprobs": float(ref.passes["logprobs"] - before[1]["logprobs"]) if ref is not None else 0.0}
+              "passes/ref_logprobs": float(ref.passes["logprobs"] - before[1]["logprobs"]) if ref is not None else 0.0,
+              "passes/teacher_logprobs": (float(teacher.passes["logprobs"] - before[2]["logprobs"])
+                                          if teacher is not None else 0.0)}
     if not actor.is_loss_rank:
         return None
     old = batch["old_logprobs"] if separate_old else captured
-    metrics: dict[str, float] = {**timings, **passes}
+    metrics: dict[str, float] = {**timings, **passes, **distilled}
     if update_actor:
         metrics.update(_step_scalars(actor, per_update, len(slices), old, batch["behavior_logprobs"], mask))
     if not actor.is_output_rank:
@@ -133,7 +154,8 @@ def update_policy(actor, ref, critic, objective: Objective, batch: Batch, *, min
     rows = {"advantage": (advantages * on).sum(dim=1) / tokens, "mismatch_max_abs": worst}
     if update_actor:
         rows.update(old_logprobs=old, advantages=advantages.to(torch.float32),
-                    **({"ref_logprobs": batch["ref_logprobs"]} if ref is not None else {}))
+                    **({"ref_logprobs": batch["ref_logprobs"]} if ref is not None else {}),
+                    **({"teacher_logprobs": batch["teacher_logprobs"]} if teacher is not None else {}))
     return Batch({k: v.detach().float().cpu() for k, v in rows.items()},
                  info={"metrics": metrics, "per_update": per_update, "critic": critic_metrics})
 

@@ -1,19 +1,21 @@
 """`TrainSide`: what a rank that trains holds: the actor, and as configured a frozen reference (a KL
-term) and a critic (GAE), each a training engine (`training.registry`), with the losses of the
-configured objective.
+term), a critic (GAE) and a frozen teacher (on-policy distillation, `algo/distill.py`), each a
+training engine (`training.registry`), with the losses of the configured objective.
 
 Its registered methods are the training side's work the controller asks for:
 
     update_policy          the whole training side of an RL step in one call (`workers/rl_step.py`)
-    compute_logprobs       single pieces, for probes, benchmarks and tests: old / reference logprobs at
-    compute_ref_logprobs   the rollout temperature, one optimizer step, the critic's values and one
-    train_step             critic step
+    compute_logprobs       single pieces, for probes, benchmarks and tests: old / reference / teacher
+    compute_ref_logprobs   logprobs at the rollout temperature, one optimizer step, the critic's values
+    compute_teacher_logprobs  and one critic step
+    train_step
     compute_values
     train_critic
     save_checkpoint / load_checkpoint / export_hf / memory_report
 
 Between modes (colocated) the link between the sides calls `offload` / `reload`: optimizer state and
 gradients of every trained model leave while the rollout engine generates and come back for training.
+The frozen models (reference, teacher) hold neither: their weights stay where they are.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ ON_TRAIN_RANKS = OneToAll(mesh="train")
 
 class TrainSide(Part):
     def __init__(self, cfg: Any, ctx: Any, phases: Phases):
+        from hybridrl.algo import distill
         from hybridrl.algo.objective import make_loss_fn
 
         self.cfg, self.ctx, self.phases = cfg, ctx, phases
@@ -43,12 +46,14 @@ class TrainSide(Part):
             self.ref = (self.actor.base_model() if cfg.train.lora.enabled
                         else registry.build(cfg, registry.REFERENCE, ctx.device))
         self.critic = registry.build(cfg, registry.CRITIC, ctx.device) if cfg.algo.uses_critic else None
+        self.teacher = registry.build(cfg, registry.TEACHER, ctx.device) if distill.enabled(cfg) else None
         value = None
         if self.critic is not None:
             from hybridrl.algo.value_loss import make_value_loss_fn
 
             value = make_value_loss_fn(cfg.critic.value_clip)
-        self.objective = Objective(cfg.algo, make_loss_fn(cfg.algo), make_loss_fn(cfg.algo, old_from_forward=True), value)
+        self.objective = Objective(cfg.algo, make_loss_fn(cfg.algo), make_loss_fn(cfg.algo, old_from_forward=True), value,
+                                   distill=cfg.distill if self.teacher is not None else None)
         self.spill_dir = Path(cfg.run.dir) / "offload" / f"rank{ctx.rank}" if cfg.hybrid.spill_optimizer else None
 
     @property
@@ -73,7 +78,7 @@ class TrainSide(Part):
         with self.phases.phase("train"):
             return update_policy(self.actor, self.ref, self.critic, self.objective, batch,
                                  mini_batch_rows=mini_batch_rows, num_groups=num_groups, epochs=epochs,
-                                 temperature=self.temperature, update_actor=update_actor)
+                                 temperature=self.temperature, update_actor=update_actor, teacher=self.teacher)
 
     # ------------------------------------------------------------------ single pieces
 
@@ -91,6 +96,15 @@ class TrainSide(Part):
             raise RuntimeError("no reference model: algo.kl_coef is 0")
         out = self.ref.compute_logprobs(batch, temperature=self.temperature)
         return None if out is None else Batch({"ref_logprobs": out["logprobs"]})
+
+    @register(dispatch=DPSplit("train"))
+    def compute_teacher_logprobs(self, batch: Batch) -> Batch | None:
+        """teacher_logprobs [B, T] of the distillation teacher at the rollout temperature (token-aligned)."""
+        self.phases.require(Mode.TRAIN)
+        if self.teacher is None:
+            raise RuntimeError("no teacher model: distill.teacher is not set")
+        out = self.teacher.compute_logprobs(batch, temperature=self.temperature)
+        return None if out is None else Batch({"teacher_logprobs": out["logprobs"]})
 
     @register(dispatch=DPSplit("train"))
     def train_step(self, batch: Batch) -> dict:
