@@ -58,6 +58,7 @@ def main() -> int:
         "yield_tokens_per_s": med("yield/tokens_per_s"),
         "switch_s": {k.split("/", 1)[1]: med(k) for k in steps[-1] if k.startswith("switch/")},
         "episodes_per_step": med("episodes"),
+        "response_tokens_per_episode": med("episode/response_tokens"),
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
