@@ -76,15 +76,20 @@ class Arrivals:
         reason = self.aborted()
         if reason is not None:
             raise RuntimeError(f"rank {self.rank}: the run was aborted while waiting at {key}: {reason}")
-        try:
-            if deadline is None:
-                self.store.wait([f"arrive/{key}/all"])
-            else:
-                left = max(deadline - time.monotonic(), 0.001)
-                self.store.wait([f"arrive/{key}/all"], timedelta(seconds=left))
-            return []
-        except RuntimeError:                     # the store's wait timed out (DistStoreError)
-            return [r for r in self.ranks if not self.store.check([f"arrive/{key}/{r}"])]
+        while True:
+            try:
+                if deadline is None:
+                    self.store.wait([f"arrive/{key}/all"])
+                else:
+                    left = max(deadline - time.monotonic(), 0.001)
+                    self.store.wait([f"arrive/{key}/all"], timedelta(seconds=left))
+                return []
+            except RuntimeError:                 # the store's wait timed out (DistStoreError)
+                # ...which can be a fraction of a millisecond early (the store counts whole
+                # milliseconds): the barrier ends at its deadline, not before
+                if deadline is not None and time.monotonic() < deadline:
+                    continue
+                return [r for r in self.ranks if not self.store.check([f"arrive/{key}/{r}"])]
 
     def forget(self, key: str) -> None:
         """Drop this rank's keys of a barrier that no rank reads any more (the first rank drops the shared ones)."""
