@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from hybridrl.distributed.config import DistributedConfig
 from hybridrl.distributed.control import ControlPlane
+from hybridrl.distributed.network import bind_interface
 from hybridrl.distributed.peers import Peers, build_group
 from hybridrl.distributed.placement import PlacementConfig, Roles
 
@@ -77,6 +78,7 @@ def init_distributed(cfg: DistributedConfig, placement: PlacementConfig | None =
         raise RuntimeError(
             f"not launched by torchrun: {', '.join(missing)} unset. Use `hybridrl train RECIPE` or "
             "`torchrun --nproc-per-node N -m hybridrl.train --config RECIPE`")
+    bind_interface(cfg.socket_ifname)    # before any process group: gloo reads it when it starts
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
