@@ -37,12 +37,12 @@ def interface_address(ifname: str) -> str:
 
 
 def host_address() -> str:
-    """This host's address without a chosen interface: what its hostname resolves to, else the
-    first non-loopback IPv4 address."""
+    """This host's address without a chosen interface: what its hostname resolves to (as
+    `hostname --ip-address`; a loopback address on a one-node setup, which is why clusters whose
+    hostnames resolve to 127.0.1.1 need distributed.socket_ifname), else the first non-loopback
+    IPv4 address."""
     try:
-        addr = socket.gethostbyname(socket.gethostname())
-        if not addr.startswith("127."):
-            return addr
+        return socket.gethostbyname(socket.gethostname())
     except OSError:
         pass
     for name, addrs in sorted(psutil.net_if_addrs().items()):
