@@ -119,7 +119,11 @@ def rank_main(rank: int, args, port: int, counts, tmp: Path) -> int:
     cfg = DistributedConfig(device="cpu", heartbeat_interval_s=args.heartbeat_interval,
                             heartbeat_timeout_s=args.heartbeat_timeout, error_grace_s=1.0, call_timeout_s=300.0)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600))
-    control = ControlPlane(CountingStore(dist.PrefixStore("hybridrl/", store), counts, 2 * rank), rank, world)
+    inner = dist.PrefixStore("hybridrl/", store)
+    if hasattr(ControlPlane, "connect"):               # the control plane's own connection, as bootstrap makes it
+        inner = inner.clone()
+        inner.set_timeout(timedelta(days=365))
+    control = ControlPlane(CountingStore(inner, counts, 2 * rank), rank, world)
     control.register_process(host, os.getpid())
     if store.add("bench/up", 1) == world:             # every rank up: the rendezvous torchrun's ranks pass
         store.set("bench/go", b"1")

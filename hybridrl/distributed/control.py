@@ -10,19 +10,24 @@ the key is set, and every way a call can end sets the key its waiters wait on: t
 finish, a worker that fails, the controller's watchdog (a dead or silent rank, a deadline), and
 an abort, which writes an abort marker into the next command slots. A rank whose main thread is
 blocked elsewhere (inside a method, a collective) is reached by its watchdog, which polls the
-abort flag once per heartbeat. The store requests of a call are O(1) on the controller and O(1)
-on each worker; see docs/multinode.md for the figures.
+abort flag once per heartbeat. A call costs the controller the same few store requests whatever the
+world size (post the command; wait for the end of the call; read the owners' statuses at once),
+and each worker two (read the command, a blocking get; count itself finished), plus a status and
+its removal where the controller collects its output; see docs/multinode.md for the figures.
+
+The main thread's connection waits as long as it takes (`connect`): only the waits above block,
+on keys that some rank always sets, and the watchdog (its own connection, with a finite timeout)
+ends the process if the run is over in any other way.
 
 Keys (under the `hybridrl/` prefix):
   seq                  the number of the controller's newest command
   cmd/<seq>            the controller's command number <seq>, read by every worker
   status/<seq>/<rank>  the outcome of command <seq> on a rank whose output is collected, or that failed
-  done/<seq>           the ranks that finished command <seq> (4 bytes each, appended as they finish)
   done                 finished (command, worker) pairs: the worker that makes it seq*(N-1) is the last of <seq>
   wake/<seq>           the end of command <seq>: b"done" (its last worker), b"fail:<rank>" (a failing
                        worker), b"fail" (the controller's watchdog)
   errors, error/<i>    counter and reports of failures, in the order they happened
-  hb/<rank>            heartbeat counter of a rank
+  hb/<rank>            b"<beats> <newest command finished>" of a rank, set by its watchdog
   proc/<rank>          (hostname, pid) of a rank: what node it is on, and a fast death check on one host
   abort                set once: every rank exits
 """
@@ -86,6 +91,14 @@ class ControlPlane:
         self.rank = rank
         self.world_size = world_size
 
+    @classmethod
+    def connect(cls, job_store: dist.Store, rank: int, world_size: int) -> "ControlPlane":
+        """The control plane on a connection of its own to the job's store, under `hybridrl/`,
+        whose waits never time out (see the module doc)."""
+        store = dist.PrefixStore("hybridrl/", job_store).clone()
+        store.set_timeout(FOREVER)
+        return cls(store, rank, world_size)
+
     def clone(self) -> "ControlPlane":
         return ControlPlane(self.store.clone(), self.rank, self.world_size)
 
@@ -98,9 +111,7 @@ class ControlPlane:
 
     def wait_command(self, seq: int) -> Any | None:
         """Block until command `seq` is posted; None if the run was aborted instead."""
-        key = f"cmd/{seq}"
-        self.store.wait([key], FOREVER)
-        data = self.store.get(key)
+        data = self.store.get(f"cmd/{seq}")     # the connection's timeout: FOREVER (`connect`)
         return None if data == ABORT_MARKER else decode(data)
 
     # the end of a call (every worker -> the controller) -------------------------------------
@@ -110,10 +121,9 @@ class ControlPlane:
         The last worker to finish wakes the controller and drops the previous command's keys."""
         if status is not None:
             self.store.set(f"status/{seq}/{self.rank}", status)
-        self.store.append(f"done/{seq}", self.rank.to_bytes(4, "little"))
         if self.store.add(DONE, 1) == seq * (self.world_size - 1):
             self.store.set(f"wake/{seq}", DONE.encode())
-            for key in (f"cmd/{seq - 1}", f"wake/{seq - 1}", f"done/{seq - 1}"):
+            for key in (f"cmd/{seq - 1}", f"wake/{seq - 1}"):
                 self._delete(key)
 
     def fail(self, seq: int, status: bytes) -> None:
@@ -128,7 +138,8 @@ class ControlPlane:
         """Block until command `seq` is over: "done", "fail:<rank>" or "fail" (see `wake`).
         Raises torch.distributed.DistStoreError after `timeout`."""
         key = f"wake/{seq}"
-        self.store.wait([key], timeout)
+        if timeout != FOREVER:
+            self.store.wait([key], timeout)
         return self.store.get(key).decode()
 
     def statuses(self, seq: int, ranks: Sequence[int]) -> list[Any]:
@@ -139,14 +150,6 @@ class ControlPlane:
 
     def status(self, seq: int, rank: int) -> Any:
         return decode(self.store.get(f"status/{seq}/{rank}"))
-
-    def finished(self, seq: int) -> set[int]:
-        """The workers that finished command `seq` so far."""
-        key = f"done/{seq}"
-        if not self.store.check([key]):
-            return set()
-        data = self.store.get(key)
-        return {int.from_bytes(data[i:i + 4], "little") for i in range(0, len(data), 4)}
 
     def drop_status(self, seq: int) -> None:
         """A worker drops the status it posted for `seq` (once the controller has read it)."""
@@ -190,7 +193,7 @@ class ControlPlane:
     # liveness ---------------------------------------------------------------------------------
 
     def register_process(self, hostname: str, pid: int) -> None:
-        self.store.add(f"hb/{self.rank}", 0)      # the heartbeat key exists from now on
+        self.beat(0, 0)                            # the heartbeat key exists from now on
         self.store.set(f"proc/{self.rank}", encode((hostname, pid)))
 
     def registered(self, ranks: Sequence[int]) -> list[int]:
@@ -207,14 +210,21 @@ class ControlPlane:
             return {}
         return {r: decode(v) for r, v in zip(ranks, self.store.multi_get([f"proc/{r}" for r in ranks]))}
 
-    def beat(self) -> None:
-        self.store.add(f"hb/{self.rank}", 1)
+    def beat(self, count: int, finished: int) -> None:
+        """Heartbeat number `count`, with the newest command this rank finished."""
+        self.store.set(f"hb/{self.rank}", f"{count} {finished}".encode())
 
-    def beats(self, rank: int) -> int:
-        return self.store.add(f"hb/{rank}", 0)
+    def beats(self, rank: int) -> tuple[int, int]:
+        """(heartbeats, newest command finished) of a registered rank."""
+        return _beat(self.store.get(f"hb/{rank}"))
 
-    def beats_of(self, ranks: Sequence[int]) -> list[int]:
-        """The heartbeat counters of registered ranks (one request)."""
+    def beats_of(self, ranks: Sequence[int]) -> list[tuple[int, int]]:
+        """`beats` of registered ranks (one request)."""
         if not ranks:
             return []
-        return [int(v) for v in self.store.multi_get([f"hb/{r}" for r in ranks])]
+        return [_beat(v) for v in self.store.multi_get([f"hb/{r}" for r in ranks])]
+
+
+def _beat(value: bytes) -> tuple[int, int]:
+    count, finished = value.split()
+    return int(count), int(finished)

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from datetime import timedelta
 from typing import Callable
 
 import psutil
@@ -60,7 +61,8 @@ class Watchdog(threading.Thread):
     def __init__(self, control: ControlPlane, cfg: DistributedConfig,
                  format_failure: Callable[[ErrorReport], str] = lambda r: r.message):
         super().__init__(name=f"hybridrl-watchdog-{control.rank}", daemon=True)
-        self.control = control.clone()   # this thread's own store connection
+        self.control = control.clone()   # this thread's own store connection, whose requests time out:
+        self.control.store.set_timeout(timedelta(seconds=max(60.0, 2 * cfg.heartbeat_timeout_s)))  # store lost
         self.cfg = cfg
         self.rank = control.rank
         self.world_size = control.world_size
@@ -77,6 +79,8 @@ class Watchdog(threading.Thread):
         self.call_seq: int | None = None   # the call whose end the controller's main thread waits for
         self.blocked = False            # main thread inside a section where it cannot wait on the store
         self.idle_in_serve = False      # worker main thread waiting for commands (exits by itself)
+        self.finished = 0               # worker: the newest command it finished (sent with the heartbeat)
+        self._count = 0
         self._woken: int | None = None
         self._errors_seen = 0
         self._born = time.monotonic()
@@ -86,6 +90,7 @@ class Watchdog(threading.Thread):
         self._hosts: dict[int, str] = {}
         self._pids: dict[int, int] = {}                   # workers on this host
         self._beats: dict[int, tuple[int, float]] = {}    # rank -> (counter, when it last moved)
+        self._finished: dict[int, int] = {}               # rank -> newest command it finished
 
     # ------------------------------------------------------------------ main-thread API
 
@@ -124,7 +129,8 @@ class Watchdog(threading.Thread):
         interval = self.cfg.heartbeat_interval_s
         while not self._halt.wait(interval):
             try:
-                self.control.beat()
+                self._count += 1
+                self.control.beat(self._count, self.finished)
                 if self.rank == 0:
                     self._watch_workers()
                 else:
@@ -168,8 +174,8 @@ class Watchdog(threading.Thread):
             return ErrorReport(0, self.method, "timeout",
                                f"call '{self.method}' exceeded its {self.timeout_s:g}s timeout "
                                "while the controller was blocked in a collective or transfer")
-        seq = self.call_seq
-        late = sorted(set(range(1, self.world_size)) - (self.control.finished(seq) if seq else set()))
+        seq = self.call_seq or 0        # as of the workers' last heartbeats
+        late = [r for r in range(1, self.world_size) if self._finished.get(r, 0) < seq]
         return ErrorReport(late[0] if late else 0, self.method, "timeout",
                            f"call '{self.method}' exceeded its {self.timeout_s:g}s timeout; "
                            f"ranks still running: {late}")
@@ -202,7 +208,8 @@ class Watchdog(threading.Thread):
                 self.set_failure(ErrorReport(rank, self.method, "died",
                                              f"rank {rank} (pid {pid} on {self._hosts[rank]}) died"))
                 return
-        for rank, count in zip(self._watched, self.control.beats_of(self._watched)):
+        for rank, (count, finished) in zip(self._watched, self.control.beats_of(self._watched)):
+            self._finished[rank] = finished
             if count != self._beats[rank][0]:
                 self._beats[rank] = (count, now)
         silent = [r for r in self._watched if now - self._beats[r][1] > self.cfg.heartbeat_timeout_s]
@@ -214,19 +221,20 @@ class Watchdog(threading.Thread):
         that died together cross the timeout a heartbeat or two apart: those quiet for two
         heartbeats count with them)."""
         quiet = {r for r in self._watched if now - self._beats[r][1] > 2 * self.cfg.heartbeat_interval_s}
-        parts = []
+        parts, named = [], []
         for host, ranks in self.nodes().items():
             lost = [r for r in ranks if r in silent]
             if not lost:
                 continue
             longest = max(now - self._beats[r][1] for r in lost)
             stopped = sorted(set(lost) | {r for r in ranks if r in quiet})
+            named += stopped if stopped == ranks else lost
             if stopped == ranks:
                 parts.append(f"node {host} lost: {_ranks(ranks)} (every rank on it) sent no heartbeat for "
                              f"{longest:.1f}s (distributed.heartbeat_timeout_s={self.cfg.heartbeat_timeout_s:g})")
             else:
                 parts.append(f"{_ranks(lost)} on {host} sent no heartbeat for {longest:.1f}s")
-        return ErrorReport(min(silent), self.method, "silent", "; ".join(parts))
+        return ErrorReport(min(named), self.method, "silent", "; ".join(parts))
 
     def _watch_controller(self) -> None:
         reason = self.control.aborted()
@@ -239,7 +247,7 @@ class Watchdog(threading.Thread):
             _hard_exit(f"hybridrl: rank {self.rank} stopping: {self.failure.message}")
 
     def _check_controller(self, now: float) -> None:
-        count = self.control.beats(0)
+        count = self.control.beats(0)[0]
         last = self._beats.get(0)
         if last is None or count != last[0]:
             self._beats[0] = (count, now)

@@ -28,20 +28,22 @@ log = logging.getLogger(__name__)
 def serve(worker: Worker, ctx: DistContext, watchdog: Watchdog) -> int:
     """Run commands until SHUTDOWN (returns 0) or an abort (returns EXIT_ABORTED)."""
     control = ctx.control
-    seq, posted_status = 0, False
+    seq, posted_before = 0, False
     while True:
         seq += 1
         watchdog.idle_in_serve = True
         cmd = control.wait_command(seq)
         watchdog.idle_in_serve = False
-        if posted_status:               # the controller read it before it posted this command
-            control.drop_status(seq - 1)
         if cmd is None:
             return EXIT_ABORTED
         if cmd.method == SHUTDOWN:
             control.complete(seq)
             return 0
-        posted_status = _run(worker, ctx, cmd)
+        posted = _run(worker, ctx, cmd)
+        if posted_before:                  # read by the controller before it posted `seq`
+            control.drop_status(seq - 1)
+        posted_before = posted
+        watchdog.finished = seq
 
 
 def _run(worker: Worker, ctx: DistContext, cmd: Command) -> bool:
