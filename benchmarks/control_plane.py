@@ -172,7 +172,9 @@ def _controller(group, worker, args, counts, tmp: Path, result: dict) -> None:
         cpu = [(o["cpu_s"] - c0) / (2 * args.calls) for o, c0 in zip(out, cpu0)]   # both threads, per call
         time.sleep(args.idle)
         idle = list(counts)
+        slot = slice(0, len(OPS))                      # the controller's main connection
         result.update(times=times, calls_s=calls_s, idle_s=args.idle, controller_cpu_s=cpu[0],
+                      controller_requests=_by_op(before[slot], during[slot]),
                       worker_cpu_s=statistics.median(cpu[1:]),
                       requests_calls=_by_op(before, during), requests_idle=_by_op(during, idle))
         result["abort_at"] = time.monotonic()
@@ -260,6 +262,8 @@ def one_launch(args) -> dict:
             _reap(pids, exits, codes)
         time.sleep(1.0)                                  # every rank inside the busy call
         last_node = (args.one - 1) // args.ranks_per_node
+        if last_node == 0:
+            raise SystemExit("the kill scenario needs two nodes or more: --ranks-per-node < world size")
         victims = [pid for pid, r in pids.items() if r // args.ranks_per_node == last_node]
         killed_at = time.monotonic()
         for pid in victims:
@@ -330,6 +334,7 @@ def launch(checkout: Path, n: int, scenario: str, args) -> dict:
         raise SystemExit(f"{checkout} N={n} {scenario}: launch failed\n{proc.stderr[-4000:]}")
     out = json.loads(text)
     out["load_avg_1m"] = load
+    out["stderr_tail"] = proc.stderr[-2000:]
     ctl = out["controller"]
     if "bench_error" in ctl:
         raise SystemExit(f"{checkout} N={n} {scenario}: {ctl['bench_error']}\n{proc.stderr[-3000:]}")
@@ -337,9 +342,13 @@ def launch(checkout: Path, n: int, scenario: str, args) -> dict:
 
 
 def summarize(run: dict, scenario: str, args) -> dict:
+    """The figures of one launch; {"failed": why} when it did not get as far as measuring them."""
     ctl = run["controller"]
-    if run.get("hung") or (scenario == "calls" and "times" not in ctl):
-        return {"failed": (ctl.get("error") or f"ranks {run.get('hung')} did not exit").splitlines()[0]}
+    expected = {"calls": "times", "raise": "call_at", "kill": "failed_at"}[scenario]
+    if run.get("hung") or expected not in ctl:
+        why = ctl.get("error") or (f"ranks {run['hung']} did not exit" if run.get("hung") else
+                                   "the controller ended before it measured (see the launch's stderr)")
+        return {"failed": why.splitlines()[0]}
     if scenario == "calls":
         calls = 2 * len(ctl["times"]["noop"])
         req_calls, req_idle = sum(ctl["requests_calls"].values()), sum(ctl["requests_idle"].values())
@@ -348,6 +357,7 @@ def summarize(run: dict, scenario: str, args) -> dict:
                 "echo_ms": 1e3 * statistics.median(ctl["times"]["echo"]),
                 "echo_p90_ms": 1e3 * _quantile(ctl["times"]["echo"], 0.9),
                 "requests_per_call": req_calls / calls,
+                "controller_requests_per_call": sum(ctl["controller_requests"].values()) / calls,
                 "controller_cpu_ms_per_call": 1e3 * ctl["controller_cpu_s"],
                 "worker_cpu_ms_per_call": 1e3 * ctl["worker_cpu_s"],
                 "requests_per_s_calls": req_calls / ctl["calls_s"],
@@ -401,6 +411,7 @@ def main() -> int:
         sides = {"base": Path(args.base).resolve(), **sides}
     ranks = [int(n) for n in args.ranks.split(",")]
     scenarios = args.scenarios.split(",")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     runs: dict = {side: {str(n): {s: [] for s in scenarios} for n in ranks} for side in sides}
     order = list(sides)
     for rep in range(args.repeats):
@@ -409,12 +420,15 @@ def main() -> int:
                 for side in (order if rep % 2 == 0 else order[::-1]):
                     run = launch(sides[side], n, scenario, args)
                     summary = summarize(run, scenario, args)
+                    if "failed" in summary:
+                        summary["stderr_tail"] = run["stderr_tail"]
                     summary["load_avg_1m"] = run["load_avg_1m"]
                     runs[side][str(n)][scenario].append(summary)
                     shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()
-                             if not k.startswith("requests_by_op")}
+                             if not k.startswith("requests_by_op") and k != "stderr_tail"}
                     print(f"[{rep}] {side} N={n} {scenario}: {shown}", flush=True)
                     order = order[::-1]
+                    Path(args.json + ".partial").write_text(json.dumps(runs))
     result = {"args": {k: v for k, v in vars(args).items() if k not in ("one", "scenario", "out")},
               "sides": {s: str(p) for s, p in sides.items()}, "cpus": os.cpu_count(), "median": {}, "growth": {},
               "runs": runs}
@@ -435,11 +449,11 @@ def main() -> int:
                     elif key == "error":
                         row[key] = value
         first = med[str(ranks[0])]
-        result["growth"][side] = {str(n): {k: med[str(n)][k] / first[k] for k in first
-                                           if isinstance(first[k], float) and first[k] > 0 and not isinstance(first[k], bool)}
+        result["growth"][side] = {str(n): {k: med[str(n)][k] / first[k] for k in first if k in med[str(n)]
+                                           and isinstance(first[k], float) and first[k] > 0}
                                   for n in ranks}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
+    Path(args.json + ".partial").unlink()
     keys = ("noop_ms", "echo_ms", "requests_per_call", "requests_per_s_idle", "abort_to_exit_s", "raise_to_exit_s",
             "dead_to_exit_s", "uss_mib_per_process")
     for side in sides:
