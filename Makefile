@@ -18,7 +18,7 @@ endif
 
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-loaded test-slow test-gpu gpu-check sglang-types slurm-install slurm-up slurm-down test-slurm test-slurm-2node clean
+.PHONY: install demo test test-loaded test-slow test-gpu gpu-wheels gpu-check sglang-types slurm-install slurm-up slurm-down test-slurm test-slurm-2node clean
 
 install: $(STAMP)
 
@@ -60,11 +60,21 @@ sglang-types: install
 		msgspec pyzmq orjson pybase64
 
 # The GPU check kit: one hybrid run on this machine's accelerator (its cycles are the mode-switch
-# benchmark), then the served engine and Megatron vs transformers; JSON in runs/gpu_check.
+# benchmark), then the served engine and Megatron vs transformers; JSON in runs/gpu_check; within
+# 8 minutes. It needs no package index: `make gpu-wheels` (where an index is reachable) downloads
+# what hybridrl needs into WHEELHOUSE, without torch (GPU_WHEELS_ARGS="--with-torch" adds it;
+# "--python-version 3.12 --platform manylinux_2_28_x86_64" for another machine's Python/platform).
+# `make gpu-check` reuses VENV when it has torch, else the system torch (a venv over it), installs
+# what is missing from WHEELHOUSE only and says what it reused and installed (benchmarks/gpu_env.py).
 # GPU_CHECK_ARGS="--device cpu" for the CPU run.
+WHEELHOUSE ?= .wheelhouse
+GPU_WHEELS_ARGS ?=
 GPU_CHECK_ARGS ?=
-gpu-check: install
-	$(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+gpu-wheels: install
+	$(BIN)/python benchmarks/gpu_env.py wheels --wheelhouse $(WHEELHOUSE) $(GPU_WHEELS_ARGS)
+
+gpu-check:
+	$(PYTHON) benchmarks/gpu_env.py check --wheelhouse $(WHEELHOUSE) --venv $(VENV) -- $(GPU_CHECK_ARGS)
 
 # recipes/slurm/train.sbatch under a real SLURM from Debian's packages (root; apt-get installs them
 # when missing), config and state under SLURM_DIR. NODES=1: one node on localhost; NODES=2 (or more):

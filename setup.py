@@ -22,9 +22,12 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["hybridrl", "hybridrl.*"]),
+    # the shipped recipes travel inside the package (hybridrl/recipes/ in a wheel), so a pip-installed
+    # user has them too: `hybridrl init recipe NAME` copies one out (hybridrl/shipped.py finds them)
+    packages=[*find_packages(include=["hybridrl", "hybridrl.*"]), "hybridrl.recipes"],
+    package_dir={"hybridrl.recipes": "recipes"},
     include_package_data=True,
-    package_data={"hybridrl": ["py.typed"]},
+    package_data={"hybridrl": ["py.typed"], "hybridrl.recipes": ["*.yaml", "slurm/*"]},
     install_requires=[
         # CPU installs take torch==2.13.0 first (see Makefile); GPU users keep their own build.
         "torch>=2.4",
@@ -44,7 +47,11 @@ setup(
         "pyarrow>=14",          # the run ledger's data plane (Parquet)
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.8", "pyseccomp>=0.1.2"],
+        # `hybridrl plot` (imported only there; the command says how to install it when missing)
+        "plot": ["matplotlib>=3.8"],
+        # the tool sandbox's syscall filter: libseccomp through a ctypes binding (the system's libseccomp.so.2)
+        "sandbox": ["pyseccomp>=0.1.2"],
         # GPU rollout backend; never needed on CPU.
         # One exact release, the one hybridrl/backends/sglang is written against (requests.SGLANG_VERSION):
         # 0.5.18-0.5.21 pin torch==2.13.0 and transformers==5.12.1 (inside our transformers>=5,<6); 0.5.4-0.5.9

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-SFT_RECIPE = REPO / "recipes" / "calc_sft_cpu.yaml"
-GRPO_RECIPE = REPO / "recipes" / "calc_grpo_cpu.yaml"
+from hybridrl.shipped import recipe_path
+
+SFT_RECIPE = recipe_path("calc_sft_cpu")      # shipped with the package (a pip install has them too)
+GRPO_RECIPE = recipe_path("calc_grpo_cpu")
 # The base model: Qwen2 layout, hidden 192, 4 layers, 6 heads / 2 KV heads, tied embeddings (~1.9M
 # parameters). Hidden 128 learns the default task but cannot copy 3-4 digit operands into a tool
 # call reliably enough for the demo to work across operand ranges.

@@ -4,6 +4,12 @@ The self-test launches `torchrun -m hybridrl.train` with the self-check recipe t
 clean (dispatch to all ranks, uneven data-parallel split and collect, broadcast + collective,
 rank-0-only call) and once with a failure injected on the last rank, which must end the run
 with an error naming that rank and method.
+
+The GPU stack: the pinned sglang release (0.5.21) pulls a CUDA 13 stack (cuda-python>=13,
+flashinfer and cutlass-dsl cu13 builds, nvshmem4py-cu13), which needs an NVIDIA driver of the r580
+series or newer (CUDA 13.0 needs >= 580.65.06 on Linux: NVIDIA's CUDA 13.0 release notes, "CUDA
+Toolkit and Corresponding Driver Versions"). `gpu_stack` reports the driver against that; with
+sglang installed, an older driver is a problem found.
 """
 
 from __future__ import annotations
@@ -45,6 +51,42 @@ def devices() -> dict:
     return info
 
 
+SGLANG_MIN_DRIVER = (580, 65, 6)          # CUDA 13.0 on Linux, for sglang 0.5.21's CUDA 13 stack
+
+
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver version nvidia-smi reports (None without a driver or nvidia-smi)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
+    return lines[0].strip() if lines else None
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".") if p.isdigit())
+
+
+def sglang_driver_problem(driver: str | None) -> str | None:
+    """Why the SGLang backend cannot run on this driver (None: it can, as far as the driver goes)."""
+    need = ".".join(f"{n:02d}" if i else str(n) for i, n in enumerate(SGLANG_MIN_DRIVER))
+    if driver is None:
+        return f"no NVIDIA driver found (nvidia-smi): the SGLang backend needs a GPU and driver >= {need} (CUDA 13)"
+    if _version_tuple(driver) < SGLANG_MIN_DRIVER:
+        return (f"NVIDIA driver {driver} is older than {need}: sglang 0.5.21 runs on CUDA 13, which needs "
+                f"driver >= {need}; update the driver, or generate with rollout.engine=native")
+    return None
+
+
+def gpu_stack(sglang_version: str | None) -> dict:
+    driver = nvidia_driver()
+    problem = sglang_driver_problem(driver)
+    return {"nvidia_driver": driver, "sglang": sglang_version, "problem": problem,
+            "ok": problem is None or sglang_version is None}
+
+
 def _launch(nproc: int, run_dir: Path, *overrides: str, timeout: float = 180) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "hybridrl.train", "--config", str(RECIPE), f"run.dir={run_dir}",
@@ -65,7 +107,7 @@ def selftest(nproc: int = 2) -> dict:
         checks = json.loads(report_file.read_text())["checks"] if report_file.exists() else {}
         fail_rank = nproc - 1
         failed = _launch(nproc, Path(tmp) / "fail", f"selfcheck.fail_rank={fail_rank}")
-    expected = f"rank {fail_rank} failed in 'fail_on'"
+    expected = f"rank {fail_rank} failed in 'SelfCheckWorker.fail_on'"
     result = {
         "nproc": nproc,
         "clean_run": {"ok": clean["exit_code"] == 0 and bool(checks), "exit_code": clean["exit_code"],
@@ -84,9 +126,10 @@ def selftest(nproc: int = 2) -> dict:
 
 def main(args) -> int:
     report = {"versions": versions(), "devices": devices()}
+    report["gpu_stack"] = gpu_stack(report["versions"]["sglang"])
     if not args.no_selftest:
         report["selftest"] = selftest(args.nproc)
-    ok = report.get("selftest", {}).get("ok", True)
+    ok = report.get("selftest", {}).get("ok", True) and report["gpu_stack"]["ok"]
     if args.json:
         print(json.dumps(report, indent=2))
         return 0 if ok else 1
@@ -96,6 +139,9 @@ def main(args) -> int:
     dev = report["devices"]
     gpus = ", ".join(f"{g['name']} ({g['memory_gib']} GiB)" for g in dev["cuda"]) or "none"
     print(f"  cpus           {dev['cpu_count']}   cuda: {gpus}")
+    stack = report["gpu_stack"]
+    print(f"  nvidia driver  {stack['nvidia_driver'] or '-'}"
+          + (f"   {'PROBLEM' if not stack['ok'] else 'note'}: {stack['problem']}" if stack["problem"] else ""))
     if "selftest" in report:
         st = report["selftest"]
         print(f"self-test with {st['nproc']} ranks (torchrun, gloo):")

@@ -22,6 +22,11 @@ SHIPPED = {
 }
 
 
+class JobStopped(Exception):
+    """The job stopped cleanly before its end and can resume (e.g. a kill switch was set): every rank
+    exits 0 and the run is not marked finished."""
+
+
 @dataclass(frozen=True)
 class Job:
     name: str

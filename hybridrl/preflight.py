@@ -7,11 +7,16 @@
     train.tp/pp a layout the model and the world size allow: pp <= layers, tp dividing the
                 attention heads, KV heads and FFN size, tp * pp dividing the world size (the
                 training ranks' number with a disaggregated placement, which must leave at least one)
+    dtypes      the rollout engine's dtype is train.dtype (an RL run publishes the trained weights
+                as they are), and publish.parity_tolerance is one that dtype can pass
     task        importable (loading the config did that) and able to give what the run asks of
                 it: the train and validation splits at their configured sizes (data files are read
                 here, so a missing one is named with its option), SFT demonstrations, and tools that
                 exist for the tool calls its demonstrations make
-    run.dir     what the launch does with an earlier run there (`hybridrl.controller.rundir`)
+    run.dir     what the launch does with an earlier run there (`hybridrl.store.rundir`)
+
+Warnings (returned as notes, the run still starts): more CPU ranks than the CPUs this process may
+use, and a group estimator (GRPO, RLOO) with `trainer.group_size=1`, where every advantage is 0.
 
 `hybridrl train` runs these before it starts torchrun, and every rank runs them again before it
 joins the process group (for launches by torchrun or srun directly). Import-light: no torch.
@@ -35,16 +40,16 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
     """Check what `cfg.run.job` needs; returns notes for the user (e.g. what happens to run.dir).
     `overwrite`: the earlier run's outputs will be removed, so run.dir is not inspected.
     `world_size`: ranks the run will have (default: $WORLD_SIZE, else distributed.nproc_per_node)."""
-    from hybridrl.controller import rundir
+    from hybridrl.store import rundir
 
     if cfg.run.job not in rundir.JOBS:
         return []
     check_model(cfg.model.path)
     critic, reward_model = getattr(cfg, "critic", None), getattr(cfg, "reward_model", None)
-    if critic is not None and cfg.algo.advantage == "gae" and critic.path:
+    if critic is not None and cfg.algo.uses_critic and critic.path:
         check_model(critic.path, key="critic.path")
     if reward_model is not None and reward_model.path:
-        check_model(reward_model.path, key="reward_model.path")
+        check_model(reward_model.path, key="reward_model.path", supported=False)
         check_scalar_head(reward_model.path)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE") or cfg.distributed.nproc_per_node)
@@ -59,19 +64,64 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
         world_size -= placement.rollout_ranks
         world_key = "training ranks (world size - placement.rollout_ranks)"
     check_layout(cfg.model.path, cfg.train.tp, cfg.train.pp, world_size, world_key=world_key)
-    check_task(cfg)
+    if cfg.run.job == "rl":
+        check_dtypes(cfg)
+    train_size = check_task(cfg)
+    notes = warnings(cfg, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or
+                              cfg.distributed.nproc_per_node) if world_size is None else world_size)
+    notes += check_objective(cfg, train_size)
     try:
         if overwrite:
             run_dir = Path(cfg.run.dir)
             rundir.check_model_outside(cfg, [run_dir / name for name in rundir.OUTPUTS], "--overwrite removes it")
-            return [f"--overwrite: an earlier run's outputs in {run_dir} are removed before the run starts"]
+            return [*notes, f"--overwrite: an earlier run's outputs in {run_dir} are removed before the run starts"]
         plan = rundir.plan(cfg)
     except rundir.RunDirError as err:
         raise PreflightError(str(err)) from None
-    return [plan.note] if plan.note else []
+    return [*notes, plan.note] if plan.note else notes
 
 
-def check_model(path: str, *, key: str = "model.path") -> None:
+def check_objective(cfg: Any, train_size: int | None) -> list[str]:
+    """Combinations that would train something else than the config says (hybridrl/algo/explain.py):
+    the first refusal raises, the warnings come back as notes."""
+    from hybridrl.algo.explain import REFUSE, findings
+
+    found = findings(cfg, train_size=train_size)
+    for f in found:
+        if f.level == REFUSE:
+            raise PreflightError(f"{f} (hybridrl config show --explain says what the config trains)")
+    return [f"warning: {f}" for f in found]
+
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: what a container or taskset allows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:                # not Linux
+        return os.cpu_count() or 1
+
+
+def warnings(cfg: Any, ranks_per_node: int) -> list[str]:
+    """What is allowed but almost certainly not what the user wants, one line each."""
+    out = []
+    device = cfg.distributed.device
+    cpus = usable_cpus()
+    gpu = device == "cuda" or (device == "auto" and _has_cuda())
+    if not gpu and ranks_per_node > cpus:
+        out.append(f"warning: {ranks_per_node} CPU ranks on {cpus} CPU(s) (distributed.nproc_per_node="
+                   f"{cfg.distributed.nproc_per_node}): the ranks share cores and every collective waits for the "
+                   f"slowest; a run with distributed.nproc_per_node={cpus} is usually faster")
+    return out
+
+
+def _has_cuda() -> bool:
+    """A CUDA device is present, without importing torch (preflight stays light)."""
+    return Path("/dev/nvidia0").exists() or bool(os.environ.get("CUDA_VISIBLE_DEVICES", "").strip("-1 "))
+
+
+def check_model(path: str, *, key: str = "model.path", supported: bool = True) -> None:
+    """An HF model directory hybridrl can load (`supported=False`: whatever its architecture)."""
     where = f"{key}={path}"
     d = Path(path)
     if not d.is_dir():
@@ -80,10 +130,15 @@ def check_model(path: str, *, key: str = "model.path") -> None:
     try:
         config = json.loads((d / "config.json").read_text())
     except FileNotFoundError:
-        raise PreflightError(f"{where}: no config.json there (is it the HF model directory itself?)") from None
+        hint = (f"did you mean {key}={d / 'hf'}?" if (d / "hf" / "config.json").exists()
+                else "is it the HF model directory itself?")
+        raise PreflightError(f"{where}: no config.json there ({hint})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise PreflightError(f"{where}: config.json is not valid JSON ({err})") from None
     if not isinstance(config, dict) or "model_type" not in config:
+        if (d / "run.json").exists() or (d / "hf" / "config.json").exists():
+            raise PreflightError(f"{where}: that is a run directory, not a model: did you mean {key}={d / 'hf'} "
+                                 "(the HF model a finished run exports)?")
         raise PreflightError(f"{where}: config.json has no model_type (not a transformers model config)")
     index = d / "model.safetensors.index.json"
     if index.exists():
@@ -103,6 +158,20 @@ def check_model(path: str, *, key: str = "model.path") -> None:
     if not any((d / name).exists() for name in TOKENIZER_FILES):
         raise PreflightError(f"{where}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); the tokenizer is "
                              "loaded from the model directory")
+    if supported:
+        check_supported(path, key=key)
+
+
+def check_supported(path: str, *, key: str = "model.path") -> None:
+    """The architecture is one hybridrl implements (its Megatron adapters and the native engine)."""
+    from hybridrl.backends.model_spec import ModelSpec
+
+    try:
+        ModelSpec.from_dir(path)
+    except (ValueError, KeyError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        detail = detail.split(": ", 1)[1] if detail.startswith(str(Path(path) / "config.json")) else detail
+        raise PreflightError(f"{key}={path}: unsupported model: {detail}") from None
 
 
 def check_scalar_head(path: str) -> None:
@@ -143,8 +212,61 @@ def check_layout(path: str, tp: int, pp: int, world_size: int, *, keys: tuple[st
         raise PreflightError(problem)
 
 
-def check_task(cfg: Any) -> None:
-    """Draw what the run will draw from the task, so a task that cannot give it fails here."""
+def rollout_dtype(cfg: Any) -> tuple[str, str]:
+    """(the rollout engine's dtype, the key that sets it). The native engine's `auto` is bfloat16 on
+    CUDA and float32 on CPU (backends/native/core.py), decided by `distributed.device`; with
+    `auto` there as well, by whether torch sees a CUDA device (only then is torch imported)."""
+    engine = cfg.rollout.engine
+    dtype = getattr(cfg.rollout, engine).dtype
+    key = f"rollout.{engine}.dtype"
+    if dtype != "auto":
+        return dtype, key
+    device = cfg.distributed.device
+    if device == "auto":
+        device = "cuda" if _torch_sees_cuda() else "cpu"
+    return ("bfloat16" if device == "cuda" else "float32"), f"{key}=auto on {device}"
+
+
+def _torch_sees_cuda() -> bool:
+    """torch.cuda.is_available(), without importing torch for a CPU-only build (its version.py says
+    `cuda = None`), so that checks on a CPU machine stay light."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        version = Path(location) / "version.py"
+        if version.exists() and re.search(r"^cuda\b[^=]*=\s*None\s*$", version.read_text(), re.M):
+            return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_dtypes(cfg: Any) -> None:
+    """The publication copies the trained tensors into the engine as they are (it does not convert
+    dtypes), so an engine in another dtype than `train.dtype` refuses the first publication, after
+    every rank started: refuse it here. And a parity tolerance below what those dtypes can meet
+    (`publication.config.parity_tolerance_floor`) would fail the first probe."""
+    from hybridrl.publication.config import default_parity_tolerance, parity_tolerance_floor
+
+    train = cfg.train.dtype
+    engine, key = rollout_dtype(cfg)
+    if engine != train:
+        setting = key.split("=")[0]
+        raise PreflightError(f"train.dtype={train} but the rollout engine runs in {engine} ({key}): the weights are "
+                             f"published as they are, without conversion; set {setting}={train} or "
+                             f"train.dtype={engine}")
+    tolerance = cfg.publish.parity_tolerance
+    if cfg.publish.parity_prompts and tolerance < parity_tolerance_floor(train, engine):
+        raise PreflightError(f"publish.parity_tolerance={tolerance:g} cannot pass in {engine} (one {engine} rounding "
+                             f"step of a logit of ~3 is 2^-6 nats): set publish.parity_tolerance="
+                             f"{default_parity_tolerance(train, engine):g}, or publish.parity_prompts=0")
+
+
+def check_task(cfg: Any) -> int | None:
+    """Draw what the run will draw from the task, so a task that cannot give it fails here; returns the
+    train split's size (None for SFT)."""
     from hybridrl.envs.tasks import get_task
 
     name = cfg.task.name
@@ -164,10 +286,11 @@ def check_task(cfg: Any) -> None:
     if cfg.run.job == "sft":
         _step(name, f"draw sft.num_demonstrations={cfg.sft.num_demonstrations} demonstrations",
               lambda: task.sft_demonstrations(cfg.sft.num_demonstrations))
-    else:
-        _step(name, f"draw the train split (task.train_size={cfg.task.train_size})", task.train_split)
-        _step(name, f"draw the validation split (task.validation_size={cfg.task.validation_size})",
-              task.validation_split)
+        return None
+    split = _step(name, f"draw the train split (task.train_size={cfg.task.train_size})", task.train_split)
+    _step(name, f"draw the validation split (task.validation_size={cfg.task.validation_size})",
+          task.validation_split)
+    return len(split)
 
 
 def _step(name: str, what: str, fn):

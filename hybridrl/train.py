@@ -21,6 +21,7 @@ import traceback
 from typing import Sequence
 
 from hybridrl.config import ConfigError, load_config
+from hybridrl.host_memory import choose_pages
 from hybridrl.telemetry.logs import setup_logging
 
 log = logging.getLogger("hybridrl.train")
@@ -51,7 +52,7 @@ def run(cfg) -> int:
     from hybridrl.distributed.bootstrap import init_distributed, shutdown_distributed
     from hybridrl.distributed.control import ErrorReport
     from hybridrl.distributed.watchdog import Watchdog
-    from hybridrl.jobs import resolve_job
+    from hybridrl.jobs import JobStopped, resolve_job
     from hybridrl.workers.serve import serve
 
     job = resolve_job(cfg.run.job)
@@ -75,6 +76,9 @@ def run(cfg) -> int:
         group = WorkerGroup(worker, ctx, watchdog)
         try:
             job.controller(cfg, group)
+            group.shutdown()
+        except JobStopped as stopped:       # stopped cleanly, resumable: the workers were closed
+            log.warning("%s", stopped)
             group.shutdown()
         except WorkerGroupError as err:
             print(f"hybridrl: run failed: {err}", file=sys.stderr)
@@ -112,7 +116,7 @@ def _restart_resume(cfg) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from hybridrl.controller import rundir
+    from hybridrl.store import rundir
     from hybridrl.preflight import PreflightError, preflight
 
     args = parse_args(argv)
@@ -125,11 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hybridrl: {err}", file=sys.stderr)
         return EXIT_CONFIG
     rundir.record_origin(args.config, args.overrides)
-    if cfg.placement.disaggregated and os.environ.get("HYBRIDRL_THP_DEFAULT") == "1":
-        # training and rollout processes side by side on one host's CPUs fault memory in at the same
-        # time: with huge pages they slowed each other by ~30% (benchmarks/overlap.py), without ~12-15%.
-        # Set before torch allocates anything (THP_MEM_ALLOC_ENABLE set by the user is kept).
-        os.environ["THP_MEM_ALLOC_ENABLE"] = "0"
+    choose_pages(roles_apart=cfg.placement.disaggregated)      # before torch allocates anything
     return run(cfg)
 
 

@@ -48,11 +48,74 @@ def package_graph() -> dict[str, set[str]]:
     return graph
 
 
-@pytest.mark.parametrize("a,b", [("agent", "envs"), ("controller", "workers")])
-def test_no_import_cycle_between(a, b):
+# The documented layering (docs/architecture.md, "Layering"), lowest first: a package imports packages of
+# its own layer or below. Top-level modules not named here are entry points (the CLI, the torchrun entry,
+# the demo, ...), which may import anything.
+LAYERS = (
+    ("foundations", {"config", "data", "telemetry"}),
+    ("algorithms and protocols", {"algo", "reward", "distributed", "training", "rollout"}),
+    ("components", {"envs", "store", "publication", "agent", "backends", "assets"}),
+    ("assembly", {"workers", "jobs", "host_memory", "shipped"}),
+    ("loops and checks", {"controller", "preflight", "evaluate", "bench", "inspect"}),
+)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one package (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(set(graph) | {w for ws in graph.values() for w in ws}):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_package_graph_has_no_cycle():
     graph = package_graph()
-    assert not (b in graph[a] and a in graph[b]), (
-        f"hybridrl.{a} and hybridrl.{b} import each other: {a} -> {sorted(graph[a])}, {b} -> {sorted(graph[b])}")
+    found = cycles(graph)
+    assert not found, "packages that import each other (directly or through others): " + "; ".join(
+        f"{c}: " + ", ".join(f"{a} -> {sorted(graph[a] & set(c))}" for a in c) for c in found)
+
+
+def test_every_package_imports_only_its_layer_or_below():
+    level = {pkg: i for i, (_, pkgs) in enumerate(LAYERS) for pkg in pkgs}
+    graph = package_graph()
+    upward = [(a, b) for a, bs in graph.items() if a in level for b in bs if level.get(b, len(LAYERS)) > level[a]]
+    assert not upward, "imports from a lower layer into a higher one: " + ", ".join(
+        f"{a} ({LAYERS[level[a]][0]}) -> {b} ({LAYERS[level[b]][0] if b in level else 'entry points'})"
+        for a, b in sorted(upward))
+
+
+def test_a_cycle_is_found_wherever_it_closes():
+    graph = {"config": set(), "data": set(), "workers": {"config", "data"}, "controller": {"workers"}}
+    assert cycles(graph) == []
+    graph["config"].add("controller")        # a schema that imported a controller module
+    assert cycles(graph) == [["config", "controller", "workers"]]
 
 
 def test_the_episode_records_are_a_leaf():

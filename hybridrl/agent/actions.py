@@ -7,18 +7,28 @@ Formats (a task picks the ones it accepts):
 - the final answer: `<answer>...</answer>`.
 
 Nothing here raises on model output: a malformed or unauthorized call becomes an
-`ActionError` whose message is shown to the model as an observation and counted.
+`ActionError` whose message is shown to the model as an observation and counted. That covers
+what would otherwise escape as an exception and make the episode INFRA_INVALID (a reward dodge):
+JSON nested deeper than `MAX_JSON_DEPTH` (checked before parsing, so no RecursionError), integers
+longer than `MAX_JSON_DIGITS` (Python's int-string limit), and lone surrogates (`"\\ud800"`, which no
+tokenizer can encode: replaced by U+FFFD in every parsed string). Names and keys quoted back to
+the model are shortened.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 FORMATS = ("json", "calc")
 _TAGS = {"json": ("<tool_call>", "</tool_call>"), "calc": ("<calc>", "</calc>")}
 ANSWER_TAGS = ("<answer>", "</answer>")
+MAX_JSON_DEPTH = 64         # nesting of a tool call's JSON ([ and {)
+MAX_JSON_DIGITS = 1000      # digits of an integer in a tool call's JSON
+_QUOTE = 64                 # characters of a name quoted back in an error message
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -93,26 +103,86 @@ class ActionParser:
 
 
 def _parse_json_call(body: str, raw: str) -> ToolCall | ActionError:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as err:
-        return ActionError(f"tool call is not valid JSON ({err.msg} at character {err.pos})", raw,
-                           "malformed")
+    obj, problem = _loads(body)
+    if problem:
+        return ActionError(f"tool call is not valid JSON ({problem})", raw, "malformed")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return ActionError('tool call must be a JSON object with a string "name"', raw, "malformed")
     args = obj.get("arguments", {})
     if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as err:
-            return ActionError(f'"arguments" is a string that is not valid JSON ({err.msg})', raw,
-                               "malformed")
+        args, problem = _loads(args) if args.strip() else ({}, None)
+        if problem:
+            return ActionError(f'"arguments" is a string that is not valid JSON ({problem})', raw, "malformed")
     if not isinstance(args, dict):
         return ActionError('"arguments" must be a JSON object', raw, "malformed")
     extra = set(obj) - {"name", "arguments"}
     if extra:
-        return ActionError(f"unexpected keys in tool call: {sorted(extra)}", raw, "malformed")
+        return ActionError(f"unexpected keys in tool call: {sorted(quote(k) for k in extra)}", raw, "malformed")
     return ToolCall(obj["name"], args, raw, "json")
+
+
+class _TooManyDigits(ValueError):
+    pass
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_JSON_DIGITS:
+        raise _TooManyDigits(f"an integer has more than {MAX_JSON_DIGITS} digits")
+    return int(text)
+
+
+def _loads(text: str) -> tuple[Any, str | None]:
+    """(the JSON value of `text`, its strings made encodable; None) or (None, why it has none)."""
+    depth = nesting_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        return None, f"nested {depth} deep, more than {MAX_JSON_DEPTH}"
+    try:
+        value = json.loads(text, parse_int=_bounded_int)
+    except json.JSONDecodeError as err:
+        return None, f"{err.msg} at character {err.pos}"
+    except _TooManyDigits as err:
+        return None, str(err)
+    except (ValueError, RecursionError) as err:       # whatever else the decoder refuses
+        return None, type(err).__name__
+    return _encodable(value), None
+
+
+def nesting_depth(text: str) -> int:
+    """The deepest nesting of [ and { in JSON text, outside strings (no parsing, no recursion)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _encodable(value: Any) -> Any:
+    """`value` with lone surrogates in its strings (and keys) replaced by U+FFFD."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_encodable(v) for v in value]
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    return value
+
+
+def quote(name: str) -> str:
+    """A name as an error message quotes it: at most `_QUOTE` characters."""
+    return name if len(name) <= _QUOTE else name[:_QUOTE] + f"... ({len(name)} characters)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +216,7 @@ def validate_arguments(schema: Mapping[str, Any], args: Mapping[str, Any]) -> st
             return f"missing required argument '{name}'"
     for name, value in args.items():
         if name not in props:
-            return f"unknown argument '{name}'; expected {sorted(props)}"
+            return f"unknown argument '{quote(name)}'; expected {sorted(props)}"
         rule = props[name]
         want = rule.get("type")
         py = _JSON_TYPES.get(want) if want else None
@@ -175,7 +245,7 @@ class ToolAuthorizer:
     def check(self, call: ToolCall) -> ActionError | None:
         if call.name not in self.allowed:
             offer = ", ".join(self.allowed) or "none"
-            return ActionError(f"tool '{call.name}' is not available here; available: {offer}", call.raw,
+            return ActionError(f"tool '{quote(call.name)}' is not available here; available: {offer}", call.raw,
                                "unauthorized", call.name)
         problem = validate_arguments(self.specs[call.name].parameters, call.arguments)
         if problem:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from hybridrl.agent.pause import PauseGate
+from hybridrl.algo.filters import informative_groups
 from hybridrl.data.trajectory import Trajectory
 
 
@@ -115,8 +116,11 @@ class PartialCollector:
             self.members[group_id].append(task.result())    # run_episode never raises for the episode
 
     def _complete_groups(self, informative_only: bool = False) -> list[str]:
-        return [g for g, m in self.members.items() if len(m) == self.expected[g]
-                and (not informative_only or max(t.reward for t in m) - min(t.reward for t in m) > 1e-9)]
+        complete = [g for g, m in self.members.items() if len(m) == self.expected[g]]
+        if not informative_only:
+            return complete
+        signal = informative_groups([t for g in complete for t in self.members[g]])
+        return [g for g in complete if g in signal]
 
     def pending_groups(self) -> list[str]:
         """Groups launched here and not yet returned (running, paused or partly ended)."""

@@ -60,15 +60,34 @@ class ToolsConfig:
     pool_size: int = knob(4, "tool processes running at once; further calls wait for a slot")
     warm: int = knob(2, "sandboxes started ahead of need (each is used once, then discarded)")
     isolation: str = knob(
-        "auto", "auto (namespaces where the OS allows, else none with a warning) | namespaces | none")
-    require_isolation: bool = knob(False, "fail at start instead of falling back to isolation=none")
+        "auto", "auto (namespaces where the OS allows, else none with a warning) | namespaces | none (as root "
+                "only with force_isolation_none)")
+    require_isolation: bool = knob(False, "fail at start instead of falling back to isolation=none, or to "
+                                          "per-process memory limits where no cgroup can be made")
+    force_isolation_none: bool = knob(False, "as root, isolation=none (the host's filesystem, a dedicated uid per "
+                                             "slot) is refused unless this is true; tools never run as uid 0")
     timeout_s: float = knob(10.0, "wall-clock limit of one tool call; the process group is killed after it")
     cpu_s: int = knob(5, "CPU-seconds per process (RLIMIT_CPU)")
-    memory_mb: int = knob(512, "address space per process, MiB (RLIMIT_AS)")
-    max_processes: int = knob(16, "processes per sandbox (RLIMIT_NPROC of its own uid)")
+    memory_mb: int = knob(512, "memory of one sandbox, MiB: its cgroup's limit (every process, tmpfs, memfd and "
+                               "shared memory, no swap) and each process's address space (RLIMIT_AS)")
+    max_processes: int = knob(16, "processes per sandbox (its cgroup's pids.max, and RLIMIT_NPROC of its own uid)")
+    cgroup_parent: str = knob("", "cgroup under which the pool makes one per sandbox (a path inside the cgroup "
+                                  "hierarchy, e.g. a delegated /user.slice/...); empty: the cgroup v2 root, or this "
+                                  "process's own cgroup in cgroup v1")
     max_open_files: int = knob(64, "open files per process (RLIMIT_NOFILE)")
     max_file_mb: int = knob(8, "largest file a tool may write, MiB (RLIMIT_FSIZE)")
     tmpfs_mb: int = knob(32, "size of the private working directory (a tmpfs under namespaces), MiB")
+    tmpfs_inodes: int = knob(8192, "files and directories the private working directory may hold (nr_inodes)")
+    network: str = knob("none", "none (no network at all) | allowlist (only allowed_destinations, through the "
+                                "pool's CONNECT proxy at 127.0.0.1:3128 in the sandbox; needs namespaces)")
+    allowed_destinations: list[str] = knob(
+        help="with network=allowlist: host:port, [ipv6]:port or unix:/path the proxy may connect to (names "
+             "matched as written); every attempt, allowed or not, goes to the audit log", factory=list)
+    audit_log: str = knob("${run.dir}/audit.jsonl", "the run's hash-chained audit log (sandbox pools, calls, "
+                                                   "egress, the kill switch); empty: none")
+    kill_switch: str = knob("${run.dir}/kill-switch", "a file whose appearance stops every tool call and new "
+                                                     "episode within a second (hybridrl agent kill-switch RUN_DIR); "
+                                                     "empty: none")
     max_output_bytes: int = knob(65536, "stdout + stderr bytes kept; more kills the tool (output_truncated)")
     uid_base: int = knob(61000,
                          "when run as root, each sandbox slot runs as its own uid, leased from uid_base up")
@@ -86,11 +105,25 @@ class ToolsConfig:
 
     def __post_init__(self) -> None:
         for name in ("pool_size", "cpu_s", "memory_mb", "max_processes", "max_open_files", "max_file_mb",
-                     "tmpfs_mb", "max_output_bytes", "calculator_max_chars"):
+                     "tmpfs_mb", "tmpfs_inodes", "max_output_bytes", "calculator_max_chars"):
             check_positive(name, getattr(self, name))
         check_positive("warm", self.warm, allow_zero=True)
         check_positive("timeout_s", self.timeout_s)
         check_choice("isolation", self.isolation, ("auto", "namespaces", "none"))
+        check_choice("network", self.network, ("none", "allowlist"))
+        for entry in self.allowed_destinations:
+            from hybridrl.agent.sandbox.egress import parse_destination
+
+            try:
+                parse_destination(entry)
+            except ValueError as err:
+                raise ConfigValueError("allowed_destinations", str(err)) from None
+        if self.network == "allowlist" and not self.allowed_destinations:
+            raise ConfigValueError("network", "allowlist needs at least one tools.allowed_destinations entry "
+                                              "(host:port or unix:/path); network=none refuses all egress")
+        if self.cgroup_parent and (not self.cgroup_parent.startswith("/") or ".." in self.cgroup_parent.split("/")):
+            raise ConfigValueError("cgroup_parent", f"must be an absolute path inside the cgroup hierarchy without "
+                                                    f"'..', got {self.cgroup_parent!r}")
         check_range("uid_base", self.uid_base, 1000, 2**31 - 1 - 4096)
         for path in self.hidden_paths:
             if not path.startswith("/") or path == "/":

@@ -120,10 +120,10 @@ class AgentRunner:
         self.tools = tools
         self.run_id = run_id
         self.seed = seed
-        self.chat = ChatFormat(tokenizer, eos_token_ids=getattr(engine, "eos_token_ids", None))
+        self.chat = ChatFormat(tokenizer, eos_token_ids=engine.eos_token_ids)
         self.envs = envs or LocalEnvProvider()
         self.meter = EngineMeter()
-        self.max_model_len = int(getattr(engine, "max_model_len", 0) or 1 << 30)
+        self.max_model_len = int(engine.max_model_len or 1 << 30)
         self.counts: dict[str, int] = {"episodes": 0, "malformed_actions": 0, "unauthorized_actions": 0,
                                        "invalid_arguments": 0, "too_many_calls": 0, "tool_calls": 0,
                                        "tool_errors": 0}
@@ -223,6 +223,8 @@ class AgentRunner:
         cfg, traj = self.cfg, ep.traj
         if stop is not None and stop.is_set():
             raise _End(TrajectoryStatus.ABORTED, reason="stopped before it started")
+        if getattr(self.tools, "killed", None) is not None:     # the kill switch (agent/killswitch.py)
+            raise _End(TrajectoryStatus.ABORTED, reason=f"kill switch: {self.tools.killed}")
         authorizer = ToolAuthorizer(self.tools.specs, ep.instance.tools)
         tool_json = [authorizer.specs[n].to_json() for n in authorizer.allowed] if ep.task.render_tools else None
         messages = list(ep.instance.messages)
@@ -362,7 +364,8 @@ class AgentRunner:
                 continue
             problem = authorizer.check(call)
             plan.append((call, None) if problem is None else (None, problem))
-        run = [self.tools.call(call) for call, _ in plan if call is not None]
+        run = [self.tools.call(call, context={"episode": traj.trajectory_id, "call": f"t{turn}.{i}"})
+               for i, (call, _) in enumerate(plan) if call is not None]
         results = iter(await _within_budget(ep, asyncio.gather(*run), stop, "tool_s"))
         messages = []
         for call, problem in plan:

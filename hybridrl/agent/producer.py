@@ -85,7 +85,8 @@ class Producer:
         self._complete: dict[str, list[Trajectory]] = {}          # guarded by _cond
         self._cond = threading.Condition()
         self._error: BaseException | None = None
-        self._idle_since: float | None = time.monotonic()
+        self.started = time.monotonic()
+        self._idle_since: float | None = self.started
         self._counts = {"idle_s": 0.0, "floor_waits": 0, "launched_groups": 0, "completed_groups": 0,
                         "launched_episodes": 0, "policy_tokens": 0}
 

@@ -52,3 +52,27 @@ def group_stats(values: torch.Tensor, group_index: torch.Tensor, *, num_groups: 
 def broadcast_to_tokens(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[N] -> [N, T]: the sample's value on each of its masked tokens, 0 elsewhere."""
     return per_sample.to(torch.float32).unsqueeze(-1) * mask.to(torch.float32)
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float, reduce: Reduce | None = None,
+           single: str = "zero") -> torch.Tensor:
+    """(v - mean) / (std + eps) over the masked entries (unbiased std), 0 off-mask, float32. With
+    `reduce`, the mean and std are those of every rank's entries together (two passes, as
+    `group_stats`). Fewer than two entries in all have no std: `single='zero'` gives 0,
+    `single='keep'` returns the values unchanged (masked)."""
+    reduce = reduce or no_reduce
+    v, m = values.to(torch.float64), mask.to(torch.float64)
+    sums = reduce(torch.stack([m.sum(), (v * m).sum()]))
+    n = float(sums[0])
+    if n < 2:
+        return torch.zeros_like(values, dtype=torch.float32) if single == "zero" else (v * m).to(torch.float32)
+    mean = sums[1] / n
+    var = reduce(((v - mean) * m).pow(2).sum().reshape(1))[0] / (n - 1)
+    return ((v - mean) / (var.sqrt() + eps) * m).to(torch.float32)
+
+
+def fold_token_rewards(rewards: torch.Tensor, mask: torch.Tensor, token_rewards: torch.Tensor | None) -> torch.Tensor:
+    """Outcome-only estimators: per-token rewards (e.g. -kl_coef * KL) summed into the row's outcome."""
+    if token_rewards is None:
+        return rewards
+    return rewards + (token_rewards * mask).sum(dim=-1)

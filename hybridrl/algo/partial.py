@@ -4,12 +4,15 @@ a weight update. Tokens are never relabelled: `policy_version[b, t]` is the vers
 token t and `behavior_logprobs[b, t]` its logprob under that version.
 
     newest_segment  only the tokens of the row's newest version are trained; the earlier segments
-                    stay in the sequence as fixed context (loss_mask 0). With colocated partial
-                    rollouts the newest version is the one the trainer holds, so what is trained
-                    is on-policy.
+                    stay in the sequence as fixed context (loss_mask 0). This is NOT on-policy in
+                    general: the newest version of a row is older than the trainer's when the
+                    episode finished early and waited for its group, or its group waited in the
+                    queue for a later step. Those tokens are corrected like any stale token, by the
+                    behaviour weight pi_old / pi_behaviour (`algo/correction.py`: algo.tis_cap,
+                    algo.mis); `hybridrl config show --explain` refuses partial rollouts without
+                    one, and algo.max_policy_lag bounds their age.
     per_segment     every policy token is trained; each token's off-policy correction uses the
-                    behaviour logprob of the version that sampled it (the truncated importance
-                    weight min(pi_old / pi_behaviour_v, algo.tis_cap) of `algo/correction.py`,
+                    behaviour logprob of the version that sampled it (the same behaviour weight,
                     per token); needs algo.tis_cap > 0.
     discard_mixed   a row with more than one version contributes no token to the loss (loss_mask
                     0 on the whole row); its reward still counts in its group's baseline, so the
@@ -23,9 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridrl.algo.config import PARTIAL_POLICIES
 from hybridrl.data.batch import Batch
-
-PARTIAL_POLICIES = ("newest_segment", "per_segment", "discard_mixed")
 
 
 def newest_segment_mask(loss_mask: torch.Tensor, versions: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "bench_mode_switch.yaml"
 
 
 def add_mode_switch_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,11 +27,14 @@ def add_mode_switch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def mode_switch_main(args: argparse.Namespace) -> int:
+    from hybridrl.shipped import recipe_path
+
+    recipe = recipe_path("bench_mode_switch")
     nproc = args.nproc or args.tp
     with tempfile.TemporaryDirectory(prefix="hybridrl-bench-") as tmp:
         tmp = args.run_dir or tmp
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "hybridrl.train", "--config", str(RECIPE), f"model.path={args.model}", f"run.dir={tmp}",
+               "-m", "hybridrl.train", "--config", str(recipe), f"model.path={args.model}", f"run.dir={tmp}",
                f"distributed.nproc_per_node={nproc}", f"train.tp={args.tp}", f"rollout.tp={args.rollout_tp}",
                f"rollout.engine={args.engine}", f"trainer.total_steps={args.cycles}",
                f"publish.verify={args.verify}", f"hybrid.spill_optimizer={str(args.spill_optimizer).lower()}",
@@ -43,7 +45,32 @@ def mode_switch_main(args: argparse.Namespace) -> int:
         result = json.loads((Path(tmp) / "mode_switch.json").read_text())
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
-    phases = ", ".join(f"{k} {v['median_s']:.3f}s" for k, v in result["phases"].items())
-    print(f"mode switch of a {result['model_params'] / 1e6:.1f}M-parameter model: {result['switch_s']:.3f}s "
-          f"({phases}); copy floor {result['copy_floor_s']:.3f}s -> {result['ratio_to_floor']:.2f}x")
+    print(explain(result))
     return 0
+
+
+# Below this the floor is a few memcpy calls' fixed cost, not the bytes: no ratio means anything there.
+MEASURABLE_FLOOR_S = 0.005
+TARGET_RATIO = 4.0            # verified publication included (publish.verify=post_copy)
+
+
+def explain(result: dict) -> str:
+    """The benchmark's result for a reader: the switch, its phases, and what the ratio says."""
+    phases = ", ".join(f"{k} {v['median_s']:.3f}s" for k, v in result["phases"].items())
+    moved = sum(result["bytes_must_move"].values())
+    floor, ratio = result["copy_floor_s"], result["ratio_to_floor"]
+    lines = [f"mode switch of a {result['model_params'] / 1e6:.1f}M-parameter model: {result['switch_s']:.3f}s "
+             f"per TRAIN -> ROLLOUT -> TRAIN cycle (median of {result['cycles']}; {phases})",
+             f"copy floor: the {moved / 2**20:.1f} MiB a switch must move, at this machine's memory copy rate "
+             f"({result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s): {1000 * floor:.2f} ms"]
+    if not ratio or floor < MEASURABLE_FLOOR_S:
+        lines.append(f"ratio: not meaningful here: the floor is under {1000 * MEASURABLE_FLOOR_S:.0f} ms, so the "
+                     "switch's fixed costs (Python, process-group calls, the parity probe) are all that is "
+                     f"measured{f' ({ratio:.0f}x)' if ratio else ''}; use a model of ~100M parameters or more "
+                     "to compare against the floor")
+    else:
+        verdict = ("near copy speed" if ratio <= 2 else "within the target" if ratio <= TARGET_RATIO
+                   else "above the target: see which phase dominates above")
+        lines.append(f"ratio: {ratio:.2f}x the floor ({verdict}; 1x is copy speed, the target is "
+                     f"<= {TARGET_RATIO:g}x with verified publication)")
+    return "\n".join(lines)

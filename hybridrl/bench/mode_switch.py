@@ -1,5 +1,5 @@
-"""`hybridrl bench mode-switch`: time full TRAIN -> ROLLOUT -> TRAIN cycles of the hybrid worker
-against the machine's copy floor, measured in the same run.
+"""`hybridrl bench mode-switch`: time full TRAIN -> ROLLOUT -> TRAIN cycles of the colocated
+placement's mode switch against the machine's copy floor, measured in the same run.
 
 Each cycle publishes a new version (so every cycle moves the weights), lets the engine serve one
 short request, and returns to training. Reported per phase: median seconds, bytes moved, peak
@@ -19,15 +19,24 @@ from pathlib import Path
 
 import torch
 
+from hybridrl.controller.placements import build_colocated
 from hybridrl.distributed.dispatch import ONE_TO_ALL
 from hybridrl.data.batch import Batch, pad_sequences
 from hybridrl.jobs import Job
-from hybridrl.workers.base import register
+from hybridrl.workers.base import Part, register
 from hybridrl.workers.config import SWITCH_PHASES
-from hybridrl.workers.hybrid import HybridWorker
+from hybridrl.workers.rank import RankWorker
+from hybridrl.workers.rollout_side import RolloutSide
+from hybridrl.workers.switch import ModeSwitch
+from hybridrl.workers.train_side import TrainSide
 
 
-class BenchWorker(HybridWorker):
+class BenchProbe(Part):
+    """What the benchmark measures on each rank beside the colocated sides."""
+
+    def __init__(self, cfg, ctx, train: TrainSide):
+        self.cfg, self.ctx, self.train = cfg, ctx, train
+
     @register(dispatch=ONE_TO_ALL)
     def copy_bandwidth(self, nbytes: int, repeats: int = 5) -> dict[str, float]:
         """Median bytes/s on this rank's device of `nbytes`: copied between two preallocated buffers
@@ -56,12 +65,20 @@ class BenchWorker(HybridWorker):
 
     @register(dispatch=ONE_TO_ALL)
     def sizes(self) -> dict:
-        from hybridrl.backends.megatron.offload import held_bytes
-
+        actor = self.train.actor
+        spec = actor.hf_spec()
         weights = sum(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-                      for shape, dtype in self.actor.hf_spec().values())
-        return {"model_params": self.actor.num_parameters(), "weight_bytes": weights,
-                "vocab_size": int(self.engine.vocab_size), **held_bytes(self.actor)}
+                      for shape, dtype in spec.values())
+        from hybridrl.backends.model_spec import ModelSpec
+
+        vocab = ModelSpec.from_dir(self.cfg.model.path).vocab_size
+        return {"model_params": actor.num_parameters(), "weight_bytes": weights, "vocab_size": int(vocab),
+                **actor.held_bytes()}
+
+
+def make_bench_worker(cfg, ctx) -> RankWorker:
+    worker = build_colocated(cfg, ctx)
+    return worker.extend(BenchProbe(cfg, ctx, worker.part(TrainSide)))
 
 
 def _warm_up_step(wg, vocab: int) -> None:
@@ -70,25 +87,25 @@ def _warm_up_step(wg, vocab: int) -> None:
     ids = torch.randint(0, vocab, (4, 32), generator=g)
     mask = torch.ones(4, 32)
     batch = Batch({"input_ids": ids, "attention_mask": torch.ones(4, 32, dtype=torch.long), "loss_mask": mask})
-    old = wg.call(HybridWorker.compute_logprobs, batch)["old_logprobs"]
+    old = wg.call(TrainSide.compute_logprobs, batch)["old_logprobs"]
     batch.set("old_logprobs", old)
     batch.set("behavior_logprobs", old.clone())
     batch.set("advantages", torch.randn(4, 1, generator=g).expand(4, 32).contiguous())
-    wg.call(HybridWorker.train_step, batch)
+    wg.call(TrainSide.train_step, batch)
 
 
 def run_bench(cfg, wg) -> dict:
     cycles = cfg.trainer.total_steps
-    _warm_up_step(wg, wg.call(BenchWorker.sizes)[0]["vocab_size"])
-    sizes = wg.call(BenchWorker.sizes)[0]
+    _warm_up_step(wg, wg.call(BenchProbe.sizes)[0]["vocab_size"])
+    sizes = wg.call(BenchProbe.sizes)[0]
     switches = []
     for version in range(1, cycles + 1):
-        switch = wg.call(HybridWorker.enter_rollout, version=version, step=version)
-        wg.call(HybridWorker.sample, prompts=[[1, 2, 3, 4]], max_new_tokens=4)
-        switch.update(wg.call(HybridWorker.enter_train))
+        switch = wg.call(ModeSwitch.enter_rollout, version=version, step=version)
+        wg.call(RolloutSide.sample, prompts=[[1, 2, 3, 4]], max_new_tokens=4)
+        switch.update(wg.call(ModeSwitch.enter_train))
         switches.append(switch)
-    phases = wg.call(HybridWorker.phase_summary)
-    measured = wg.call(BenchWorker.copy_bandwidth, nbytes=sizes["weight_bytes"])
+    phases = wg.call(ModeSwitch.phase_summary)
+    measured = wg.call(BenchProbe.copy_bandwidth, nbytes=sizes["weight_bytes"])
     bandwidth = statistics.median(m["copy"] for m in measured)
     first_touch = statistics.median(m["first_touch"] for m in measured)
     spill = cfg.hybrid.spill_optimizer or wg.ctx.device.type == "cuda"
@@ -133,13 +150,13 @@ def bench_and_serve(cfg, wg) -> dict:
     result = run_bench(cfg, wg)
     cycles = cfg.trainer.total_steps
     prompts = parity.probe_prompts(result["vocab_size"], 4, length=6, seed=0)
-    wg.call(HybridWorker.enter_rollout, version=cycles, step=cycles)      # serving it already: no publication
-    served = wg.call(HybridWorker.sample, prompts=prompts, max_new_tokens=16)[0]
-    wg.call(HybridWorker.enter_train)
+    wg.call(ModeSwitch.enter_rollout, version=cycles, step=cycles)      # serving it already: no publication
+    served = wg.call(RolloutSide.sample, prompts=prompts, max_new_tokens=16)[0]
+    wg.call(ModeSwitch.enter_train)
     rows = [p + o["token_ids"] for p, o in zip(prompts, served)]
     batch = Batch({"input_ids": pad_sequences(rows), "attention_mask": pad_sequences([[1] * len(r) for r in rows])})
-    trainer = wg.call(HybridWorker.compute_logprobs, batch)["old_logprobs"]        # [B, T] token-aligned
-    wg.call(HybridWorker.export_hf, out_dir=str(Path(cfg.run.dir) / "hf"))
+    trainer = wg.call(TrainSide.compute_logprobs, batch)["old_logprobs"]        # [B, T] token-aligned
+    wg.call(TrainSide.export_hf, out_dir=str(Path(cfg.run.dir) / "hf"))
     result["served"] = [{"prompt": p, "token_ids": o["token_ids"], "engine_logprobs": o["logprobs"],
                          "trainer_logprobs": trainer[b, len(p): len(r)].tolist(), "policy_version": o["policy_version"]}
                         for b, (p, o, r) in enumerate(zip(prompts, served, rows))]
@@ -153,5 +170,5 @@ def _write(cfg, result: dict) -> dict:
     return result
 
 
-JOB = Job("bench_mode_switch", BenchWorker, bench)
-SERVE_JOB = Job("bench_mode_switch_and_serve", BenchWorker, bench_and_serve)
+JOB = Job("bench_mode_switch", make_bench_worker, bench)
+SERVE_JOB = Job("bench_mode_switch_and_serve", make_bench_worker, bench_and_serve)

@@ -1,8 +1,8 @@
 """Typed configuration: dataclass schemas, YAML layers and `key=value` overrides.
 
-Component configs import `hybridrl.config.fields`; the schema imports the component configs.
-So this package imports the loader and schema lazily: importing any component config first
-(e.g. `hybridrl.distributed.config`) must not pull the schema in half-way.
+Component configs import `hybridrl.config.fields`; the root schema names them in a table
+(`schema.SECTIONS`) and imports them only when it is first built, so this package imports no
+component and importing any component config first never pulls the schema in half-way.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hybridrl.config.fields import ConfigError, ConfigValueError, knob, section
 
 _LAZY = {
     "load_config": "hybridrl.config.loader", "to_dict": "hybridrl.config.loader", "to_yaml": "hybridrl.config.loader",
-    "Config": "hybridrl.config.schema", "ModelConfig": "hybridrl.config.schema", "RunConfig": "hybridrl.config.schema",
+    "ModelConfig": "hybridrl.config.schema", "RunConfig": "hybridrl.config.schema",
 }
 
 __all__ = ["Config", "ConfigError", "ConfigValueError", "ModelConfig", "RunConfig", "knob", "load_config",
@@ -21,6 +21,10 @@ __all__ = ["Config", "ConfigError", "ConfigValueError", "ModelConfig", "RunConfi
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Config":                  # the root class, assembled from the registered sections
+        from hybridrl.config.schema import root
+
+        return root()
     if name in _LAZY:
         import importlib
 

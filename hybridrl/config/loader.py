@@ -22,7 +22,7 @@ from omegaconf.errors import (
 )
 
 from hybridrl.config.fields import ConfigError, ConfigValueError, field_help
-from hybridrl.config.schema import Config
+from hybridrl.config.schema import root
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 COMMAND_LINE = "the command line"
@@ -38,10 +38,12 @@ def load_config(
     recipe: str | Path | None = None,
     overrides: Sequence[str] = (),
     *,
-    schema: type = Config,
+    schema: type | None = None,
     configs_dir: Path | None = CONFIGS_DIR,
 ) -> Any:
-    """Resolve and validate a config; returns an instance of `schema` (dataclasses all the way)."""
+    """Resolve and validate a config; returns an instance of `schema` (dataclasses all the way; the root
+    `Config` by default)."""
+    schema = schema or root()
     merged, sources = _merge_layers(recipe, overrides, schema=schema, configs_dir=configs_dir)
     try:
         missing = sorted(OmegaConf.missing_keys(merged))
@@ -85,8 +87,9 @@ def to_dict(cfg: Any) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
-def defaults_yaml(schema: type = Config) -> dict[str, str]:
+def defaults_yaml(schema: type | None = None) -> dict[str, str]:
     """One documented YAML text per top-level section: the content of `configs/<section>.yaml`."""
+    schema = schema or root()
     texts = {}
     for f in dataclasses.fields(schema):
         cls = typing.get_type_hints(schema)[f.name]

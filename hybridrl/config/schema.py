@@ -1,29 +1,22 @@
 """The root configuration: one section per component, each a keyword-only dataclass.
 
-A component's config lives beside the component (import-light: no torch, no megatron), and is
-mounted here under its section name. `configs/<section>.yaml` mirrors each section's defaults
-(written by `hybridrl config defaults --write configs`).
+A component's config lives beside the component (import-light: no torch, no megatron) and is
+registered here by name (`SECTIONS`: section -> "module:Class", help), so this package imports no
+component: the root class `Config` is assembled from the table on first use (`root()`), and the
+package layering stays one way (every component imports `config.fields`; `config` imports none of
+them). `configs/<section>.yaml` mirrors each section's defaults (written by `hybridrl config
+defaults --write configs`). What spans sections (a placement's needs of the rollout and trainer
+sections, say) is checked once the whole config is built (`check_across`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
 from dataclasses import dataclass
 
-from hybridrl.agent.config import AgentConfig, ToolsConfig
-from hybridrl.backends.megatron.config import MegatronConfig
 from hybridrl.config.fields import ConfigValueError, check_choice, knob, section
-from hybridrl.distributed.config import DistributedConfig
-from hybridrl.distributed.placement import PlacementConfig
-from hybridrl.envs.config import EnvServiceConfig, TaskConfig
-from hybridrl.rollout.config import RolloutConfig
-from hybridrl.algo.config import AlgoConfig
-from hybridrl.controller.config import TrainerConfig
-from hybridrl.controller.sft_config import SFTConfig
-from hybridrl.publication.config import PublishConfig
-from hybridrl.store.config import StoreConfig
-from hybridrl.workers.config import HybridConfig
-from hybridrl.workers.critic_config import CriticConfig
-from hybridrl.reward.config import RewardModelConfig
 
 # Jobs shipped with hybridrl; `run.job` may also name any "package.module:JOB" attribute.
 JOBS = ("selfcheck", "rl", "sft")
@@ -65,62 +58,82 @@ class SelfCheckConfig:
             raise ConfigValueError("batch_size", f"must be >= 1, got {self.batch_size}")
 
 
-@dataclass(kw_only=True)
-class Config:
-    """The whole run."""
+# section -> (its class, "module:Class"; what it configures). The order is the order of `config show`.
+SECTIONS: tuple[tuple[str, str, str], ...] = (
+    ("run", "hybridrl.config.schema:RunConfig", "the run: name, directory, job, seed"),
+    ("distributed", "hybridrl.distributed.config:DistributedConfig", "processes, devices, control plane"),
+    ("placement", "hybridrl.distributed.placement:PlacementConfig",
+     "which ranks train and which generate: colocated or disaggregated"),
+    ("model", "hybridrl.config.schema:ModelConfig", "the policy model"),
+    ("train", "hybridrl.backends.megatron.config:MegatronConfig",
+     "the Megatron-core training backend (actor and reference)"),
+    ("rollout", "hybridrl.backends.rollout_config:RolloutConfig", "the rollout engine: native or sglang, layout, knobs"),
+    ("publish", "hybridrl.publication.config:PublishConfig", "weight publication: buckets, verification, parity probe"),
+    ("hybrid", "hybridrl.workers.config:HybridConfig", "the colocated worker's mode switches"),
+    ("agent", "hybridrl.agent.config:AgentConfig", "the async agent loop: episode budgets, concurrency, sampling"),
+    ("tools", "hybridrl.agent.config:ToolsConfig", "the tool sandbox pool and its limits"),
+    ("task", "hybridrl.envs.config:TaskConfig", "the task: splits, reward weights, SFT demonstrations, options"),
+    ("env", "hybridrl.envs.config:EnvServiceConfig", "the leased environment service"),
+    ("algo", "hybridrl.algo.config:AlgoConfig", "the RL algorithm: advantages, policy loss, KL, filters"),
+    ("critic", "hybridrl.workers.critic_config:CriticConfig",
+     "the value model of algo.advantage=gae: init, optimizer, value clip"),
+    ("reward_model", "hybridrl.reward.config:RewardModelConfig", "a learned reward model as a reward component"),
+    ("trainer", "hybridrl.controller.config:TrainerConfig", "the RL loop: steps, batch shape, validation, checkpoints"),
+    ("sft", "hybridrl.controller.sft_config:SFTConfig", "supervised warm start on the task's demonstrations"),
+    ("store", "hybridrl.store.config:StoreConfig", "the run ledger: trajectory store, lineage, retention"),
+    ("selfcheck", "hybridrl.config.schema:SelfCheckConfig", "the self-check job"),
+)
 
-    run: RunConfig = section(RunConfig, "the run: name, directory, job, seed")
-    distributed: DistributedConfig = section(DistributedConfig, "processes, devices, control plane")
-    placement: PlacementConfig = section(PlacementConfig, "which ranks train and which generate: colocated or "
-                                                          "disaggregated")
-    model: ModelConfig = section(ModelConfig, "the policy model")
-    train: MegatronConfig = section(MegatronConfig, "the Megatron-core training backend (actor and reference)")
-    rollout: RolloutConfig = section(RolloutConfig, "the rollout engine: native or sglang, layout, knobs")
-    publish: PublishConfig = section(PublishConfig, "weight publication: buckets, verification, parity probe")
-    hybrid: HybridConfig = section(HybridConfig, "the colocated worker's mode switches")
-    agent: AgentConfig = section(AgentConfig, "the async agent loop: episode budgets, concurrency, sampling")
-    tools: ToolsConfig = section(ToolsConfig, "the tool sandbox pool and its limits")
-    task: TaskConfig = section(TaskConfig, "the task: splits, reward weights, SFT demonstrations, options")
-    env: EnvServiceConfig = section(EnvServiceConfig, "the leased environment service")
-    algo: AlgoConfig = section(AlgoConfig, "the RL algorithm: advantages, policy loss, KL, filters")
-    critic: CriticConfig = section(CriticConfig, "the value model of algo.advantage=gae: init, optimizer, value clip")
-    reward_model: RewardModelConfig = section(RewardModelConfig, "a learned reward model as a reward component")
-    trainer: TrainerConfig = section(TrainerConfig, "the RL loop: steps, batch shape, validation, checkpoints")
-    sft: SFTConfig = section(SFTConfig, "supervised warm start on the task's demonstrations")
-    store: StoreConfig = section(StoreConfig, "the run ledger: trajectory store, lineage, retention")
-    selfcheck: SelfCheckConfig = section(SelfCheckConfig, "the self-check job")
 
-    def __post_init__(self) -> None:
-        if self.run.job in ("rl", "sft") and not self.model.path:
-            raise ConfigValueError("model.path", f"run.job={self.run.job} needs an HF model directory: set "
-                                                 "model.path in the recipe or pass model.path=DIR")
-        if self.placement.disaggregated:
-            self._check_disaggregated()
-        if self.rollout.engine == "sglang" and self.publish.verify == "post_copy":
-            raise ConfigValueError("publish.verify", "post_copy needs an engine that reads its weights back after "
-                                                     "the copy; SGLang cannot (they live in its scheduler processes, "
-                                                     "in its own layout): set publish.verify=structure")
+def _class(target: str) -> type:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
-    def _check_disaggregated(self) -> None:
-        """What the disaggregated placement needs of the other sections, each refusal naming its key."""
-        if self.run.job in ("sft", "selfcheck"):
-            raise ConfigValueError("placement.mode", f"run.job={self.run.job} runs colocated: the disaggregated "
-                                                     "placement is for RL (run.job=rl)")
-        if self.algo.max_policy_lag < 0:
-            raise ConfigValueError("algo.max_policy_lag", "placement.mode=disaggregated needs a lag bound: 1 lets the "
-                                                          "rollout ranks generate the next step while this one "
-                                                          "trains, 0 makes them wait for every update")
-        refusals = (
-            ("rollout.engine", self.rollout.engine != "native",
-             "the disaggregated placement publishes to the native engine only (SGLang's weights arrive over CUDA IPC "
-             "from a colocated trainer); use rollout.engine=native or placement.mode=colocated"),
-            ("rollout.tp", self.rollout.tp != 1, "each rollout rank serves its own native engine: set rollout.tp=1"),
-            ("trainer.rollout_mode", self.trainer.rollout_mode != "sync",
-             "the disaggregated placement collects continuously on its own: leave trainer.rollout_mode=sync (partial "
-             "rollouts are for the colocated placement)"),
-            ("trainer.dynamic_sampling", self.trainer.dynamic_sampling,
-             "not available with the disaggregated placement yet: use placement.mode=colocated"),
-        )
-        for key, refused, why in refusals:
-            if refused:
-                raise ConfigValueError(key, why)
+
+@functools.cache
+def root() -> type:
+    """The root class `Config`: a keyword-only dataclass with one field per registered section, whose
+    `__post_init__` runs the checks across sections."""
+    fields = [(name, _class(target), section(_class(target), help)) for name, target, help in SECTIONS]
+    cls = dataclasses.make_dataclass("Config", fields, kw_only=True,
+                                     namespace={"__doc__": "The whole run.", "__post_init__": check_across})
+    cls.__module__ = __name__
+    return cls
+
+
+def check_across(self) -> None:
+    """What one section needs of others, each refusal naming its key."""
+    if self.run.job in ("rl", "sft") and not self.model.path:
+        raise ConfigValueError("model.path", f"run.job={self.run.job} needs an HF model directory: set "
+                                             "model.path in the recipe or pass model.path=DIR")
+    if self.placement.disaggregated:
+        _check_disaggregated(self)
+    if self.rollout.engine == "sglang" and self.publish.verify == "post_copy":
+        raise ConfigValueError("publish.verify", "post_copy needs an engine that reads its weights back after "
+                                                 "the copy; SGLang cannot (they live in its scheduler processes, "
+                                                 "in its own layout): set publish.verify=structure")
+
+
+def _check_disaggregated(self) -> None:
+    """What the disaggregated placement needs of the other sections, each refusal naming its key."""
+    if self.run.job in ("sft", "selfcheck"):
+        raise ConfigValueError("placement.mode", f"run.job={self.run.job} runs colocated: the disaggregated "
+                                                 "placement is for RL (run.job=rl)")
+    if self.algo.max_policy_lag < 0:
+        raise ConfigValueError("algo.max_policy_lag", "placement.mode=disaggregated needs a lag bound: 1 lets the "
+                                                      "rollout ranks generate the next step while this one "
+                                                      "trains, 0 makes them wait for every update")
+    refusals = (
+        ("rollout.engine", self.rollout.engine != "native",
+         "the disaggregated placement publishes to the native engine only (SGLang's weights arrive over CUDA IPC "
+         "from a colocated trainer); use rollout.engine=native or placement.mode=colocated"),
+        ("rollout.tp", self.rollout.tp != 1, "each rollout rank serves its own native engine: set rollout.tp=1"),
+        ("trainer.rollout_mode", self.trainer.rollout_mode != "sync",
+         "the disaggregated placement collects continuously on its own: leave trainer.rollout_mode=sync (partial "
+         "rollouts are for the colocated placement)"),
+        ("trainer.dynamic_sampling", self.trainer.dynamic_sampling,
+         "not available with the disaggregated placement yet: use placement.mode=colocated"),
+    )
+    for key, refused, why in refusals:
+        if refused:
+            raise ConfigValueError(key, why)

@@ -1,12 +1,12 @@
 """How a step gets its trajectories (`trainer.rollout_mode`), on the controller.
 
     sync     draw `prompts_per_step` instances, run `group_size` episodes of each to the end
-             (`HybridWorker.rollout`); the step waits for its slowest episode.
+             (`RolloutSide.rollout`); the step waits for its slowest episode.
     partial  keep `groups_in_flight = ceil(prompts_per_step * oversample)` groups in flight: draw
              as many new instances as groups left since the last step, launch them, and end the
              rollout when `quorum` groups are complete over all engines (or at
              `rollout_deadline_s`); the episodes still running are interrupted at a token boundary
-             and continue at the next step on the newly published policy (`HybridWorker.collect`,
+             and continue at the next step on the newly published policy (`RolloutSide.collect`,
              `agent/collector.py`). A step trains on complete groups only.
 
 `trainer.dynamic_sampling` (both modes): keep launching groups, up to `max_sampling_rounds`
@@ -16,7 +16,8 @@ versions leaves the step whole and its prompt is launched again at the next step
 staleness (with `drop` the trajectory filter drops such trajectories, `filter/policy_lag`).
 
 Both return the step's trajectories and the collection's metrics (`partial/*`, `dynamic/*`,
-`stale/*`).
+`stale/*`). A collection drives the rollout side through its placement's link (`ModeSwitchLink`:
+the colocated mode switch; `RemoteLink`: publication to separate rollout ranks).
 
 `trainer.max_groups_per_step` (partial): a step trains at most that many complete groups, oldest
 first; the rest wait in a `GroupQueue` bounded in groups and tokens (`data/queue.py`). Policy
@@ -25,7 +26,7 @@ in flight (so the queue can never overflow); `drop_oldest`: launches go on and t
 groups are dropped, counted in `queue/dropped_*`.
 
 Checkpoints (partial): the episodes held on the workers are not saved. A checkpoint records the
-instances of the groups in flight (and those waiting for a requeue) in `run.collection`; a run
+instances of the groups in flight (and those waiting for a requeue) in the collection's state; a run
 resumed from it launches each of them again, from scratch, once, before drawing new prompts. The
 data cursor is past them, so no prompt is skipped, and the ones the killed run had in flight were
 never trained, so none is repeated. `<run.dir>/groups.jsonl` records per step the prompts drawn, the
@@ -41,23 +42,26 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from hybridrl.algo.filters import admit, informative_groups, stale_groups
 from hybridrl.controller import metrics as M
 from hybridrl.data.queue import GroupQueue
 from hybridrl.data.trajectory import Trajectory, from_batch
-from hybridrl.workers.hybrid import HybridWorker
+from hybridrl.store.checkpoints import Blob
+from hybridrl.workers.remote import RemotePublication, StreamProducer
+from hybridrl.workers.rollout_side import RolloutSide
+from hybridrl.workers.switch import ModeSwitch
 
 
-def informative_groups(trajectories: list[Trajectory], tol: float = 1e-9) -> set[str]:
-    """Groups whose members' rewards are not all equal (a group baseline gets a signal from them)."""
-    rewards: dict[str, list[float]] = defaultdict(list)
-    for t in trajectories:
-        rewards[t.group_id].append(t.reward)
-    return {g for g, r in rewards.items() if max(r) - min(r) > tol}
+def admitted(cfg: Any, trajectories: list[Trajectory], version: int):
+    """The trajectories an update would admit (`algo.filters.admit` with this run's settings: the overlong
+    penalty, then the filters), with the reasons of the others."""
+    return admit(trajectories, cfg.algo, current_version=version, max_response_tokens=cfg.agent.max_response_tokens)
 
 
-def stale_groups(trajectories: list[Trajectory], version: int, max_lag: int) -> set[str]:
-    """Groups holding a policy token more than `max_lag` versions older than `version`."""
-    return {t.group_id for t in trajectories if t.versions and min(t.versions) < version - max_lag}
+def informative_admitted(cfg: Any, trajectories: list[Trajectory], version: int) -> set[str]:
+    """What dynamic sampling counts: the groups whose members an update would admit (after the filters
+    dropped the others) do not all have the same reward."""
+    return informative_groups(admitted(cfg, trajectories, version).kept)
 
 
 def lag_histogram(trajectories: list[Trajectory], version: int) -> dict[str, float]:
@@ -69,9 +73,49 @@ def lag_histogram(trajectories: list[Trajectory], version: int) -> dict[str, flo
     return out
 
 
+class ModeSwitchLink:
+    """The colocated placement's link, as the controller drives it: the mode switch."""
+
+    def __init__(self, wg: Any):
+        self.wg = wg
+
+    def to_rollout(self, version: int, step: int) -> dict:
+        return self.wg.call(ModeSwitch.enter_rollout, version=version, step=step)
+
+    def to_train(self) -> dict:
+        return self.wg.call(ModeSwitch.enter_train)
+
+    def ensure_rollout(self, version: int, step: int) -> dict | None:
+        """Serving `version` for a validation; the switch made (None when the workers were serving)."""
+        return self.to_rollout(version, step) if self.wg.call(ModeSwitch.mode) != "rollout" else None
+
+    def ensure_train(self) -> None:
+        if self.wg.call(ModeSwitch.mode) != "train":
+            self.to_train()
+
+
+class RemoteLink:
+    """The disaggregated placement's link: publication to the rollout ranks, which never stop."""
+
+    def __init__(self, wg: Any):
+        self.wg = wg
+
+    def to_rollout(self, version: int, step: int) -> dict:
+        return self.wg.call(RemotePublication.publish, version=version, step=step)
+
+    def to_train(self) -> dict:
+        return {}        # the rollout ranks keep generating; the training ranks never left training
+
+    def ensure_rollout(self, version: int, step: int) -> dict:
+        return self.to_rollout(version, step)
+
+    def ensure_train(self) -> None:
+        return None
+
+
 class SyncCollection:
-    def __init__(self, cfg: Any, wg: Any, run: Any):
-        self.cfg, self.wg, self.run = cfg, wg, run
+    def __init__(self, cfg: Any, wg: Any, run: Any, link: Any = None):
+        self.cfg, self.wg, self.run, self.link = cfg, wg, run, link
         self.rollout_dp = wg.mesh("rollout").dp_size
 
     def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
@@ -81,23 +125,30 @@ class SyncCollection:
         while True:
             instances = self.run.stream.next(want)
             label = step if rounds == 0 else f"{step}.{rounds}"
-            out += from_batch(self.wg.call(HybridWorker.rollout, M.episode_rows(instances, tc.group_size, label)))
+            out += from_batch(self.wg.call(RolloutSide.rollout, M.episode_rows(instances, tc.group_size, label)))
             rounds += 1
-            short = tc.prompts_per_step - len(informative_groups(out))
+            short = tc.prompts_per_step - len(informative_admitted(self.cfg, out, self.run.version))
             if not tc.dynamic_sampling or short <= 0 or rounds >= tc.max_sampling_rounds:
                 break
             want = math.ceil(short / self.rollout_dp) * self.rollout_dp     # groups stay whole on one engine
-        return out, ({"dynamic/rounds": float(rounds), "dynamic/informative_groups": float(len(informative_groups(out)))}
+        return out, ({"dynamic/rounds": float(rounds),
+                      "dynamic/informative_groups": float(len(informative_admitted(self.cfg, out, self.run.version)))}
                      if tc.dynamic_sampling else {})
+
+    # a stateful part of the run's checkpoint: a synchronous step leaves nothing between steps
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        return None
 
 
 class PartialCollection:
-    def __init__(self, cfg: Any, wg: Any, run: Any):
-        self.cfg, self.wg, self.run = cfg, wg, run
+    def __init__(self, cfg: Any, wg: Any, run: Any, link: Any = None):
+        self.cfg, self.wg, self.run, self.link = cfg, wg, run, link
         self.in_flight: dict[str, dict] = {}      # group id -> its instance (launched, not yet returned)
         self.requeued: list[dict] = []            # instances of stale groups, launched first at the next step
-        saved = run.collection or {}              # a resumed run: what the checkpoint had in flight
-        self.relaunch = [*saved.get("in_flight", {}).values(), *saved.get("requeued", []), *saved.get("queued", [])]
+        self.relaunch: list[dict] = []             # a resumed run: what the checkpoint had in flight
         tc = cfg.trainer
         self.queue = GroupQueue(max_groups=tc.queue_max_groups, max_tokens=tc.queue_max_tokens,
                                 policy=tc.queue_policy) if tc.max_groups_per_step else None
@@ -127,7 +178,7 @@ class PartialCollection:
     def _collect(self, episodes: list[dict], quorum: int, deadline_s: float, stats: list,
                  counts: dict[str, float]) -> list[Trajectory]:
         tc, algo = self.cfg.trainer, self.cfg.algo
-        outs = self.wg.call(HybridWorker.collect, episodes=episodes, quorum=quorum, deadline_s=deadline_s,
+        outs = self.wg.call(RolloutSide.collect, episodes=episodes, quorum=quorum, deadline_s=deadline_s,
                             poll_s=tc.collect_poll_s, informative_only=tc.dynamic_sampling)
         stats += [out["stats"] for out in outs]
         trajectories = [t for out in outs for t in out["trajectories"]]
@@ -162,7 +213,7 @@ class PartialCollection:
             trajectories = self._collect(more, 1, 0.0, stats, counts)
         rounds = 1
         while tc.dynamic_sampling and rounds < tc.max_sampling_rounds:
-            short = tc.prompts_per_step - len(informative_groups(trajectories))
+            short = tc.prompts_per_step - len(informative_admitted(self.cfg, trajectories, self.run.version))
             if short <= 0:
                 break
             more = self._launch(short, step, f"{step}.{rounds}")
@@ -193,13 +244,22 @@ class PartialCollection:
         metrics.update(lag_histogram(trajectories, self.run.version))
         if tc.dynamic_sampling:
             metrics["dynamic/rounds"] = float(rounds)
-            metrics["dynamic/informative_groups"] = float(len(informative_groups(trajectories)))
+            metrics["dynamic/informative_groups"] = float(len(informative_admitted(self.cfg, trajectories,
+                                                                                   self.run.version)))
         return trajectories, metrics
 
+    # a stateful part of the run's checkpoint
+    def state_dict(self) -> dict:
+        """The prompts of the groups in flight, waiting for a requeue or queued: a resumed run launches each
+        of them again, from scratch, once, before drawing new prompts."""
+        return {"in_flight": dict(self.in_flight), "requeued": list(self.requeued),
+                "queued": list(self.queued_instances.values())}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.relaunch = [*state.get("in_flight", {}).values(), *state.get("requeued", []), *state.get("queued", [])]
+
     def _record(self, step: int, trajectories: list[Trajectory]) -> None:
-        """What a checkpoint keeps of the collection, and this step's row of groups.jsonl."""
-        self.run.collection = {"in_flight": dict(self.in_flight), "requeued": list(self.requeued),
-                               "queued": list(self.queued_instances.values())}
+        """This step's row of groups.jsonl."""
         with (Path(self.cfg.run.dir) / "groups.jsonl").open("a") as f:
             f.write(json.dumps({"step": step, "drawn": self.drawn,
                                 "returned": sorted({t.group_id for t in trajectories}),
@@ -232,6 +292,9 @@ class PartialCollection:
             "queue/blocked_launches": float(self.blocked_launches)}
 
 
+NO_LOWER_FLOOR = 2**62
+
+
 class StreamCollection(PartialCollection):
     """The disaggregated placement: the rollout ranks generate without pause; a step takes its groups.
 
@@ -246,65 +309,84 @@ class StreamCollection(PartialCollection):
 
     Backpressure: at most `ahead` steps of groups exist beyond the one being taken (launched or
     waiting, never dropped); complete groups wait on their rollout rank until taken.
-    Checkpoints record the granted groups not yet taken (`in_flight`); a resumed run grants them
-    again, from scratch, once, before drawing new prompts (the rule of partial rollouts).
+
+    Checkpoints: a checkpoint takes every group granted ahead once it is complete (those groups end
+    on the versions they started on) and keeps them; the step they belong to trains on the kept
+    groups, in a resumed run exactly as in the uninterrupted one. The rollout ranks report their
+    counters per take (`StreamProducer.take`), so a resumed run's counters continue where the
+    checkpoint left them.
     """
 
-    def __init__(self, cfg: Any, wg: Any, run: Any):
-        super().__init__(cfg, wg, run)
+    def __init__(self, cfg: Any, wg: Any, run: Any, link: Any):
+        super().__init__(cfg, wg, run, link)
         self.lag = cfg.algo.max_policy_lag
         self.ahead = max(1, self.lag)
-        self.granted: dict[int, list[str]] = {}        # step -> its group ids
-        self.before: dict[str, float] = {}             # the producers' counters at the last take
+        self.granted: dict[int, tuple[list[list[dict]], int]] = {}   # step -> (its groups, floor), not taken
+        self.finished: dict[int, list[dict]] = {}      # step -> what its take returned (taken at a checkpoint)
+        self.serving = 0                               # the version the rollout ranks serve (this step's)
+        self.regrant: dict[int, tuple[list[list[dict]], int]] = {}   # a resumed run: grants to issue again
 
     def _grant(self, step: int, floor: int) -> None:
-        from hybridrl.workers.disaggregated import TrainerWorker
-
         episodes = self._launch(self.cfg.trainer.prompts_per_step, step, str(step))
         groups: dict[str, list[dict]] = {}
         for e in episodes:
             groups.setdefault(e["group_id"], []).append(e)
-        self.wg.call(TrainerWorker.grant, groups=list(groups.values()), floor=floor)
-        self.granted[step] = list(groups)
+        self._issue(step, list(groups.values()), floor)
+
+    def _issue(self, step: int, groups: list[list[dict]], floor: int) -> None:
+        self.wg.call(StreamProducer.grant, groups=groups, floor=floor)
+        self.granted[step] = (groups, floor)
+
+    def _take(self, step: int, floor: int) -> list[dict]:
+        groups, _ = self.granted.pop(step)
+        return self.wg.call(StreamProducer.take, group_ids=[g[0]["group_id"] for g in groups], floor=floor)
 
     def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
-        from hybridrl.workers.disaggregated import TrainerWorker
-
         version, total = self.run.version, self.cfg.trainer.total_steps
+        self.serving = version
         self.drawn = []
-        if step not in self.granted:                   # the first step (or the first after a resume)
+        for later, (groups, floor) in sorted(self.regrant.items()):    # after a resume: as they were granted
+            self._issue(later, groups, floor)
+        self.regrant = {}
+        if step not in self.granted and step not in self.finished:    # the first step (or the first after a resume)
             self._grant(step, version - self.lag)
         started = time.perf_counter()
-        outs = self.wg.call(TrainerWorker.take, group_ids=self.granted.pop(step), floor=version - self.lag)
+        outs = self.finished.pop(step) if step in self.finished else self._take(step, version - self.lag)
         waited = time.perf_counter() - started
         trajectories = [t for out in outs for t in out["trajectories"]]
         for g in dict.fromkeys(t.group_id for t in trajectories):
             self.in_flight.pop(g)
         for ahead in range(1, self.ahead + 1):         # the next steps' groups, while this one trains
-            if step + ahead <= total and step + ahead not in self.granted:
+            if step + ahead <= total and step + ahead not in self.granted and step + ahead not in self.finished:
                 self._grant(step + ahead, version + ahead - self.lag)
         self._record(step, trajectories)
         stats = [out["stats"] for out in outs if out["stats"]]
-        counters = {k: sum(s[k] for s in stats) for k in ("idle_s", "floor_waits", "launched_groups", "policy_tokens")}
-        counters["clock"] = max(s["clock"] for s in stats)       # monotonic clocks: only differences are used
-        deltas = {k: v - self.before.get(k, 0.0) for k, v in counters.items()}
-        first = not self.before
-        self.before = counters
-        metrics = {"stream/trainer_wait_s": waited, "stream/rollout_idle_s": deltas["idle_s"], "stream/floor_waits": deltas["floor_waits"],
-                   "stream/launched_groups": deltas["launched_groups"],
+        deltas = {k: sum(s[k] for s in stats) for k in ("idle_s", "floor_waits", "launched_groups", "policy_tokens")}
+        clock = max(s["clock_s"] for s in stats)
+        metrics = {"stream/trainer_wait_s": waited, "stream/rollout_idle_s": deltas["idle_s"],
+                   "stream/floor_waits": deltas["floor_waits"], "stream/launched_groups": deltas["launched_groups"],
                    "stream/returned_groups": float(len({t.group_id for t in trajectories})),
                    "stream/groups_in_flight": float(len(self.in_flight)),
                    "stream/complete_waiting": float(sum(s["complete_groups"] for s in stats)),
                    "stream/running_episodes": float(sum(s["running_episodes"] for s in stats)),
                    "stream/multi_version_episodes": float(sum(len(t.versions) > 1 for t in trajectories)),
                    **lag_histogram(trajectories, version)}
-        busy = deltas["clock"] - deltas["idle_s"] / max(1, len(stats))
-        if not first:      # generation's own rate: policy tokens of the episodes ended since the last take, per busy second
-            metrics["gen/tokens_per_s"] = deltas["policy_tokens"] / busy if busy > 0 else 0.0
+        busy = clock - deltas["idle_s"] / max(1, len(stats))
+        if not any(s["first"] for s in stats):   # generation's own rate: policy tokens of the episodes ended
+            metrics["gen/tokens_per_s"] = deltas["policy_tokens"] / busy if busy > 0 else 0.0   # since the last take
         return trajectories, metrics
 
+    def state_dict(self) -> dict:
+        """The groups granted ahead that can run on the version served now, taken once complete (they finish
+        on the versions they started on); those waiting for a newer version have not started and are granted
+        again as they were after a resume."""
+        for step, (_, floor) in sorted(self.granted.items()):
+            if floor <= self.serving:       # a floor no waiting group is above: lowers none of them
+                self.finished[step] = self._take(step, NO_LOWER_FLOOR)
+        return {**super().state_dict(), "finished": Blob(self.finished),
+                "waiting": {str(step): {"groups": groups, "floor": floor} for step, (groups, floor) in self.granted.items()}}
 
-def make_collection(cfg: Any, wg: Any, run: Any) -> SyncCollection | PartialCollection:
-    if cfg.placement.disaggregated:
-        return StreamCollection(cfg, wg, run)
-    return PartialCollection(cfg, wg, run) if cfg.trainer.rollout_mode == "partial" else SyncCollection(cfg, wg, run)
+    def load_state_dict(self, state: dict) -> None:
+        self.in_flight = dict(state.get("in_flight", {}))
+        self.finished = dict(state.get("finished", {}))
+        self.regrant = {int(step): (w["groups"], w["floor"]) for step, w in state.get("waiting", {}).items()}

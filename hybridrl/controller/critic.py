@@ -1,7 +1,7 @@
 """The controller's side of algo.advantage=gae: which steps update the actor.
 
-The critic itself runs inside `HybridWorker.update_policy` (values before the advantages, GAE, its
-optimizer steps beside the actor's; `hybridrl/workers/critic.py`). During the first
+The critic itself runs inside `TrainSide.update_policy` (values before the advantages, GAE, its
+optimizer steps beside the actor's; `hybridrl/workers/rl_step.py`). During the first
 `critic.warmup_steps` RL steps only the critic trains: the trainer passes `update_actor=False`, the
 policy version does not move and the step logs `train/updated=0`.
 """

@@ -50,13 +50,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from hybridrl.workers.fault_kinds import JOB, KINDS as FAULT_KINDS
+
 log = logging.getLogger(__name__)
 
-KINDS = ("kill_job", "kill_rank", "engine", "tool", "reward", "env_kill", "disk_full")
-WORKER_KINDS = ("engine", "tool", "reward", "env_kill", "disk_full")      # armed on a worker, fired there
+KINDS = tuple(FAULT_KINDS)
+WORKER_KINDS = tuple(k.name for k in FAULT_KINDS.values() if k.fired_by != JOB)   # armed on a worker, fired there
 MOMENTS = ("switch", "rollout", "train", "log", "checkpoint")
-_SPEC = re.compile(r"^(?P<kind>kill_job|kill_rank(?P<rank>\d+)?|engine|tool|reward|env_kill|disk_full)"
-                   r"@(?P<step>\d+)(?::(?P<moment>\w+))?$")
+_SPEC = re.compile(r"^(?P<kind>kill_rank(?P<rank>\d+)?|" + "|".join(k for k in KINDS if k != "kill_rank")
+                   + r")@(?P<step>\d+)(?::(?P<moment>\w+))?$")
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ def parse(spec: str) -> Fault:
         raise ValueError(f"fault {spec!r}: expected KIND@STEP[:MOMENT] with KIND one of {', '.join(KINDS)} "
                          f"(kill_rankN for rank N), e.g. kill_job@3:train")
     kind = "kill_rank" if m["kind"].startswith("kill_rank") else m["kind"]
-    natural = "checkpoint" if kind == "disk_full" else "rollout"
+    natural = FAULT_KINDS[kind].moment or "rollout"
     moment = m["moment"] or natural
     if kind in WORKER_KINDS and moment != natural:
         raise ValueError(f"fault {spec!r}: {kind} fires during the step's {natural}; leave the moment out")

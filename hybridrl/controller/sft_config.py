@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridrl.config.fields import check_positive, knob
+from hybridrl.config.fields import ConfigValueError, check_positive, knob
 
 
 @dataclass(kw_only=True)
@@ -17,7 +17,13 @@ class SFTConfig:
     batch_size: int = knob(64, "sequences per step (global, over data-parallel ranks)")
     output_dir: str = knob("", "where the trained HF model goes; empty = <run.dir>/hf")
     log_every: int = knob(10, "metrics.jsonl row every k steps")
+    validate_every: int = knob(0, "greedy and sampled (agent.temperature) accuracy on the task's validation split "
+                                  "(task.validation_size instances) every k steps; 0: once, after the last step; "
+                                  "-1: never")
 
     def __post_init__(self) -> None:
         for name in ("num_demonstrations", "steps", "batch_size", "log_every"):
             check_positive(name, getattr(self, name))
+        if self.validate_every < -1:
+            raise ConfigValueError("validate_every", f"must be -1 (never), 0 (after the last step) or k > 0, got "
+                                                     f"{self.validate_every}")

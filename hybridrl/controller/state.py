@@ -1,9 +1,18 @@
 """The controller's run state: where the loop is, and everything needed to continue it exactly.
 
-`RunState.start` resumes from the newest complete checkpoint when `trainer.resume=auto` (or a
-given path), restoring the model/optimizer/RNG of every rank, the policy version, the data
-cursor, the controller's RNG and the metrics log (rows after the checkpoint are dropped);
-otherwise it starts fresh. `save_checkpoint` writes all of that; `finish` exports the policy.
+`RunState.open` prepares the run directory (refusing another run's checkpoint, moving an old run
+aside when told) and picks the checkpoint to resume (`trainer.resume=auto`: the newest complete
+one, or a given path). `restore(collection)` then brings back every stateful part of the run from
+it through one `Checkpointer` (`store/checkpoints.py`):
+
+    (the run)      step, policy version, the run's identity and config: the state's top level
+    data_cursor    the training split's stream
+    collection     what the collection holds between steps (groups in flight or finished ahead)
+    rng            the controller's Python / numpy / torch generators
+    logs           metrics.jsonl, samples.jsonl, groups.jsonl: rows after the checkpoint are dropped
+    (the model)    every training rank's model, optimizer, schedule and generators
+
+`save_checkpoint` writes them all; `finish` exports the policy and writes the summary.
 """
 
 from __future__ import annotations
@@ -15,19 +24,74 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.config.loader import to_dict
-from hybridrl.controller import rundir
 from hybridrl.controller.faults import Injector
-from hybridrl.data.stream import Cursor, ShuffledStream
-from hybridrl.store.checkpoints import CheckpointManager, capture_rng, restore_rng
+from hybridrl.jobs import JobStopped
+from hybridrl.data.stream import ShuffledStream
+from hybridrl.store import rundir
+from hybridrl.store.checkpoints import CheckpointManager, Checkpointer, capture_rng, restore_rng
 from hybridrl.telemetry.metrics import MetricsLogger, read_metrics, truncate_after
-from hybridrl.workers.hybrid import HybridWorker
+from hybridrl.workers.faults import Faults
+from hybridrl.workers.train_side import TrainSide
 
 log = logging.getLogger(__name__)
+
+
+class ControllerRng:
+    """The controller's generators as a stateful part."""
+
+    def state_dict(self) -> dict:
+        return capture_rng()
+
+    def load_state_dict(self, state: dict) -> None:
+        restore_rng(state)
+
+
+@dataclass
+class RunLogs:
+    """The run's JSON-lines logs: a resumed run drops the rows after its checkpoint's step (they are
+    recomputed), so each step has one record (metrics.jsonl: `MetricsLogger(resume_from_step=...)`)."""
+
+    run: "RunState"
+
+    def state_dict(self) -> dict:
+        return {"step": self.run.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        step = state["step"]
+        for name in ("samples.jsonl", "groups.jsonl"):
+            truncate_after(Path(self.run.cfg.run.dir) / name, step)
+
+
+class Hooks:
+    """What happens at the named moments of a step, outside the algorithm: faults due there fire
+    (job kinds) or are armed on the workers (worker kinds, before the phase they fire in); after the
+    rollout, the kill switch (`hybridrl agent kill-switch RUN_DIR`) is read and, when set, the run
+    stops without training on the step (`jobs.JobStopped`: resumable)."""
+
+    ARMS_BEFORE = {"switch": "rollout", "log": "checkpoint"}      # moment -> the phase armed after it
+
+    def __init__(self, cfg: Any, wg: Any, run_dir: Path):
+        self.cfg, self.wg = cfg, wg
+        self.faults = Injector(cfg.trainer.inject, run_dir, checkpoint_every=cfg.trainer.checkpoint_every)
+        self.run: Any = None
+
+    def at(self, step: int, moment: str) -> None:
+        from hybridrl.agent import killswitch
+        from hybridrl.workers.rank import RankWorker
+
+        self.faults.at(step, moment)
+        phase = self.ARMS_BEFORE.get(moment)
+        if phase is not None:
+            self.faults.arm(step, phase, lambda **fault: self.wg.call(Faults.arm_fault, **fault))
+        if moment == "rollout" and killswitch.stop_requested(self.cfg, self.run, step,
+                                                             lambda: self.wg.call(RankWorker.close)):
+            raise JobStopped(f"stopped by the kill switch at step {step}")
 
 
 @dataclass
 class RunState:
     cfg: Any
+    wg: Any
     step: int
     version: int
     stream: ShuffledStream
@@ -35,12 +99,16 @@ class RunState:
     logger: MetricsLogger
     checkpoints: CheckpointManager
     tokenizer: Any
+    hooks: Hooks
     identity: dict = field(default_factory=dict)      # task, model, shapes: what a checkpoint belongs to
     counters: dict = field(default_factory=dict)
-    collection: dict = field(default_factory=dict)    # partial rollouts: prompts in flight (see collection.py)
-    resumed_from: str | None = None
-    faults: Injector | None = None
+    source: Path | None = None                        # the checkpoint this run resumes from
+    checkpointer: Checkpointer | None = None
     _ledger: Any = None
+
+    @property
+    def resumed_from(self) -> str | None:
+        return str(self.source) if self.source is not None else None
 
     @property
     def ledger(self):
@@ -52,7 +120,7 @@ class RunState:
         return self._ledger
 
     @classmethod
-    def start(cls, cfg, wg) -> "RunState":
+    def open(cls, cfg, wg) -> "RunState":
         from transformers import AutoTokenizer
 
         from hybridrl.envs.tasks import get_task
@@ -71,30 +139,42 @@ class RunState:
             fired.write_text(fired_before)
         if plan.note and plan.action != "resume":
             log.info("%s", plan.note)
-        checkpoints = CheckpointManager(run_dir, keep=tc.keep_checkpoints)
         source = plan.checkpoint
-        step, version, cursor, collection = 0, 0, Cursor(), {}
-        if source is not None:
-            state = CheckpointManager.load_state(source)
-            wg.call(HybridWorker.load_checkpoint, path=str(source / "model"))
-            step, version = state["step"], state["policy_version"]
-            cursor = Cursor(**state["data_cursor"])
-            collection = state.get("collection", {})
-            restore_rng(state["rng"])
-            truncate_after(run_dir / "samples.jsonl", step)     # as metrics.jsonl: one step, one record
-            truncate_after(run_dir / "groups.jsonl", step)
-            log.info("%s: policy v%d", plan.note, version)
+        step = int(CheckpointManager.load_state(source)["step"]) if source is not None else 0
         if source is None or not (run_dir / "config.json").exists():
             (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        return cls(cfg=cfg, step=step, version=version,
-                   stream=ShuffledStream(task.train_split(), seed=cfg.run.seed, cursor=cursor),
+        if source is not None:
+            log.info("%s", plan.note)
+        run = cls(cfg=cfg, wg=wg, step=step, version=0,
+                   stream=ShuffledStream(task.train_split(), seed=cfg.run.seed),
                    validation=task.validation_split(),
                    logger=MetricsLogger(run_dir, resume_from_step=step if source is not None else None),
-                   checkpoints=checkpoints, tokenizer=tokenizer, identity=rundir.identity(cfg),
-                   resumed_from=str(source) if source is not None else None,
-                   faults=Injector(tc.inject, run_dir, checkpoint_every=tc.checkpoint_every),
-                   collection=collection)
+                   checkpoints=CheckpointManager(run_dir, keep=tc.keep_checkpoints),
+                   tokenizer=AutoTokenizer.from_pretrained(cfg.model.path), hooks=Hooks(cfg, wg, run_dir),
+                   identity=rundir.identity(cfg), source=source)
+        run.hooks.run = run
+        return run
+
+    def restore(self, collection: Any) -> None:
+        """Every stateful part from the checkpoint `open` chose (nothing without one)."""
+        wg = self.wg
+        self.checkpointer = Checkpointer(
+            self.checkpoints, self,
+            {"data_cursor": self.stream, "collection": collection, "rng": ControllerRng(), "logs": RunLogs(self)},
+            write_model=lambda d: wg.call(TrainSide.save_checkpoint, path=str(d),
+                                          extra={"step": self.step, "policy_version": self.version}),
+            read_model=lambda d: wg.call(TrainSide.load_checkpoint, path=str(d)))
+        if self.source is not None:
+            self.checkpointer.restore(self.source)
+            log.info("resumed from %s: step %d, policy v%d", self.source, self.step, self.version)
+
+    # a stateful part: the run's own cursor
+    def state_dict(self) -> dict:
+        return {"step": self.step, "policy_version": self.version, "config": to_dict(self.cfg),
+                "identity": self.identity}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.version = int(state["step"]), int(state["policy_version"])
 
     def log(self, step: int, metrics: dict, samples: list | None = None) -> None:
         self.step = step
@@ -102,27 +182,18 @@ class RunState:
         if samples and self.cfg.trainer.log_samples:
             self._write_samples(step, samples[: self.cfg.trainer.log_samples])
 
-    def arm_faults(self, wg, step: int, moment: str) -> None:
-        """The worker-side faults due at (step, moment), armed on the workers (`controller/faults.py`)."""
-        self.faults.arm(step, moment, lambda **fault: wg.call(HybridWorker.arm_fault, **fault))
-
-    def save_checkpoint(self, wg, step: int) -> Path:
-        if wg.call(HybridWorker.mode) != "train":
-            wg.call(HybridWorker.enter_train)
-        self.arm_faults(wg, step, "checkpoint")
-        state = {"policy_version": self.version, "data_cursor": self.stream.state(), "rng": capture_rng(),
-                 "collection": self.collection,
-                 "config": to_dict(self.cfg), "identity": self.identity}
-        path = self.checkpoints.save(step, state, lambda model_dir: wg.call(
-            HybridWorker.save_checkpoint, path=str(model_dir), extra={"step": step, "policy_version": self.version}),
-            before_complete=lambda: self.faults.at(step, "checkpoint"))
+    def save_checkpoint(self, step: int, link: Any) -> Path:
+        link.ensure_train()
+        path = self.checkpointer.save(step, before_complete=lambda: self.hooks.at(step, "checkpoint"))
         log.info("checkpoint step %d -> %s", step, path)
         return path
 
     def finish(self, wg) -> None:
+        from hybridrl.workers.rank import RankWorker
+
         if self.cfg.trainer.export_hf:
-            wg.call(HybridWorker.export_hf, out_dir=str(Path(self.cfg.run.dir) / "hf"))
-        wg.call(HybridWorker.close)
+            wg.call(TrainSide.export_hf, out_dir=str(Path(self.cfg.run.dir) / "hf"))
+        wg.call(RankWorker.close)
         self.logger.close()
         summary = self.summary()
         rundir.mark_finished(self.cfg.run.dir, self.step, policy_version=self.version,

@@ -1,11 +1,14 @@
 """The RL loop, on rank 0. It reads as the algorithm:
 
-    tasks -> rollout mode -> agent episodes (rewards) -> train mode -> filter -> mini-batch layout
-          -> update_policy (worker-side: ref / old logprobs, KL-in-reward, advantages, PPO updates)
-          -> (publish happens at the next switch) -> log / validate / checkpoint
+    rollout side serves the policy -> agent episodes (rewards) -> back to training -> filter
+          -> mini-batch layout -> update_policy (on the training side: reference / old logprobs,
+             KL-in-reward, advantages, PPO updates) -> log / validate / checkpoint
 
-The batch reaches the workers once per step (one `update_policy` call); scalars and per-row
-values come back.
+The batch reaches the training side once per step (one `TrainSide.update_policy` call); scalars,
+per-row values and the ledger's per-token lineage come back from it. How the rollout side is
+reached (a mode switch on the same ranks, or a publication to other ranks) and how a step collects
+its trajectories are the placement's (`controller/placements.py`); what happens at the named
+moments of a step outside the algorithm (faults) is the run's hooks.
 """
 
 from __future__ import annotations
@@ -17,29 +20,31 @@ import torch
 from tqdm import tqdm
 
 from hybridrl.algo import partial
-from hybridrl.algo.filters import filter_trajectories
 from hybridrl.algo.groups import group_index_of
 from hybridrl.algo.minibatches import lay_out, plan
 from hybridrl.controller import critic as C
 from hybridrl.controller import metrics as M
-from hybridrl.controller.collection import make_collection
+from hybridrl.controller.collection import admitted
+from hybridrl.controller.placements import make_worker
 from hybridrl.controller.state import RunState
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import from_batch, to_batch
 from hybridrl.jobs import Job
 from hybridrl.telemetry.timers import StageTimer
-from hybridrl.workers.disaggregated import make_worker
-from hybridrl.workers.hybrid import HybridWorker
+from hybridrl.workers.rollout_side import RolloutSide
+from hybridrl.workers.train_side import TrainSide
 
 log = logging.getLogger(__name__)
 
 
 def train(cfg, wg) -> dict:
-    tc, algo = cfg.trainer, cfg.algo
-    run = RunState.start(cfg, wg)
-    collection = make_collection(cfg, wg, run)     # trainer.rollout_mode: sync | partial
+    tc = cfg.trainer
+    run = RunState.open(cfg, wg)
+    collection = cfg.placement.resolve().collection(cfg, wg, run)     # sync | partial | stream
+    run.restore(collection)
+    link = collection.link
     if run.step == 0:
-        run.log(0, validate(cfg, wg, run, step=0))
+        run.log(0, validate(cfg, wg, run, link, step=0))
     bar = tqdm(range(run.step + 1, tc.total_steps + 1), initial=run.step, total=tc.total_steps,
                desc="rl", dynamic_ncols=True, disable=None)
     for step in bar:
@@ -47,38 +52,34 @@ def train(cfg, wg) -> dict:
         rollout_version = run.version
 
         with timer("sync"):
-            switch = wg.call(HybridWorker.enter_rollout, version=run.version, step=step)
-        run.faults.at(step, "switch")
-        run.arm_faults(wg, step, "rollout")
+            switch = link.to_rollout(run.version, step)
+        run.hooks.at(step, "switch")
         with timer("rollout"):
             trajectories, collected = collection.rollout(step)
-        run.faults.at(step, "rollout")
+        run.hooks.at(step, "rollout")
         with timer("sync"):
-            switch.update(wg.call(HybridWorker.enter_train))
+            switch.update(link.to_train())
 
         with timer("prep"):
-            kept = filter_trajectories(trajectories, drop_truncated=algo.drop_truncated,
-                                       drop_all_equal_groups=algo.drop_all_equal_groups,
-                                       current_version=run.version,
-                                       max_policy_lag=algo.max_policy_lag if algo.max_policy_lag >= 0 else None)
+            kept = admitted(cfg, trajectories, run.version)
             batch = to_batch(kept.kept, pad_id=run.pad_id) if kept.kept else None
             if batch is not None:
-                collected.update(partial.apply(algo.partial_policy, batch))   # multi-version rows
-                layout = plan(len(batch), wg.mesh("train").dp_size, algo.ppo_mini_batches)
+                collected.update(partial.apply(cfg.algo.partial_policy, batch))   # multi-version rows
+                layout = plan(len(batch), wg.mesh("train").dp_size, cfg.algo.ppo_mini_batches)
                 sent = lay_out(update_inputs(batch), layout)
 
         updates_actor = batch is not None and C.actor_trains(cfg, step)     # gae: not in the critic's warm-up
         with timer("train"):
             update, critic = {}, {}
             if batch is not None:
-                outs = wg.call(HybridWorker.update_policy, sent, mini_batch_rows=layout.rows_per_rank,
-                               num_groups=int(sent["group_index"].max()) + 1, update_actor=updates_actor)
-                update, critic = outs[0]["metrics"], outs[0].get("critic", {})
-                record_rows(kept.kept, outs, layout)
+                out = wg.call(TrainSide.update_policy, sent, mini_batch_rows=layout.rows_per_rank,
+                              num_groups=int(sent["group_index"].max()) + 1, update_actor=updates_actor)
+                update, critic = out.info["metrics"], out.info["critic"]
+                record_rows(kept.kept, out, layout)
                 if cfg.store.enabled and updates_actor:   # the ledger keeps the policy update's per-token old
                     # logprobs and advantages (a critic warm-up step takes none: only the critic trains)
-                    attach_lineage(batch, wg.call(HybridWorker.update_lineage), wg.mesh("train"), layout)
-        run.faults.at(step, "train")
+                    attach_lineage(batch, out, layout)
+        run.hooks.at(step, "train")
         if updates_actor:
             run.version += 1
 
@@ -91,71 +92,67 @@ def train(cfg, wg) -> dict:
         if batch is None:
             log.info("step %d: no update (none of %d episodes admitted: %s)", step, len(trajectories),
                      ", ".join(f"{k} {v}" for k, v in kept.counts.items() if v) or "no reason counted")
-        metrics.update(M.engine_metrics(wg.call(HybridWorker.rollout_stats), run))
+        metrics.update(M.engine_metrics(wg.call(RolloutSide.rollout_stats), run))
         if step == tc.total_steps or (tc.validate_every and step % tc.validate_every == 0):
-            metrics.update(validate(cfg, wg, run, step))
+            metrics.update(validate(cfg, wg, run, link, step))
+        checkpoint = tc.checkpoint_every and step % tc.checkpoint_every == 0
         metrics["time/T_store"] = run.ledger.record_step(
             step, trajectories=trajectories, kept=kept, batch=batch, switch=switch, rollout_version=rollout_version,
             version_after=run.version, metrics=metrics,
-            checkpoint=str(run.checkpoints.path(step)) if tc.checkpoint_every and step % tc.checkpoint_every == 0 else None)
+            checkpoint=str(run.checkpoints.path(step)) if checkpoint else None)
         metrics["time/logged_at"] = time.time()      # wall clock: throughput over steps, whatever overlaps
         run.log(step, metrics, samples=trajectories)
-        run.faults.at(step, "log")
+        run.hooks.at(step, "log")
         bar.set_postfix_str(M.postfix(metrics))
-        if tc.checkpoint_every and step % tc.checkpoint_every == 0:
-            run.save_checkpoint(wg, step)
+        if checkpoint:
+            run.save_checkpoint(step, link)
     run.finish(wg)
     return run.summary()
 
 
 def update_inputs(batch: Batch) -> Batch:
-    """What `HybridWorker.update_policy` needs of a batch: tokens, masks, behaviour logprobs, the
+    """What `TrainSide.update_policy` needs of a batch: tokens, masks, behaviour logprobs, the
     outcome reward and each row's group as a dense index (metadata stays on the controller)."""
     names = ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "reward")
     return Batch({**{n: batch[n] for n in names}, "group_index": group_index_of(batch["group_id"])})
 
 
-def record_rows(trajectories: list, outs: list[dict], layout) -> None:
+def record_rows(trajectories: list, out: Batch, layout) -> None:
     """Per-trajectory values from the update (its advantage, its rollout/trainer mismatch) into each
-    trajectory's metadata, in the order the layout sent them."""
-    rows: dict[str, list] = {}
-    for out in outs:                      # the output ranks' shares, in data-parallel order
-        for key, values in out["rows"].items():
-            rows.setdefault(key, []).extend(values)
+    trajectory's metadata; `out` holds one row per position of the laid-out batch."""
     for position in layout.real_positions:
         t = trajectories[layout.order[position]]
-        for key, values in rows.items():
-            t.metadata[key] = values[position]
+        for key in ("advantage", "mismatch_max_abs"):
+            t.metadata[key] = float(out[key][position])
 
 
-def attach_lineage(batch: Batch, per_rank: list, mesh, layout) -> None:
-    """The update's per-token tensors (each output rank's share of the laid-out batch, in data-parallel
-    order) set on `batch` in its own row order."""
-    owners = sorted(mesh.output_ranks(), key=mesh.dp_rank)
-    laid = Batch.concat([per_rank[r] for r in owners])
+def attach_lineage(batch: Batch, out: Batch, layout) -> None:
+    """The update's per-token tensors (rows of the laid-out batch) set on `batch` in its own row order."""
     positions = torch.tensor(layout.real_positions, dtype=torch.long)
     rows = torch.empty(len(batch), dtype=torch.long)
     rows[torch.tensor([layout.order[p] for p in layout.real_positions], dtype=torch.long)] = positions
-    for name, values in laid.tensors.items():
-        batch.set(name, values[rows])
+    for name in ("old_logprobs", "advantages", "ref_logprobs"):
+        if name in out.tensors:
+            batch.set(name, out[name][rows])
 
 
-def validate(cfg, wg, run: RunState, step: int) -> dict:
-    """Accuracy of the current policy on the held-out split (greedy by default). Leaves the workers
-    in rollout mode serving the current version; the next step's switch is then a no-op."""
+def validate(cfg, wg, run: RunState, link, step: int) -> dict:
+    """Accuracy of the current policy on the held-out split (greedy by default). Leaves the rollout side
+    serving the current version; the next step's switch is then a no-op."""
     tc = cfg.trainer
     started = time.perf_counter()
-    if wg.call(HybridWorker.mode) != "rollout":
-        run.ledger.record_switch(step, wg.call(HybridWorker.enter_rollout, version=run.version, step=step))
+    switch = link.ensure_rollout(run.version, step)
+    if switch is not None:
+        run.ledger.record_switch(step, switch)
     rows = M.episode_rows(run.validation, 1, f"val{step}")
-    trajectories = from_batch(wg.call(HybridWorker.rollout, rows, temperature=tc.validation_temperature))
+    trajectories = from_batch(wg.call(RolloutSide.rollout, rows, temperature=tc.validation_temperature))
     out = M.validation_metrics(trajectories)
     # the validation episodes' engine and agent counters, kept out of the next training step's
-    out.update({f"val/{k}": v for k, v in M.engine_metrics(wg.call(HybridWorker.rollout_stats), run).items()})
+    out.update({f"val/{k}": v for k, v in M.engine_metrics(wg.call(RolloutSide.rollout_stats), run).items()})
     out["val/seconds"] = time.perf_counter() - started
     log.info("validation at step %d (policy v%d): accuracy %.3f on %d episodes", step, run.version,
              out["val/accuracy"], len(trajectories))
     return out
 
 
-JOB = Job("rl", make_worker, train)     # the hybrid worker, or by role when disaggregated
+JOB = Job("rl", make_worker, train)     # the rank's worker as its placement builds it

@@ -101,6 +101,9 @@ class WorkerGroup:
         dispatch = dispatch or spec.dispatch
         timeout = timeout_s or spec.timeout_s or self.ctx.cfg.call_timeout_s
         plan = dispatch.plan(data, self)
+        if 0 in plan.owners and not self.worker.holds(spec.name):
+            raise TypeError(f"{spec.name}: rank 0 is to answer it, but its placement gave it no such part "
+                            f"(it holds {[type(p).__name__ for p in self.worker.parts]})")
         if not dispatch.runs_everywhere:
             return plan.gather({0: to_controller(self._run_local(spec.name, plan.same, kwargs, peers=False))})
 

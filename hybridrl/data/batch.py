@@ -3,6 +3,10 @@
 The one container that moves between the controller and the workers. Tensors travel over the
 data plane; metadata (small Python values, one per sample) travels in control messages.
 
+`info` holds batch-level values (small, picklable: a step's scalars, say) that travel with the
+batch's header and survive slicing; a concatenation keeps the first batch's (the pieces of one
+call's output describe one step: rank 0's comes first).
+
 Padding: `pad_to(n)` appends copies of the first rows (so no row is degenerate, e.g. an
 all-zero attention mask) and zeroes the tensors named in `zero`, and records how many trailing
 rows are padding in `num_padding`. Anything that reduces over samples must use `valid_rows`
@@ -27,10 +31,12 @@ class Batch:
         meta: Mapping[str, Sequence[Any]] | None = None,
         *,
         num_padding: int = 0,
+        info: Mapping[str, Any] | None = None,
     ):
         self.tensors: dict[str, torch.Tensor] = dict(tensors or {})
         self.meta: dict[str, list[Any]] = {k: list(v) for k, v in (meta or {}).items()}
         self.num_padding = int(num_padding)
+        self.info: dict[str, Any] = dict(info or {})
         self._check()
 
     # ------------------------------------------------------------------ basics
@@ -111,7 +117,7 @@ class Batch:
 
     def to(self, device: torch.device | str) -> "Batch":
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.meta,
-                     num_padding=self.num_padding)
+                     num_padding=self.num_padding, info=self.info)
 
     def tensor_meta(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {k: (tuple(v.shape), v.dtype) for k, v in self.tensors.items()}
@@ -127,11 +133,12 @@ class Batch:
         return Batch(
             {k: v[idx.to(v.device)] for k, v in self.tensors.items()},
             {k: [v[i] for i in positions] for k, v in self.meta.items()},
+            info=self.info,
         )
 
     def slice(self, start: int, stop: int) -> "Batch":
         return Batch({k: v[start:stop] for k, v in self.tensors.items()},
-                     {k: v[start:stop] for k, v in self.meta.items()})
+                     {k: v[start:stop] for k, v in self.meta.items()}, info=self.info)
 
     def repeat_interleave(self, n: int) -> "Batch":
         """Each row n times in a row: [a, b] -> [a, a, b, b] (a group of n samples per prompt)."""
@@ -145,7 +152,7 @@ class Batch:
         if size < n:
             raise ValueError(f"cannot pad a batch of {n} down to {size}")
         if size == n:
-            return Batch(self.tensors, self.meta, num_padding=self.num_padding)
+            return Batch(self.tensors, self.meta, num_padding=self.num_padding, info=self.info)
         if n == 0:
             raise ValueError("cannot pad an empty batch: there is no row to copy")
         zero = set(zero)
@@ -157,7 +164,7 @@ class Batch:
         for name in zero:
             extra.tensors[name] = torch.zeros_like(extra.tensors[name])
         extra.meta = {k: [None] * len(extra) for k in self.meta}
-        out = Batch.concat([Batch(self.tensors, self.meta), extra])
+        out = Batch.concat([Batch(self.tensors, self.meta, info=self.info), extra])
         out.num_padding = self.num_padding + (size - n)
         return out
 
@@ -194,7 +201,7 @@ class Batch:
     def concat(batches: Sequence["Batch"], *, pad_dim1: Mapping[str, float] | None = None) -> "Batch":
         """Rows of all batches in order; they must hold the same names and trailing shapes, except
         that tensors named in `pad_dim1` are first right-padded along dim 1 (sequence length) with
-        the given value to the longest among the batches."""
+        the given value to the longest among the batches. The first batch's `info` is kept."""
         batches = list(batches)
         if not batches:
             raise ValueError("concat needs at least one batch")
@@ -214,7 +221,7 @@ class Batch:
         meta = {k: [x for b in batches for x in b.meta[k]] for k in first.meta}
         if any(b.num_padding for b in batches[:-1]):
             raise BatchShapeError("concat of padded batches would put padding mid-batch; strip it first")
-        return Batch(tensors, meta, num_padding=batches[-1].num_padding)
+        return Batch(tensors, meta, num_padding=batches[-1].num_padding, info=first.info)
 
 
 def _pad_dim1(batches: list["Batch"], pad_values: Mapping[str, float]) -> list["Batch"]:
@@ -229,7 +236,7 @@ def _pad_dim1(batches: list["Batch"], pad_values: Mapping[str, float]) -> list["
                 pad = torch.full((t.shape[0], w - t.shape[1], *t.shape[2:]), pad_values[name], dtype=t.dtype,
                                  device=t.device)
                 tensors[name] = torch.cat([t, pad], dim=1)
-        out.append(Batch(tensors, b.meta, num_padding=b.num_padding))
+        out.append(Batch(tensors, b.meta, num_padding=b.num_padding, info=b.info))
     return out
 
 

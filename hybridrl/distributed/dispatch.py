@@ -4,7 +4,9 @@ A worker method declares its mode with `@register(dispatch=...)`; a call may ove
 
 - `ONE_TO_ALL`  every rank runs the method with the same arguments (a Batch is broadcast);
                 outputs of every rank come back as a list in rank order (`OneToAll("rank0")`:
-                rank 0's output only).
+                rank 0's output only). `OneToAll(mesh="rollout")`: the ranks of that mesh (the
+                ranks holding the part whose method it is) answer, in their order; "rank0" is
+                then the mesh's first rank.
 - `DPSplit(mesh)` the Batch is padded to a multiple of the mesh's data-parallel size and split;
                 each rank receives the chunk of its dp index (ranks of one dp group, e.g. TP
                 peers, receive the same chunk); the output of each dp group's output rank comes
@@ -49,7 +51,8 @@ class Dispatch:
 
 @dataclass(frozen=True)
 class OneToAll(Dispatch):
-    collect: str = "all"   # "all" | "rank0"
+    collect: str = "all"   # "all" | "rank0" (the mesh's first rank)
+    mesh: str = "world"
 
     def __post_init__(self) -> None:
         if self.collect not in ("all", "rank0"):
@@ -59,9 +62,10 @@ class OneToAll(Dispatch):
         if data is not None and not isinstance(data, Batch):
             raise TypeError(f"data must be a Batch or None, got {type(data).__name__}: pass other "
                             "arguments by keyword, group.call(method, name=value)")
+        ranks = list(range(wg.world_size)) if self.mesh == "world" else list(wg.mesh(self.mesh).ranks)
         if self.collect == "rank0":
-            return Plan(same=data, owners=[0], gather=lambda outs: outs[0])
-        ranks = list(range(wg.world_size))
+            first = ranks[0]
+            return Plan(same=data, owners=[first], gather=lambda outs: outs[first])
         return Plan(same=data, owners=ranks, gather=lambda outs: [outs[r] for r in ranks])
 
 

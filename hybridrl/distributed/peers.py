@@ -6,29 +6,55 @@ the disaggregated placement each role has a world of its own (Megatron builds it
 the training ranks' world only), so the job-wide groups are built directly from the rendezvous
 store (`build_group`) and are unknown to `torch.distributed`'s module-level functions. `Peers`
 calls the process group's own methods, which work for both kinds.
+
+Each `Peers` knows the device its group's collectives take their tensors on (`collective_device`):
+an NCCL group refuses CPU tensors, so its collectives run on this rank's current CUDA device; a
+gloo group takes CPU tensors. `broadcast_object` builds its buffers there, and `broadcast` /
+`all_reduce` stage a tensor through that device when it lives elsewhere, so no call site has to
+remember which backend its group has.
 """
 
 from __future__ import annotations
 
 import pickle
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 _TAG = 0
 
+# backend name (ProcessGroup.name()) -> the device its collectives need; backends not named here
+# (gloo) take CPU tensors. NCCL runs on the rank's current CUDA device (bootstrap sets it).
+ACCELERATOR_BACKENDS: dict[str, Callable[[], torch.device]] = {
+    "nccl": lambda: torch.device("cuda", torch.cuda.current_device()),
+}
+
+
+def backend_name(group: Any) -> str:
+    """The backend of a process group object ('nccl', 'gloo', ...), lower case."""
+    name = group.name() if hasattr(group, "name") else ""
+    return str(name).lower()
+
+
+def collective_device(group: Any) -> torch.device:
+    """The device `group`'s collectives take their tensors on (see the module doc)."""
+    device = ACCELERATOR_BACKENDS.get(backend_name(group))
+    return device() if device is not None else torch.device("cpu")
+
 
 class Peers:
     """A process group whose ranks are `ranks` (job ranks, in group order). `me` is this process's
-    job rank; every method takes and returns job ranks."""
+    job rank; every method takes and returns job ranks. `device`: where the group's collectives take
+    their tensors (default: by its backend, `collective_device`)."""
 
-    def __init__(self, group: Any, ranks: Sequence[int], me: int):
+    def __init__(self, group: Any, ranks: Sequence[int], me: int, device: torch.device | str | None = None):
         self.group = group
         self.ranks = list(ranks)
         self.me = me
         self._index = {r: i for i, r in enumerate(self.ranks)}
+        self.device = torch.device(device) if device is not None else collective_device(group)
 
     @property
     def size(self) -> int:
@@ -38,25 +64,44 @@ class Peers:
         return rank in self._index
 
     def isend(self, tensor: torch.Tensor, dst: int):
+        """Point-to-point as given: the caller puts the tensor on `self.device` (its buffer must stay
+        alive until the returned work completes, so it is not staged here)."""
         return self.group.send([tensor], self._index[dst], _TAG)
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
-        self.group.recv([tensor], self._index[src], _TAG).wait()
+        buf = self._staged(tensor)
+        self.group.recv([buf], self._index[src], _TAG).wait()
+        if buf is not tensor:
+            tensor.copy_(buf.to(tensor.device))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = self._index[src]
-        self.group.broadcast([tensor], opts).wait()
+        buf = self._staged(tensor)
+        self.group.broadcast([buf], opts).wait()
+        if buf is not tensor:
+            tensor.copy_(buf.to(tensor.device))
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self.group.allreduce([tensor], opts).wait()
+        buf = self._staged(tensor)
+        self.group.allreduce([buf], opts).wait()
+        if buf is not tensor:
+            tensor.copy_(buf.to(tensor.device))
         return tensor
 
+    def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` itself, or a copy on `self.device` when the group needs an accelerator device the
+        tensor is not on (a gloo group takes CPU and CUDA tensors alike: nothing to stage)."""
+        if self.device.type == "cpu" or tensor.device == self.device:
+            return tensor
+        return tensor.to(self.device)
+
     def broadcast_object(self, obj: Any, src: int, device: torch.device | None = None) -> Any:
-        """A picklable object from `src` to every member (its length first, then its bytes)."""
-        device = device or torch.device("cpu")
+        """A picklable object from `src` to every member (its length first, then its bytes), through
+        buffers on `device` (default: the group's own, `self.device`)."""
+        device = torch.device(device) if device is not None else self.device
         if self.me == src:
             payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
             size = torch.tensor([payload.numel()], dtype=torch.long, device=device)

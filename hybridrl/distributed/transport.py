@@ -8,7 +8,7 @@ to the rank's device before sending; on gloo they stay on the CPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,10 +23,11 @@ class BatchHeader:
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
     meta: dict[str, list[Any]]
     num_padding: int
+    info: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
     def of(batch: Batch) -> "BatchHeader":
-        return BatchHeader(batch.tensor_meta(), batch.meta, batch.num_padding)
+        return BatchHeader(batch.tensor_meta(), batch.meta, batch.num_padding, batch.info)
 
     @property
     def num_bytes(self) -> int:
@@ -81,7 +82,7 @@ def recv_batch(header: BatchHeader, src: int, peers: Peers, device: torch.device
         if buf.numel():
             peers.recv(buf, src)
         tensors[name] = buf.view(torch.bool) if dtype == torch.bool else buf
-    return Batch(tensors, header.meta, num_padding=header.num_padding)
+    return Batch(tensors, header.meta, num_padding=header.num_padding, info=header.info)
 
 
 def broadcast_batch(batch: Batch | None, header: BatchHeader, src: int, peers: Peers,
@@ -97,4 +98,4 @@ def broadcast_batch(batch: Batch | None, header: BatchHeader, src: int, peers: P
         if buf.numel():
             peers.broadcast(buf, src)
         tensors[name] = buf.view(torch.bool) if dtype == torch.bool else buf
-    return Batch(tensors, header.meta, num_padding=header.num_padding)
+    return Batch(tensors, header.meta, num_padding=header.num_padding, info=header.info)

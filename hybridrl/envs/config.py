@@ -51,6 +51,8 @@ class EnvServiceConfig:
                                        "refusing a step (retryable: the client sends the same key again)")
     step_timeout_s: float = knob(30.0, "client side: a step slower than this is an ambiguous timeout")
     max_retries: int = knob(3, "client side: retries of an ambiguous step (after querying its status)")
+    audit_log: str = knob("${run.dir}/audit.jsonl", "the run's hash-chained audit log, where the service's refusals "
+                                                   "and lease revocations go too; empty: none")
 
     def __post_init__(self) -> None:
         check_positive("lease_ttl_s", self.lease_ttl_s)

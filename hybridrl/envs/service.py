@@ -20,14 +20,22 @@
     3. record: the result (or the recorded failure) and the environment's new state are
        committed before the reply.
   If phase 3 cannot write (a locked database), the outcome stays in memory and the retry of the
-  same key writes and returns it: never a second execution. If the environment raises in phase 2,
-  nothing is applied (the intent is withdrawn, the object rebuilt next time). A result that is
-  not JSON-serialisable is recorded as a failure of that step (the episode fails; retries get the
-  recorded error). An intent whose owner process died (a service killed mid-step) is *in
-  doubt*: the step may or may not have run. For an environment that declares `pure = True` (its
-  step touches nothing outside its own state) it is executed again from the committed state;
-  otherwise the step is refused with `StepInDoubt` and the episode fails: a side effect is never
-  applied twice.
+  same key writes and returns it: never a second execution. The retry is authorised like any step
+  (a forged or rotated token gets nothing), and a record never revives an episode: into an
+  episode that was closed, reclaimed or failed meanwhile, what ran is recorded (the transition,
+  the state) while its status and lease stay as they are.
+  Every exception from the environment's step (its step, its state, its result's serialisation:
+  a result that is not JSON, or nested past the recursion limit) is recorded as that step's
+  failure, and its cached object is scrubbed: the episode fails, retries get the recorded error,
+  nothing steps the half-advanced object again. (An environment that cannot even be built or
+  restored has run nothing: the intent is withdrawn.) An intent whose owner died (a service
+  killed mid-step), or that this process itself lost track of (an exception that is not an
+  `Exception` escaped the step), or whose owner is another service object of this process that
+  is not executing it, is *in doubt*: the step may or may not have run. For an environment that
+  declares `pure = True` (its step touches nothing outside its own state) it is executed again
+  from the committed state, on a rebuilt object; otherwise the step is refused with `StepInDoubt`
+  and the episode fails: a side effect is never applied twice. (An outcome another service of
+  this process executed but could not record is recorded by this one.)
 - `action_status(episode_id, token, idempotency_key)`: the recorded result of an action, or
   None if it never executed: what a client asks after an ambiguous timeout, before retrying.
 - Leases: `renew`, `close`; an expired lease makes its episode unusable and `reclaim_expired`
@@ -36,7 +44,8 @@
   environment is rebuilt from the snapshot (reset with the same seed, then `load_state_dict`
   of the last committed state), so nothing is ever re-executed.
 - Every decision (reset, step, replay, rejection, renewal, expiry, close) is appended to the
-  `events` audit table.
+  `events` audit table; refusals and lease revocations also to the run's audit log
+  (`env.audit_log`, hash-chained: `hybridrl/telemetry/audit.py`).
 
 SQLite in WAL mode needs every process on one host (it is not safe on a network filesystem),
 which is what makes the owner check (pid and process start time) sound.
@@ -61,6 +70,7 @@ from typing import Any, Callable, Iterator
 
 from hybridrl.data.episode import TaskInstance, Transition
 from hybridrl.envs.protocol import Environment
+from hybridrl.envs.service_owners import SERVICES, local_owner, local_return, owner_alive, start_time
 from hybridrl.envs.service_types import (  # noqa: F401  (the service's API, importable from here)
     DatabaseBusy,
     EnvServiceError,
@@ -123,7 +133,10 @@ CREATE TABLE IF NOT EXISTS events (
 
 ACTIVE, DONE, CLOSED, RECLAIMED, FAILED = "active", "done", "closed", "reclaimed", "failed"
 PENDING, COMMITTED = "pending", "committed"
-
+# events also written to the run's audit log: refusals and lease revocations
+AUDITED = {"bad_token", "refused", "reset_conflict", "idempotency_conflict", "out_of_order", "in_doubt",
+           "reclaimed", "step_failed"}
+_MAX_ERROR_CHARS = 2000
 
 @dataclass(frozen=True)
 class _Outcome:                      # an executed step, before (or if) its record is written
@@ -143,31 +156,12 @@ def _canonical(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (Linux), None where unknown; with the
-    pid it names one process (pids are reused, start times with them are not)."""
+def _describe(err: BaseException) -> str:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    if fields[0] in ("Z", "X"):                      # exited, not yet reaped: not alive
-        return "dead"
-    return fields[19]
-
-
-def _owner_alive(owner: str) -> bool:
-    host, pid, start, _ = owner.split(":", 3)
-    if host != socket.gethostname():
-        return True                                   # cannot tell; SQLite WAL is one host anyway
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    now = _start_time(int(pid))
-    return now != "dead" and (now is None or start == "?" or now == start)
+        text = f"{type(err).__name__}: {err}"
+    except Exception:  # noqa: BLE001 - an exception whose str() raises still gets a record
+        text = type(err).__name__
+    return text[:_MAX_ERROR_CHARS]
 
 
 def default_make_env(task: str, instance: TaskInstance) -> Environment:
@@ -187,18 +181,23 @@ class EnvService:
                  busy_timeout_s: float = 10.0,
                  make_env: Callable[[str, TaskInstance], Environment] = default_make_env,
                  clock: Callable[[], float] = time.time,
-                 on_persisted: Callable[[str, int], None] | None = None):
+                 on_persisted: Callable[[str, int], None] | None = None,
+                 audit_log: str | None = None):
         self.db_path = Path(db_path)
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
         self.lease_ttl_s = lease_ttl_s
         self.make_env = make_env
         self.clock = clock
         self.on_persisted = on_persisted          # fault-injection point: after commit, before reply
-        self.owner = (f"{socket.gethostname()}:{os.getpid()}:{_start_time(os.getpid()) or '?'}:"
+        self.owner = (f"{socket.gethostname()}:{os.getpid()}:{start_time(os.getpid()) or '?'}:"
                       f"{secrets.token_hex(4)}")
         self._lock = threading.Lock()
         self._envs: dict[str, tuple[Environment, int]] = {}     # episode -> (object, seq it is at)
         self._unwritten: dict[tuple[str, str], _Outcome] = {}   # executed, record not yet written
+        from hybridrl.telemetry.audit import open_log
+
+        self.audit = open_log(audit_log)
+        SERVICES[self.owner] = self
         self.db = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None,
                                   timeout=busy_timeout_s)
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -217,7 +216,13 @@ class EnvService:
     @classmethod
     def from_config(cls, cfg, **kwargs) -> "EnvService":
         return cls(cfg.db_path, lease_ttl_s=cfg.lease_ttl_s, synchronous=cfg.synchronous,
-                   busy_timeout_s=cfg.busy_timeout_s, **kwargs)
+                   busy_timeout_s=cfg.busy_timeout_s, audit_log=cfg.audit_log, **kwargs)
+
+    def shutdown(self) -> None:
+        """Close the database; intents this object still owns are in doubt for every other service."""
+        with self._lock:
+            SERVICES.pop(self.owner, None)
+            self.db.close()
 
     # ------------------------------------------------------------------ API
 
@@ -277,11 +282,16 @@ class EnvService:
                 claim = self._claim(episode_id, token, action, seq_no, key)
                 if isinstance(claim, StepReply):
                     return claim
-                outcome = self._execute(claim, action, seq_no, key)
-            elif outcome.action != _canonical(action) or outcome.seq_no != seq_no:
-                raise IdempotencyConflict(f"episode {episode_id}: key {key!r} was executed for seq "
-                                          f"{outcome.seq_no} with a different action")
-            self._record(episode_id, key, outcome)
+                if isinstance(claim, _Outcome):          # executed by another service of this process
+                    outcome = claim
+                else:
+                    outcome = self._execute(claim, action, seq_no, key)
+                self._record(episode_id, key, outcome)
+            else:
+                if outcome.action != _canonical(action) or outcome.seq_no != seq_no:
+                    raise IdempotencyConflict(f"episode {episode_id}: key {key!r} was executed for seq "
+                                              f"{outcome.seq_no} with a different action")
+                self._record(episode_id, key, outcome, token=token)     # authorised like any step
         if outcome.error is not None:
             raise EnvStepError(f"episode {episode_id} step {seq_no}: {outcome.error}")
         if self.on_persisted is not None:
@@ -306,13 +316,15 @@ class EnvService:
             if (episode_id, idempotency_key) in self._unwritten:
                 raise ResultNotWritten(f"episode {episode_id}: key {idempotency_key!r} executed here, its record "
                                        f"is not written yet; retry the step with the same key")
-            if row["owner"] != self.owner and _owner_alive(row["owner"]):
+            local = local_owner(self, row["owner"], episode_id, idempotency_key, take=False)
+            if local == "unwritten":
+                raise ResultNotWritten(f"episode {episode_id}: key {idempotency_key!r} was executed by another "
+                                       f"service of this process; retry the step with the same key")
+            if local == "busy" or (local is None and owner_alive(row["owner"])):
                 raise StepInProgress(f"episode {episode_id}: key {idempotency_key!r} is being executed by "
                                      f"service process {row['owner']}")
-            if row["owner"] == self.owner:
-                return None                                  # this process withdrew it: never applied
             raise StepInDoubt(f"episode {episode_id}: key {idempotency_key!r} was claimed by service process "
-                              f"{row['owner']}, which died before recording it; it may have executed")
+                              f"{row['owner']}, which died (or lost track of it) before recording it; it may have executed")
 
     def renew(self, episode_id: str, token: str) -> float:
         with self._lock, self._transaction():
@@ -371,9 +383,10 @@ class EnvService:
     # ------------------------------------------------------------------ the three phases of a step
 
     def _claim(self, episode_id: str, token: str, action: dict[str, Any], seq_no: int,
-               key: str) -> StepReply | sqlite3.Row:
-        """Phase 1, under the database's write lock: a recorded reply, or the fresh episode row after
-        committing this process's intent for (seq_no, key)."""
+               key: str) -> StepReply | sqlite3.Row | _Outcome:
+        """Phase 1, under the database's write lock: a recorded reply, the fresh episode row after
+        committing this process's intent for (seq_no, key), or the outcome another service of this
+        process executed for it (to be recorded)."""
         with self._transaction():
             now = self.clock()
             row = self._authorize(episode_id, token, now)
@@ -394,12 +407,25 @@ class EnvService:
                 if intent["idempotency_key"] != key:
                     raise OutOfOrder(f"episode {episode_id}: seq_no {seq_no} is claimed by key "
                                      f"{intent['idempotency_key']!r}")
-                if intent["owner"] != self.owner and _owner_alive(intent["owner"]):
+                local = local_owner(self, intent["owner"], episode_id, key, take=True)
+                if isinstance(local, _Outcome):
+                    if local.action != _canonical(action) or local.seq_no != seq_no:
+                        local_return(intent["owner"], episode_id, key, local)
+                        raise IdempotencyConflict(f"episode {episode_id}: key {key!r} was executed for seq "
+                                                  f"{local.seq_no} with a different action")
+                    self.db.execute("UPDATE transitions SET owner = ? WHERE episode_id = ? AND seq_no = ?",
+                                    (self.owner, episode_id, seq_no))
+                    self._unwritten[(episode_id, key)] = local
+                    return local
+                if local == "busy" or (local is None and owner_alive(intent["owner"])):
                     raise StepInProgress(f"episode {episode_id}: seq {seq_no} is being executed by service "
                                          f"process {intent['owner']}; ask action_status or retry the same key")
-                if intent["owner"] != self.owner and not self._pure(row):
+                # dead: its owner process died, or it is this process's own (or another service's of
+                # this process) and nobody holds its outcome: the step may have run
+                self._scrub(episode_id)                  # a cached object may have run it: never reuse it
+                if not self._pure(row):
                     why = (f"step {seq_no} (key {key!r}) is in doubt: service process {intent['owner']} died "
-                           f"between claiming and recording it, and the environment may have executed it")
+                           f"(or lost track of it) between claiming and recording it, and the environment may have executed it")
                     self.db.execute("UPDATE transitions SET phase = ?, error = ? WHERE episode_id = ? AND seq_no = ?",
                                     (FAILED, why, episode_id, seq_no))
                     self.db.execute("UPDATE episodes SET status = ?, error = ?, updated = ? WHERE episode_id = ?",
@@ -421,54 +447,76 @@ class EnvService:
     def _execute(self, row: sqlite3.Row, action: dict[str, Any], seq_no: int, key: str) -> _Outcome:
         """Phase 2, outside any transaction: step the environment at the committed state."""
         episode_id = row["episode_id"]
-        env = self._env(row)
         try:
-            transition = env.step(action)
-            state = env.state_dict()
-        except Exception as err:  # noqa: BLE001 - nothing applied: withdraw the intent, rebuild next time
+            env = self._env(row)
+        except Exception as err:  # noqa: BLE001 - nothing ran: withdraw the intent, rebuild next time
             self._scrub(episode_id)
-            detail = f"seq {seq_no}: {type(err).__name__}: {err}"
+            detail = f"seq {seq_no}: the environment could not be rebuilt: {_describe(err)}"
             with contextlib.suppress(sqlite3.Error, EnvServiceError), self._transaction():
                 self.db.execute("DELETE FROM transitions WHERE episode_id = ? AND seq_no = ? AND phase = ?",
                                 (episode_id, seq_no, PENDING))
                 self._insert_event(episode_id, "step_error", detail)
-            raise EnvStepError(f"episode {episode_id} step {seq_no}: {type(err).__name__}: {err}") from err
+            raise EnvStepError(f"episode {episode_id} step {seq_no}: {detail}") from err
+        stage = "step()"
         try:
+            transition = env.step(action)
+            stage = "state_dict()"
+            state = env.state_dict()
+            stage = "result"
             result, state_json = _canonical(transition.to_dict()), _canonical(state)
             outcome = _Outcome(seq_no, _canonical(action), result, state_json, bool(transition.done), None)
-            self._envs[episode_id] = (env, seq_no)
-        except (TypeError, ValueError) as err:     # executed, but its result cannot be recorded: a failed step
+        except Exception as err:  # noqa: BLE001 - it may have run: the step's recorded failure
             self._scrub(episode_id)
-            outcome = _Outcome(seq_no, _canonical(action), None, None, False,
-                               f"the environment returned a step result or state that is not JSON-serialisable "
-                               f"({type(err).__name__}: {err}); fix its step()/state_dict()")
+            why = (f"the environment's {stage} raised {_describe(err)}" if stage != "result" else
+                   f"the environment returned a step result or state that is not JSON-serialisable ({_describe(err)}); "
+                   f"fix its step()/state_dict()")
+            outcome = _Outcome(seq_no, _canonical(action), None, None, False, why)
+        else:
+            self._envs[episode_id] = (env, seq_no)
         self._unwritten[(episode_id, key)] = outcome
         return outcome
 
-    def _record(self, episode_id: str, key: str, outcome: _Outcome) -> None:
-        """Phase 3: commit the outcome; if the database refuses, keep it for the retry of `key`."""
+    def _record(self, episode_id: str, key: str, outcome: _Outcome, *, token: str | None = None) -> None:
+        """Phase 3: commit the outcome; if the database refuses, keep it for the retry of `key`. A
+        retry (`token` given) is authorised first. Only an active episode gets a new status and
+        lease; into one closed, reclaimed or failed meanwhile the step's facts are recorded and
+        `LeaseError` tells the caller that its episode is gone."""
+        gone = None
         try:
             with self._transaction():
                 now = self.clock()
+                if token is not None:
+                    self._authorize(episode_id, token, now)
+                status = self._row("SELECT status FROM episodes WHERE episode_id = ?", episode_id)["status"]
+                active = status == ACTIVE
                 if outcome.error is None:
                     self.db.execute("UPDATE transitions SET phase = ?, result = ? WHERE episode_id = ? AND seq_no = ?",
                                     (COMMITTED, outcome.result, episode_id, outcome.seq_no))
-                    self.db.execute("UPDATE episodes SET last_seq = ?, state = ?, status = ?, lease_expires = ?, "
-                                    "updated = ? WHERE episode_id = ?",
-                                    (outcome.seq_no, outcome.state, DONE if outcome.done else ACTIVE,
-                                     now + self.lease_ttl_s, now, episode_id))
-                    self._insert_event(episode_id, "step", f"seq {outcome.seq_no}")
+                    self.db.execute("UPDATE episodes SET last_seq = ?, state = ?, updated = ? WHERE episode_id = ?",
+                                    (outcome.seq_no, outcome.state, now, episode_id))
+                    if active:
+                        self.db.execute("UPDATE episodes SET status = ?, lease_expires = ? WHERE episode_id = ?",
+                                        (DONE if outcome.done else ACTIVE, now + self.lease_ttl_s, episode_id))
+                    self._insert_event(episode_id, "step", f"seq {outcome.seq_no}" + ("" if active else
+                                                                                      f" (episode {status})"))
                 else:
                     self.db.execute("UPDATE transitions SET phase = ?, error = ? WHERE episode_id = ? AND seq_no = ?",
                                     (FAILED, outcome.error, episode_id, outcome.seq_no))
-                    self.db.execute("UPDATE episodes SET status = ?, error = ?, updated = ? WHERE episode_id = ?",
-                                    (FAILED, outcome.error, now, episode_id))
+                    if active:
+                        self.db.execute("UPDATE episodes SET status = ?, error = ?, updated = ? WHERE episode_id = ?",
+                                        (FAILED, outcome.error, now, episode_id))
                     self._insert_event(episode_id, "step_failed", f"seq {outcome.seq_no}: {outcome.error}")
+                if not active:
+                    gone = status
         except DatabaseBusy as err:
             raise ResultNotWritten(f"episode {episode_id} step {outcome.seq_no} executed but its record could not "
                                    f"be written ({err}); retry the same key: it is answered from memory, not "
                                    f"executed again") from err
         self._unwritten.pop((episode_id, key), None)
+        if gone is not None:
+            self._scrub(episode_id)
+            raise LeaseError(f"episode {episode_id} was {gone} while step {outcome.seq_no} ran: the step is recorded "
+                             f"(a reopened episode replays it), the episode is not revived")
 
     # ------------------------------------------------------------------ internals
 
@@ -503,6 +551,8 @@ class EnvService:
     def _insert_event(self, episode_id: str | None, kind: str, detail: str | None) -> None:
         self.db.execute("INSERT INTO events (time, episode_id, kind, detail) VALUES (?, ?, ?, ?)",
                         (self.clock(), episode_id, kind, detail))
+        if self.audit is not None and kind in AUDITED:
+            self.audit.append(f"env_{kind}", episode=episode_id, detail=detail, service=self.owner)
 
     def _authorize(self, episode_id: str, token: str, now: float) -> sqlite3.Row:
         """Inside a transaction: the episode's current row, if `token` may use it."""
@@ -513,6 +563,7 @@ class EnvService:
             self._insert_event(episode_id, "bad_token", None)
             raise LeaseError(f"episode {episode_id}: invalid capability token")
         if row["status"] in (CLOSED, RECLAIMED):
+            self._insert_event(episode_id, "refused", f"episode is {row['status']}")
             raise LeaseError(f"episode {episode_id} is {row['status']}")
         if row["lease_expires"] < now:
             self.db.execute("UPDATE episodes SET status = ?, updated = ? WHERE episode_id = ?",

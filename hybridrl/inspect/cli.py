@@ -3,7 +3,8 @@
 
 No selection: the run's summary (steps, trajectories, what was consumed, filter reasons, releases,
 the ledger's size per trajectory). A trajectory (id, trace id or a unique prefix), or a selection
-that matches one trajectory: the eight trace questions answered for it. A selection that matches
+that matches one trajectory: the episode as text (prompt, each turn, each tool output) and the eight trace
+questions answered for it. A selection that matches
 several: one line each (add a trajectory id for the answers).
 """
 
@@ -113,10 +114,38 @@ def format_list(out: dict) -> str:
     return "\n".join(lines)
 
 
+def _indented(text: str, prefix: str = "   | ") -> list[str]:
+    return [prefix + line for line in (text.rstrip("\n") or "(empty)").split("\n")]
+
+
+def format_episode(e: dict) -> list[str]:
+    """The episode as text: the prompt (rendered with the chat template), then each turn's generated
+    text and each tool or environment observation, in order."""
+    text = e.get("text") or {}
+    pieces = text.get("pieces")
+    if not text.get("prompt") and not pieces:
+        why = "its data was deleted by retention" if e.get("data") != "present" else "the run kept no text (store.text=false)"
+        return [f"episode: no text ({why})"]
+    lines = ["episode:", "  prompt:", *_indented(text.get("prompt") or "")]
+    spans = sorted(e.get("spans") or [], key=lambda s: s["start"])
+    if pieces is not None and not spans and pieces:
+        spans = [{"kind": "generate", "turn": 0, "start": 0, "end": len(pieces)}]
+    for span in spans:
+        who = (f"turn {span['turn']}, the policy" if span["kind"] == "generate"
+               else f"turn {span['turn']}, tool / environment output")
+        lines += [f"  {who} ({span['end'] - span['start']} tokens):",
+                  *_indented("".join((pieces or [])[span["start"]: span["end"]]))]
+    if text.get("answer") is not None:
+        reward = e["reward"]["total"] if isinstance(e["reward"], dict) else e["reward"]
+        lines.append(f"  answer: {text['answer']!r}; reward {reward:g}")
+    return lines
+
+
 def format_trajectory(e: dict) -> str:
     lines = [f"trajectory {e['id']} (trace {e['trace_id']}): step {e['step']}, {e['status']}"
              + (f" ({e['truncation']})" if e["truncation"] else "") + (f": {e['end_reason']}" if e["end_reason"] else "")
              + (f"; data {e['data']}" if e["data"] != "present" else "")]
+    lines += format_episode(e)
     p = e["policy"]
     lines.append(f"1. policy and sampler: {p['policy_tokens']} policy tokens of model {p['model']}, lag {p['lag']}, "
                  f"sampler contract v{p['sampler_contract']}")

@@ -89,7 +89,7 @@ class FlatBucket:
 class Staging:
     """Reusable bucket buffers on one device: `slots` of them, so the next bucket is written while
     the previous one is still being delivered. Grown on demand, kept between publications (a fresh
-    buffer costs page faults on first touch); `release()` frees them."""
+    buffer costs page faults on first touch); `release()` frees them (on CUDA back to the driver)."""
 
     def __init__(self, device: torch.device, slots: int = 2):
         self.device = torch.device(device)
@@ -108,4 +108,10 @@ class Staging:
         return sum(b.numel() for b in self._buffers if b is not None)
 
     def release(self) -> None:
+        """Drop the buffers. On CUDA their memory also leaves torch's caching allocator: freed blocks
+        stay reserved by this process until `empty_cache()`, out of reach of an engine in other
+        processes (SGLang's KV cache), so ~`slots` x bucket size would stay taken during rollout."""
+        held = any(b is not None for b in self._buffers)
         self._buffers = [None] * len(self._buffers)
+        if held and self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,7 +1,9 @@
 """Publishing a policy into a rollout engine: structure check, flat buckets, verified copy, manifest.
 
     structure check  names, shapes, dtypes of the whole model against engine.weight_spec(), before
-                     anything moves (a refusal leaves the engine serving its old version)
+                     anything moves (a refusal leaves the engine serving its old version); with
+                     `peers`, every rank the publication spans decides together (`agree.py`), so all
+                     publish or all refuse
     per bucket       the source writes its fused groups straight into the bucket's views (a
                      helper thread prepares bucket k+1 while bucket k is delivered); the sender
                      hashes the bucket; the transport delivers it
@@ -14,6 +16,10 @@
 `structure` mode skips the receiver's check (the digests still make the manifest; the parity
 probe remains the check on contents).
 
+The helper thread that prepares buckets runs on the staging buffers' CUDA device: a new thread's
+current device is GPU 0, and the CUDA calls made there (the gathers, the stream sync) would open a
+context on GPU 0 on every rank of the node, after the engines sized their memory.
+
 A source is what holds the trained weights: `hf_group_specs()` lists the fused groups as (HF name,
 shape, dtype) without moving anything, `write_hf_group(i, out)` writes group i's HF tensors into
 the given views (every model-parallel rank calls it in the same order: it may gather).
@@ -25,15 +31,16 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
+from hybridrl.publication.agree import agree, local, refusal
 from hybridrl.publication.buckets import FlatBucket, Staging, TensorSpec, plan_buckets
 from hybridrl.publication.config import PublishConfig
 from hybridrl.publication.digest import checkpoint_hash
 from hybridrl.publication.manifest import PolicyRelease, PublicationError, PublicationRefused
-from hybridrl.rollout.weight_spec import WeightMismatch, dtype_name, spec_problems
+from hybridrl.rollout.weight_spec import WeightMismatch, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +74,29 @@ class PublishStats:
     retries: int = 0                 # tensors copied a second time after a verification mismatch
 
 
+def prepare_thread(device: torch.device) -> ThreadPoolExecutor:
+    """The helper thread (see the module doc), its current CUDA device set to `device`'s first (an
+    index-less "cuda" means the caller's current device, resolved here, in the caller's thread)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-prepare")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-prepare",
+                              initializer=torch.cuda.set_device, initargs=(index,))
+
+
 async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig, version: int, step: int,
-                  hashes: dict[str, str], staging: Staging) -> tuple[PolicyRelease, PublishStats]:
+                  hashes: dict[str, str], staging: Staging, peers: Any = None) -> tuple[PolicyRelease, PublishStats]:
+    """Publish `source` as `version` into `engine`. `peers`: a `Peers` over every rank this
+    publication's collectives span (all of them call `publish` with it); the structure decision is
+    then theirs together (`agree.py`). Without it this rank decides alone."""
     specs = source.hf_group_specs()
     published = {name: (tuple(shape), dtype_name(dtype)) for group in specs for name, shape, dtype in group}
-    problems = spec_problems(published.items(), engine.weight_spec())
-    if problems:
-        raise PublicationRefused(f"publication v{version} refused before any copy: " + "; ".join(problems))
+    reason = refusal(published, engine, transport, cfg.verify)
+    verdict = agree(reason, peers) if peers is not None else local(reason)
+    if verdict.refused:
+        raise PublicationRefused(verdict.message(version))
     verify = cfg.verify == "post_copy"
-    if verify and not transport.verifies:
-        raise PublicationRefused(f"publish.verify=post_copy: {type(transport).__name__} cannot read the weights "
-                                 "back from the engine's storage; use publish.verify=structure")
     plans = plan_buckets(specs, cfg.bucket_mb * 2**20)
     stats = PublishStats()
     digests: dict[str, str] = {}
@@ -88,8 +107,8 @@ async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig
         for index in plans[i].groups:
             source.write_hf_group(index, bucket.views)
         sent = bucket.digests()
-        if bucket.buffer.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()     # the receiver may read it from another stream
+        if bucket.buffer.device.type == "cuda":     # the receiver may read it from another stream
+            torch.cuda.current_stream(bucket.buffer.device).synchronize()
         return bucket, sent, time.perf_counter() - started
 
     async def deliver(bucket: FlatBucket, sent: dict[str, str]) -> None:
@@ -111,7 +130,7 @@ async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig
 
     # a helper thread prepares bucket k+1 (gathers, un-fusing, the sender's digests: torch and
     # xxhash release the GIL) while this thread delivers bucket k; two staging buffers alternate
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-prepare") as helper:
+    with prepare_thread(staging.device) as helper:
         pending = helper.submit(prepare, 0) if plans else None
         for i in range(len(plans)):
             bucket, sent, prepare_s = pending.result()

@@ -11,7 +11,7 @@ rank 0 holds them whole) and every rollout rank. Per delivery:
                all-reduce (MAX) of [mismatch flag per name, error flag, -policy version]
     sender     raises `WeightMismatch` for the names any receiver read back differently (the
                publisher copies them once more), `PublicationError` if a receiver could not apply
-               the bucket; the lowest version the receivers now serve becomes `RemoteEngine`'s
+               the bucket; the lowest version the receivers now serve becomes `RemoteTarget`'s
 
 After the publication (or its refusal) the sender's `finish()` sends an end header; the receivers
 return from `receive_publication`. The version of a rollout engine therefore switches only when
@@ -34,11 +34,9 @@ from hybridrl.rollout.weight_spec import WeightMismatch
 log = logging.getLogger(__name__)
 
 
-class RemoteEngine:
-    """What training rank 0 knows of the rollout ranks' engines: the weight spec they serve (sent
-    once at start) and the lowest policy version they confirmed."""
-
-    releasable_tags = frozenset()
+class RemoteTarget:
+    """What training rank 0 knows of the rollout ranks' engines (what `publish` reads of a target): the
+    weight spec they serve (sent once at start) and the lowest policy version they confirmed."""
 
     def __init__(self, spec: dict[str, tuple[tuple[int, ...], torch.dtype]], policy_version: int = 0):
         self._spec = dict(spec)
@@ -51,7 +49,7 @@ class RemoteEngine:
 class BroadcastTransport:
     verifies = True
 
-    def __init__(self, peers: Peers, engine: RemoteEngine, device: torch.device):
+    def __init__(self, peers: Peers, engine: RemoteTarget, device: torch.device):
         self.peers, self.engine, self.device = peers, engine, device
 
     async def send(self, bucket: FlatBucket, version: int, *, names: Sequence[str] | None = None,

@@ -2,7 +2,9 @@
 
 The answer must be a number literal, not an expression: "12*34" is not an answer to "what is
 12*34". Normalisation: surrounding space, a leading "+", thousands separators ("1,234") and
-leading zeros ("007") are accepted; "408.0" equals 408.
+leading zeros ("007") are accepted; "408.0" equals 408. A literal of any length is read exactly
+(its digits are converted in chunks, below Python's int-string limit), so a 5000-digit answer is a
+wrong answer, not an evaluator error.
 """
 
 from __future__ import annotations
@@ -11,6 +13,18 @@ import re
 from fractions import Fraction
 
 _NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+_CHUNK = 500            # digits per int() call: below any int-string limit Python allows (>= 640)
+
+
+def digits_to_int(digits: str) -> int:
+    """int(digits) for a string of decimal digits of any length (int() refuses more than
+    sys.get_int_max_str_digits(), 4300 by default)."""
+    digits = digits.lstrip("0") or "0"
+    value = 0
+    for i in range(0, len(digits), _CHUNK):
+        chunk = digits[i:i + _CHUNK]
+        value = value * 10 ** len(chunk) + int(chunk)
+    return value
 
 
 def parse_number(text: str | None) -> Fraction | None:
@@ -22,7 +36,8 @@ def parse_number(text: str | None) -> Fraction | None:
         return None
     sign = -1 if text.startswith("-") else 1
     whole, _, frac = text.lstrip("+-").replace(",", "").partition(".")
-    value = Fraction(int(whole)) + (Fraction(int(frac), 10 ** len(frac)) if frac else 0)
+    frac = frac.rstrip("0")
+    value = Fraction(digits_to_int(whole)) + (Fraction(digits_to_int(frac), 10 ** len(frac)) if frac else 0)
     return sign * value
 
 

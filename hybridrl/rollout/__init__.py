@@ -1,6 +1,7 @@
-"""The rollout side's protocol (engines) and config; backends live in hybridrl/backends.
+"""The rollout side's protocol (engines) and their registry; backends (and the `rollout` section) live in
+hybridrl/backends.
 
-Exports are lazy so that `hybridrl.rollout.config` (mounted by the config schema) stays import-light.
+Exports are lazy so that `hybridrl.rollout.registry` (read by the config of the `rollout` section) stays import-light.
 """
 
 from __future__ import annotations

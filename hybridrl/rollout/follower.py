@@ -21,8 +21,8 @@ from hybridrl.rollout.weight_spec import validate_named_tensors
 
 
 class FollowerEngine:
-    def __init__(self, spec: dict[str, tuple[tuple[int, ...], torch.dtype]], *, eos_token_ids: Sequence[int],
-                 vocab_size: int, max_model_len: int, releasable_tags: Iterable[str] = (KV_CACHE,),
+    def __init__(self, spec: dict[str, tuple[tuple[int, ...], torch.dtype]], *, eos_token_ids: Sequence[int] = (),
+                 vocab_size: int | None = None, max_model_len: int = 0, releasable_tags: Iterable[str] = (KV_CACHE,),
                  policy_version: int = 0):
         self._spec = dict(spec)
         self._publication = Publication(self._spec, policy_version)
@@ -58,10 +58,6 @@ class FollowerEngine:
         if unknown:
             raise ValueError(f"update_weights: {len(unknown)} unknown tensor(s): {unknown[:5]}")
         self._publication.arrive(names, version)
-
-    def rollback(self, version: int) -> None:
-        """The group's engine refused a publication this stand-in took: follow the owner back."""
-        self._publication = Publication(self._spec, version)
 
     async def sleep(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
         if WEIGHTS in check_tags(self, tags):

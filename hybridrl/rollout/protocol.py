@@ -122,6 +122,14 @@ class RolloutEngine(Protocol):
     @property
     def releasable_tags(self) -> frozenset[str]: ...
 
+    @property
+    def eos_token_ids(self) -> Sequence[int]:
+        """The ids that end a generation (the model's EOS ids; the agent loop closes turns with them)."""
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The longest prompt + output the engine serves (None or 0: no limit known)."""
+
     async def generate(self, token_ids: Sequence[int], sampling: SamplingParams,
                        request_id: str) -> GenerationOutput: ...
 
@@ -140,6 +148,8 @@ class RolloutEngine(Protocol):
     def weight_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
 
 
 def check_tags(engine: Any, tags: Iterable[str]) -> list[str]:

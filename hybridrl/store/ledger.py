@@ -12,7 +12,7 @@ step), its trace id `Trajectory.trace_id`. A data shard holds, per trajectory: t
 response token ids, the response mask (1 = sampled by the policy), the policy version of every
 token, the behaviour logprobs (what the engine returned), and, where the controller holds them
 (admitted trajectories), the trainer's recomputed logprobs, the reference's and the per-token
-advantages (with `HybridWorker.update_policy` they stay on the ranks: the columns are null and
+advantages (with `TrainSide.update_policy` they stay on the ranks: the columns are null and
 the index keeps the advantage the update reported for the row), the reward, its components and
 the evaluator of each, status, timings, tool calls and the trace events (`hybridrl.data.trace`).
 
@@ -219,15 +219,20 @@ class Ledger:
         return seconds
 
     def _advantage_explanations(self, batch: Any, admitted: Sequence[Any]) -> dict[str, dict]:
-        """How each admitted trajectory's advantage was computed: estimator, its group's rewards and stats.
-        The value is the batch's per-token advantage at the first policy token when the controller holds
-        it, else what the update reported for the row (`metadata["advantage"]`: its mean over the
-        row's policy tokens, the same scalar on every token for outcome estimators)."""
-        reported = {t.trajectory_id: t.metadata.get("advantage") for t in admitted}
+        """How each admitted trajectory's advantage was computed: the estimator's registry entry (its
+        formula), its group's rewards and stats. The value is the batch's per-token advantage at the first
+        policy token when the controller holds it, else what the update reported for the row
+        (`metadata["advantage"]`: its mean over the row's policy tokens, the same scalar on every token
+        for outcome estimators)."""
         import statistics
 
+        from hybridrl.algo.registry import estimator
+
+        reported = {t.trajectory_id: t.metadata.get("advantage") for t in admitted}
         algo = self.algo
-        estimator = getattr(algo, "advantage", "?")
+        entry_of = estimator(algo.advantage) if algo is not None else None
+        name = algo.advantage if algo is not None else "?"
+        formula = entry_of.formula(algo) if entry_of is not None else "?"
         rewards = batch["reward"].tolist()
         groups: dict[str, list[int]] = {}
         for i, g in enumerate(batch["group_id"]):
@@ -238,27 +243,20 @@ class Ledger:
             values = [rewards[i] for i in rows]
             mean = statistics.fmean(values)
             std = statistics.stdev(values) if len(values) > 1 else 0.0
-            for i in rows:
+            for k, i in enumerate(rows):
                 first = mask[i].nonzero()
                 if adv is not None:
                     value = float(adv[i, int(first[0])]) if len(first) else 0.0
                 else:
                     value = reported.get(batch["trajectory_id"][i])
-                entry = {"estimator": estimator, "group": g, "group_size": len(rows),
-                         "group_rewards": values, "reward": rewards[i], "group_mean": mean, "group_std": std,
-                         "value": value}
-                if estimator == "grpo":
-                    entry["formula"] = ("(r - mean) / (std + 1e-6)" if getattr(algo, "norm_adv_by_std", True)
-                                        else "r - mean") + " over the admitted members of the group; 0 for a "
-                    entry["formula"] += "group of one or of equal rewards"
-                elif estimator == "rloo":
-                    others = [rewards[j] for j in rows if j != i]
-                    entry["baseline"] = statistics.fmean(others) if others else 0.0
-                    entry["formula"] = "r - mean(rewards of the other members)"
-                else:
-                    entry["formula"] = f"{estimator} (algo.reinforce_baseline={getattr(algo, 'reinforce_baseline', '?')})"
-                if getattr(algo, "uses_reference", False) and getattr(algo, "kl_in", "") == "reward":
-                    entry["kl_in_reward"] = getattr(algo, "kl_coef", 0.0)
+                entry = {"estimator": name, "group": g, "group_size": len(rows), "group_rewards": values,
+                         "reward": rewards[i], "group_mean": mean, "group_std": std, "value": value,
+                         "formula": formula}
+                if entry_of is not None and entry_of.explain_row is not None:
+                    entry.update(entry_of.explain_row(algo, values, k))
+                if algo is not None and algo.uses_reference and algo.kl_in == "reward":
+                    entry["kl_in_reward"] = algo.kl_coef
+                    entry["kl_estimator"] = algo.kl_option
                 out[batch["trajectory_id"][i]] = entry
         return out
 

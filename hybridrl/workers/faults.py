@@ -1,14 +1,23 @@
-"""The worker side of fault injection (`controller/faults.py`): a fault armed on one rank fires once,
-at its first chance, where a real one would happen.
+"""Fault injection as wrappers: an armed fault wraps one method of the part where a real fault would
+happen, fails once there, and puts the method back. The code it wraps knows nothing of it.
 
-    engine     the rollout engine's next forward step fails (every request in flight fails with it)
-    tool       the next tool call's backend fails (an infrastructure error of that call)
-    reward     the task's verifier raises on the next episode it scores
-    env_kill   the environment service SIGKILLs its process after its next commit, before replying
-    disk_full  this rank's next checkpoint write fails with ENOSPC
+`fault_kinds.KINDS` is the one table of fault kinds (the controller parses `trainer.inject` against
+it, and this module arms the worker-side ones):
 
-The rollout-side faults go to the last rank that holds an engine, `disk_full` to the last rank that
-trains (the disaggregated placement's rollout ranks write no checkpoint).
+    kind        fires                                   where
+    kill_job    at any moment of a step                 the controller SIGKILLs the whole job
+    kill_rank   at any moment of a step                 the controller SIGKILLs one worker rank
+    engine      the step's rollout                      the native engine's next forward step raises
+                                                        (every request in that step fails with it)
+    tool        the step's rollout                      the next tool call's backend raises (an
+                                                        infrastructure error of that call)
+    reward      the step's rollout                      the task's verifier raises on the next episode
+    env_kill    the step's rollout                      the environment service SIGKILLs its process
+                                                        after its next commit, before replying
+    disk_full   the step's checkpoint                   this rank's next checkpoint write fails (ENOSPC)
+
+Rollout-side kinds are armed on the last rank that holds an engine, `disk_full` on the last rank
+that trains (rollout ranks of a disaggregated placement write no checkpoint).
 """
 
 from __future__ import annotations
@@ -16,57 +25,105 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from typing import Any, Callable
 
 from hybridrl.distributed.dispatch import ONE_TO_ALL
-from hybridrl.workers.base import register
+from hybridrl.workers.base import Part, register
+from hybridrl.workers.fault_kinds import JOB, KINDS, TRAIN_SIDE
+
+def fail_once(obj: Any, attr: str, error: Callable[[], BaseException]) -> None:
+    """Wrap `obj.attr` (a method or a callable attribute) so that its next call raises `error()`; the
+    original comes back before the raise, so only that one call fails."""
+    had_own = attr in vars(obj)
+    original = vars(obj).get(attr)
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if had_own:
+            setattr(obj, attr, original)
+        else:
+            delattr(obj, attr)
+        raise error()
+
+    async def failing_async(*args: Any, **kwargs: Any) -> Any:
+        return failing(*args, **kwargs)
+
+    import inspect
+
+    current = getattr(obj, attr)
+    setattr(obj, attr, failing_async if inspect.iscoroutinefunction(current) else failing)
 
 
-class FaultMixin:
-    """Mixed into `HybridWorker`; expects self.ctx, self.meshes(), self.engine, self.tools, self.task,
-    self.runner and self._run."""
+def fail_next_tool_call(tools: Any, message: str) -> None:
+    """The next call of any of the toolbox's tools raises inside the tool system (an infrastructure error
+    of that call, as a killed sandbox gives); the other tools are put back with it. Each stand-in keeps
+    its tool's spec, so the authorizer and the prompt see the same tools as before."""
+    originals = dict(tools.tools)
 
-    _disk_full: str | None = None
+    class Failing:
+        def __init__(self, tool: Any):
+            self.spec = tool.spec
+
+        async def __call__(self, arguments: dict) -> Any:
+            tools.tools.update(originals)
+            raise RuntimeError(message)
+
+    for name, tool in originals.items():
+        tools.tools[name] = Failing(tool)
+
+
+class Faults(Part):
+    """Arms the worker-side faults on the rank where they fire (`arm_fault`, called by the controller)."""
+
+    def __init__(self, ctx: Any, *, train: Any = None, rollout: Any = None, meshes: dict):
+        self.ctx, self.train, self.rollout, self.meshes = ctx, train, rollout, meshes
+
+    def target(self, kind: str) -> int:
+        if KINDS[kind].fired_by == TRAIN_SIDE:
+            return max(self.meshes["train"].ranks)
+        rollout = self.meshes["rollout"]
+        return max(r for r in rollout.ranks if rollout.coords(r)["tp"] == 0)
 
     @register(dispatch=ONE_TO_ALL)
     def arm_fault(self, *, kind: str, spec: str) -> None:
-        if self.ctx.rank != self._fault_target(kind):
+        if kind not in KINDS or KINDS[kind].fired_by == JOB:
+            raise ValueError(f"{spec}: no worker-side fault of kind {kind!r}")
+        if self.ctx.rank != self.target(kind):
             return
         message = f"fault injection: {spec}"
-        if kind == "engine":
-            core = getattr(self.engine, "core", None)
-            if core is None:
-                raise ValueError(f"{spec}: engine faults are injected into the native engine "
-                                 "(rollout.engine=native)")
-            self._run(self.engine.run_in_engine(lambda c: c.inject_failure(message)))
-        elif kind == "tool":
-            self.tools.fail_next(message)
-        elif kind == "reward":
-            task = self.task
+        _INSTALL[kind](self, spec, message)
 
-            def failing(instance, outcome):
-                del task.score                     # once: the class's verifier serves the next episodes
-                raise RuntimeError(message)
+    def _engine(self, spec: str, message: str) -> None:
+        from hybridrl.backends.native import NativeEngine
 
-            task.score = failing
-        elif kind == "env_kill":
-            service = getattr(self.runner.envs, "service", None)
-            if service is None:
-                raise ValueError(f"{spec}: task {self.cfg.task.name!r} has no environment (make_env), so "
-                                 "there is no environment service to kill")
-            service.on_persisted = lambda episode_id, seq_no: os.kill(os.getpid(), signal.SIGKILL)
-        elif kind == "disk_full":
-            self._disk_full = message
-        else:
-            raise ValueError(f"{spec}: no worker-side fault of kind {kind!r}")
+        engine = self.rollout.engine
+        if not isinstance(engine, NativeEngine):
+            raise ValueError(f"{spec}: engine faults are injected into the native engine (rollout.engine=native)")
+        # on the engine's own thread: its next step's forward raises, as a crashed engine's does
+        self.rollout.run(engine.run_in_engine(
+            lambda core: fail_once(core.runner, "execute", lambda: RuntimeError(message))))
 
-    def _fault_target(self, kind: str) -> int:
-        if kind == "disk_full":
-            return max(self.meshes()["train"].ranks)
-        rollout = self.meshes()["rollout"]
-        return max(r for r in rollout.ranks if rollout.coords(r)["tp"] == 0)
+    def _tool(self, spec: str, message: str) -> None:
+        self.rollout.run_sync(lambda: fail_next_tool_call(self.rollout.tools, message))
 
-    def _check_disk(self) -> None:
-        """Where a checkpoint write begins: an armed `disk_full` fails it as a full disk would."""
-        if self._disk_full is not None:
-            message, self._disk_full = self._disk_full, None
-            raise OSError(errno.ENOSPC, f"No space left on device ({message})")
+    def _reward(self, spec: str, message: str) -> None:
+        self.rollout.run_sync(lambda: fail_once(self.rollout.task, "score", lambda: RuntimeError(message)))
+
+    def _env_kill(self, spec: str, message: str) -> None:
+        from hybridrl.envs.client import LeasedEnvProvider
+
+        envs = self.rollout.runner.envs
+        if not isinstance(envs, LeasedEnvProvider):
+            raise ValueError(f"{spec}: the task has no environment (make_env), so there is no environment "
+                             "service to kill")
+        envs.service.on_persisted = lambda episode_id, seq_no: os.kill(os.getpid(), signal.SIGKILL)
+
+    def _disk_full(self, spec: str, message: str) -> None:
+        fail_once(self.train.actor, "save_checkpoint",
+                  lambda: OSError(errno.ENOSPC, f"No space left on device ({message})"))
+
+
+_INSTALL: dict[str, Callable[[Faults, str, str], None]] = {
+    "engine": Faults._engine, "tool": Faults._tool, "reward": Faults._reward, "env_kill": Faults._env_kill,
+    "disk_full": Faults._disk_full,
+}
+assert set(_INSTALL) == {k.name for k in KINDS.values() if k.fired_by != JOB}, "every worker-side kind is armed here"

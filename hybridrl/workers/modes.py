@@ -1,5 +1,5 @@
-"""The hybrid worker's mode state machine: training and generation time-share one device, and
-every phase of a switch is timed with its memory.
+"""The colocated rank's mode state machine: training and generation time-share one device, and
+every phase of a switch is timed with its memory (`Phases` times the phases of any rank).
 
     TRAIN --(offload optimizer/grads)--> RESHARD --(stream weights, publish)--> ROLLOUT
       ^                                                                             |
@@ -91,11 +91,16 @@ class PhaseRecord:
     peak_mem_bytes: int
 
 
-class ModeMachine:
-    def __init__(self, device: torch.device | None = None, start: Mode = Mode.TRAIN, *, rank: int = 0,
+class Phases:
+    """The timed phases of one rank (seconds, bytes moved, peak memory), with deadlines, arrival
+    barriers and the backstop for the phases of a switch. A rank that never switches modes (a
+    placement whose roles are apart) has phases but no mode: `require` then holds for any mode."""
+
+    mode: Mode | None = None
+
+    def __init__(self, device: torch.device | None = None, *, rank: int = 0,
                  deadlines: Mapping[str, float] | None = None, arrivals: Arrivals | None = None,
                  on_overrun: Callable[[str], None] | None = None, overrun_grace_s: float = 2.0):
-        self.mode = start
         self.device = device
         self.history: dict[str, list[PhaseRecord]] = defaultdict(list)
         self.rank = rank
@@ -107,14 +112,10 @@ class ModeMachine:
         self._current: tuple[str, float | None] | None = None     # (phase, monotonic deadline)
 
     def require(self, *modes: Mode) -> None:
-        if self.mode not in modes:
+        """Refuse an operation outside `modes` (a rank without a mode machine allows every operation)."""
+        if self.mode is not None and self.mode not in modes:
             raise IllegalTransition(f"operation needs mode {' or '.join(m.value for m in modes)}; "
                                     f"the worker is in {self.mode.value}")
-
-    def to(self, target: Mode) -> None:
-        if target not in _ALLOWED[self.mode]:
-            raise IllegalTransition(f"{self.mode.value} -> {target.value} is not a legal mode switch")
-        self.mode = target
 
     @contextlib.contextmanager
     def phase(self, name: str, *, waits_for: str = "its work"):
@@ -161,6 +162,17 @@ class ModeMachine:
             return None
         return max(0.0, self._current[1] - time.monotonic())
 
+    def bounded(self, run: Callable, coro, waits_for: str):
+        """`run(coro)` (an engine coroutine, awaited where its loop runs) within what is left of the current
+        phase's deadline; past it, `PhaseTimeout` naming what it waited for."""
+        import asyncio
+
+        remaining = self.remaining()
+        try:
+            return run(asyncio.wait_for(coro, remaining) if remaining is not None else coro)
+        except asyncio.TimeoutError:
+            raise PhaseTimeout(self.timeout_message(waits_for)) from None
+
     def timeout_message(self, waits_for: str) -> str:
         name = self._current[0] if self._current else "?"
         return (f"rank {self.rank}: phase '{name}' of a mode switch exceeded its {self.deadlines.get(name, 0):g}s "
@@ -176,3 +188,16 @@ class ModeMachine:
                        "bytes": int(statistics.median(r.bytes_moved for r in recs)),
                        "peak_mem_bytes": max(r.peak_mem_bytes for r in recs), "count": len(recs)}
                 for name, recs in self.history.items() if recs}
+
+
+class ModeMachine(Phases):
+    """The colocated rank's mode (TRAIN, RESHARD, ROLLOUT) and its phases; illegal moves raise."""
+
+    def __init__(self, device: torch.device | None = None, start: Mode = Mode.TRAIN, **kwargs):
+        super().__init__(device, **kwargs)
+        self.mode = start
+
+    def to(self, target: Mode) -> None:
+        if target not in _ALLOWED[self.mode]:
+            raise IllegalTransition(f"{self.mode.value} -> {target.value} is not a legal mode switch")
+        self.mode = target

@@ -73,3 +73,35 @@ def test_schema_subset(args, words):
     problem = validate_arguments(SEARCH.parameters, args)
     assert (problem is None) if words is None else (words in problem), problem
     assert validate_arguments(CALC.parameters, {}) == "missing required argument 'expression'"
+
+
+def test_hostile_json_is_a_malformed_call_never_an_exception():
+    """What json.loads raises besides JSONDecodeError, and what no tokenizer can encode."""
+    from hybridrl.agent.actions import MAX_JSON_DEPTH, nesting_depth
+
+    parser = ActionParser()
+    deep = parser.parse("<tool_call>" + "[" * 100_000 + "</tool_call>")            # RecursionError in json
+    assert deep.errors[0].kind == "malformed" and f"more than {MAX_JSON_DEPTH}" in deep.errors[0].message
+    nested_string = parser.parse('<tool_call>{"name": "calculator", "arguments": "' + "{" * 5000 + '"}</tool_call>')
+    assert "not valid JSON" in nested_string.errors[0].message
+    huge = parser.parse('<tool_call>{"name": "calculator", "arguments": {"x": ' + "9" * 5000 + "}}</tool_call>")
+    assert "more than 1000 digits" in huge.errors[0].message                      # ValueError in json (int limit)
+    surrogate = parser.parse('<tool_call>{"name": "echo\\ud800", "arguments": {"\\udfff": "a\\ud800"}}</tool_call>')
+    [call] = surrogate.calls
+    assert call.name == "echo\ufffd" and call.arguments == {"\ufffd": "a\ufffd"}
+    (call.name + "".join(call.arguments) + "".join(call.arguments.values())).encode("utf-8")
+    assert nesting_depth('{"a": "[[[[", "b": [{"c": "\\"]"}]}') == 3             # brackets in strings do not count
+    ok = parser.parse('<tool_call>{"name": "calculator", "arguments": {"n": 12, "deep": [[[1]]]}}</tool_call>')
+    assert ok.calls[0].arguments == {"n": 12, "deep": [[[1]]]}
+
+
+def test_long_names_are_quoted_short():
+    from hybridrl.agent.actions import ToolAuthorizer
+
+    auth = ToolAuthorizer({"calculator": ToolSpec("calculator", "", {"type": "object", "properties": {}})},
+                          ["calculator"])
+    [call] = ActionParser().parse('<tool_call>{"name": "' + "x" * 10_000 + '"}</tool_call>').calls
+    assert len(auth.check(call).message) < 300
+    [call] = ActionParser().parse('<tool_call>{"name": "calculator", "arguments": {"' + "k" * 10_000
+                                  + '": 1}}</tool_call>').calls
+    assert len(auth.check(call).message) < 300

@@ -173,9 +173,11 @@ def test_infrastructure_faults_are_contained_to_their_episode(tokenizer):
 
 
 def test_an_injected_tool_fault_invalidates_the_episode_that_calls_next(tokenizer):
-    """`tool` fault injection (ToolBox.fail_next): the next call fails in the tool system, once."""
+    """`tool` fault injection (workers.faults.fail_next_tool_call): the next call fails in the tool system, once."""
+    from hybridrl.workers.faults import fail_next_tool_call
+
     _, runner = make(tokenizer, lambda ids, turn: "<answer>5</answer>" if turn else ALWAYS_CALC)
-    runner.tools.fail_next("fault injection: tool@2")
+    fail_next_tool_call(runner.tools, "fault injection: tool@2")
     first, second = asyncio.run(runner.run([instance(task_id="a"), instance(task_id="b")], task=TASK,
                                            group_size=1))
     statuses = sorted([first.status, second.status], key=lambda s: s.value)

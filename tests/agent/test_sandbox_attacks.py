@@ -20,13 +20,20 @@ from hybridrl.agent.tools.base import ToolBox
 from hybridrl.cli import main
 from tests.launch import ROOT
 
-# the attacks of the red-team report; the limits (fork bomb, memory, cpu, output) have their own tests
+# the attacks of the red-team reports; the limits (fork bomb, memory, cpu, output) have their own tests.
+# The third report's (from nested_tmpfs on) fail on the code before it: memory held past memory_mb
+# through a nested tmpfs, memfd, nested SysV shm and three children, an inode flood, pid 1 killed by
+# a signal or by prlimit (userns mode), sockets and kernel interfaces reachable, the persistent
+# keyring kept across calls (root mode), host facts in /proc.
 REPORTED = ["remount_rw", "umount", "host_files", "setuid", "keyring", "sysv_shm", "shm_survives", "spec_visible",
-            "limit_spoof", "environment", "kill_sandbox"]
+            "limit_spoof", "environment", "kill_sandbox",
+            "nested_tmpfs", "memfd", "nested_shm", "children_memory", "inode_flood", "signal_pid1", "prlimit_pid1",
+            "socket_families", "kernel_surface", "persistent_keyring", "host_facts"]
 
 
 def config(**kwargs) -> ToolsConfig:
-    base = dict(pool_size=1, warm=1, timeout_s=30.0, cpu_s=2, memory_mb=128, max_processes=8, max_file_mb=1)
+    base = dict(pool_size=1, warm=1, timeout_s=30.0, cpu_s=2, memory_mb=128, max_processes=8, max_file_mb=1,
+                audit_log="")
     base.update(kwargs)
     return ToolsConfig(**base)
 
@@ -48,10 +55,12 @@ def test_every_reported_attack_is_contained_as_root(tmp_path):
         cfg = config(visible_paths=ToolsConfig().visible_paths + [setuid_dir])
         ctx = attack_context(cfg, secret_paths=[str(tmp_path)], extra_setuid=[binary])
         (tmp_path / "samples.jsonl").write_text('{"answer": 42}\n')
-        mode, verdicts = run_attack_set(cfg, ctx, REPORTED)
+        mode, verdicts, limits = run_attack_set(cfg, ctx, REPORTED, with_limits=True)
     finally:
         shutil.rmtree(setuid_dir, ignore_errors=True)
     assert mode == "root"
+    if limits["memory_limit"] == "rlimit":
+        pytest.skip(f"no cgroup can be made on this host ({limits['cgroup_problem']}): the memory attacks need one")
     by_name = {v.name: v for v in verdicts}
     assert set(by_name) == set(REPORTED)
     assert "ran " + binary in by_name["setuid"].detail or "ran " + binary in str(by_name["setuid"].result), \
@@ -64,10 +73,36 @@ USERNS_ATTACKS = """
 import json, sys
 from hybridrl.agent.config import ToolsConfig
 from hybridrl.agent.sandbox.attacks import run_attack_set
-cfg = ToolsConfig(python=sys.executable, pool_size=1, warm=1, cpu_s=2, memory_mb=128, max_processes=8)
-mode, verdicts = run_attack_set(cfg, None, json.loads(sys.argv[1]))
-print(json.dumps({"mode": mode, "verdicts": {v.name: [v.status, v.detail] for v in verdicts}}))
+cfg = ToolsConfig(python=sys.executable, pool_size=1, warm=1, cpu_s=2, memory_mb=128, max_processes=8, audit_log="",
+                  max_file_mb=1, cgroup_parent=sys.argv[2])
+mode, verdicts, limits = run_attack_set(cfg, None, json.loads(sys.argv[1]), with_limits=True)
+print(json.dumps({"mode": mode, **limits, "verdicts": {v.name: [v.status, v.detail] for v in verdicts}}))
 """
+
+
+def delegated_cgroup(uid: int) -> tuple[str, list[str]]:
+    """A cgroup v1 subtree (memory and pids) owned by `uid`, as an administrator delegates one to a
+    user: (its path inside the hierarchies, the directories to remove). ("", []) where this host
+    has no writable v1 memory and pids hierarchies."""
+    from hybridrl.agent.sandbox.cgroups import _mounts
+
+    points = {c: p for p, fstype, options in _mounts() if fstype == "cgroup" for c in ("memory", "pids")
+              if c in options}
+    if set(points) != {"memory", "pids"}:
+        return "", []
+    name = f"/hybridrl-test-delegated-{os.getpid()}"
+    made = []
+    try:
+        for point in points.values():
+            os.mkdir(point + name)
+            made.append(point + name)
+            for entry in [point + name] + [os.path.join(point + name, f) for f in os.listdir(point + name)]:
+                os.chown(entry, uid, uid)
+    except OSError:
+        for d in made:
+            os.rmdir(d)
+        return "", []
+    return name, made
 
 
 def test_every_reported_attack_is_contained_in_userns_mode():
@@ -83,16 +118,27 @@ def test_every_reported_attack_is_contained_in_userns_mode():
         pytest.skip(f"system python {version} cannot load this venv's packages")
     site = [p for p in sys.path if p.endswith("site-packages") and ".venv" in p]
     env = {"PATH": "/usr/bin:/bin", "HOME": "/", "PYTHONPATH": os.pathsep.join([str(ROOT), *site])}
-    proc = subprocess.run([setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups", python, "-c",
-                           USERNS_ATTACKS, json.dumps(REPORTED)], env=env, cwd="/", capture_output=True, text=True,
-                          timeout=300)
+    parent, made = delegated_cgroup(65534)
+    try:
+        proc = subprocess.run([setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups", python, "-c",
+                               USERNS_ATTACKS, json.dumps(REPORTED), parent], env=env, cwd="/", capture_output=True,
+                              text=True, timeout=300)
+    finally:
+        for d in made:
+            os.rmdir(d)
     if "Operation not permitted" in proc.stderr and '"userns"' not in proc.stdout:
         pytest.skip("unprivileged user namespaces are disabled here")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["mode"] == "userns"
     assert set(report["verdicts"]) == set(REPORTED)
-    assert {n: v for n, v in report["verdicts"].items() if v[0] != "PASS"} == {}
+    failed = {n: v for n, v in report["verdicts"].items() if v[0] != "PASS"}
+    if report["memory_limit"] == "rlimit":       # no delegated cgroup: said so, not promised
+        assert failed.pop("children_memory", ["NOT CONTAINED (no memory cgroup)"])[0] == \
+            "NOT CONTAINED (no memory cgroup)"
+    else:
+        assert report["memory_limit"] == "cgroup1"
+    assert failed == {}
 
 
 def test_tool_errors_caused_by_the_policy_are_tool_errors_not_infra():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hybridrl.algo import gae, grpo, reinforce_pp, rloo
+from hybridrl.algo.advantages import gae, grpo, reinforce_pp, rloo
 from hybridrl.algo.groups import group_index_of
 
 # three groups of unequal size: g0 = {1, 0, 0}, g1 = {1, 1} (all equal), g2 = {0.5} (alone)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridrl.algo import gae, value_loss
+from hybridrl.algo import value_loss
+from hybridrl.algo.advantages import gae
+from hybridrl.algo.groups import whiten
 
 
 def _independent(rewards, values, mask, gamma, lam):
@@ -73,7 +75,7 @@ def test_outcome_reward_goes_on_the_last_policy_token():
 
 def test_whiten_over_policy_tokens_only():
     adv = torch.arange(36, dtype=torch.float32).view(4, 9)
-    w = gae.whiten(adv, MASK, eps=0.0)
+    w = whiten(adv, MASK, eps=0.0)
     vals = adv[MASK > 0]
     assert torch.allclose(w[MASK > 0], (vals - vals.mean()) / vals.std(), atol=1e-6)
     assert (w[MASK == 0] == 0).all()

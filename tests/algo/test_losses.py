@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from hybridrl.algo import correction, kl, ppo_clip
+from hybridrl.algo import correction, kl
+from hybridrl.algo.losses import ppo_clip
 from hybridrl.algo.config import AlgoConfig
 from hybridrl.algo.objective import compute_advantages, make_loss_fn
 from hybridrl.config import ConfigValueError

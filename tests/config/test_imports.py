@@ -9,7 +9,7 @@ import pytest
 
 from tests.launch import ROOT
 
-MODULES = ["hybridrl.distributed.config", "hybridrl.rollout.config", "hybridrl.agent.config", "hybridrl.envs.config",
+MODULES = ["hybridrl.distributed.config", "hybridrl.backends.rollout_config", "hybridrl.agent.config", "hybridrl.envs.config",
            "hybridrl.backends.megatron.config", "hybridrl.backends.sglang.config", "hybridrl.algo.config",
            "hybridrl.config.schema"]
 

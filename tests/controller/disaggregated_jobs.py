@@ -4,29 +4,18 @@ verifier untouched)."""
 
 from __future__ import annotations
 
-from hybridrl.distributed.dispatch import ONE_TO_ALL
+from hybridrl.controller.placements import build_disaggregated
 from hybridrl.jobs import Job
-from hybridrl.workers.base import register
-from hybridrl.workers.disaggregated import RolloutWorker, TrainerWorker
-from tests.workers.hybrid_jobs import corrupted_publication, damage_after_copy
-
-
-class FaultyTrainer(TrainerWorker):
-    @register(dispatch=ONE_TO_ALL)
-    def set_fault(self, name: str | None, times: int = 1) -> None:
-        return None                       # the damage happens where the engine is
-
-
-class FaultyRollout(RolloutWorker):
-    @register(dispatch=ONE_TO_ALL)
-    def set_fault(self, name: str | None, times: int = 1) -> None:
-        self.threads.call(damage_after_copy, self.engine.core, name, times)     # on the engine's thread
+from hybridrl.workers.rollout_side import RolloutSide
+from tests.workers.hybrid_jobs import CopyDamage, corrupted_publication
 
 
 def make_faulty(cfg, ctx):
-    return FaultyTrainer(cfg, ctx) if ctx.role == "train" else FaultyRollout(cfg, ctx)
+    worker = build_disaggregated(cfg, ctx)
+    rollout = worker.part(RolloutSide)
+    return worker.extend(CopyDamage(rollout)) if rollout is not None else worker
 
 
-# the colocated test's controller: one damaged copy is copied again and verified, damage on every copy
-# stops the publication naming the tensor (enter_train is a no-op for both roles here)
+# the colocated test's controller, with this placement's link: one damaged copy is copied again and
+# verified, damage on every copy stops the publication naming the tensor
 CORRUPT = Job("corrupt", make_faulty, corrupted_publication)

@@ -66,7 +66,7 @@ class _Stream:
 
 
 class _OneEngineGroup:
-    """The controller's side of `HybridWorker.collect` on one in-process rank: the real collector on a
+    """The controller's side of `RolloutSide.collect` on one in-process rank: the real collector on a
     scripted engine (the RL worker needs torchrun; the collector and the bookkeeping do not)."""
 
     world_size = 1

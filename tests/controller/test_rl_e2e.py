@@ -76,16 +76,17 @@ def test_sft_trains_on_demonstrations_and_exports(tmp_path, model):
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
 
 
-def _comparable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(_TIMING)}
+def _comparable(row: dict, ignore: tuple[str, ...] = ()) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(_TIMING + tuple(ignore))}
 
 
-def assert_same_run(straight, resumed, *, from_step: int = 3):
-    """Bitwise: every logged number except timings from `from_step` on, and the exported weights."""
+def assert_same_run(straight, resumed, *, from_step: int = 3, ignore: tuple[str, ...] = ()):
+    """Bitwise: every logged number except timings (and `ignore`) from `from_step` on, and the exported weights."""
     a, b = read_metrics(straight), read_metrics(resumed)
     assert [r["step"] for r in b] == [r["step"] for r in a]
     for ra, rb in zip(a[from_step:], b[from_step:]):
-        assert _comparable(ra) == _comparable(rb), (ra["step"], set(_comparable(ra).items()) ^ set(_comparable(rb).items()))
+        ca, cb = _comparable(ra, ignore), _comparable(rb, ignore)
+        assert ca == cb, (ra["step"], set(ca.items()) ^ set(cb.items()))
     from safetensors.torch import load_file
 
     ea, eb = load_file(str(straight / "hf" / "model.safetensors")), load_file(str(resumed / "hf" / "model.safetensors"))

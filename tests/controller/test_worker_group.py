@@ -59,23 +59,23 @@ def test_rank_raising_names_rank_method_and_traceback(tmp_path):
     launch, result = run_scenario(tmp_path, "RAISE")
     _assert_failed_fast(launch)
     err = result["error"]
-    assert err["rank"] == 1 and err["method"] == "raise_on" and err["kind"] == "exception"
+    assert err["rank"] == 1 and err["method"] == "ScenarioWorker.raise_on" and err["kind"] == "exception"
     assert "ValueError: boom from rank 1" in err["message"]
     assert "marker 7f3a" in err["traceback"] and "scenarios.py" in err["traceback"]
-    assert "rank 1 failed in 'raise_on'" in launch.stderr(0)
+    assert "rank 1 failed in 'ScenarioWorker.raise_on'" in launch.stderr(0)
 
 
 def test_controller_rank_raising(tmp_path):
     launch, result = run_scenario(tmp_path, "RAISE_ON_CONTROLLER")
     _assert_failed_fast(launch)
-    assert result["error"]["rank"] == 0 and result["error"]["method"] == "raise_on"
+    assert result["error"]["rank"] == 0 and result["error"]["method"] == "ScenarioWorker.raise_on"
 
 
 def test_rank_raising_while_others_wait_in_a_collective(tmp_path):
     # rank 0 is stuck inside all_reduce and cannot poll: the watchdog must report and end it
     launch, result = run_scenario(tmp_path, "RAISE_IN_COLLECTIVE")
     _assert_failed_fast(launch)
-    assert "rank 1 failed in 'raise_before_collective'" in launch.stderr(0)
+    assert "rank 1 failed in 'ScenarioWorker.raise_before_collective'" in launch.stderr(0)
     assert "marker c0ll" in launch.stderr(0)
 
 

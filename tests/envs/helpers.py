@@ -15,6 +15,10 @@ from hybridrl.data.episode import TaskInstance, Transition
 LOCKERS: list[subprocess.Popen] = []     # write-lock holders started from inside a step
 
 
+class Interrupted(BaseException):
+    """Not an Exception (as KeyboardInterrupt or SystemExit): no environment error handler sees it."""
+
+
 class CounterEnv:
     def __init__(self, log_path: str, step_delay_s: float = 0.0, fail_on: int | None = None, meta=None):
         self.log_path, self.step_delay_s, self.fail_on = log_path, step_delay_s, fail_on
@@ -38,7 +42,14 @@ class CounterEnv:
             os._exit(19)                                   # the service process dies mid-step, effect done
         if action["n"] == self.meta.get("lock_on"):        # another process takes the write lock now
             LOCKERS.append(hold_write_lock(self.meta["db"]))
+        if action["n"] == self.meta.get("interrupt_on"):    # the step ran, then the process lost track of it
+            raise Interrupted("interrupted mid-step")
         info = {"unserialisable": object()} if action["n"] == self.meta.get("bad_info_on") else {}
+        if action["n"] == self.meta.get("deep_on"):          # a result nested past the recursion limit
+            deep: list = []
+            for _ in range(5000):
+                deep = [deep]
+            info = {"deep": deep}
         return Transition(f"total {self.total}", reward=float(self.total >= 10), done=self.total >= 10, info=info)
 
     def state_dict(self):

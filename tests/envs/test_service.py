@@ -163,17 +163,19 @@ def test_killed_after_persisting_before_acknowledging_replays_on_restart(paths):
         restarted.step(eid, tok, {"n": 1}, seq_no=4, idempotency_key="ep#4")
 
 
-def test_a_crashing_environment_persists_nothing(paths):
+def test_a_crashing_environment_fails_its_step_and_keeps_the_committed_state(paths):
+    """The step may have run part of its effect before raising: it is that step's recorded failure
+    (the episode fails), never stepped again; the committed state stays what it was."""
     db, log = paths
     svc = service(db)
     lease = svc.reset("counter", counter_instance(log, fail_on=99), seed=0)
     svc.step(lease.episode_id, lease.token, {"n": 2}, seq_no=1, idempotency_key="a")
     with pytest.raises(EnvStepError, match="environment crashed"):
         svc.step(lease.episode_id, lease.token, {"n": 99}, seq_no=2, idempotency_key="b")
-    assert svc.episode(lease.episode_id)["last_seq"] == 1
-    assert svc.step(lease.episode_id, lease.token, {"n": 3}, seq_no=2,
-                    idempotency_key="c").transition.observation \
-        == "total 5"
+    record = svc.episode(lease.episode_id)
+    assert record["last_seq"] == 1 and record["state"] == {"total": 2} and record["status"] == "failed"
+    with pytest.raises(EnvStepError, match="failed"):
+        svc.step(lease.episode_id, lease.token, {"n": 3}, seq_no=2, idempotency_key="c")
 
 
 def test_client_queries_status_after_an_ambiguous_timeout(paths):

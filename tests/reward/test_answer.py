@@ -30,3 +30,15 @@ def test_exact_number_and_format():
 def test_reward_result_weights():
     r = RewardResult().add("a", 1.0, "x@1").add("b", 1.0, "y@2", weight=0.25)
     assert r.total == 1.25 and r.evaluators == {"a": "x@1", "b": "y@2"}
+
+
+def test_numbers_of_any_length_are_read_exactly():
+    """Past Python's int-string limit (4300 digits) int() raises ValueError: an evaluator error (the
+    episode INFRA_INVALID) caused by what the policy wrote. Read in chunks, it is a wrong answer."""
+    huge = "9" * 5000
+    assert parse_number(huge) == 10 ** 5000 - 1
+    assert parse_number(f"-{huge}.{huge}0") == -(Fraction(10 ** 5000 - 1) + Fraction(10 ** 5000 - 1, 10 ** 5000))
+    assert parse_number("0" * 6000 + "42") == 42
+    exact, fmt = ExactNumber(), AnswerFormat()
+    assert exact(huge, "408") == 0.0 and fmt(huge, 1, True) == 1.0
+    assert exact("0" * 9000 + "408", "408") == 1.0

@@ -74,9 +74,10 @@ def test_rollout_records_the_reward_model_component_per_trajectory(tmp_path, pol
     r = json.loads((tmp_path / "result.json").read_text())
     positive = set(json.loads((classifier / "hybridrl_asset.json").read_text())["positive_token_ids"])
     trajectories = r["trajectories"]
-    assert len(trajectories) == 4
+    assert len(trajectories) == 4 and len(r["collected"]) == 4      # a sync rollout and a partial collection
     version = weights_version(classifier)
-    for t in trajectories:
+    for t in trajectories + r["collected"]:                          # every status the policy answers for
+        assert t["status"] in ("completed", "truncated", "failed")
         assert t["evaluators"]["rm"] == f"rm:tiny-rm@{version}"
         assert t["rewards"]["rm"] == pytest.approx(_rule(t["ids"], positive), abs=1e-5)
         assert "correct" in t["rewards"] and t["evaluators"]["correct"] != t["evaluators"]["rm"]

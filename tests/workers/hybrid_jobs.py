@@ -1,4 +1,4 @@
-"""Controllers (and a fault-injecting worker) for the hybrid-worker tests; each writes result.json."""
+"""Controllers (and fault-injecting parts) for the colocated placement's tests; each writes result.json."""
 
 from __future__ import annotations
 
@@ -7,13 +7,17 @@ from pathlib import Path
 
 import torch
 
+from hybridrl.controller.placements import build_colocated
 from hybridrl.controller.worker_group import WorkerGroupError
 from hybridrl.data.batch import Batch
 from hybridrl.jobs import Job
 from hybridrl.distributed.dispatch import ONE_TO_ALL, OneToAll
-from hybridrl.workers.base import register
-from hybridrl.workers.hybrid import HybridWorker
+from hybridrl.workers.base import Part, register
 from hybridrl.workers.modes import IllegalTransition  # noqa: F401  (re-exported for tests)
+from hybridrl.workers.rank import RankWorker
+from hybridrl.workers.rollout_side import RolloutSide
+from hybridrl.workers.switch import ModeSwitch
+from hybridrl.workers.train_side import TrainSide
 
 PROMPTS = [[1, 276, 201, 19, 20, 21], [1, 312, 201, 318, 311, 22, 23, 24, 12, 25], [1, 280, 201]]
 
@@ -34,10 +38,27 @@ def damage_after_copy(core, name: str | None, times: int = 1) -> None:
     core.copy_into_storage = faulty
 
 
-class FaultyHybridWorker(HybridWorker):
-    @register(dispatch=ONE_TO_ALL)
+class CopyDamage(Part):
+    """Damages a rollout rank's native engine storage after its copies (see `damage_after_copy`)."""
+
+    def __init__(self, rollout: RolloutSide):
+        self.rollout = rollout
+
+    @register(dispatch=OneToAll(mesh="rollout"))
     def set_fault(self, name: str | None, times: int = 1) -> None:
-        damage_after_copy(self.engine.core, name, times)
+        self.rollout.run_sync(lambda: damage_after_copy(self.rollout.engine.core, name, times))   # on its thread
+
+
+def link_of(cfg, wg):
+    """How this test's controller reaches the rollout side in the run's placement."""
+    from hybridrl.controller.collection import ModeSwitchLink, RemoteLink
+
+    return RemoteLink(wg) if cfg.placement.disaggregated else ModeSwitchLink(wg)
+
+
+def faulty_worker(cfg, ctx) -> RankWorker:
+    worker = build_colocated(cfg, ctx)
+    return worker.extend(CopyDamage(worker.part(RolloutSide)))
 
 
 def _write(cfg, result):
@@ -53,21 +74,21 @@ def _train_once(wg, vocab: int, seed: int = 0) -> dict:
     mask = torch.zeros(4, 16)
     mask[:, 8:] = 1
     batch = Batch({"input_ids": ids, "attention_mask": torch.ones(4, 16, dtype=torch.long), "loss_mask": mask})
-    old = wg.call(HybridWorker.compute_logprobs, batch)["old_logprobs"]
+    old = wg.call(TrainSide.compute_logprobs, batch)["old_logprobs"]
     batch.set("old_logprobs", old)
     batch.set("behavior_logprobs", old.clone())
     batch.set("advantages", torch.where(torch.rand(4, 1, generator=g) > 0.5, 1.0, -1.0).expand(4, 16) * mask)
-    return wg.call(HybridWorker.train_step, batch)[0]
+    return wg.call(TrainSide.train_step, batch)[0]
 
 
 def publish_then_sample(cfg, wg):
-    wg.call(HybridWorker.enter_rollout, version=0, step=0)
-    before = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=8)
-    wg.call(HybridWorker.enter_train)
+    wg.call(ModeSwitch.enter_rollout, version=0, step=0)
+    before = wg.call(RolloutSide.sample, prompts=PROMPTS, max_new_tokens=8)
+    wg.call(ModeSwitch.enter_train)
     update = _train_once(wg, vocab=500)
-    switch = wg.call(HybridWorker.enter_rollout, version=1, step=1)
-    after = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=8)
-    wg.call(HybridWorker.export_hf, out_dir=str(Path(cfg.run.dir) / "hf"))
+    switch = wg.call(ModeSwitch.enter_rollout, version=1, step=1)
+    after = wg.call(RolloutSide.sample, prompts=PROMPTS, max_new_tokens=8)
+    wg.call(TrainSide.export_hf, out_dir=str(Path(cfg.run.dir) / "hf"))
     _write(cfg, {"prompts": PROMPTS, "before": before, "after": after, "switch": switch, "update": update})
 
 
@@ -75,18 +96,19 @@ CORRUPTED = "model.layers.0.mlp.down_proj.weight"
 
 
 def corrupted_publication(cfg, wg):
-    wg.call(HybridWorker.enter_rollout, version=0, step=0)
-    v0 = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=8)
-    wg.call(HybridWorker.enter_train)
+    link = link_of(cfg, wg)
+    link.to_rollout(0, 0)
+    v0 = wg.call(RolloutSide.sample, prompts=PROMPTS, max_new_tokens=8)
+    link.to_train()
     _train_once(wg, vocab=500)
-    wg.call(FaultyHybridWorker.set_fault, name=CORRUPTED, times=1)     # one bad copy: copied again, verified
-    retried = wg.call(HybridWorker.enter_rollout, version=1, step=1)
-    v1 = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=8)
-    wg.call(HybridWorker.enter_train)
+    wg.call(CopyDamage.set_fault, name=CORRUPTED, times=1)     # one bad copy: copied again, verified
+    retried = link.to_rollout(1, 1)
+    v1 = wg.call(RolloutSide.sample, prompts=PROMPTS, max_new_tokens=8)
+    link.to_train()
     _train_once(wg, vocab=500, seed=1)
-    wg.call(FaultyHybridWorker.set_fault, name=CORRUPTED, times=-1)    # every copy bad: the step stops
+    wg.call(CopyDamage.set_fault, name=CORRUPTED, times=-1)    # every copy bad: the step stops
     try:
-        wg.call(HybridWorker.enter_rollout, version=2, step=2)
+        link.to_rollout(2, 2)
         failure = None
     except WorkerGroupError as err:
         failure = str(err)
@@ -97,24 +119,24 @@ def corrupted_publication(cfg, wg):
 
 def memory(cfg, wg):
     _train_once(wg, vocab=500)
-    train = wg.call(HybridWorker.memory_report)[0]
-    wg.call(HybridWorker.enter_rollout, version=1, step=1)
-    wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=4)
-    rollout = wg.call(HybridWorker.memory_report)[0]
-    wg.call(HybridWorker.enter_train)
-    back = wg.call(HybridWorker.memory_report)[0]
+    train = wg.call(RankWorker.memory_report)[0]
+    wg.call(ModeSwitch.enter_rollout, version=1, step=1)
+    wg.call(RolloutSide.sample, prompts=PROMPTS, max_new_tokens=4)
+    rollout = wg.call(RankWorker.memory_report)[0]
+    wg.call(ModeSwitch.enter_train)
+    back = wg.call(RankWorker.memory_report)[0]
     again = _train_once(wg, vocab=500, seed=1)
     _write(cfg, {"train": train, "rollout": rollout, "back": back, "again": again})
 
 
-PUBLISH = Job("publish", HybridWorker, publish_then_sample)
-CORRUPT = Job("corrupt", FaultyHybridWorker, corrupted_publication)
-MEMORY = Job("memory", HybridWorker, memory)
+PUBLISH = Job("publish", build_colocated, publish_then_sample)
+CORRUPT = Job("corrupt", faulty_worker, corrupted_publication)
+MEMORY = Job("memory", build_colocated, memory)
 
 
 
 
-class StuckHybridWorker(HybridWorker):
+class StuckSwitch(ModeSwitch):
     """Faults for the bounded-switch tests: a rank that stops arriving, an engine that never drains."""
 
     @register(dispatch=ONE_TO_ALL)
@@ -140,6 +162,10 @@ class StuckHybridWorker(HybridWorker):
         return super().enter_rollout(version=version, step=step)
 
 
+def stuck_worker(cfg, ctx) -> RankWorker:
+    return build_colocated(cfg, ctx, switch=StuckSwitch)
+
+
 def _timed_failure(call) -> dict:
     import time
 
@@ -152,25 +178,25 @@ def _timed_failure(call) -> dict:
 
 
 def rank_stops_arriving(cfg, wg):
-    wg.call(StuckHybridWorker.stall_next_switch, rank=1, seconds=600)
-    result = _timed_failure(lambda: wg.call(HybridWorker.enter_rollout, version=1, step=1))
+    wg.call(StuckSwitch.stall_next_switch, rank=1, seconds=600)
+    result = _timed_failure(lambda: wg.call(ModeSwitch.enter_rollout, version=1, step=1))
     _write(cfg, result)
     raise RuntimeError("expected failure recorded")
 
 
 def engine_never_drains(cfg, wg):
-    wg.call(HybridWorker.enter_rollout, version=1, step=1)
-    wg.call(StuckHybridWorker.engine_never_drains)
-    result = _timed_failure(lambda: wg.call(HybridWorker.enter_train))
+    wg.call(ModeSwitch.enter_rollout, version=1, step=1)
+    wg.call(StuckSwitch.engine_never_drains)
+    result = _timed_failure(lambda: wg.call(ModeSwitch.enter_train))
     _write(cfg, result)
     raise RuntimeError("expected failure recorded")
 
 
-STALLED_RANK = Job("stalled_rank", StuckHybridWorker, rank_stops_arriving)
-NEVER_DRAINS = Job("never_drains", StuckHybridWorker, engine_never_drains)
+STALLED_RANK = Job("stalled_rank", stuck_worker, rank_stops_arriving)
+NEVER_DRAINS = Job("never_drains", stuck_worker, engine_never_drains)
 
 
-class GroupedHybridWorker(StuckHybridWorker):
+class GroupedSwitch(StuckSwitch):
     """Records, on every rank, what each switch decided: (version asked, published, engine version)."""
 
     @register(dispatch=OneToAll("rank0"))
@@ -194,40 +220,40 @@ def grouped_rollout(cfg, wg):
     from hybridrl.envs.tasks import get_task
 
     task = get_task(cfg.task.name, cfg.task)
-    first = wg.call(HybridWorker.enter_rollout, version=0, step=0)
-    per_rank = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=6)
-    wg.call(HybridWorker.enter_train)
+    first = wg.call(ModeSwitch.enter_rollout, version=0, step=0)
+    per_rank = wg.call(RolloutSide.sample, prompts=PROMPTS, max_new_tokens=6)
+    wg.call(ModeSwitch.enter_train)
     _train_once(wg, vocab=500)
-    switch = wg.call(HybridWorker.enter_rollout, version=1, step=1)            # step 1
-    trajectories = from_batch(wg.call(HybridWorker.rollout, episode_rows(task.train_split(2), 2, 1)))
-    after = wg.call(HybridWorker.sample, prompts=PROMPTS, max_new_tokens=6)
-    wg.call(HybridWorker.enter_train)
+    switch = wg.call(ModeSwitch.enter_rollout, version=1, step=1)            # step 1
+    trajectories = from_batch(wg.call(RolloutSide.rollout, episode_rows(task.train_split(2), 2, 1)))
+    after = wg.call(RolloutSide.sample, prompts=PROMPTS, max_new_tokens=6)
+    wg.call(ModeSwitch.enter_train)
     # validation (trainer.validate): from TRAIN into ROLLOUT at the current version, left there
-    wg.call(HybridWorker.enter_rollout, version=1, step=1)
-    wg.call(HybridWorker.rollout, episode_rows(task.validation_split(1), 1, "val1"), temperature=0.0)
+    wg.call(ModeSwitch.enter_rollout, version=1, step=1)
+    wg.call(RolloutSide.rollout, episode_rows(task.validation_split(1), 1, "val1"), temperature=0.0)
     # checkpoint (RunState.save_checkpoint): back to TRAIN, then save
-    wg.call(HybridWorker.enter_train)
-    wg.call(HybridWorker.save_checkpoint, path=str(Path(cfg.run.dir) / "ckpt"), extra={"step": 1})
+    wg.call(ModeSwitch.enter_train)
+    wg.call(TrainSide.save_checkpoint, path=str(Path(cfg.run.dir) / "ckpt"), extra={"step": 1})
     # step 2: its batch is empty (every group filtered out): no train step, the version stays
-    wg.call(HybridWorker.enter_rollout, version=1, step=2)
-    wg.call(HybridWorker.enter_train)
+    wg.call(ModeSwitch.enter_rollout, version=1, step=2)
+    wg.call(ModeSwitch.enter_train)
     # step 3: still nothing new to publish; its update makes version 2, published at step 4
-    wg.call(HybridWorker.enter_rollout, version=1, step=3)
-    wg.call(HybridWorker.enter_train)
+    wg.call(ModeSwitch.enter_rollout, version=1, step=3)
+    wg.call(ModeSwitch.enter_train)
     _train_once(wg, vocab=500, seed=1)
-    wg.call(HybridWorker.enter_rollout, version=2, step=4)
-    v2 = wg.call(HybridWorker.sample, prompts=PROMPTS[:1], max_new_tokens=4)
-    switches = wg.call(GroupedHybridWorker.switch_log)
-    wg.call(HybridWorker.enter_train)
-    wg.call(StuckHybridWorker.stall_next_switch, rank=1, seconds=600)
-    stalled = _timed_failure(lambda: wg.call(HybridWorker.enter_rollout, version=2, step=5))
+    wg.call(ModeSwitch.enter_rollout, version=2, step=4)
+    v2 = wg.call(RolloutSide.sample, prompts=PROMPTS[:1], max_new_tokens=4)
+    switches = wg.call(GroupedSwitch.switch_log)
+    wg.call(ModeSwitch.enter_train)
+    wg.call(StuckSwitch.stall_next_switch, rank=1, seconds=600)
+    stalled = _timed_failure(lambda: wg.call(ModeSwitch.enter_rollout, version=2, step=5))
     _write(cfg, {"first": first, "per_rank": per_rank, "switch": switch, "after": after, "v2": v2,
                  "versions": sorted({v for t in trajectories for v in t.versions}),
                  "episodes": len(trajectories), "switches": switches, "stalled": stalled})
     raise RuntimeError("expected failure recorded")   # the group is aborted after a worker error
 
 
-GROUPED = Job("grouped", GroupedHybridWorker, grouped_rollout)
+GROUPED = Job("grouped", lambda cfg, ctx: build_colocated(cfg, ctx, switch=GroupedSwitch), grouped_rollout)
 
 
 def _ppo_batch(vocab: int, rows: int = 16, length: int = 20, seed: int = 0) -> Batch:
@@ -251,7 +277,7 @@ def _probe_logprobs(wg, vocab: int) -> list:
     g = torch.Generator().manual_seed(123)
     ids = torch.randint(3, vocab, (4, 12), generator=g)
     batch = Batch({"input_ids": ids, "attention_mask": torch.ones(4, 12, dtype=torch.long)})
-    return wg.call(HybridWorker.compute_logprobs, batch)["old_logprobs"].tolist()
+    return wg.call(TrainSide.compute_logprobs, batch)["old_logprobs"].tolist()
 
 
 def ppo_updates(cfg, wg):
@@ -262,19 +288,19 @@ def ppo_updates(cfg, wg):
 
     batch = _ppo_batch(vocab=500)
     layout = plan(len(batch), wg.mesh("train").dp_size, 4)
-    ppo = wg.call(HybridWorker.update_policy, lay_out(batch, layout), mini_batch_rows=layout.rows_per_rank,
+    ppo = wg.call(TrainSide.update_policy, lay_out(batch, layout), mini_batch_rows=layout.rows_per_rank,
                   num_groups=6, ppo_epochs=2)
     from hybridrl.controller.trainer import attach_lineage
 
-    attach_lineage(batch, wg.call(HybridWorker.update_lineage), wg.mesh("train"), layout)
-    result = {"ppo": ppo[0], "rows": [v for out in ppo for v in out["rows"]["advantage"]],
+    attach_lineage(batch, ppo, layout)
+    result = {"ppo": ppo.info, "rows": ppo["advantage"].tolist(),
               "order": layout.order, "probe": _probe_logprobs(wg, vocab=500),
               "lineage": {k: batch[k].tolist() for k in ("advantages", "old_logprobs", "loss_mask")}}
     single = plan(len(batch), wg.mesh("train").dp_size, 1)
-    one = wg.call(HybridWorker.update_policy, lay_out(_ppo_batch(vocab=500, seed=1), single),
+    one = wg.call(TrainSide.update_policy, lay_out(_ppo_batch(vocab=500, seed=1), single),
                   mini_batch_rows=single.rows_per_rank, num_groups=6, ppo_epochs=1)
-    result["one"] = one[0]
+    result["one"] = one.info
     _write(cfg, result)
 
 
-PPO = Job("ppo", HybridWorker, ppo_updates)
+PPO = Job("ppo", build_colocated, ppo_updates)

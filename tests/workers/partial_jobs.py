@@ -11,8 +11,11 @@ from hybridrl.algo import partial
 from hybridrl.controller import metrics as M
 from hybridrl.data.trajectory import to_batch
 from hybridrl.envs.tasks import get_task
+from hybridrl.controller.placements import build_colocated
 from hybridrl.jobs import Job
-from hybridrl.workers.hybrid import HybridWorker
+from hybridrl.workers.rollout_side import RolloutSide
+from hybridrl.workers.switch import ModeSwitch
+from hybridrl.workers.train_side import TrainSide
 from tests.workers.hybrid_jobs import _train_once
 
 
@@ -29,21 +32,21 @@ def continued_across_an_update(cfg, wg):
     task = get_task(cfg.task.name, cfg.task)
     stream = iter(task.train_split())
     tc = cfg.trainer
-    wg.call(HybridWorker.enter_rollout, version=0, step=0)
+    wg.call(ModeSwitch.enter_rollout, version=0, step=0)
     first = []
     for attempt in range(200):
         new = _episodes([next(stream) for _ in range(2)], tc.group_size, attempt) if attempt % 10 == 0 else []
-        outs = wg.call(HybridWorker.collect, episodes=new, quorum=10 ** 6, deadline_s=0.02, poll_s=0.005)
+        outs = wg.call(RolloutSide.collect, episodes=new, quorum=10 ** 6, deadline_s=0.02, poll_s=0.005)
         first += [t for out in outs for t in out["trajectories"]]
         if sum(out["stats"]["live_tokens"] for out in outs) > 0:
             break
     held = sum(out["stats"]["live"] for out in outs)
-    wg.call(HybridWorker.enter_train)
+    wg.call(ModeSwitch.enter_train)
     update = _train_once(wg, vocab=500)
-    wg.call(HybridWorker.enter_rollout, version=1, step=1)
-    outs = wg.call(HybridWorker.collect, episodes=[], quorum=10 ** 6, deadline_s=0.0, poll_s=0.01)
+    wg.call(ModeSwitch.enter_rollout, version=1, step=1)
+    outs = wg.call(RolloutSide.collect, episodes=[], quorum=10 ** 6, deadline_s=0.0, poll_s=0.01)
     after = [t for out in outs for t in out["trajectories"]]
-    wg.call(HybridWorker.enter_train)
+    wg.call(ModeSwitch.enter_train)
     mixed = [t for t in after if t.versions == {0, 1}]
     result = {"held": held, "first_versions": sorted({v for t in first for v in t.versions}),
               "after": len(after), "mixed": len(mixed), "update": {k: float(v) for k, v in update.items()},
@@ -51,8 +54,8 @@ def continued_across_an_update(cfg, wg):
               "live_after": [out["stats"]["live"] for out in outs]}
     if mixed:
         batch = to_batch(mixed, pad_id=0)
-        ref = wg.call(HybridWorker.compute_ref_logprobs, batch)["ref_logprobs"]      # v0 weights
-        actor = wg.call(HybridWorker.compute_logprobs, batch)["old_logprobs"]        # v1 weights
+        ref = wg.call(TrainSide.compute_ref_logprobs, batch)["ref_logprobs"]      # v0 weights
+        actor = wg.call(TrainSide.compute_logprobs, batch)["old_logprobs"]        # v1 weights
         mask, versions, behaviour = batch["loss_mask"].bool(), batch["policy_version"], batch["behavior_logprobs"]
         v0, v1 = mask & (versions == 0), mask & (versions == 1)
         result.update({
@@ -69,4 +72,4 @@ def continued_across_an_update(cfg, wg):
     (Path(cfg.run.dir) / "result.json").write_text(json.dumps(result))
 
 
-CONTINUED = Job("continued", HybridWorker, continued_across_an_update)
+CONTINUED = Job("continued", build_colocated, continued_across_an_update)

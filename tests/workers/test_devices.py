@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from hybridrl.controller.worker_group import CONTROLLER_DEVICE, to_controller
 from hybridrl.data.batch import Batch
-from hybridrl.workers.policy_update import backend_device, collective_device
+from hybridrl.distributed.collectives import backend_device, collective_device
 from tests.launch import free_port
 
 

@@ -1,4 +1,4 @@
-"""The training side of a step in one worker call (`HybridWorker.update_policy`) with real ranks:
+"""The training side of a step in one worker call (`TrainSide.update_policy`) with real ranks:
 PPO mini-batches and epochs that move the ratio and clip, the same update at any data-parallel and
 micro-batch split, and no old-logprob forward when one update per batch needs none."""
 

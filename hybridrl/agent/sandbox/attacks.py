@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from hybridrl.agent.sandbox.attacks_kernel import KERNEL_ATTACKS
+from hybridrl.agent.sandbox.attacks_limits import LIMIT_ATTACKS
 from hybridrl.agent.sandbox.process import SandboxResult
 
 NAMESPACE_MODES = ("root", "userns")
@@ -33,6 +35,8 @@ class Attack:
     modes: tuple[str, ...] = NAMESPACE_MODES        # where the defence is promised
     before: str | None = None                       # a first call (e.g. leaving state behind)
     root_only: bool = False                         # needs the pool to run as root (a dedicated uid)
+    needs_cgroup: bool = False                      # promised only where the pool has a memory cgroup
+    rounds: int | str = 1                           # before + attack pairs; "slots": one per pool slot + 1
 
 
 def _done(r: SandboxResult) -> bool:
@@ -242,13 +246,15 @@ ATTACKS: list[Attack] = [
            "import os, signal\nfor sig in (signal.SIGTERM, signal.SIGKILL):\n    try:\n        os.kill(0, sig)\n"
            "    except OSError:\n        pass",
            lambda r, ctx: r.setup_error is None and r.exit_code is None and r.signal == 15),
-    Attack("network", "a network namespace without interfaces: not even 127.0.0.1",
+    Attack("network", "no AF_INET socket (the syscall filter) in a network namespace without interfaces: not even "
+                      "127.0.0.1",
            "import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), 2)\n    print('CONNECTED')\n"
            "except OSError:\n    pass\nprint('DONE')", _absent("CONNECTED")),
     Attack("environment", "a clean environment: the trainer's variables are not inherited",
            "import os\nprint('{env_secret}' in repr(dict(os.environ)) and 'LEAKED')\nprint('DONE')",
            _absent("LEAKED"), modes=ALL_MODES),
-    Attack("fork_bomb", "RLIMIT_NPROC of a dedicated uid and a pid namespace: a fork bomb is cut off and reaped",
+    Attack("fork_bomb", "pids.max of its cgroup, RLIMIT_NPROC of a dedicated uid and a pid namespace: a fork bomb is "
+                        "cut off and reaped",
            "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
            lambda r, ctx: r.timed_out or r.limit_hit == "cpu", modes=ALL_MODES),
     # an 8 GiB mapping that is never touched: refused under RLIMIT_AS, costs no memory when allowed
@@ -262,6 +268,8 @@ ATTACKS: list[Attack] = [
            "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", lambda r, ctx: r.output_truncated,
            modes=ALL_MODES),
 ]
+ATTACKS += [Attack(name, what, code, verdict, **options)
+            for name, what, code, verdict, options in LIMIT_ATTACKS + KERNEL_ATTACKS]
 
 
 @dataclass
@@ -273,11 +281,13 @@ class Verdict:
     detail: str = ""
     result: dict[str, Any] = field(default_factory=dict)
 
+    why_not: str = "isolation=none"      # what the pool lacks when the defence is not promised
+
     @property
     def status(self) -> str:
         if self.contained:
             return "PASS"
-        return "FAIL" if self.required else "NOT CONTAINED (isolation=none)"
+        return "FAIL" if self.required else f"NOT CONTAINED ({self.why_not})"
 
 
 def attack_context(cfg, *, secret_paths: list[str] | None = None, port: int = 9,
@@ -291,25 +301,40 @@ def attack_context(cfg, *, secret_paths: list[str] | None = None, port: int = 9,
     paths = [project, *venv, os.getcwd(), os.path.join(project, "runs")] + list(secret_paths or [])
     paths = [p for p in dict.fromkeys(paths) if p not in ("/", "")]
     secret = os.environ.setdefault("HYBRIDRL_PROBE_SECRET", "hybridrl-probe-" + os.urandom(8).hex())
+    allowed = ["AF_INET", "AF_INET6"] if getattr(cfg, "network", "none") == "allowlist" else []
     return {"secret_paths": paths, "port": port, "env_secret": secret,
-            "memory_mb": cfg.memory_mb, "extra_setuid": list(extra_setuid or [])}
+            "memory_mb": cfg.memory_mb, "max_file_mb": cfg.max_file_mb, "extra_setuid": list(extra_setuid or []),
+            "tmpfs_inodes": getattr(cfg, "tmpfs_inodes", 8192), "allowed_families": allowed}
 
 
 async def run_attack(pool, attack: Attack, ctx: dict, *, timeout_s: float = 60.0) -> Verdict:
-    """Run one attack through `pool` (started); the verdict says whether the sandbox contained it."""
-    if attack.before is not None:
-        await pool.run(attack.before.format(**ctx), timeout_s=timeout_s)
+    """Run one attack through `pool` (started); the verdict says whether the sandbox contained it.
+    An attack with `rounds` runs its (before, attack) pair that many times (one per pool slot: a
+    state left under one slot's uid must not reach any later call) and is contained only if every
+    round is."""
+    rounds = attack.rounds if isinstance(attack.rounds, int) else pool.cfg.pool_size + pool.cfg.warm + 1
     # the flooding and looping attacks stop at a limit; others must reach their end well within
     timeout = 3.0 if attack.name == "fork_bomb" else timeout_s
-    r = await pool.run(attack.code.format(**ctx), timeout_s=timeout)
-    required = pool.mode in attack.modes and not (attack.root_only and not pool.uids)
-    try:
-        contained = bool(attack.contained(r, ctx))
-    except (ValueError, IndexError, KeyError):
-        contained = False
+    contained, r = True, None
+    for _ in range(rounds):
+        if attack.before is not None:
+            await pool.run(attack.before.format(**ctx), timeout_s=timeout_s)
+        r = await pool.run(attack.code.format(**ctx), timeout_s=timeout)
+        try:
+            contained = bool(attack.contained(r, ctx))
+        except (ValueError, IndexError, KeyError):
+            contained = False
+        if not contained:
+            break
+    has_cgroup = getattr(pool, "memory_limit", "rlimit") != "rlimit"
+    why_not = "isolation=none" if pool.mode not in attack.modes else (
+        "no memory cgroup" if attack.needs_cgroup and not has_cgroup else "not root")
+    required = (pool.mode in attack.modes and not (attack.root_only and not pool.uids)
+                and not (attack.needs_cgroup and not has_cgroup))
     detail = (r.stdout.strip().splitlines() or [""])[-3:]
     return Verdict(attack.name, attack.what, contained, required, " | ".join(detail)[-300:] or r.stderr[-300:],
-                   {"limit": r.limit_hit, "exit_code": r.exit_code, "stderr": r.stderr[-300:]})
+                   {"limit": r.limit_hit, "exit_code": r.exit_code, "stderr": r.stderr[-300:],
+                    "setup_error": r.setup_error}, why_not=why_not)
 
 
 async def run_attacks(pool, ctx: dict, names: list[str] | None = None) -> list[Verdict]:
@@ -317,12 +342,17 @@ async def run_attacks(pool, ctx: dict, names: list[str] | None = None) -> list[V
     return [await run_attack(pool, a, ctx) for a in chosen]
 
 
-def run_attack_set(cfg, ctx: dict | None = None, names: list[str] | None = None) -> tuple[str, list[Verdict]]:
-    """(isolation, verdicts) for a fresh pool built from `cfg` (a ToolsConfig)."""
+def run_attack_set(cfg, ctx: dict | None = None, names: list[str] | None = None, *,
+                   with_limits: bool = False) -> tuple:
+    """(isolation, verdicts) for a fresh pool built from `cfg` (a ToolsConfig); with `with_limits`
+    also {"memory_limit": cgroup2 | cgroup1 | rlimit, "cgroup_problem": why not a cgroup}."""
     from hybridrl.agent.sandbox.pool import SandboxPool
 
     async def go():
         async with SandboxPool(cfg) as pool:
-            return pool.mode, await run_attacks(pool, ctx or attack_context(cfg), names)
+            limits = {"memory_limit": getattr(pool, "memory_limit", "rlimit"),
+                      "cgroup_problem": getattr(pool, "cgroup_problem", "")}
+            return pool.mode, await run_attacks(pool, ctx or attack_context(cfg), names), limits
 
-    return asyncio.run(go())
+    mode, verdicts, limits = asyncio.run(go())
+    return (mode, verdicts, limits) if with_limits else (mode, verdicts)

@@ -7,18 +7,28 @@ Process tree (mode "root" or "userns"):
      │          directory (so nothing is left even if the parent died)
      └ pid1     pid 1 of a new pid namespace; unshare(mount, net, ipc, uts); private mounts,
         │       then forks the tool and reaps; when it exits the kernel kills everything left
-        │       in the namespace
-        └ tool  rlimits, own uid (root mode), no capabilities, clean env, cwd = private tmpfs;
+        │       in the namespace. Every signal at its default: the kernel drops those that come
+        │       from inside the namespace, so the tool cannot stop it from reporting its end
+        └ tool  joins the sandbox's cgroup (memory, pids) and a cgroup namespace of its own;
+                rlimits, own uid (root mode), no capabilities, clean env, cwd = private tmpfs;
+                the syscall filter (compiled by libseccomp in the pool, `seccomp.py`) last;
                 execs the runner
+
+Boot itself is started as `python -I -S /dev/fd/N`: no host path is in any command line the tool
+can read.
 
 Mounts inside (never visible outside; `setup_mounts`): a fresh tmpfs root holding only the
 allow-listed `visible` paths and the interpreter (`expose`), read-only, nosuid, nodev; `hidden`
 directories under them covered by an empty tmpfs; a minimal /dev; the pid namespace's /proc with
 /proc/sys read-only; the tool's working directory /tmp, a size-limited tmpfs owned by its uid.
 pid 1 `pivot_root`s into it and detaches the host's root. The tool runs with no capabilities,
-no_new_privs, fresh keyrings and no SysV IPC (`drop_privileges`, `limit_ipc`).
-The network namespace has only a loopback device that is down: no connection can be made,
-not even to 127.0.0.1.
+no_new_privs, fresh keyrings (the uid's persistent keyring emptied) and no SysV IPC
+(`drop_privileges`, `limit_ipc`); /proc/loadavg shows a neutral load and a few /proc files that
+describe the host are empty (`mask_proc`).
+The network namespace has only a loopback device, down: no connection can be made, not even to
+127.0.0.1. With egress (`network: allowlist`) pid 1 brings loopback up, listens on 127.0.0.1:PROXY_PORT
+and hands the listening socket to the pool (SCM_RIGHTS over `egress_fd`): the pool's proxy, outside,
+accepts the tool's connections there and decides each CONNECT (`egress.py`).
 
 Mode "none" (the OS refused namespaces): boot forks the tool directly and is its child
 subreaper, so every process the tool leaves behind (even one that called setsid) becomes
@@ -90,13 +100,20 @@ def _under(path, roots):
 
 
 # syscalls glibc has no wrapper for, by machine
-_SYSCALLS = {"x86_64": {"pivot_root": 155, "keyctl": 250},
-             "aarch64": {"pivot_root": 41, "keyctl": 219}}
+_SYSCALLS = {"x86_64": {"pivot_root": 155, "keyctl": 250, "seccomp": 317},
+             "aarch64": {"pivot_root": 41, "keyctl": 219, "seccomp": 277}}
 MNT_DETACH = 2
 PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 24, 47, 4
 PR_SET_DUMPABLE = 4
-KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR = 1, 7
-KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = -4, -5
+SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_SPEC_ALLOW = 1, 1 << 2
+CLONE_NEWCGROUP = 0x02000000
+KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR, KEYCTL_UNLINK, KEYCTL_GET_PERSISTENT = 1, 7, 9, 22
+KEY_SPEC_SESSION_KEYRING, KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = -3, -4, -5
+PROXY_PORT = 3128
+# /proc files that describe the host to anyone: a neutral load (its thread count and load are the
+# host's) and no per-uid key quotas (which uids exist). (keys, timer_list, sched_debug show only the
+# reader's own keys or are root-only; cpuinfo, meminfo, stat are left: programs size themselves by them.)
+PROC_MASKS = {"loadavg": "0.00 0.00 0.00 1/1 1\n", "key-users": ""}
 # SysV IPC inside the sandbox's own IPC namespace: no shared memory segments, message queues or
 # semaphore sets at all (their memory is not counted by RLIMIT_AS)
 IPC_LIMITS = {"kernel/shmall": "0", "kernel/shmmni": "0", "kernel/msgmni": "0", "kernel/sem": "0 0 0 0"}
@@ -170,9 +187,12 @@ def setup_mounts(spec):
     workdir = root + spec["workdir"]
     os.makedirs(workdir, 0o755, exist_ok=True)
     owner = f",uid={spec['uid']},gid={spec['gid']}" if spec["uid"] >= 0 and spec["mode"] != "userns" else ""
-    mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['tmpfs_bytes']},mode=700{owner}")
+    # nr_inodes: empty files cost kernel memory that `size` does not count
+    mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV,
+          f"size={spec['tmpfs_bytes']},nr_inodes={spec['tmpfs_inodes']},mode=700{owner}")
     os.makedirs(root + "/proc", 0o555, exist_ok=True)
     mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    mask_proc(root)
     limit_ipc(root + "/proc/sys/")
     # /proc/sys read-only: in a user namespace, uid 0 (even without capabilities) may write the
     # sysctls of its own IPC namespace
@@ -189,6 +209,24 @@ def setup_mounts(spec):
     _check(_libc.umount2(b".", MNT_DETACH), "umount2 of the host's root")
     os.chdir("/")
     mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def mask_proc(root):
+    """Cover the `PROC_MASKS` files of the sandbox's /proc with files of ours (made in the staging
+    root, then unlinked: only the mounts keep them). They are the tool's own: writing them changes
+    nothing but its own view, so they are not remounted read-only (two mount calls fewer each)."""
+    staging = root + "/.proc-masks"
+    os.mkdir(staging, 0o755)
+    for name, text in PROC_MASKS.items():
+        target = root + "/proc/" + name
+        if not os.path.exists(target):
+            continue
+        source = f"{staging}/{name}"
+        with open(source, "w") as f:
+            f.write(text)
+        mount(source, target, None, MS_BIND)
+        os.unlink(source)
+    os.rmdir(staging)
 
 
 def limit_ipc(sysctl_dir):
@@ -217,22 +255,67 @@ def drop_privileges(spec):
 
 
 def _fresh_keyrings(spec):
-    """A new session keyring; the uid's user keyrings emptied when the uid is the sandbox's own (a
-    dedicated uid, or uid 0 of a fresh user namespace): what one call stored, the next cannot read."""
+    """A new session keyring; the uid's user keyrings and its persistent keyring (which the kernel
+    keeps for days) emptied when the uid is the sandbox's own (a dedicated uid, or uid 0 of a fresh
+    user namespace): what one call stored, the next cannot read. (The syscall filter then refuses
+    keyctl altogether.)"""
     try:
         _syscall("keyctl", ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), ctypes.c_void_p(None))
         if spec["uid"] >= 0 or spec["mode"] == "userns":
             for ring in (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING):
                 _syscall("keyctl", ctypes.c_long(KEYCTL_CLEAR), ctypes.c_long(ring))
+            try:
+                ring = _syscall("keyctl", ctypes.c_long(KEYCTL_GET_PERSISTENT), ctypes.c_long(-1),
+                                ctypes.c_long(KEY_SPEC_SESSION_KEYRING))
+            except OSError as err:
+                if err.errno not in (95, 38):    # EOPNOTSUPP / ENOSYS: no persistent keyrings here
+                    raise
+            else:
+                _syscall("keyctl", ctypes.c_long(KEYCTL_CLEAR), ctypes.c_long(ring))
+                _syscall("keyctl", ctypes.c_long(KEYCTL_UNLINK), ctypes.c_long(ring),
+                         ctypes.c_long(KEY_SPEC_SESSION_KEYRING))
     except OSError as err:
         if err.errno not in (38, 1):             # ENOSYS / EPERM: no keyrings for anyone here
             raise
 
 
-def exec_tool(spec, status_fd):
-    """In the tool process: limits, identity, environment, exec. Never returns."""
+def join_cgroup(spec, cgroup_fds):
+    """Move this process (and so every process it starts) into the sandbox's cgroups, through files
+    pid 1 opened before leaving the host's filesystem; then a cgroup namespace of its own, so
+    /proc/self/cgroup names no host cgroup."""
+    for fd in cgroup_fds:
+        os.write(fd, b"0")                       # "0": the writing process
+        os.close(fd)
+    if _libc.unshare(CLONE_NEWCGROUP) != 0 and spec["mode"] != "none":
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWCGROUP): {os.strerror(err)}")
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def install_filter(program):
+    """Load the syscall filter (a BPF program exported by libseccomp in the pool) for this process
+    and everything it execs or forks; needs no_new_privs. SPEC_ALLOW, as container runtimes do:
+    the kernel's default speculative-execution mitigations for filtered processes protect a process
+    from code it runs itself, and all of this process is the untrusted tool."""
+    if not program:
+        return
+    code = ctypes.create_string_buffer(program, len(program))
+    prog = _SockFprog(len(program) // 8, ctypes.addressof(code))
+    _syscall("seccomp", ctypes.c_long(SECCOMP_SET_MODE_FILTER), ctypes.c_long(SECCOMP_FILTER_FLAG_SPEC_ALLOW),
+             ctypes.c_void_p(ctypes.addressof(prog)))
+
+
+def exec_tool(spec, status_fd, cgroup_fds=None):
+    """In the tool process: cgroup, limits, identity, environment, syscall filter, exec. Never returns.
+    `cgroup_fds`: the sandbox cgroups' cgroup.procs, opened by pid 1 (None: opened here, mode none)."""
     try:
         os.close(status_fd)
+        if cgroup_fds is None:
+            cgroup_fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in spec["cgroup_procs"]]
+        join_cgroup(spec, cgroup_fds)
         limits = spec["limits"]
         for res, value in ((resource.RLIMIT_AS, limits["as_bytes"]), (resource.RLIMIT_NOFILE,
                                                                       limits["nofile"]),
@@ -247,6 +330,7 @@ def exec_tool(spec, status_fd):
             os.setsid()
         os.chdir(spec["workdir"])
         os.umask(0o077)
+        install_filter(bytes.fromhex(spec["seccomp_bpf"]))
         os.execve(spec["argv"][0], spec["argv"], spec["env"])
     except BaseException as err:  # noqa: BLE001 - report anything, then die
         os.write(2, f"sandbox: cannot start the tool: {err}\n".encode())
@@ -263,12 +347,46 @@ def _emit(fd, event):
     os.write(fd, (json.dumps(event) + "\n").encode())
 
 
+def default_signals():
+    """Every signal at its default disposition (Python installs handlers for SIGINT and ignores
+    SIGPIPE and SIGXFSZ): the kernel drops any signal without a handler that another process of
+    the namespace sends to its pid 1, SIGKILL and SIGSTOP included."""
+    for sig in signal.valid_signals():
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            try:
+                signal.signal(sig, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass
+
+
+def open_egress(spec):
+    """Loopback up in the sandbox's network namespace, a listener on 127.0.0.1:PROXY_PORT, handed
+    to the pool's proxy over `egress_fd`; nothing else is reachable from inside."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifreq = struct.pack("16sH14x", b"lo", 0x1 | 0x8)                  # IFF_UP | IFF_LOOPBACK
+        fcntl.ioctl(s.fileno(), 0x8914, ifreq)                            # SIOCSIFFLAGS
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", PROXY_PORT))
+    listener.listen(64)
+    with socket.socket(fileno=spec["egress_fd"]) as channel:
+        socket.send_fds(channel, [b"L"], [listener.fileno()])
+    listener.close()
+
+
 def run_pid1(spec, status_fd):
-    """pid 1 of the namespace: mounts, fork the tool, reap until it exits."""
+    """pid 1 of the namespace: mounts, fork the tool, reap until it exits, report how it ended."""
+    default_signals()
     try:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)      # the tool cannot ptrace or read pid 1
         _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
+        if spec.get("egress_fd") is not None:
+            open_egress(spec)
+        cgroup_fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in spec["cgroup_procs"]]
         setup_mounts(spec)
     except BaseException as err:  # noqa: BLE001
         _emit(status_fd, {"event": "setup_error", "error": f"{type(err).__name__}: {err}"})
@@ -276,14 +394,23 @@ def run_pid1(spec, status_fd):
     _emit(status_fd, {"event": "ready", "mode": spec["mode"]})
     tool = os.fork()
     if tool == 0:
-        exec_tool(spec, status_fd)
-    while True:
-        pid, status, usage = os.wait4(-1, 0)
-        if pid == tool:
-            event = _exit_event(status)
-            event["cpu_s"] = usage.ru_utime + usage.ru_stime      # measured here, not by the tool
-            _emit(status_fd, event)
-            os._exit(0)
+        exec_tool(spec, status_fd, cgroup_fds)
+    for fd in cgroup_fds:
+        os.close(fd)
+    event = {"event": "exit", "code": None, "signal": None, "cpu_s": None}
+    try:
+        while True:
+            pid, status, usage = os.wait4(-1, 0)
+            if pid == tool:
+                event = _exit_event(status)
+                event["cpu_s"] = usage.ru_utime + usage.ru_stime      # measured here, not by the tool
+                break
+    except BaseException as err:  # noqa: BLE001 - whatever happened, the pool hears how it ended
+        event["error"] = f"pid 1: {type(err).__name__}: {err}"
+    try:
+        _emit(status_fd, event)
+    finally:
+        os._exit(0)
 
 
 def _map_user(uid, gid):
@@ -388,6 +515,8 @@ def main():
             return 125
         if _fork_child() == 0:
             run_pid1(spec, status_fd)
+        if spec.get("egress_fd") is not None:
+            os.close(spec["egress_fd"])        # pid 1 hands its listener to the pool through it
         _, status = os.waitpid(_child, 0)
         _child = 0
         return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)

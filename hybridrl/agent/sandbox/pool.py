@@ -2,11 +2,21 @@
 
 - Isolation is probed once at `start()`: "root" (namespaces + a dedicated uid per slot) when
   running as root, which otherwise refuses to start (`SandboxUnavailable`, naming why; never a
-  weaker mode unless isolation=none is configured); for other users "userns" (namespaces inside
-  a user namespace), or "none" (the OS refused namespaces: rlimits, clean environment, private
-  directory and process-group kill only; no network or filesystem isolation), logged as a warning
-  (`require_isolation` turns it into an error). The mode is in `stats()["isolation"]` and in every
+  weaker mode; isolation=none as root only with `tools.force_isolation_none`, and never with uid
+  0 tools); for other users "userns" (namespaces inside a user namespace), or "none" (the OS
+  refused namespaces: rlimits, clean environment, private directory, the syscall filter and
+  process-group kill only; no filesystem isolation), logged as a warning (`require_isolation`
+  turns it into an error). The mode is in `stats()["isolation"]` and in every
   `SandboxResult.isolation`.
+- Memory: a cgroup per sandbox (`cgroups.py`) where this host lets the pool write one, else
+  rlimits per process only, said in `stats()["memory_limit"]` (cgroup2 | cgroup1 | rlimit) and a
+  warning (`require_isolation` refuses to start without one).
+- The syscall filter (`seccomp.py`) is compiled here once and installed by every tool; a machine
+  it cannot filter is refused.
+- Egress (`tools.network=allowlist`): the pool's proxy (`egress.py`) serves each sandbox's
+  listener; everything is logged to the run's audit log (`hybridrl/telemetry/audit.py`).
+- The kill switch (`kill(reason)`, any thread): every sandbox is SIGKILLed at once, every call in
+  flight and every later one returns `killed`.
 - Fork bombs: RLIMIT_NPROC does not bind root, so as root each sandbox runs under its own
   uid (leased from `uid_base` up, exclusive across processes of the host: `uids.py`), where
   RLIMIT_NPROC does bind, inside its own pid namespace, whose
@@ -28,8 +38,12 @@ import tempfile
 from typing import Any
 
 from hybridrl.agent.config import ToolsConfig
+from hybridrl.agent.sandbox import cgroups, seccomp
+from hybridrl.agent.sandbox.egress import PROXY_PORT, EgressProxy
 from hybridrl.agent.sandbox.process import RUNNER, SandboxProcess, SandboxResult
 from hybridrl.agent.sandbox.uids import UidLease
+from hybridrl.agent.tools.base import TOOL_CALL
+from hybridrl.telemetry import audit as audit_log
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +66,16 @@ def tool_interpreter(cfg: ToolsConfig) -> tuple[str, list[str]]:
 class SandboxPool:
     """`async with SandboxPool(cfg) as pool: result = await pool.run(code)`."""
 
-    def __init__(self, cfg: ToolsConfig):
+    def __init__(self, cfg: ToolsConfig, *, audit: audit_log.AuditLog | None = None):
         self.cfg = cfg
         self.python, self.expose = tool_interpreter(cfg)
+        self.audit = audit if audit is not None else audit_log.open_log(cfg.audit_log)
         self.mode: str | None = None
+        self.cgroups: cgroups.PoolCgroups | None = None
+        self.cgroup_problem = ""
+        self._filter: bytes | None = None
+        self.proxy = EgressProxy(cfg.allowed_destinations, self.audit) if cfg.network == "allowlist" else None
+        self.killed: str | None = None
         self._none_drops_uid = os.geteuid() == 0     # isolation=none as root: still a uid per slot
         self._uids: UidLease | None = None           # leased at start when running as root
         self._slots = asyncio.Semaphore(cfg.pool_size)
@@ -66,7 +86,7 @@ class SandboxPool:
         self._refill: asyncio.Task | None = None
         self._closed = False
         self._stats = {"runs": 0, "ok": 0, "timeouts": 0, "output_truncated": 0, "setup_errors": 0,
-                       "warm_hits": 0, "cold_starts": 0, "wall_s": 0.0}
+                       "memory_limit_hits": 0, "killed": 0, "warm_hits": 0, "cold_starts": 0, "wall_s": 0.0}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -75,10 +95,66 @@ class SandboxPool:
         self._closed = False
         if self._uids is None and os.geteuid() == 0:
             self._uids = UidLease(self.cfg.pool_size + self.cfg.warm, self.cfg.uid_base)
-        if self.mode is None:
-            self.mode = await self._probe()
+        fresh = False
+        try:
+            if self.mode is not None and self._filter is None:     # closed and started again: new cgroups
+                self._prepare()
+            if self.mode is None:
+                self._prepare()
+                self.mode = await self._probe()
+                self._check_mode()
+                fresh = True
+        except BaseException:                      # refused: nothing of this pool is left behind
+            self.mode = None
+            if self.cgroups is not None:
+                self.cgroups.close()
+                self.cgroups = None
+            if self._uids is not None:
+                self._uids.release()
+                self._uids = None
+            raise
+        if fresh:
+            if self.audit is not None:
+                self.audit.append("sandbox_pool", isolation=self.mode, memory_limit=self.memory_limit,
+                                  cgroup_problem=self.cgroup_problem or None, uids=self.uids,
+                                  seccomp=seccomp.describe(self._filter), network=self.cfg.network,
+                                  allowed_destinations=sorted(self.proxy.allowed) if self.proxy else [],
+                                  memory_mb=self.cfg.memory_mb, max_processes=self.cfg.max_processes)
             self._schedule_refill()
         return self
+
+    @property
+    def memory_limit(self) -> str:
+        """What bounds a sandbox's memory: its cgroup (cgroup2 | cgroup1), or rlimits per process."""
+        return self.cgroups.kind if self.cgroups is not None else "rlimit"
+
+    def _prepare(self) -> None:
+        """Once per pool: the syscall filter (refused where it cannot be built) and the cgroups."""
+        cfg = self.cfg
+        if cfg.isolation == "none" and self._as_root() and not cfg.force_isolation_none:
+            raise SandboxUnavailable(
+                "tool sandbox: tools.isolation=none while running as root gives tools the host's filesystem with "
+                "only a dedicated uid between them and it; remove tools.isolation=none (isolation=root is what "
+                "root gets), or set tools.force_isolation_none=true to accept that")
+        self.cgroups, self.cgroup_problem = cgroups.probe(cfg.cgroup_parent, cfg.memory_mb << 20, cfg.max_processes)
+        try:
+            self._filter = seccomp.compile_filter(inet=cfg.network == "allowlist", memfd=self.cgroups is not None)
+        except seccomp.FilterUnavailable as err:
+            raise SandboxUnavailable(f"tool sandbox: {err}") from err
+        if self.cgroups is None:
+            if cfg.require_isolation:
+                raise SandboxUnavailable(f"tool sandbox: no cgroup for the sandboxes' memory and processes "
+                                         f"(tools.require_isolation): {self.cgroup_problem}")
+            log.warning("tool sandbox: no cgroup can be made here (%s): memory and process limits are per process "
+                        "(rlimits), so the processes of one sandbox can together hold %d x tools.memory_mb; set "
+                        "tools.cgroup_parent to a delegated cgroup, or run as root", self.cgroup_problem,
+                        cfg.max_processes)
+
+    def _check_mode(self) -> None:
+        if self.proxy is not None and self.mode == "none":
+            raise SandboxUnavailable("tool sandbox: tools.network=allowlist needs namespace isolation (the proxy is the "
+                                     "only way out of a network namespace); with isolation=none the tool would "
+                                     "have the host's network")
 
     def _bind_loop(self) -> None:
         """A pool outlives event loops (e.g. one `asyncio.run` per training step): sandboxes
@@ -108,6 +184,10 @@ class SandboxPool:
         if self._uids is not None:
             self._uids.release()
             self._uids = None
+        if self.cgroups is not None:
+            self.cgroups.close()
+            self.cgroups = None
+        self._filter = None                        # a restarted pool makes its cgroups (and filter) again
 
     async def __aenter__(self) -> "SandboxPool":
         return await self.start()
@@ -117,16 +197,43 @@ class SandboxPool:
 
     def stats(self) -> dict[str, Any]:
         runs = self._stats["runs"]
-        return {"isolation": self.mode, **self._stats,
-                "mean_wall_s": self._stats["wall_s"] / runs if runs else 0.0}
+        out = {"isolation": self.mode, "memory_limit": self.memory_limit, "network": self.cfg.network,
+               **self._stats, "mean_wall_s": self._stats["wall_s"] / runs if runs else 0.0}
+        if self.proxy is not None:
+            out["egress"] = dict(self.proxy.counts)
+        return out
+
+    # ------------------------------------------------------------------ the kill switch
+
+    def kill(self, reason: str) -> None:
+        """Stop every tool call now and refuse later ones (safe from any thread: the kill switch's
+        watcher). Calls in flight return `SandboxResult.killed`; the pool stays closed to new calls."""
+        if self.killed is not None:
+            return
+        self.killed = reason
+        for _ in range(3):
+            try:
+                live = list(self._live)
+                break
+            except RuntimeError:                  # changed size during the copy: once more
+                continue
+        for sbx in live:
+            sbx.hard_kill(reason)
+        if self.audit is not None:
+            self.audit.append("kill_switch", reason=reason, sandboxes_killed=len(live))
 
     # ------------------------------------------------------------------ running code
 
     async def run(self, code: str, *, timeout_s: float | None = None) -> SandboxResult:
         """Run `code` as a Python program in a fresh sandbox; never raises for what the code does."""
+        if self.killed is not None:
+            return self._refused()
         await self.start()
         timeout = self.cfg.timeout_s if timeout_s is None else timeout_s
+        call = TOOL_CALL.get() or {}
         async with self._slots:
+            if self.killed is not None:
+                return self._refused()
             sbx = self._warm.pop(0) if self._warm else None
             if sbx is not None and not sbx.alive:                      # died while waiting
                 await self._release(sbx)
@@ -134,13 +241,24 @@ class SandboxPool:
             self._stats["warm_hits" if sbx else "cold_starts"] += 1
             if sbx is None:
                 sbx = await self._spawn(self.mode)
+            if self.killed is not None:                                # tripped while it started
+                sbx.hard_kill(self.killed)
             self._schedule_refill()
             try:
-                result = await sbx.execute(code, timeout)
+                result = await sbx.execute(code, timeout, proxy=self.proxy, call=call)
             finally:
                 await self._release(sbx)
         self._account(result)
+        if self.audit is not None:
+            self.audit.append("sandbox_call", episode=call.get("episode"), call=call.get("call"),
+                              isolation=result.isolation, uid=sbx.uid, exit_code=result.exit_code,
+                              signal=result.signal, limit=result.limit_hit, oom_kills=result.oom_kills,
+                              killed=result.killed, setup_error=result.setup_error, wall_s=round(result.wall_s, 4))
         return result
+
+    def _refused(self) -> SandboxResult:
+        self._stats["killed"] += 1
+        return SandboxResult("", "", None, signal=None, isolation=self.mode or "none", killed=self.killed)
 
     def _account(self, r: SandboxResult) -> None:
         s = self._stats
@@ -149,6 +267,8 @@ class SandboxPool:
         s["timeouts"] += r.timed_out
         s["output_truncated"] += r.output_truncated
         s["setup_errors"] += r.setup_error is not None
+        s["memory_limit_hits"] += r.limit_hit == "memory"
+        s["killed"] += r.killed is not None
         s["wall_s"] += r.wall_s
 
     # ------------------------------------------------------------------ sandboxes
@@ -176,25 +296,37 @@ class SandboxPool:
             os.chown(workdir, uid, uid)
         c = self.cfg
         spec_workdir = workdir if mode == "none" else SANDBOX_WORKDIR
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": spec_workdir, "TMPDIR": spec_workdir,
+               "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
+               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+        if self.proxy is not None:
+            proxy = f"http://127.0.0.1:{PROXY_PORT}"
+            env.update({name: proxy for name in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy",
+                                                 "http_proxy", "all_proxy")})
+        cgroup = self.cgroups.create() if self.cgroups is not None else None
         spec = {
             "mode": mode, "uid": uid, "gid": uid,
             "limits": {"cpu_s": c.cpu_s, "as_bytes": c.memory_mb << 20, "nproc": c.max_processes,
                        "nofile": c.max_open_files, "fsize_bytes": c.max_file_mb << 20},
             "visible": list(c.visible_paths), "hidden": list(c.hidden_paths), "expose": self.expose,
             "stage_dir": host_dir, "workdir": spec_workdir,
-            "tmpfs_bytes": c.tmpfs_mb << 20,
+            "tmpfs_bytes": c.tmpfs_mb << 20, "tmpfs_inodes": c.tmpfs_inodes,
+            "cgroup_procs": cgroup.procs if cgroup is not None else [],
+            "seccomp_bpf": self._filter.hex(),
             "argv": [self.python, "-I", "-S", "-c", RUNNER],
-            "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": spec_workdir, "TMPDIR": spec_workdir,
-                    "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
-                    "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"},
+            "env": env,
         }
         try:
-            sbx = await SandboxProcess.spawn(self.python, spec, max_output_bytes=c.max_output_bytes)
+            sbx = await SandboxProcess.spawn(self.python, spec, max_output_bytes=c.max_output_bytes,
+                                             egress=self.proxy is not None and mode != "none")
         except BaseException:
             os.rmdir(workdir)
             os.rmdir(host_dir)
             self._free_ids.append(slot)
+            if cgroup is not None:
+                self.cgroups.release(cgroup)
             raise
+        sbx.cgroup = cgroup
         self._live[sbx] = slot
         return sbx
 
@@ -206,14 +338,17 @@ class SandboxPool:
             await sbx.close()
         finally:
             self._free_ids.append(slot)
+            if sbx.cgroup is not None and self.cgroups is not None:
+                self.cgroups.release(sbx.cgroup)
 
     def _schedule_refill(self) -> None:
-        if self._closed or self.cfg.warm == 0 or (self._refill is not None and not self._refill.done()):
+        if (self._closed or self.killed is not None or self.cfg.warm == 0
+                or (self._refill is not None and not self._refill.done())):
             return
         self._refill = asyncio.ensure_future(self._fill_warm())
 
     async def _fill_warm(self) -> None:
-        while not self._closed and len(self._warm) < self.cfg.warm and self._free_ids:
+        while not self._closed and self.killed is None and len(self._warm) < self.cfg.warm and self._free_ids:
             try:
                 self._warm.append(await self._spawn(self.mode))
             except OSError as err:                 # out of processes / fds: try later, on demand
@@ -252,11 +387,10 @@ class SandboxPool:
                         "rlimits, clean environment and private directory only, NO network or filesystem "
                         "isolation", problem)
         if self._none_drops_uid and (problem := await self._try("none")) is not None:
-            self._none_drops_uid = False
-            log.warning("tool sandbox: isolation=none cannot run %s as an unprivileged uid (%s); tools run "
-                        "as root: RLIMIT_NPROC does not bind; only the wall-clock limit and the end-of-run sweep "
-                        "stop a fork bomb",
-                        self.python, problem)
+            raise SandboxUnavailable(
+                f"tool sandbox: isolation=none as root runs each tool as a dedicated uid, and {self.python} cannot "
+                f"run as one ({problem}); tools never run as uid 0: make the interpreter readable by other users or "
+                f"set tools.python to a system interpreter")
         return "none"
 
     async def _try(self, mode: str) -> str | None:

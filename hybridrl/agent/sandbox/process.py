@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -53,25 +54,31 @@ class SandboxResult:
     isolation: str = "none"
     cpu_s: float | None = None         # the tool's CPU time, measured by its (trusted) parent
     cpu_limit_s: float | None = None   # its RLIMIT_CPU
+    oom_kills: int = 0                 # OOM kills in the sandbox's memory cgroup (its own counter / events)
+    killed: str | None = None          # stopped by the kill switch (why): not the tool's doing
 
     @property
     def ok(self) -> bool:
         return (self.setup_error is None and not self.timed_out and not self.output_truncated
-                and self.exit_code == 0)
+                and self.killed is None and not self.oom_kills and self.exit_code == 0)
 
     @property
     def limit_hit(self) -> str | None:
         """Which limit stopped the tool, decided only from what the trusted side observed (its own
-        timers, the output budget, the exit signal and the CPU time measured by the tool's parent),
-        never from the tool's output, which the tool controls: wall_clock | output | cpu | file_size.
+        timers, the output budget, the exit signal, the CPU time measured by the tool's parent and the
+        memory cgroup's OOM counter), never from the tool's output, which the tool controls:
+        wall_clock | output | memory | cpu | file_size.
 
         Running out of address space (RLIMIT_AS) is an allocation failure inside the tool (Python's
         MemoryError): the tool sees and may print it, but nothing outside the tool can tell it from a
-        program that prints the same text, so it is not reported as a limit here."""
+        program that prints the same text, so it is not reported as a limit here. Reaching the
+        sandbox's memory cgroup limit is: the kernel kills, and counts the kill in the cgroup."""
         if self.timed_out:
             return "wall_clock"
         if self.output_truncated:
             return "output"
+        if self.oom_kills:                 # any process of the sandbox: the sandbox hit its limit
+            return "memory"
         if (self.signal in (signal.SIGXCPU, signal.SIGKILL) and self.cpu_s is not None
                 and self.cpu_limit_s is not None and self.cpu_s >= 0.9 * self.cpu_limit_s):
             return "cpu"
@@ -118,38 +125,54 @@ class SandboxProcess:
     """Spawned by `spawn`, used once by `execute`, always ended by `close`."""
 
     def __init__(self, popen: subprocess.Popen, mode: str, host_dir: str, uid: int,
-                 pipes: dict[str, Any], stdin: asyncio.WriteTransport):
+                 pipes: dict[str, Any], stdin: asyncio.WriteTransport, egress: socket.socket | None = None):
         self.popen, self.mode, self.host_dir, self.uid = popen, mode, host_dir, uid
         self.pipes = pipes                      # name -> (transport, _Capture)
         self.stdin = stdin
         self.budget: _Budget = pipes["stdout"][1].budget
         self.cpu_limit_s: float | None = None
+        self.cgroup: Any = None                 # its SandboxCgroup (cgroups.py), set by the pool
+        self.egress = egress                    # where pid 1 hands over its proxy listener
+        self.killed: str | None = None
+        self._servers: list[Any] = []           # egress.Serving of this call
+        self._ooms = 0                          # OOM events of its cgroup (v1) the pool acted on
 
     @classmethod
-    async def spawn(cls, python: str, spec: dict[str, Any], *, max_output_bytes: int) -> "SandboxProcess":
-        """Start boot with `spec` (its "status_fd" is filled in here); the tool then waits for code."""
+    async def spawn(cls, python: str, spec: dict[str, Any], *, max_output_bytes: int,
+                    egress: bool = False) -> "SandboxProcess":
+        """Start boot with `spec` (its "status_fd" is filled in here); the tool then waits for code.
+        Boot runs from an open file (`/dev/fd/N`), so no host path is in its command line."""
         loop = asyncio.get_running_loop()
         status_r, status_w = os.pipe()
         spec_r, spec_w = os.pipe()
+        boot_fd = os.open(BOOT, os.O_RDONLY)
+        ours, theirs = socket.socketpair() if egress else (None, None)
+        fds = [status_w, spec_r, boot_fd] + ([theirs.fileno()] if theirs else [])
         try:
             # the spec goes over a pipe (it fits in the pipe's buffer), not argv: nothing in the
             # sandbox can read it from /proc/*/cmdline
-            data = json.dumps({**spec, "status_fd": status_w}).encode()
+            data = json.dumps({**spec, "status_fd": status_w,
+                               "egress_fd": theirs.fileno() if theirs else None}).encode()
             if len(data) > 60000:
                 raise ValueError(f"sandbox spec of {len(data)} bytes is too large for a pipe")
             os.write(spec_w, data)
             os.close(spec_w)
             spec_w = -1
             popen = subprocess.Popen(
-                [python, "-I", "-S", BOOT, str(spec_r)],
+                [python, "-I", "-S", f"/dev/fd/{boot_fd}", str(spec_r)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env={"PATH": "/usr/bin:/bin"}, cwd="/", pass_fds=(status_w, spec_r), start_new_session=True)
+                env={"PATH": "/usr/bin:/bin"}, cwd="/", pass_fds=fds, start_new_session=True)
         except BaseException:
             os.close(status_r)
+            if ours is not None:
+                ours.close()
             raise
         finally:
             os.close(status_w)                  # only the sandbox holds the write end now
             os.close(spec_r)
+            os.close(boot_fd)
+            if theirs is not None:
+                theirs.close()
             if spec_w >= 0:
                 os.close(spec_w)
         budget = _Budget(max_output_bytes)
@@ -166,10 +189,12 @@ class SandboxProcess:
             for transport, _ in pipes.values():
                 transport.close()
             status.close()
+            if ours is not None:
+                ours.close()
             _end_boot(popen, spec["mode"], spec["uid"])
             shutil.rmtree(spec["stage_dir"], ignore_errors=True)
             raise
-        sbx = cls(popen, spec["mode"], spec["stage_dir"], spec["uid"], pipes, stdin)
+        sbx = cls(popen, spec["mode"], spec["stage_dir"], spec["uid"], pipes, stdin, egress=ours)
         sbx.cpu_limit_s = spec["limits"]["cpu_s"]
         return sbx
 
@@ -177,8 +202,18 @@ class SandboxProcess:
     def alive(self) -> bool:
         return not self.pipes["status"][1].closed.done()
 
-    async def execute(self, code: str, timeout_s: float) -> SandboxResult:
+    async def execute(self, code: str, timeout_s: float, *, proxy: Any = None,
+                      call: dict[str, Any] | None = None) -> SandboxResult:
+        """Run `code`; with `proxy` (an EgressProxy) the tool's connections to pid 1's listener are
+        served by it for this call (`call` names the episode and tool call in its audit records)."""
         started = time.monotonic()
+        if proxy is not None and self.egress is not None:
+            listener = await _receive_listener(self.egress, timeout_s)
+            if listener is not None:
+                self._servers.append(await proxy.serve(listener, call or {}))
+        oom = self.cgroup.oom_events() if self.cgroup is not None else None
+        if oom is not None:                     # cgroup v1: the first OOM ends the whole sandbox
+            asyncio.get_running_loop().add_reader(oom, self._on_oom, oom)
         # a lone surrogate in the code is the program's problem (Python reports it as a SyntaxError
         # the policy sees), not an exception of ours
         self.stdin.write(code.encode("utf-8", "surrogatepass"))
@@ -187,6 +222,9 @@ class SandboxProcess:
         overflow = asyncio.ensure_future(self.budget.overflow.wait())
         await asyncio.wait({ended, overflow}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         overflow.cancel()
+        if oom is not None:
+            asyncio.get_running_loop().remove_reader(oom)
+            os.close(oom)
         timed_out = truncated = False
         if not ended.done():
             truncated = self.budget.overflow.is_set()
@@ -201,9 +239,9 @@ class SandboxProcess:
                 continue
         exit_event = next((e for e in events if e.get("event") == "exit"), None)
         setup = next((e["error"] for e in events if e.get("event") == "setup_error"), None)
-        if exit_event is None and setup is None and not (timed_out or truncated):
+        if exit_event is None and setup is None and not (timed_out or truncated or self.killed):
             setup = f"sandbox ended without a status (boot exit code {self.popen.returncode})"
-        killed = timed_out or truncated
+        killed = timed_out or truncated or self.killed is not None
         return SandboxResult(
             stdout=self.pipes["stdout"][1].buf.decode("utf-8", "replace"),
             stderr=self.pipes["stderr"][1].buf.decode("utf-8", "replace"),
@@ -211,7 +249,33 @@ class SandboxProcess:
             signal=signal.SIGKILL if killed else (exit_event or {}).get("signal"),
             timed_out=timed_out, output_truncated=truncated, setup_error=setup,
             wall_s=time.monotonic() - started, isolation=self.mode,
-            cpu_s=(exit_event or {}).get("cpu_s"), cpu_limit_s=self.cpu_limit_s)
+            cpu_s=(exit_event or {}).get("cpu_s"), cpu_limit_s=self.cpu_limit_s,
+            oom_kills=max(self.cgroup.oom_kills(), self._ooms) if self.cgroup is not None else 0,
+            killed=self.killed)
+
+    def _on_oom(self, fd: int) -> None:
+        try:
+            os.eventfd_read(fd)
+        except OSError:
+            return
+        self._ooms += 1                          # the kernel may not kill anything itself: we do first
+        self.cgroup.kill()
+
+    def hard_kill(self, reason: str) -> None:
+        """The kill switch (any thread): SIGKILL everything of this sandbox now, without waiting for
+        boot to be scheduled: its cgroup, boot's process group (pid 1 dies with boot, PDEATHSIG, and
+        every process of its namespace with pid 1); in mode none boot is asked to reap the tool's
+        tree first. `execute` then returns a result with `killed` set."""
+        self.killed = reason
+        if self.cgroup is not None:
+            self.cgroup.kill()
+        if self.mode == "none":
+            self.kill()
+            return
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def kill(self) -> None:
         """Ask boot to end the sandbox (SIGTERM): it SIGKILLs pid 1 (namespaces) or the tool and its
@@ -245,6 +309,11 @@ class SandboxProcess:
                 transport.close()
         self.pipes["status"][0].close()
         self.stdin.close()
+        for serving in self._servers:                    # its egress: no new connection, none left open
+            serving.close()
+        self._servers.clear()
+        if self.egress is not None:
+            self.egress.close()
         deadline = time.monotonic() + KILL_GRACE_S
         while self.popen.poll() is None:                 # boot exits right after its last write
             if time.monotonic() > deadline:
@@ -267,10 +336,41 @@ class SandboxProcess:
         for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             if pipe is not None:
                 pipe.close()
+        if self.egress is not None:
+            self.egress.close()
         shutil.rmtree(self.host_dir, ignore_errors=True)
 
 
 KILL_GRACE_S = 10.0
+
+
+async def _receive_listener(channel: socket.socket, timeout_s: float) -> socket.socket | None:
+    """The listening socket pid 1 sends over `channel` (None if the sandbox ended first)."""
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future = loop.create_future()
+    channel.setblocking(False)
+
+    def readable():
+        try:
+            _, fds, _, _ = socket.recv_fds(channel, 1, 1)
+        except BlockingIOError:
+            return
+        except OSError as err:
+            fds = []
+            if not got.done():
+                got.set_exception(err)
+        loop.remove_reader(channel.fileno())
+        if not got.done():
+            got.set_result(fds)
+
+    loop.add_reader(channel.fileno(), readable)
+    try:
+        fds = await asyncio.wait_for(got, timeout_s)
+    except (asyncio.TimeoutError, OSError):
+        return None
+    finally:
+        loop.remove_reader(channel.fileno())
+    return socket.socket(fileno=fds[0]) if fds else None
 
 
 def _kill_group(popen: subprocess.Popen, mode: str, uid: int) -> None:

@@ -28,7 +28,10 @@ class PythonTool:
         # sees Python's error: only a sandbox that cannot start is an infrastructure error
         r = await self.pool.run(code)
         meta = {"exit_code": r.exit_code, "signal": r.signal, "limit": r.limit_hit, "isolation": r.isolation,
-                "sandbox_wall_s": r.wall_s}
+                "sandbox_wall_s": r.wall_s, "oom_kills": r.oom_kills}
+        if r.killed is not None:                 # the kill switch: not the policy's doing
+            return ToolResult("error: tool calls are stopped by the kill switch", False, f"kill switch: {r.killed}",
+                              infra_error=True, metadata=meta)
         if r.setup_error is not None:
             return ToolResult("error: the sandbox could not start", False, r.setup_error, infra_error=True,
                               metadata=meta)

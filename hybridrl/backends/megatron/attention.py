@@ -11,7 +11,7 @@ Packed sequences (Megatron's `thd` format, `schedule.PackedSequences`): query/ke
 attended in groups of similar length: each group gathered into a padded [n, heads, L, d] block,
 one causal SDPA call, the real positions put back in pack order. (Measured on CPU against one
 SDPA call with a block-diagonal causal mask and against one call per sequence: see
-docs/architecture.md.)
+docs/megatron.md.)
 """
 
 from __future__ import annotations

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
+import os
+import queue
 import shutil
+import signal
+import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,23 +84,51 @@ def save_checkpoint(engine: "MegatronEngine", path: Path, extra: dict) -> None:
 
 @contextlib.contextmanager
 def _writer_results_queue():
-    """A results queue for megatron's checkpoint writer that lives only for one save.
+    """An in-process results queue for megatron's checkpoint writer, for the duration of one save.
 
     megatron-core 0.16 (dist_checkpointing/strategies/filesystem_async.py:
-    _get_write_results_queue) creates on first save a process-global `spawn` Manager queue that
-    lives until the process exits cleanly: a spawn re-imports the main module (seconds), and if
-    the trainer is later killed, the manager process is orphaned. We install a `fork` Manager
-    queue for the duration of the save and shut it down afterwards."""
+    _get_write_results_queue) creates on first save a process-global `spawn` Manager queue: a
+    server process of its own that lives until the trainer exits cleanly, and that nothing ends
+    when the trainer is killed (it kept the run's files open, hundreds of MB resident). A
+    synchronous save (what `save_checkpoint` does) calls the writer in this process
+    (AsyncRequest.execute_sync): the queue is put to and read from here only, so a plain
+    in-process queue serves, and no process is started for it. The writer's own per-bucket
+    processes (forked, joined before the save returns) are set to die with this process
+    (`_die_with_parent`), so a job killed mid-save leaves none of them behind either."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    manager = multiprocessing.get_context("fork").Manager()
+    global _saving
     previous = filesystem_async._results_queue
-    filesystem_async._results_queue = manager.Queue()
+    filesystem_async._results_queue = queue.SimpleQueue()
+    _saving = (os.getpid(), threading.get_ident())
     try:
         yield
     finally:
+        _saving = None
         filesystem_async._results_queue = previous
-        manager.shutdown()
+
+
+_saving: tuple[int, int] | None = None   # (pid, thread) running a save: what it forks meanwhile are the writer's
+
+
+def _die_with_parent() -> None:
+    """In a process forked during a save: ask the kernel to SIGKILL it when its parent dies
+    (Linux prctl PR_SET_PDEATHSIG); then, if the parent is already gone, exit at once."""
+    if _saving is None or _saving[1] != threading.get_ident() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = _saving[0]
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:        # the parent died between the fork and the prctl
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1
+os.register_at_fork(after_in_child=_die_with_parent)
 
 
 def load_checkpoint(engine: "MegatronEngine", path: Path) -> dict:

@@ -17,6 +17,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 class MegatronConfig:
     """Megatron-core actor/reference training: parallel layout, optimizer, schedule, loss reduction."""
 
+    engine: str = knob("megatron", "the training engine (hybridrl.training.registry); this section holds its knobs")
     tp: int = knob(1, "tensor-parallel size (must divide the attention heads, KV heads and FFN size)")
     pp: int = knob(1, "pipeline-parallel size (at most the number of layers; when it does not divide them the "
                       "first and last stages take the remainder); dp = world / (tp * pp)")
@@ -46,6 +47,9 @@ class MegatronConfig:
     seed: int = knob(1234, "seed of Megatron's RNG trackers (dropout); weights come from the HF checkpoint")
 
     def __post_init__(self) -> None:
+        from hybridrl.training.registry import ENGINES
+
+        check_choice("engine", self.engine, sorted(ENGINES))
         for name in ("tp", "pp", "micro_batch_size", "make_vocab_size_divisible_by"):
             check_positive(name, getattr(self, name))
         check_choice("dtype", self.dtype, DTYPES)

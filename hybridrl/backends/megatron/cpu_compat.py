@@ -146,8 +146,8 @@ def device_scope(device: torch.device):
 def native_ops():
     """Suspend `device_scope`'s mode around code without CUDA literals: the model's forward pass.
 
-    The mode's Python dispatch costs every torch call a few microseconds (~20% of a small model's
-    step on CPU). The backward pass does not pay it: `torch.autograd.backward` is intercepted once
+    The mode's Python dispatch costs every torch call a few microseconds (a large share of a small
+    model's step on CPU). The backward pass does not pay it: `torch.autograd.backward` is intercepted once
     and runs with the mode popped."""
     mode = torch.overrides._get_current_function_mode()
     if not isinstance(mode, _CpuDeviceMode):

@@ -1,20 +1,27 @@
-"""`MegatronEngine`: the actor / reference model on Megatron-core, driven SPMD by every rank.
+"""`MegatronEngine`: a model of the training side on Megatron-core (`training.protocol.TrainEngine`),
+driven SPMD by every rank of the training mesh.
 
-Every rank of the job builds the engine (after torch.distributed is up) and calls its methods
-together; collectives inside keep the ranks in step. Data-parallel ranks receive different
-batches (the dispatcher splits by `engine.mesh`); TP and PP peers of a DP group receive the same.
+Every rank builds the engine (after torch.distributed is up) and calls its methods together;
+collectives inside keep the ranks in step. Data-parallel ranks receive different batches (the
+dispatcher splits by `engine.mesh`); TP and PP peers of a DP group receive the same.
 
-    engine = MegatronEngine.from_hf(model_dir, cfg)                 # actor
-    ref = MegatronEngine.from_hf(model_dir, cfg, training=False)    # frozen reference
+    engine = MegatronEngine.from_hf(model_dir, cfg)                      # actor
+    ref = MegatronEngine.from_hf(model_dir, cfg, training=False)         # frozen reference
+    critic = MegatronEngine.from_hf(model_dir, cfg, head="value")        # a value model
     out = ref.compute_logprobs(batch)          # Batch('logprobs' [B, T]) on output ranks
     metrics = engine.train_step(batch, loss_fn)
+
+The head is a model option: with `head="value"` the decoder (embedding, layers, final norm) is the
+actor's, loaded the same way, and the vocabulary projection is replaced by a value head
+(`backends/megatron/critic.py`); its outputs are values instead of logprobs, token-aligned the
+same way, and it is never published or exported as a policy.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -23,12 +30,11 @@ from hybridrl.algo.aggregation import Denominators, aggregate, count
 from hybridrl.backends.megatron import cpu_compat
 from hybridrl.backends.megatron.config import MegatronConfig
 from hybridrl.data.batch import Batch
+from hybridrl.distributed.collectives import collective_device
 from hybridrl.distributed.mesh import Mesh
+from hybridrl.training.protocol import GRADS, LM_HEAD, OPTIMIZER, PARAMS, TRAIN_MEMORY_TAGS, VALUE_HEAD, LossFn
 
 log = logging.getLogger(__name__)
-
-# loss_fn(logprobs [b, T], entropy [b, T] | None, micro_batch) -> (token_loss [b, T], {name: [b, T]})
-LossFn = Callable[[torch.Tensor, "torch.Tensor | None", Batch], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
 
 def default_device() -> torch.device:
@@ -42,7 +48,7 @@ class MegatronEngine:
     """One model (this rank's TP shard of its PP stage), with optimizer and schedule when training."""
 
     def __init__(self, *, cfg: MegatronConfig, model_dir: Path, adapter, model,
-                 ddp, optimizer, scheduler, device: torch.device, mesh: Mesh, training: bool):
+                 ddp, optimizer, scheduler, device: torch.device, mesh: Mesh, training: bool, head: str = LM_HEAD):
         self.cfg = cfg
         self.model_dir = model_dir
         self.adapter = adapter
@@ -53,12 +59,17 @@ class MegatronEngine:
         self.device = device
         self.mesh = mesh
         self.training = training
+        self.head = head
         self.num_steps = 0
         self.passes = {"logprobs": 0, "train": 0}   # schedule runs, by kind (what a step costs, counted)
         from hybridrl.backends.megatron.model import local_layers
         from hybridrl.backends.megatron.weights import owned_params, slot_owners
 
+        from hybridrl.backends.megatron.adapters.base import Role
+
         self.params = owned_params(adapter, model, local_layers(model))
+        if head == VALUE_HEAD:      # the value head is no slot of the HF model: nothing of it is published
+            self.params = {slot: p for slot, p in self.params.items() if slot.role is not Role.OUTPUT}
         with self._scope():
             self._owners = slot_owners(adapter, self.params)
         self._offloaded: dict[str, Any] = {}
@@ -67,12 +78,17 @@ class MegatronEngine:
 
     @classmethod
     def from_hf(cls, model_path: str | Path, cfg: MegatronConfig, *, training: bool = True,
-                device: torch.device | None = None) -> "MegatronEngine":
+                device: torch.device | None = None, head: str = LM_HEAD) -> "MegatronEngine":
         """Build this rank's part of the model from an HF directory (every rank calls this).
 
         Initialises Megatron's parallel state for (cfg.tp, cfg.pp, dp = world / (tp * pp)) if it is
         not yet; `training=False` gives a frozen model without optimizer (the reference), which
-        shares the parallel state of an actor built in the same process."""
+        shares the parallel state of an actor built in the same process. `head="value"`: a value
+        model (the critic), its head initialised from the directory when it carries one."""
+        import dataclasses
+
+        from hybridrl.backends.megatron.adapters.base import Role
+        from hybridrl.backends.megatron.critic import ValueHead, load_value_head
         from hybridrl.backends.megatron import parallel
         from hybridrl.backends.megatron.adapters import adapter_for
         from hybridrl.backends.megatron.model import (
@@ -81,9 +97,12 @@ class MegatronEngine:
             mark_tensor_parallel,
             transformer_config,
         )
+        from hybridrl.backends.megatron.model import DTYPES
         from hybridrl.backends.megatron.weights import load_hf_weights, owned_params
         from hybridrl.backends.model_spec import ModelSpec
 
+        if head not in (LM_HEAD, VALUE_HEAD):
+            raise ValueError(f"head={head!r}: '{LM_HEAD}' (next-token logits) or '{VALUE_HEAD}' (one value per position)")
         model_dir = Path(model_path)
         if not (model_dir / "config.json").exists():
             raise FileNotFoundError(f"{model_dir}: not an HF model directory (no config.json)")
@@ -95,9 +114,14 @@ class MegatronEngine:
         with cpu_compat.device_scope(device):
             mesh = parallel.ensure_model_parallel(cfg.tp, cfg.pp, cfg.seed)
             tconfig = transformer_config(adapter.spec, cfg, device=device)
-            model = build_gpt_model(adapter.spec, cfg, tconfig, padded_vocab_size=adapter.padded_vocab_size,
-                                    device=device)
+            spec = adapter.spec if head == LM_HEAD else dataclasses.replace(adapter.spec, tie_word_embeddings=False)
+            model = build_gpt_model(spec, cfg, tconfig, padded_vocab_size=adapter.padded_vocab_size, device=device)
             params = owned_params(adapter, model, local_layers(model))
+            if head == VALUE_HEAD:
+                if model.post_process:
+                    model.output_layer = ValueHead(spec.hidden_size, dtype=DTYPES[cfg.dtype], device=device)
+                    load_value_head(model.output_layer, model_dir)
+                params = {s: p for s, p in params.items() if s.role is not Role.OUTPUT}
             mark_tensor_parallel(params)
             load_hf_weights(adapter, params, model_dir)
             ddp = optimizer = scheduler = None
@@ -107,9 +131,10 @@ class MegatronEngine:
                 model.requires_grad_(False)
                 model.eval()
         engine = cls(cfg=cfg, model_dir=model_dir, adapter=adapter, model=model, ddp=ddp,
-                     optimizer=optimizer, scheduler=scheduler, device=device, mesh=mesh, training=training)
-        log.info("megatron engine: %s, %d parameters, tp=%d pp=%d dp=%d, %s", adapter.family,
-                 engine.num_parameters(), cfg.tp, cfg.pp, mesh.dp_size, "training" if training else "frozen")
+                     optimizer=optimizer, scheduler=scheduler, device=device, mesh=mesh, training=training, head=head)
+        log.info("megatron engine: %s%s, %d parameters, tp=%d pp=%d dp=%d, %s", adapter.family,
+                 " + value head" if head == VALUE_HEAD else "", engine.num_parameters(), cfg.tp, cfg.pp,
+                 mesh.dp_size, "training" if training else "frozen")
         return engine
 
     def _scope(self):
@@ -127,10 +152,26 @@ class MegatronEngine:
         return self.mesh.is_output_rank(self.rank)
 
     @property
-    def _is_last_stage(self) -> bool:
+    def is_loss_rank(self) -> bool:
+        """The last pipeline stage: where the loss runs and `on_last_stage` results land."""
         from megatron.core import parallel_state as ps
 
         return ps.is_pipeline_last_stage()
+
+    def dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over this rank's data-parallel group (on the device its backend needs; back on return)."""
+        return self._dp_reduce(tensor, dist.ReduceOp.SUM)
+
+    def dp_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._dp_reduce(tensor, dist.ReduceOp.MAX)
+
+    def _dp_reduce(self, tensor: torch.Tensor, op) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_data_parallel_group()
+        out = tensor.to(collective_device(group, self.device))
+        dist.all_reduce(out, op=op, group=group)
+        return out.to(tensor.device)
 
     def num_parameters(self) -> int:
         """Parameters of the whole model (all TP shards and PP stages; the vocabulary padding excluded)."""
@@ -148,6 +189,19 @@ class MegatronEngine:
         the output ranks (on the CPU), None elsewhere (`on_last_stage`: on every rank of the last
         pipeline stage, every TP rank there holding the same values). Trailing padding rows
         (batch.num_padding) are not computed (their rows are 0)."""
+        if self.head != LM_HEAD:
+            raise TypeError("compute_logprobs on a value-head engine: its outputs are values (compute_values)")
+        return self._forward_only(batch, temperature, with_entropy, on_last_stage, "logprobs")
+
+    def compute_values(self, batch: Batch, *, on_last_stage: bool = False) -> Batch | None:
+        """values [B, T] float32 of a value-head engine, token-aligned (the head at t-1; 0 at position 0 and
+        on padding), on the output ranks (`on_last_stage`: every rank of the last stage), None elsewhere."""
+        if self.head != VALUE_HEAD:
+            raise TypeError("compute_values on an LM-head engine: build it with head='value'")
+        return self._forward_only(batch, 1.0, False, on_last_stage, "values")
+
+    def _forward_only(self, batch: Batch, temperature: float, with_entropy: bool, on_last_stage: bool,
+                      name: str) -> Batch | None:
         from hybridrl.backends.megatron.schedule import check_sequence_batch, run_schedule
 
         check_sequence_batch(batch)
@@ -166,12 +220,20 @@ class MegatronEngine:
             self.model.eval()
             with self._scope(), torch.no_grad():
                 run_schedule(self._schedule_model(), mbs, on_output, forward_only=True, pp=self.cfg.pp)
-        if not (self._is_last_stage if on_last_stage else self.is_output_rank):
+        if not (self.is_loss_rank if on_last_stage else self.is_output_rank):
             return None
-        out = {"logprobs": _assemble(mbs, [r[0] for r in results], num_rows, length)}
+        out = {name: _assemble(mbs, [r[0] for r in results], num_rows, length)}
         if with_entropy:
             out["entropy"] = _assemble(mbs, [r[1] for r in results], num_rows, length)
         return Batch(out, num_padding=batch.num_padding)
+
+    def value_head(self) -> dict[str, torch.Tensor] | None:
+        """A value-head engine's head tensors on the last pipeline stage (None elsewhere)."""
+        if self.head != VALUE_HEAD:
+            raise TypeError("value_head on an LM-head engine")
+        head = self.model.output_layer if self.model.post_process else None
+        return None if head is None else {"weight": head.weight.detach().cpu().clone(),
+                                          "bias": head.bias.detach().cpu().clone()}
 
     def compute_logits(self, batch: Batch) -> torch.Tensor | None:
         """Full logits [B, T, V] float32 (gathered over TP, vocabulary padding cut, padded positions
@@ -203,7 +265,13 @@ class MegatronEngine:
         return out if self.is_output_rank else None
 
     def _token_logprobs(self, mb, logits, temperature, with_entropy):
+        """What the loss sees per token: logprobs (+ entropy) of the LM head, or the value head's values."""
         from megatron.core import parallel_state as ps
+
+        if self.head == VALUE_HEAD:
+            from hybridrl.backends.megatron.logprobs import token_aligned
+
+            return token_aligned(logits[..., 0].float(), mb.attention_mask), None
 
         from hybridrl.backends.megatron.logprobs import next_token_targets, token_aligned, vocab_parallel_logprobs
 
@@ -229,7 +297,7 @@ class MegatronEngine:
     # ------------------------------------------------------------------------------ training
 
     def train_step(self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0,
-                   with_entropy: bool = False) -> dict[str, float]:
+                   with_entropy: bool = False, extremes: Iterable[str] = (), capture: bool = False) -> dict[str, Any]:
         """One optimizer step on this DP rank's share of the global batch.
 
         `loss_fn(logprobs [b, T], entropy [b, T] | None, micro_batch) -> (token_loss [b, T],
@@ -237,7 +305,10 @@ class MegatronEngine:
         batch['loss_mask'] by cfg.loss_aggregation over denominators counted on the whole global
         batch (all micro-batches, all DP ranks) before the first backward. Gradients are clipped
         by their global norm. Returns the same dict on every rank: loss, grad_norm, lr,
-        num_tokens, num_sequences and each metric's masked token mean over the global batch."""
+        num_tokens, num_sequences, each metric's masked token mean over the global batch and, for
+        each name in `extremes`, its masked max and min over the global batch (`<name>_max`,
+        `<name>_min`; +-inf when no token is masked in). `capture`: also 'logprobs' [B, T] float32,
+        the detached values the loss saw (on the loss ranks; None elsewhere)."""
         from megatron.core import parallel_state as ps
 
         from hybridrl.backends.megatron.schedule import check_sequence_batch, run_schedule
@@ -266,46 +337,72 @@ class MegatronEngine:
             dist.all_reduce(totals, group=dp_group)
         denominators = Denominators(float(totals[0]), float(totals[1]))
         sums: dict[str, torch.Tensor] = {}          # loss and sum(metric * mask) over this rank's rows
+        highs: dict[str, torch.Tensor] = {}         # max and -min of the `extremes` metrics over masked tokens
+        watched = tuple(extremes)
+        seen: list[torch.Tensor] = []               # capture: the values the loss saw, per micro-batch
 
         def on_output(mb, logits):
             logprobs, entropy = self._token_logprobs(mb, logits, temperature, with_entropy)
+            if capture:
+                seen.append(logprobs.detach())
             mask = mb.batch["loss_mask"].to(self.device).float()
             token_loss, metrics = loss_fn(logprobs, entropy, mb.batch)
             token_loss = torch.where(mask > 0, token_loss, torch.zeros_like(token_loss))
             loss = aggregate(token_loss, mask, self.cfg.loss_aggregation, denominators)
             _accumulate(sums, "loss", loss.detach().double())
             for name, value in metrics.items():
+                if name in watched:
+                    on = value.detach().double()[mask > 0]
+                    if on.numel():
+                        for key, v in ((f"{name}_max", on.max()), (f"{name}_min", -on.min())):
+                            highs[key] = torch.maximum(highs[key], v) if key in highs else v
                 value = torch.where(mask > 0, value.detach().float(), torch.zeros_like(mask))
                 _accumulate(sums, f"metric/{name}", value.sum().double())
             return loss
 
         self.passes["train"] += 1
         self.model.train()
+        mbs = self._micro_batches(rows)
         with self._scope():
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-            run_schedule(self.ddp, self._micro_batches(rows), on_output, forward_only=False, pp=self.cfg.pp)
+            run_schedule(self.ddp, mbs, on_output, forward_only=False, pp=self.cfg.pp)
             lr = float(self.optimizer.param_groups[0]["lr"])
             _, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
-            reduced = self._reduce_sums(sums, dp_group)
+            for name in watched:
+                for key in (f"{name}_max", f"{name}_min"):
+                    highs.setdefault(key, torch.tensor(-float("inf"), dtype=torch.float64, device=self.device))
+            reduced = self._reduce_sums(sums, dp_group, highs)
         self.num_steps += 1
-        metrics = {"loss": reduced.pop("loss", 0.0), "grad_norm": float(grad_norm or 0.0), "lr": lr,
-                   "num_tokens": denominators.num_tokens, "num_sequences": denominators.num_sequences}
+        metrics: dict[str, Any] = {"loss": reduced.pop("loss", 0.0), "grad_norm": float(grad_norm or 0.0), "lr": lr,
+                                   "num_tokens": denominators.num_tokens, "num_sequences": denominators.num_sequences}
         for key, total in sorted(reduced.items()):
-            metrics[key.removeprefix("metric/")] = total / max(denominators.num_tokens, 1.0)
+            if key.startswith("metric/"):
+                metrics[key.removeprefix("metric/")] = total / max(denominators.num_tokens, 1.0)
+            else:       # an extreme: the min travelled negated, so that one MAX reduces both
+                metrics[key] = -total if key.endswith("_min") else total
+        if capture:
+            num_rows, length = batch["input_ids"].shape
+            metrics["logprobs"] = _assemble(mbs, seen, num_rows, length) if self.is_loss_rank else None
         return metrics
 
-    def _reduce_sums(self, sums: dict[str, torch.Tensor], dp_group) -> dict[str, float]:
-        """Sum over DP on the last stage, then share with every stage: {name: global sum}."""
+    def _reduce_sums(self, sums: dict[str, torch.Tensor], dp_group,
+                     highs: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
+        """Sum over DP on the last stage (`highs`: a max over DP), then share with every stage: {name: value}."""
         from megatron.core import parallel_state as ps
 
         names = sorted(sums)
-        if self._is_last_stage:
+        top = sorted(highs or {})
+        if self.is_loss_rank:
             values = (torch.stack([sums[n].to(self.device) for n in names]) if names
                       else torch.zeros(0, dtype=torch.float64, device=self.device))
             dist.all_reduce(values, group=dp_group)
             payload = [dict(zip(names, values.tolist()))]
+            if top:
+                maxima = torch.stack([highs[n].to(self.device).double() for n in top])
+                dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=dp_group)
+                payload[0].update(zip(top, maxima.tolist()))
         else:
             payload = [None]
         pp_group = ps.get_pipeline_model_parallel_group()
@@ -315,6 +412,11 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------------------ weights
 
+    def _policy_only(self, what: str) -> None:
+        if self.head != LM_HEAD:
+            raise TypeError(f"{what}: a value-head engine (a critic) is saved in the run's distributed checkpoints, "
+                            "never published or exported as a policy")
+
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) for the whole model, names sorted, on every rank of the model-parallel
         group (gathered over TP and PP one fused group at a time). Tensors may alias parameters:
@@ -322,6 +424,7 @@ class MegatronEngine:
         from hybridrl.backends.megatron.model import DTYPES
         from hybridrl.backends.megatron.weights import iter_hf_tensors
 
+        self._policy_only("iter_hf_tensors")
         with self._scope():
             yield from iter_hf_tensors(self.adapter, self.params, self._owners, dtype=DTYPES[self.cfg.dtype],
                                        device=self.device)
@@ -331,6 +434,7 @@ class MegatronEngine:
         from hybridrl.backends.megatron.model import DTYPES
         from hybridrl.backends.megatron.weights import iter_hf_groups
 
+        self._policy_only("iter_hf_groups")
         with self._scope():
             yield from iter_hf_groups(self.adapter, self.params, self._owners, dtype=DTYPES[self.cfg.dtype],
                                       device=self.device)
@@ -338,6 +442,7 @@ class MegatronEngine:
     def hf_group_specs(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
         """The exported fused groups (a slot's HF tensors, e.g. q/k/v of one layer) as (name, shape,
         dtype), in model order, known without gathering: what a publication plans its buckets from."""
+        self._policy_only("hf_group_specs")
         spec = self.hf_spec()
         return [[(name, *spec[name]) for name in slot.hf_names] for slot in self._exported_slots()]
 
@@ -369,6 +474,7 @@ class MegatronEngine:
         from the source directory). Every rank takes part in the gather; rank 0 writes."""
         from hybridrl.backends.megatron.checkpoint import export_hf
 
+        self._policy_only("export_hf")
         export_hf(self, Path(out_dir))
 
     def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> None:
@@ -387,24 +493,35 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------------------ memory
 
-    def offload(self, *, optimizer: bool = True, grads: bool = True, params: bool = False,
-                spill_dir: str | Path | None = None) -> int:
-        """Release device memory for the rollout phase; returns the bytes moved to (or, for gradients,
-        which hold nothing between steps, freed from) the device. On a CPU device optimizer state and
-        parameters already live in host memory: only gradient buffers are released, and optimizer
-        state is spilled to a file in `spill_dir` when one is given."""
+    def offload(self, tags: Iterable[str] = TRAIN_MEMORY_TAGS, *, spill_dir: str | Path | None = None) -> int:
+        """Release device memory for the rollout phase (`optimizer`, `grads`, `params`); returns the bytes
+        moved to (or, for gradients, which hold nothing between steps, freed from) the device. On a CPU
+        device optimizer state and parameters already live in host memory: only gradient buffers are
+        released, and optimizer state is spilled to a file in `spill_dir` when one is given."""
         from hybridrl.backends.megatron.offload import offload
 
+        tags = set(tags)
+        unknown = tags - {OPTIMIZER, GRADS, PARAMS}
+        if unknown:
+            raise ValueError(f"offload: unknown memory tag(s) {sorted(unknown)}; known: {[OPTIMIZER, GRADS, PARAMS]}")
         with self._scope():
-            return offload(self, optimizer=optimizer, grads=grads, params=params,
+            return offload(self, optimizer=OPTIMIZER in tags, grads=GRADS in tags, params=PARAMS in tags,
                            spill_dir=Path(spill_dir) if spill_dir is not None else None)
 
     def reload(self) -> int:
-        """Undo `offload`; returns the bytes brought back to the device."""
+        """Undo `offload` (nothing to do when nothing was released); returns the bytes brought back."""
         from hybridrl.backends.megatron.offload import reload
 
+        if not self._offloaded:
+            return 0
         with self._scope():
             return reload(self)
+
+    def held_bytes(self) -> dict[str, int]:
+        """Optimizer state and gradient bytes held on the device now, by accounting."""
+        from hybridrl.backends.megatron.offload import held_bytes
+
+        return held_bytes(self)
 
 
 def _training_state(model, tconfig, cfg: MegatronConfig):

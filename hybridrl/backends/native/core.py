@@ -57,7 +57,6 @@ class EngineCore:
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
-        self._fail_next: str | None = None      # fault injection (inject_failure)
         self.weights = ModelWeights.empty(spec, dtype=dtype, device=device)
         self.views = hf_views(self.weights, spec)
         self.num_blocks, self.max_model_len = self._size_cache(spec, cfg, dtype)
@@ -126,10 +125,6 @@ class EngineCore:
     def has_work(self) -> bool:
         return not self.asleep and self.scheduler.has_work()
 
-    def inject_failure(self, message: str) -> None:
-        """Fault injection: the next step that runs fails with `message` (every request in flight fails)."""
-        self._fail_next = message
-
     @torch.no_grad()
     def step(self) -> list[Sequence]:
         """Schedule and run one step; returns the sequences that finished in it."""
@@ -137,9 +132,6 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        if self._fail_next is not None:          # fault injection: this step fails as a crashed engine does
-            message, self._fail_next = self._fail_next, None
-            raise RuntimeError(message)
         result = self.runner.execute(plan)
         bad = next((i for i, lp in enumerate(result.logprobs) if not math.isfinite(lp)), None)
         if bad is not None:      # NaN/inf logits: broken weights or numerics; never hand such tokens out

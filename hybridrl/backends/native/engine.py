@@ -9,8 +9,8 @@ Where steps run (`rollout.native.driver`):
 - "loop": a driver task on the caller's event loop runs one step at a time and yields to the
   loop between steps (`await asyncio.sleep(0)`), so other coroutines run between steps; commands
   are applied at once. It exists because on CPU, OpenMP kernels launched from a second thread
-  pay a thread wake-up per parallel region (measured: ~2x slower steps on small models), which
-  the loop's own (main) thread does not. "auto" = loop on CPU, thread on CUDA.
+  pay a thread wake-up per parallel region (small models' steps are dominated by it; figures in
+  docs/native-engine.md), which the loop's own (main) thread does not. "auto" = loop on CPU, thread on CUDA.
 Either way nothing depends on the loop staying up: a loop may stop and restart between rollout
 phases (`loop.run_until_complete` per phase; the loop driver resumes with it), and a new loop
 may be used each time.
@@ -108,9 +108,32 @@ class NativeEngine:
                                           policy_version=policy_version)
         return cls(core)
 
-    # -- properties ---------------------------------------------------------------------------
+    # -- as a registered rollout engine (`rollout.registry`) -------------------------------------
 
     releasable_tags = frozenset({KV_CACHE})     # weights stay (on a CPU there is nowhere else to put them)
+    serves_before_publication = True            # loaded from the model directory: it serves version 0
+
+    @classmethod
+    def for_rank(cls, cfg: Any, ctx: Any) -> "NativeEngine":
+        """The run's engine on this rank: the model directory, `rollout.native`'s knobs, the rank's device."""
+        if cfg.rollout.tp > 1:
+            log.warning("the native engine has no tensor parallelism: with rollout.tp=%d one replica on rank %d "
+                        "serves its group of %d ranks", cfg.rollout.tp, ctx.rank, cfg.rollout.tp)
+        return cls.from_pretrained(cfg.model.path, cfg.rollout.native, device=ctx.device)
+
+    @classmethod
+    def releasable_tags_for(cls, cfg: Any) -> frozenset[str]:
+        return cls.releasable_tags
+
+    @classmethod
+    def colocated_transport(cls, engine: Any, ranks: Seq[int], group: Any) -> Any:
+        """Flat buckets copied into `engine`'s own storage (the group's follower stand-in tracks them), in
+        the trainer's process."""
+        from hybridrl.publication.transport_inprocess import InProcessTransport
+
+        return InProcessTransport(engine)
+
+    # -- properties ---------------------------------------------------------------------------
 
     @property
     def policy_version(self) -> int:

@@ -3,7 +3,11 @@
 Small pure functions, one batch of rows (sequences that need a token this step) at a time:
 
 - logprob = log_softmax(logits / T)[token] over the full vocabulary, before top-k / top-p
-  (temperature 1 for greedy rows), in float32;
+  (temperature 1 for greedy rows), in float32: the same quantity SGLang returns and the trainer
+  recomputes. Under top-k / top-p it is NOT the logprob of the distribution sampled from, so a
+  behaviour weight built from it would not be an importance ratio: the objective checks refuse
+  algo.tis_cap / algo.mis with agent.top_p < 1 or agent.top_k > 0 (`hybridrl/algo/explain.py`);
+  a contract that returned the filtered distribution's logprob would need every engine to;
 - greedy = argmax(logits), ties to the lowest id;
 - sampling draws from the top-k then top-p filtered, renormalised distribution by inverse CDF
   with ONE uniform per row: u = `uniform(seed, i)`, the i-th output of SplitMix64 seeded with

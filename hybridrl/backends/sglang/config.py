@@ -21,6 +21,9 @@ class SGLangConfig:
     context_length: int = knob(0, "max context; 0 = the model's")
     cuda_graph: bool = knob(True, "capture CUDA graphs; with the memory saver their memory is released between "
                                   "modes too (tag cuda_graph)")
+    deterministic_inference: bool = knob(
+        False, "sglang's enable_deterministic_inference: needed for per-request sampling seeds to take effect "
+               "(without it sglang ignores them and rollouts are not reproducible); batch-invariant kernels, slower")
     engine_args: dict[str, Any] = knob(factory=dict, help="extra sglang.Engine(**kwargs), passed through unchecked")
 
     def __post_init__(self) -> None:

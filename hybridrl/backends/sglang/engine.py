@@ -7,7 +7,22 @@ everything else through the tokenizer manager's coroutines (the Engine's own syn
 that uses them: one engine, one loop, for its whole life. Memory by tags ("weights", "kv_cache",
 "cuda_graph"; `release/resume_memory_occupation`); weights through `update_weights_from_tensor`
 inside a weight-update session (begin at a version's first bucket, end once every tensor has
-arrived, then `flush_cache`), one serialized flat bucket per TP rank.
+arrived, then `flush_cache`), one payload serialized for each TP rank (each rank deserializes its
+own copy, so the CUDA IPC reference counts drop cleanly after every load: sglang's own
+`Engine._serialize_tensors_per_rank`, entrypoints/engine.py:1656-1672).
+
+Starting the engine changes the trainer's process (environment, signal handlers, start method):
+`launch.py` isolates and restores them; the tokenizer manager's signal handlers come off our event
+loop on the engine's first coroutine (`_bind`).
+
+`max_model_len` is what sglang resolved, not the raw `context_length` knob: the tokenizer manager's
+context length (the model's, or the knob) less its reserved tokens, and the scheduler's longest
+input (also capped by the KV pool) (managers/tokenizer_manager.py:550,1286-1331, tp_worker.py:544-548).
+The agent loop ends an episode TRUNCATED at it instead of sglang raising on a long one.
+
+Per-request sampling seeds (`SamplingParams.seed`) take effect only with sglang's deterministic
+inference (`rollout.sglang.deterministic_inference`; sampling/sampling_batch_info.py:143-157): without
+it sglang samples each request from its own generator state and rollouts are not reproducible.
 
 Lifecycle in the hybrid worker: start with dummy weights; per rollout: resume weights -> push every
 bucket (the version switches when all arrived) -> resume KV cache and CUDA graphs -> generate ->
@@ -27,7 +42,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from hybridrl.backends.sglang import convert, requests
+from hybridrl.backends.sglang import convert, launch, requests
 from hybridrl.backends.sglang.config import SGLangConfig
 from hybridrl.publication.manifest import PublicationError
 from hybridrl.rollout.protocol import (
@@ -72,16 +87,42 @@ class SGLangEngine:
         self.releasable_tags = cfg.releasable_tags()
         if CUDA_GRAPH in self.releasable_tags:
             os.environ.setdefault("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "true")   # read by the scheduler processes
-        self._engine = sglang.Engine(**engine_kwargs(model_path, cfg, tp_size=tp_size, base_gpu_id=base_gpu_id,
-                                                     port_offset=port_offset, seed=seed))
+        with launch.launch_scope() as self._trainer_signals:
+            self._engine = sglang.Engine(**engine_kwargs(model_path, cfg, tp_size=tp_size, base_gpu_id=base_gpu_id,
+                                                         port_offset=port_offset, seed=seed))
         self._tm = self._engine.tokenizer_manager
+        self._bound = False              # the tokenizer manager is bound to our loop (see `_bind`)
+        self._seed_warned = cfg.deterministic_inference
         self._spec = checkpoint_spec(model_path, self.dtype)
         self._publication = Publication(self._spec, -1 if cfg.load_format == "dummy" else 0)
         self._released: set[str] = set()
         self._in_flight: set[str] = set()
         self._session = False            # a weight-update session is open in the scheduler
         self.eos_token_ids = tuple(self._eos_ids(model_path))
-        self.max_model_len = max_model_len or int(self._engine.server_args.context_length or 0) or None
+        self.max_model_len = resolved_max_model_len(max_model_len, self._tm)
+
+    # ---------------------------------------------------------------- as a registered rollout engine
+
+    serves_before_publication = False        # dummy weights until the first publication (version -1)
+
+    @classmethod
+    def for_rank(cls, cfg: Any, ctx: Any) -> "SGLangEngine":
+        """The rollout group's engine on its first rank: `rollout.sglang`'s knobs, TP over `rollout.tp` GPUs
+        starting at this rank's, ports offset by the rank."""
+        return cls(cfg.model.path, cfg.rollout.sglang, tp_size=cfg.rollout.tp, base_gpu_id=ctx.local_rank,
+                   port_offset=ctx.rank, seed=cfg.run.seed, drain_timeout_s=cfg.hybrid.drain_deadline_s)
+
+    @classmethod
+    def releasable_tags_for(cls, cfg: Any) -> frozenset[str]:
+        return frozenset(cfg.rollout.sglang.releasable_tags())
+
+    @classmethod
+    def colocated_transport(cls, engine: Any, ranks: Sequence[int], group: Any) -> Any:
+        """CUDA IPC handles of every rank's flat bucket, gathered to the engine on the group's first rank
+        (`engine` is this rank's: the group's engine there, its follower stand-in elsewhere)."""
+        from hybridrl.backends.sglang.transport import CudaIpcTransport
+
+        return CudaIpcTransport(engine, list(ranks), group)
 
     # ---------------------------------------------------------------- protocol
 
@@ -97,6 +138,11 @@ class SGLangEngine:
             raise RuntimeError("SGLang engine has no weights yet: publish a policy before generating")
         if self._released & {KV_CACHE, WEIGHTS}:
             raise RuntimeError("SGLang engine is asleep: call wake_up() before generating")
+        await self._bind()
+        if sampling.seed is not None and not self._seed_warned:
+            self._seed_warned = True
+            log.warning("SGLang ignores per-request sampling seeds without deterministic inference: set "
+                        "rollout.sglang.deterministic_inference=true for reproducible rollouts")
         version = self.policy_version
         started = time.perf_counter()
         self._in_flight.add(request_id)
@@ -124,6 +170,7 @@ class SGLangEngine:
         """Validated whole against the checkpoint's names, shapes and the engine dtype before anything
         is sent (a bad call changes nothing), then pushed as (name, tensor) pairs over CUDA IPC."""
         from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         if digests is not None:
             raise ValueError("the SGLang engine cannot read its weights back after the copy (they live in its "
@@ -131,8 +178,10 @@ class SGLangEngine:
         items = list(named_tensors)
         validate_named_tensors(items, self._spec)
         self._publication.check(version)
-        payload = MultiprocessingSerializer.serialize([(n, t.detach().contiguous()) for n, t in items])
-        await self.load_serialized([payload] * self.tp_size, [n for n, _ in items], version)
+        monkey_patch_torch_reductions()   # IPC handles carry the device UUID, not a local index
+        named = [(n, t.detach().contiguous()) for n, t in items]
+        payloads = [MultiprocessingSerializer.serialize(named) for _ in range(self.tp_size)]   # one per TP rank
+        await self.load_serialized(payloads, [n for n, _ in items], version)
         torch.cuda.ipc_collect()
 
     async def load_serialized(self, payloads: list[bytes], names: list[str], version: int, *,
@@ -140,6 +189,7 @@ class SGLangEngine:
         """Load one bucket: `payloads[i]` is SGLang TP rank i's serialized bucket."""
         from sglang.srt.managers import io_struct
 
+        await self._bind()
         unknown = sorted(set(names) - set(self._spec))
         if unknown:
             raise PublicationError(f"unknown tensor(s) for this engine: {unknown[:5]}")
@@ -166,6 +216,7 @@ class SGLangEngine:
         (at most `drain_timeout_s`: SGLang's scheduler asserts it is idle when memory is released, so
         it never releases under a running request; past the timeout this raises), then release the
         tagged memory. Released weights are gone: the version becomes -1."""
+        await self._bind()
         tags = [t for t in check_tags(self, tags) if t not in self._released]
         if not tags:
             return
@@ -188,6 +239,7 @@ class SGLangEngine:
     async def wake_up(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
         from sglang.srt.managers import io_struct
 
+        await self._bind()
         tags = [t for t in check_tags(self, tags) if t in self._released]
         if tags:
             await self._tm.resume_memory_occupation(requests.resume(io_struct, tags), None)
@@ -198,12 +250,23 @@ class SGLangEngine:
                 "requests_in_flight": len(self._in_flight), "tp_size": self.tp_size}
 
     def close(self) -> None:
-        """Stop SGLang's scheduler and detokenizer processes (idempotent)."""
+        """Stop SGLang's scheduler and detokenizer processes (idempotent). sglang's `shutdown` kills
+        every child process of this process (entrypoints/engine.py:1406), not only its own: close the
+        engine after the tools and services whose processes should end on their own terms."""
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
 
     # ---------------------------------------------------------------- internals
+
+    async def _bind(self) -> None:
+        """Bind the tokenizer manager to the running loop now (what its first coroutine would do) and
+        take the signal handlers it adds there off again, restoring the trainer's (`launch.py`)."""
+        if self._bound:
+            return
+        self._tm.auto_create_handle_loop()
+        launch.release_loop_signals(asyncio.get_running_loop(), self._trainer_signals)
+        self._bound = True
 
     async def _expect(self, call, what: str) -> None:
         ok, message = requests.result_ok(await call)
@@ -231,6 +294,17 @@ class SGLangEngine:
         return sorted(set(ids))
 
 
+def resolved_max_model_len(requested: int | None, tokenizer_manager: Any) -> int | None:
+    """The longest prompt + output this engine takes (see the module doc): the smallest of what was
+    asked for, the resolved context length less the reserved tokens, and the scheduler's longest
+    input; None when sglang reports none of them."""
+    context = int(getattr(tokenizer_manager, "context_len", 0) or 0)
+    reserved = int(getattr(tokenizer_manager, "num_reserved_tokens", 0) or 0)
+    longest_input = int(getattr(tokenizer_manager, "max_req_input_len", 0) or 0)
+    limits = [n for n in (requested or 0, context - reserved if context else 0, longest_input) if n > 0]
+    return min(limits) if limits else None
+
+
 def engine_kwargs(model_path: str, cfg: SGLangConfig, *, tp_size: int, base_gpu_id: int, port_offset: int,
                   seed: int) -> dict[str, Any]:
     """`sglang.Engine(**kwargs)` for one engine of a rollout group (unique ports per engine)."""
@@ -242,5 +316,7 @@ def engine_kwargs(model_path: str, cfg: SGLangConfig, *, tp_size: int, base_gpu_
         random_seed=seed, log_level="error", disable_cuda_graph=not cfg.cuda_graph)
     if cfg.context_length:
         kwargs["context_length"] = cfg.context_length
+    if cfg.deterministic_inference:
+        kwargs["enable_deterministic_inference"] = True
     kwargs.update(cfg.engine_args)
     return kwargs

@@ -27,9 +27,15 @@ class GuessNumberOptions:
 
 
 class GuessNumberEnv:
+    """Answers each whole-number guess with "higher", "lower" or "correct". A guess of any size is
+    answered (the policy's numbers are read exactly, `parse_number`); the state records it clamped to
+    [0, max_value + 1], which answers the same, so the state stays small and serialisable (Python
+    refuses to write an int of more than 4300 digits as text)."""
+
     pure = True          # its step touches nothing outside its state: the env service may re-run an in-doubt step
 
-    def __init__(self) -> None:
+    def __init__(self, max_value: int = 10**9) -> None:
+        self.max_value = max_value
         self.secret = 0
         self.guesses: list[int] = []
 
@@ -42,7 +48,7 @@ class GuessNumberEnv:
         value = parse_number(action.get("answer"))
         if value is None or value.denominator != 1:
             return Transition("Answer with <answer>N</answer>, N a whole number.", 0.0, False)
-        guess = int(value)
+        guess = min(max(int(value), 0), self.max_value + 1)
         self.guesses.append(guess)
         if guess == self.secret:
             return Transition("correct", 1.0, True, info={"guesses": len(self.guesses)})
@@ -92,7 +98,7 @@ class GuessNumberTask(Task):
             lo, hi = (mid + 1, hi) if mid < secret else (lo, mid - 1)
 
     def make_env(self, instance: TaskInstance) -> GuessNumberEnv:
-        return GuessNumberEnv()
+        return GuessNumberEnv(self.options.max_value)
 
     def score(self, instance: TaskInstance, outcome: EpisodeOutcome) -> RewardResult:
         return RewardResult().add("found", outcome.env_return, f"{self.name}_env@{self.version}")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from hybridrl.algo.value_loss import make_value_loss_fn
 from hybridrl.backends.megatron import MegatronConfig
-from hybridrl.backends.megatron.critic import CriticEngine
+from hybridrl.backends.megatron.engine import MegatronEngine
 from hybridrl.backends.megatron.parallel import destroy_model_parallel
 from tests.backends.megatron.reference import sequence_batch
 
@@ -33,7 +33,7 @@ def values_and_training(out: Path, model_dir: str) -> None:
     for key, (tp, pp) in layouts.items():
         cfg = MegatronConfig(tp=tp, pp=pp, micro_batch_size=2, lr=1e-2, weight_decay=0.0,
                              use_distributed_optimizer=False)
-        critic = CriticEngine.from_hf(model_dir, cfg)
+        critic = MegatronEngine.from_hf(model_dir, cfg, head="value")
         first = critic.compute_values(batch)
         losses = []
         loss_fn = make_value_loss_fn(clip=0.0)

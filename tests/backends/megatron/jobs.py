@@ -157,12 +157,12 @@ def _offload_roundtrip(model_dir: str, full, lr: str) -> dict:
             cuda = engine.device.type == "cuda"
             allocated = torch.cuda.memory_allocated if cuda else (lambda: 0)
             before = allocated()
-            moved["offload"] = engine.offload(optimizer=True, grads=True)
+            moved["offload"] = engine.offload(("optimizer", "grads"))
             moved["released"] = before - allocated()
             engine.compute_logprobs(full)                 # rollout-time use: no grads, no optimizer
             moved["reload"] = engine.reload()
             before = allocated()
-            moved["offload_params"] = engine.offload(optimizer=False, grads=False, params=True)
+            moved["offload_params"] = engine.offload(("params",))
             moved["released_params"] = before - allocated()
             moved["reload_params"] = engine.reload()
             if not cuda:   # CPU: optimizer state spilled to a file and freed, then read back
@@ -172,7 +172,7 @@ def _offload_roundtrip(model_dir: str, full, lr: str) -> dict:
 
                 state_bytes = sum(t.numel() * t.element_size() for _, _, t in _optimizer_tensors(engine))
                 with tempfile.TemporaryDirectory() as spill:
-                    moved["spill"] = engine.offload(optimizer=True, grads=False, spill_dir=spill)
+                    moved["spill"] = engine.offload(("optimizer",), spill_dir=spill)
                     moved["held_while_spilled"] = sum(t.numel() for _, _, t in _optimizer_tensors(engine))
                     moved["unspill"] = engine.reload()
                 moved["optimizer_state_bytes"] = state_bytes

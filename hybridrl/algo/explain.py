@@ -1,0 +1,161 @@
+"""What objective a config trains, in words, and the combinations that would silently train
+something else (`hybridrl config show --explain`; the refusals also stop `hybridrl train` in its
+preflight, the warnings are printed there).
+
+Each check is a `Finding`: `refuse` (the run would train nothing, or not what its keys say),
+`warn` (legitimate but easy to get wrong: a different divergence, a biased correction). They read
+the algorithm's registry entries (`hybridrl/algo/registry.py`) and the KL table
+(`hybridrl/algo/kl.py`), so the explanation is the code's own. Import-light: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hybridrl.algo import kl
+from hybridrl.algo.registry import estimator, policy_loss
+
+REFUSE, WARN = "refuse", "warn"
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str          # REFUSE | WARN
+    key: str            # the key to change
+    message: str        # one line: what happens, and the fix
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}"
+
+
+def stale_tokens_possible(cfg: Any) -> bool:
+    """Whether a trained token can come from an older policy version than the one being trained."""
+    if cfg.algo.max_policy_lag == 0:
+        return False                      # the admission filter drops every token older than the trainer
+    if cfg.placement.disaggregated:
+        return True
+    return cfg.trainer.rollout_mode == "partial"
+
+
+def findings(cfg: Any, *, train_size: int | None = None) -> list[Finding]:
+    """The checks on `cfg` (a resolved Config). `train_size`: instances the task's train split really
+    holds (preflight draws it), else task.train_size."""
+    if cfg.run.job != "rl":
+        return []
+    algo, tc, agent = cfg.algo, cfg.trainer, cfg.agent
+    adv = estimator(algo.advantage)
+    out: list[Finding] = []
+
+    def refuse(key: str, message: str) -> None:
+        out.append(Finding(REFUSE, key, message))
+
+    def warn(key: str, message: str) -> None:
+        out.append(Finding(WARN, key, message))
+
+    partial = tc.rollout_mode == "partial" and not cfg.placement.disaggregated
+    group_signal = adv.group_baseline(algo)
+    if tc.group_size == 1 and group_signal:
+        refuse("trainer.group_size", f"{algo.advantage} compares each sample with its group: with groups of one "
+                                     "every advantage is 0; use trainer.group_size >= 2, or an estimator without a "
+                                     "group baseline (algo.advantage=gae, or reinforce_pp with "
+                                     "algo.reinforce_baseline=none)")
+    elif tc.group_size == 1 and algo.drop_all_equal_groups:
+        refuse("algo.drop_all_equal_groups", "a group of one always has equal rewards: every episode would be "
+                                             "dropped before the update; set algo.drop_all_equal_groups=false")
+    elif algo.drop_all_equal_groups and not group_signal:
+        warn("algo.drop_all_equal_groups", f"{algo.advantage} gives all-equal groups non-zero advantages, and they "
+                                           "are dropped (fewer samples per step); set it false to train on them")
+    stale = stale_tokens_possible(cfg)
+    if stale and not algo.corrects_behavior:
+        refuse("algo.tis_cap", "tokens sampled by older policy versions (partial rollouts, a queue, or a "
+                               "disaggregated lag) would train as if on-policy: set algo.tis_cap > 0 (e.g. 2.0) or "
+                               "algo.mis, or algo.max_policy_lag=0")
+    filtered = agent.top_p < 1.0 or agent.top_k > 0
+    if filtered and algo.corrects_behavior:
+        refuse("agent.top_p" if agent.top_p < 1.0 else "agent.top_k",
+               "the engines return logprobs of the full softmax, not of the top-p/top-k distribution they sample "
+               "from, so the behaviour weights would not be ratios to the sampling policy; sample the full policy "
+               "(agent.top_p=1, agent.top_k=-1), or turn the correction off (algo.tis_cap=0, algo.mis=off) and "
+               "accept the bias")
+    elif filtered:
+        warn("agent.top_p" if agent.top_p < 1.0 else "agent.top_k",
+             "samples of the truncated top-p/top-k distribution train as samples of the full policy (a biased "
+             "gradient); RL usually samples with agent.top_p=1 agent.top_k=-1")
+    if algo.uses_reference:
+        option = algo.kl_option
+        gradient = kl.GRADIENTS[(algo.kl_in, option)]
+        if (algo.kl_in, option) not in kl.FORWARD:
+            warn("algo.kl_estimator", f"{option} in the {algo.kl_in} gives {gradient}; "
+                                      f"algo.kl_estimator=auto gives grad KL(pi || ref)")
+    if algo.drop_truncated:
+        warn("algo.drop_truncated", "truncated members leave their group before its statistics, so running out "
+                                    "of budget is a way out of a negative advantage; false keeps them with "
+                                    "their reward")
+    if algo.overlong_buffer >= agent.max_response_tokens:
+        refuse("algo.overlong_buffer", f"{algo.overlong_buffer} >= agent.max_response_tokens "
+                                       f"({agent.max_response_tokens}): every response would be penalised; use a "
+                                       "buffer shorter than the budget")
+    if stale and algo.max_policy_lag < 0:
+        warn("algo.max_policy_lag", "no bound on the age of trained tokens: queued or waiting groups of any age "
+                                    "train, corrected by the behaviour weight only; set algo.max_policy_lag")
+    drawn = tc.groups_in_flight if partial else tc.prompts_per_step
+    size = train_size if train_size is not None else cfg.task.train_size
+    if drawn > size:
+        refuse("trainer.prompts_per_step", f"a step draws {drawn} prompts from a train split of {size}: a prompt "
+                                           "would be drawn twice in one step (one merged group); raise "
+                                           "task.train_size or lower trainer.prompts_per_step / oversample")
+    return out
+
+
+def describe(cfg: Any) -> list[str]:
+    """The objective `cfg` trains, one line per part."""
+    algo, agent = cfg.algo, cfg.agent
+    adv, loss = estimator(algo.advantage), policy_loss(algo.policy_loss)
+    lines = [f"advantage      {algo.advantage}: {adv.summary}",
+             f"policy loss    {algo.policy_loss}: {loss.summary}"]
+    if algo.uses_reference:
+        option = algo.kl_option
+        weight = " x sg(pi / pi_behaviour) (the samples' importance weight)" if algo.kl_in == "loss" else ""
+        lines.append(f"KL penalty     {algo.kl_coef} x {option} in the {algo.kl_in}{weight}: "
+                     f"{kl.GRADIENTS[(algo.kl_in, option)]}")
+    else:
+        lines.append("KL penalty     off (algo.kl_coef=0): no reference model")
+    lines.append(f"entropy bonus  {algo.entropy_coef}" if algo.entropy_coef > 0 else "entropy bonus  off")
+    if algo.tis_cap > 0:
+        how = "truncated (TIS)" if algo.tis_mode == "truncate" else "masked above it (decoupled PPO)"
+        behaviour = f"w = pi_old / pi_behaviour per token, {how} at {algo.tis_cap}"
+    else:
+        behaviour = "none (w = 1)"
+    if algo.mis != "off":
+        behaviour += f"; MIS at {algo.mis} level drops ratios outside [{algo.mis_low}, {algo.mis_high}]"
+    lines.append(f"behaviour      {behaviour}")
+    if stale_tokens_possible(cfg):
+        bound = f"at most {algo.max_policy_lag} versions old" if algo.max_policy_lag >= 0 else "of any age"
+        lines.append(f"stale tokens   trained tokens may be {bound} ({algo.partial_policy} for multi-version "
+                     f"rows), each weighted by w")
+    else:
+        lines.append("stale tokens   none: every trained token was sampled by the version being trained "
+                     "(w corrects the engine's numerics only)")
+    truncated = ("dropped before the group statistics" if algo.drop_truncated else
+                 "kept in their group with the reward they earned, and trained")
+    if algo.overlong_buffer > 0:
+        truncated += (f"; overlong penalty up to {algo.overlong_penalty} over the last {algo.overlong_buffer} of "
+                      f"{agent.max_response_tokens} response tokens")
+    lines.append(f"truncated      {truncated}")
+    lines.append("all-equal      " + ("groups dropped (no signal)" if algo.drop_all_equal_groups else "groups kept"))
+    return lines
+
+
+def explain(cfg: Any, *, train_size: int | None = None) -> tuple[str, list[Finding]]:
+    """(the text of `hybridrl config show --explain`, the findings)."""
+    if cfg.run.job != "rl":
+        return f"run.job={cfg.run.job}: no RL objective", []
+    found = findings(cfg, train_size=train_size)
+    lines = ["the RL objective:", *(f"  {line}" for line in describe(cfg))]
+    if found:
+        lines.append("checks:")
+        lines += [f"  {f.level:6s} {f}" for f in found]
+    else:
+        lines.append("checks: nothing refused or warned")
+    return "\n".join(lines), found

@@ -1,0 +1,179 @@
+"""The training side of one RL step, on one rank's share of the batch, against the training-engine
+protocol (`training.protocol.TrainEngine`): pipeline stages, pass counting and ratio capture live in
+the engines; this file is the algorithm.
+
+    reference logprobs (a KL term)      -> batch['ref_logprobs']
+    old logprobs                         a forward only when the batch takes more than one optimizer
+                                         step or the KL goes into the reward; otherwise the first
+                                         training forward's detached logprobs serve (ratio 1 by
+                                         construction, and the rollout/trainer mismatch comes from it)
+    the critic's values (GAE)            -> batch['values']
+    KL in the reward, advantages         on the loss ranks; group and batch statistics summed over
+                                         the data-parallel ranks, so a group split over ranks gets the
+                                         whole group's statistics
+    critic steps, then ppo_epochs x mini-batches actor steps, on the same mini-batches
+
+The batch arrives laid out by `algo.minibatches` (tensors: input_ids, attention_mask, loss_mask,
+behavior_logprobs, reward, group_index). What returns, on the output ranks, is one Batch row per
+input row: the row's mean advantage and worst mismatch, the per-token old logprobs, advantages
+(and reference logprobs) the run ledger keeps, and in `info` the step's scalars ('metrics'), one
+dict per optimizer step ('per_update') and the critic's scalars ('critic').
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from hybridrl.algo.correction import mismatch_sums
+from hybridrl.algo.minibatches import mini_batch_slices
+from hybridrl.algo.objective import compute_advantages, compute_gae, kl_token_rewards
+from hybridrl.data.batch import Batch
+
+
+@dataclass
+class Objective:
+    """The configured losses: `policy` when old logprobs come from a separate forward, `on_policy` when
+    the training forward's own detached logprobs are the old ones; `value` for a critic."""
+
+    algo: Any
+    policy: Callable
+    on_policy: Callable
+    value: Callable | None = None
+
+
+def update_policy(actor, ref, critic, objective: Objective, batch: Batch, *, mini_batch_rows: list[int],
+                  num_groups: int, epochs: int, temperature: float, update_actor: bool = True) -> Batch | None:
+    algo = objective.algo
+    batch = batch.to(actor.device)
+    slices = mini_batch_slices(mini_batch_rows)
+    if slices[-1][1] != len(batch):
+        raise ValueError(f"mini_batch_rows {mini_batch_rows} cover {slices[-1][1]} rows, this rank holds "
+                         f"{len(batch)}: lay the batch out with algo.minibatches.lay_out")
+    updates = epochs * len(slices)
+    separate_old = updates > 1 or (ref is not None and algo.kl_in == "reward")
+    before = (dict(actor.passes), dict(ref.passes) if ref is not None else {})
+    mask = batch["loss_mask"]
+    timings = {"time/T_ref": 0.0, "time/T_old": 0.0}
+
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        out = fn()
+        timings[f"time/T_{name}"] = time.perf_counter() - started
+        return out
+
+    def everywhere(out: Batch | None, name: str) -> torch.Tensor:     # zeros off the loss ranks (no loss there)
+        return out[name].to(actor.device) if out is not None else torch.zeros_like(mask)
+
+    if ref is not None:
+        batch.set("ref_logprobs", timed("ref", lambda: everywhere(
+            ref.compute_logprobs(batch, temperature=temperature, on_last_stage=True), "logprobs")))
+    if separate_old:
+        batch.set("old_logprobs", timed("old", lambda: everywhere(
+            actor.compute_logprobs(batch, temperature=temperature, on_last_stage=True), "logprobs")))
+    started = time.perf_counter()
+    if critic is not None:
+        batch.set("values", everywhere(critic.compute_values(batch, on_last_stage=True), "values"))
+    advantages = torch.zeros_like(mask)
+    if actor.is_loss_rank:
+        token_rewards = (kl_token_rewards(algo, batch["old_logprobs"], batch["ref_logprobs"], mask)
+                         if ref is not None and algo.kl_in == "reward" else None)
+        if critic is not None:
+            advantages, returns = compute_gae(algo, batch["reward"], batch["values"], mask,
+                                              token_rewards=token_rewards, reduce=actor.dp_sum)
+            batch.set("returns", returns)
+        else:
+            advantages = compute_advantages(algo, batch["reward"], batch["group_index"], mask,
+                                            token_rewards=token_rewards, num_groups=num_groups, reduce=actor.dp_sum)
+    elif critic is not None:                 # ranks off the last stage compute no loss: shapes only
+        batch.set("returns", torch.zeros_like(mask))
+    batch.set("advantages", advantages.to(torch.float32))
+    timings["time/T_adv"] = time.perf_counter() - started
+
+    critic_metrics = {}
+    if critic is not None:
+        critic_metrics = timed("critic", lambda: _train_critic(critic, objective.value, batch, slices, epochs))
+    per_update: list[dict] = []
+    captured = None
+    if update_actor:
+        loss_fn = objective.policy if separate_old else objective.on_policy
+
+        def steps() -> None:
+            nonlocal captured
+            for epoch in range(epochs):
+                for lo, hi in slices:
+                    first = not per_update and not separate_old
+                    out = actor.train_step(batch.slice(lo, hi), loss_fn, temperature=temperature, with_entropy=True,
+                                           extremes=("ratio",), capture=first)
+                    if first:
+                        captured = out.pop("logprobs")
+                        captured = None if captured is None else _rows(captured, mask, lo, hi)
+                    per_update.append(out)
+
+        timed("update", steps)
+    passes = {"passes/train": float(actor.passes["train"] - before[0]["train"]),
+              "passes/old_logprobs": float(actor.passes["logprobs"] - before[0]["logprobs"]),
+              "passes/ref_logprobs": float(ref.passes["logprobs"] - before[1]["logprobs"]) if ref is not None else 0.0}
+    if not actor.is_loss_rank:
+        return None
+    old = batch["old_logprobs"] if separate_old else captured
+    metrics: dict[str, float] = {**timings, **passes}
+    if update_actor:
+        metrics.update(_step_scalars(actor, per_update, len(slices), old, batch["behavior_logprobs"], mask))
+    if not actor.is_output_rank:
+        return None
+    on = mask > 0
+    tokens = on.sum(dim=1).clamp(min=1)
+    worst = (torch.where(on, (old - batch["behavior_logprobs"]).abs(), torch.zeros_like(old)).max(dim=1).values
+             if old is not None else torch.zeros(len(batch)))
+    rows = {"advantage": (advantages * on).sum(dim=1) / tokens, "mismatch_max_abs": worst}
+    if update_actor:
+        rows.update(old_logprobs=old, advantages=advantages.to(torch.float32),
+                    **({"ref_logprobs": batch["ref_logprobs"]} if ref is not None else {}))
+    return Batch({k: v.detach().float().cpu() for k, v in rows.items()},
+                 info={"metrics": metrics, "per_update": per_update, "critic": critic_metrics})
+
+
+def _rows(values: torch.Tensor, mask: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Values of rows [lo, hi) placed in a tensor shaped like the whole share (zeros elsewhere)."""
+    out = torch.zeros_like(mask, dtype=torch.float32)
+    out[lo:hi, : values.shape[1]] = values.to(out.device)
+    return out
+
+
+def _step_scalars(actor, per_update: list[dict], per_epoch: int, old: torch.Tensor, behavior: torch.Tensor,
+                  mask: torch.Tensor) -> dict[str, float]:
+    """One step's scalars from its optimizer steps: means of each metric, the last learning rate, the tokens
+    and sequences of one epoch (the batch, counted once), ratio extremes, and the rollout/trainer mismatch
+    over the data-parallel ranks."""
+    keys = [k for k in per_update[0] if k not in ("lr", "num_tokens", "num_sequences", "ratio_max", "ratio_min")]
+    out = {k: sum(u[k] for u in per_update) / len(per_update) for k in keys}
+    out["lr"] = per_update[-1]["lr"]
+    for k in ("num_tokens", "num_sequences"):
+        out[k] = sum(u[k] for u in per_update[:per_epoch])
+    out["grad_norm_max"] = max(u["grad_norm"] for u in per_update)
+    out["clip_fraction_last"] = per_update[-1].get("clip_fraction", 0.0)
+    out["ratio_max"] = max(u["ratio_max"] for u in per_update)
+    out["ratio_min"] = min(u["ratio_min"] for u in per_update)
+    out["optimizer_steps"] = float(len(per_update))
+    local = mismatch_sums(old, behavior, mask)
+    total = actor.dp_sum(local["sums"])
+    worst = float(actor.dp_max(local["max_abs"].reshape(1).double())[0])
+    n = max(float(total[0]), 1.0)
+    out.update({"mismatch/max_abs": worst, "mismatch/mean_abs": float(total[1]) / n, "mismatch/k3": float(total[2]) / n})
+    return out
+
+
+def _train_critic(critic, value_loss: Callable, batch: Batch, slices: list[tuple[int, int]],
+                  epochs: int) -> dict[str, float]:
+    """`epochs` passes of one critic step per mini-batch slice: critic/* (means over the steps, the last
+    learning rate, the step count)."""
+    steps = [critic.train_step(batch.slice(lo, hi), value_loss) for _ in range(epochs) for lo, hi in slices]
+    out = {f"critic/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]
+           if k not in ("lr", "num_tokens", "num_sequences")}
+    out["critic/lr"] = steps[-1]["lr"]
+    out["critic/optimizer_steps"] = float(len(steps))
+    return out

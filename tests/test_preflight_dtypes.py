@@ -1,0 +1,66 @@
+"""Preflight refuses an RL run whose rollout engine holds another dtype than the trainer publishes
+(the publication does not convert dtypes: the first publication would be refused after every rank
+started), and a parity tolerance those dtypes cannot pass; each in one line naming the keys."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from hybridrl import preflight
+from hybridrl.cli import main
+from hybridrl.config.loader import load_config
+from tests.launch import ROOT
+
+GRPO = str(ROOT / "recipes" / "calc_grpo_cpu.yaml")
+QWEN = str(ROOT / "recipes" / "qwen2.5_0.5b_gsm8k_calc.yaml")
+
+
+def cfg(*overrides, recipe=GRPO):
+    return load_config(recipe, ["model.path=/m", *overrides])
+
+
+def refusal(*overrides, recipe=GRPO) -> str:
+    with pytest.raises(preflight.PreflightError) as info:
+        preflight.check_dtypes(cfg(*overrides, recipe=recipe))
+    return str(info.value)
+
+
+def test_train_and_rollout_dtypes_must_agree():
+    preflight.check_dtypes(cfg("distributed.device=cpu"))                  # float32 and native auto on CPU
+    preflight.check_dtypes(cfg(recipe=QWEN))                               # bfloat16 on both sides
+    err = refusal("rollout.engine=sglang", "publish.verify=structure")     # the defaults: float32 vs bfloat16
+    assert err == ("train.dtype=float32 but the rollout engine runs in bfloat16 (rollout.sglang.dtype): the weights "
+                   "are published as they are, without conversion; set rollout.sglang.dtype=float32 or "
+                   "train.dtype=bfloat16")
+    err = refusal("distributed.device=cuda")                               # native auto is bfloat16 on CUDA
+    assert "(rollout.native.dtype=auto on cuda)" in err and "set rollout.native.dtype=float32" in err
+    assert "runs in float32" in refusal("train.dtype=bfloat16", "distributed.device=cpu")
+    preflight.check_dtypes(cfg("train.dtype=bfloat16", "rollout.native.dtype=bfloat16", "publish.parity_tolerance=0.1"))
+
+
+def test_a_parity_tolerance_the_dtypes_cannot_pass():
+    bf16 = ("train.dtype=bfloat16", "rollout.native.dtype=bfloat16")
+    err = refusal(*bf16)                                                   # the 1e-3 default with bfloat16
+    assert err.startswith("publish.parity_tolerance=0.001 cannot pass in bfloat16") and \
+        "set publish.parity_tolerance=0.1, or publish.parity_prompts=0" in err
+    preflight.check_dtypes(cfg(*bf16, "publish.parity_prompts=0"))         # no probe: nothing to pass
+
+
+def test_device_auto_on_a_cpu_build_does_not_import_torch():
+    import subprocess
+
+    code = ("import sys; from hybridrl import preflight; from hybridrl.config.loader import load_config; "
+            f"preflight.check_dtypes(load_config({GRPO!r}, ['model.path=/m'])); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_hybridrl_train_stops_on_it_in_one_line(tmp_path, capsys, tiny_models):
+    model = tiny_models("qwen2", init_std=0.05)
+    capsys.readouterr()                                                    # what making the model printed
+    code = main(["train", GRPO, f"model.path={model}", f"run.dir={tmp_path / 'run'}", "rollout.engine=sglang",
+                 "publish.verify=structure", "--check"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "rollout.sglang.dtype" in err, err
