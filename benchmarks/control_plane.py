@@ -77,6 +77,8 @@ def _worker_class():
     from hybridrl.workers.base import Worker, register
 
     class BenchWorker(Worker):
+        __qualname__ = "BenchWorker"   # its methods are named after it in messages: 'BenchWorker.busy'
+
         @register(dispatch=OneToAll("rank0"))
         def noop(self):
             return None
@@ -368,7 +370,7 @@ def summarize(run: dict, scenario: str, args) -> dict:
         err = ctl.get("error", "")
         rank = run["world_size"] - 1
         return {"raise_to_exit_s": run["raise_to_exit_s"],
-                "error_names_rank_method_traceback": (f"rank {rank} failed in 'busy'" in err and "m4rk" in err
+                "error_names_rank_method_traceback": (f"rank {rank} failed in '" in err and "busy'" in err and "m4rk" in err
                                                       and "Traceback" in err)}
     err = ctl.get("error", "")
     return {"dead_to_exit_s": run["dead_to_exit_s"], "dead_to_error_s": run["dead_to_error_s"],

@@ -120,5 +120,5 @@ def test_a_lost_node_is_named_with_its_ranks_and_every_rank_exits(tmp_path):
     error = result["controller"]["error"]
     assert result["killed_ranks"] == [2, 3] and result["killed_node"] == "node1"
     assert "node node1 lost: ranks 2, 3 (every rank on it) sent no heartbeat" in error, error
-    assert error.startswith("rank 2 failed in 'busy'")
+    assert error.startswith("rank 2 failed in 'BenchWorker.busy'")
     assert result["dead_to_exit_s"] < 3.0 + 20                       # the heartbeat timeout, then the abort
