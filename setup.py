@@ -47,7 +47,13 @@ setup(
         "pyarrow>=14",          # the run ledger's data plane (Parquet)
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.8", "pyseccomp>=0.1.2"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.8", "pyseccomp>=0.1.2", "peft>=0.17",
+                 "openai>=1.40", "starlette>=0.37", "uvicorn>=0.30"],
+        # LoRA adapters loaded onto an HF model from a PEFT directory (`export_peft` writes one)
+        "lora": ["peft>=0.17"],
+        # task.agent: agents written with the OpenAI client, through the gateway (hybridrl/gateway/; the task
+        # section names these when missing). Tested with openai 3.57, starlette 1.10, uvicorn 0.54.
+        "gateway": ["openai>=1.40", "starlette>=0.37", "uvicorn>=0.30"],
         # `hybridrl plot` (imported only there; the command says how to install it when missing)
         "plot": ["matplotlib>=3.8"],
         # the tool sandbox's syscall filter: libseccomp through a ctypes binding (the system's libseccomp.so.2)

@@ -1,8 +1,14 @@
-"""Generation throughput: the native engine against transformers `generate`, side by side.
+"""Generation throughput: the native engine against transformers `generate` and vLLM, side by side.
 
     python benchmarks/generation.py --json out.json [--sizes tiny,small,medium] [--batch 32]
+    .venv-vllm/bin/python benchmarks/generation.py --json out.json --vllm vllm,vllm_packed   # with vLLM
 
-Workload (the same for both, per model size): `--batch` requests with prompt lengths drawn
+vLLM is a peer where it is importable (its own venv: `make vllm-venv`) and the model's head size is
+one its CPU attention takes; it gets the requests through the same async engine API as the native
+engine (`hybridrl.backends.vllm`), with its worker on --threads threads. Each repeat runs every peer
+back to back, the order rotating; ratios are medians of the paired per-repeat ratios.
+
+Workload (the same for every peer, per model size): `--batch` requests with prompt lengths drawn
 uniformly from --prompt-len (default 16:128) and output budgets from --output-len (default
 16:128), sampling at --temperature (default 0.7), EOS on. transformers gets the batch as one
 left-padded `generate` call with a per-row stopping criterion enforcing each row's budget (it
@@ -98,7 +104,17 @@ def run_engine(engine, prompts, olens, temperature, top_p, seed, tag) -> tuple[i
     return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0
 
 
+VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)    # vLLM's CPU attention kernel
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 def bench_size(name: str, model_dir: Path, args) -> dict:
+    """Every peer on the same workload; each repeat runs them back to back, the order rotating."""
     from transformers import AutoModelForCausalLM
 
     from hybridrl.backends.native import NativeEngine, NativeEngineConfig
@@ -107,45 +123,73 @@ def bench_size(name: str, model_dir: Path, args) -> dict:
     params = sum(p.numel() for p in hf.parameters())
     cfg = NativeEngineConfig(kv_cache_mb=args.kv_cache_mb, max_num_seqs=max(64, args.batch),
                              max_num_batched_tokens=args.max_num_batched_tokens)
-    engine = NativeEngine.from_pretrained(model_dir, cfg, device="cpu")
-    eos = set(engine.eos_token_ids)
+    engines = {"engine": NativeEngine.from_pretrained(model_dir, cfg, device="cpu")}
+    eos = set(engines["engine"].eos_token_ids)
+    skipped = {}
+    wanted = [e for e in args.vllm.split(",") if e]
+    head = hf.config.hidden_size // hf.config.num_attention_heads
+    if wanted and not vllm_available():
+        skipped = {e: "vllm is not importable here (make vllm-venv; run with .venv-vllm/bin/python)" for e in wanted}
+    elif wanted and head not in VLLM_HEAD_SIZES:
+        skipped = {e: f"head size {head}: vLLM's CPU attention takes {list(VLLM_HEAD_SIZES)}" for e in wanted}
+    else:
+        from hybridrl.backends.vllm.config import VLLMConfig
+        from hybridrl.backends.vllm.engine import VLLMEngine
+
+        for variant in wanted:
+            # "vllm": as hybridrl runs it (plain weights the in-place copies reach); "vllm_packed": vLLM's own
+            # CPU loading, its GEMM weights packed for its kernels (no in-place publication possible)
+            extra = {"load_format": "auto"} if variant == "vllm_packed" else {}
+            engines[variant] = VLLMEngine(model_dir, VLLMConfig(
+                kv_cache_mb=args.kv_cache_mb, max_num_seqs=max(64, args.batch), threads=args.threads,
+                engine_args=extra), seed=args.seed)
     prompts, olens = make_workload(args.batch, parse_range(args.prompt_len), parse_range(args.output_len),
-                                   min(engine.vocab_size, 500), args.seed)
-    # warm-up both on the full batch with short outputs (allocator, kernel selection for these shapes)
-    run_hf(hf, prompts, [8] * len(prompts), eos, args.temperature, args.top_p, 0)
-    run_engine(engine, prompts, [8] * len(prompts), args.temperature, args.top_p, 0, "warm")
-    hf_rates, engine_rates, ratios, rows = [], [], [], []
+                                   min(engines["engine"].vocab_size, 500), args.seed)
+    runners = {"hf": lambda r, lens: run_hf(hf, prompts, lens, eos, args.temperature, args.top_p, args.seed + r)}
+    for key, engine in engines.items():
+        runners[key] = (lambda e, k: lambda r, lens: run_engine(e, prompts, lens, args.temperature, args.top_p,
+                                                                 args.seed + 1000 * r, f"{k}{r}"))(engine, key)
+    # warm-up every peer on the full batch with short outputs (allocator, kernel selection for these shapes)
+    for run in runners.values():
+        run(-1, [8] * len(prompts))
+    names = list(runners)
+    rates = {k: [] for k in names}
+    rows = []
     for r in range(args.repeats):
-        def hf_run():
-            return run_hf(hf, prompts, olens, eos, args.temperature, args.top_p, args.seed + r)
-
-        def engine_run():
-            return run_engine(engine, prompts, olens, args.temperature, args.top_p, args.seed + 1000 * r, f"r{r}")
-
-        if r % 2 == 0:
-            (n_hf, s_hf), (n_en, s_en) = hf_run(), engine_run()
-        else:
-            (n_en, s_en), (n_hf, s_hf) = engine_run(), hf_run()
-        hf_rates.append(n_hf / s_hf)
-        engine_rates.append(n_en / s_en)
-        ratios.append(engine_rates[-1] / hf_rates[-1])
-        rows.append({"hf_tokens": n_hf, "hf_s": round(s_hf, 3), "engine_tokens": n_en, "engine_s": round(s_en, 3),
-                     "ratio": round(ratios[-1], 3)})
-        print(f"  [{name}] repeat {r}: hf {n_hf} tok in {s_hf:.2f}s ({n_hf / s_hf:.0f}/s) | engine {n_en} tok in "
-              f"{s_en:.2f}s ({n_en / s_en:.0f}/s) | ratio {ratios[-1]:.2f}", file=sys.stderr)
-    stats = engine.stats()
-    engine.close()
-    return {
+        order = names[r % len(names):] + names[: r % len(names)]
+        row = {}
+        for key in order:
+            n, seconds = runners[key](r, olens)
+            rates[key].append(n / seconds)
+            row[f"{key}_tokens"], row[f"{key}_s"] = n, round(seconds, 3)
+        row["ratio"] = round(rates["engine"][-1] / rates["hf"][-1], 3)
+        rows.append(row)
+        print(f"  [{name}] repeat {r}: " + " | ".join(f"{k} {rates[k][-1]:.0f} tok/s" for k in names),
+              file=sys.stderr)
+    ratios = [a / b for a, b in zip(rates["engine"], rates["hf"])]
+    stats = engines["engine"].stats()
+    out = {
         "size": name, "params": params, "model_spec": SIZES.get(name, {}),
-        "engine_tokens_per_s": round(statistics.median(engine_rates), 1),
-        "hf_tokens_per_s": round(statistics.median(hf_rates), 1),
+        "engine_tokens_per_s": round(statistics.median(rates["engine"]), 1),
+        "hf_tokens_per_s": round(statistics.median(rates["hf"]), 1),
         "ratio": round(statistics.median(ratios), 3),
         "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3),
         # best run of each side: the least disturbed by other jobs on a shared machine
-        "ratio_of_best": round(max(engine_rates) / max(hf_rates), 3),
-        "runs": rows, "engine_driver": engine.driver,
-        "engine_steps": stats["steps"], "engine_preemptions": stats["preemptions"],
+        "ratio_of_best": round(max(rates["engine"]) / max(rates["hf"]), 3),
+        "runs": rows, "engine_driver": engines["engine"].driver,
+        "engine_steps": stats["steps"], "engine_preemptions": stats["preemptions"], "skipped": skipped,
     }
+    for key in names:
+        if key.startswith("vllm"):
+            paired = lambda a, b: [x / y for x, y in zip(rates[a], rates[b])]   # noqa: E731
+            out[f"{key}_tokens_per_s"] = round(statistics.median(rates[key]), 1)
+            out[f"ratio_{key}_hf"] = round(statistics.median(paired(key, "hf")), 3)
+            out[f"ratio_native_{key}"] = round(statistics.median(paired("engine", key)), 3)
+            out[f"ratio_native_{key}_range"] = [round(min(paired("engine", key)), 3),
+                                                round(max(paired("engine", key)), 3)]
+    for engine in engines.values():
+        engine.close()
+    return out
 
 
 def main(argv=None) -> int:
@@ -164,6 +208,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both")
     parser.add_argument("--kv-cache-mb", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--vllm", default="vllm" if vllm_available() else "",
+                        help="vLLM peers, comma list of vllm (as hybridrl runs it: plain weights) and vllm_packed "
+                             "(vLLM's own CPU weight packing); default vllm where it is importable, '' for none")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from hybridrl.assets.tiny_model import TinyModelSpec, build_tiny_model
@@ -184,6 +231,7 @@ def main(argv=None) -> int:
         "workload": {"batch": args.batch, "prompt_len": args.prompt_len, "output_len": args.output_len,
                      "temperature": args.temperature, "top_p": args.top_p, "repeats": args.repeats,
                      "threads": args.threads, "dtype": "float32", "device": "cpu"},
+        "peers": ["engine (native)", "hf (transformers generate)", *[v for v in args.vllm.split(",") if v]],
         "sizes": results,
     }
     text = json.dumps(out, indent=2)

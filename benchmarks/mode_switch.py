@@ -2,9 +2,11 @@
 
     python benchmarks/mode_switch.py --out runs/bench/mode_switch [--sizes 1m,10m,100m] [--cycles 5]
 
-For each size it builds a Qwen2-architecture model with `hybridrl assets tiny-model` (cached in
---cache), runs `hybridrl bench mode-switch` (each verify mode), and writes every JSON plus a
-table (table.md, summary.json). Ratios are measured against the copy floor taken in the same run.
+For each size it builds a model with `hybridrl assets tiny-model` (cached in --cache): Qwen2 for
+1m/10m/100m, a Qwen3-MoE for `moe` (8 experts, top-2; trained on 2 ranks with its experts split over
+both, train.ep=2, so publication gathers each expert from the rank that holds it), runs `hybridrl
+bench mode-switch` (each verify mode), and writes every JSON plus a table (table.md, summary.json).
+Ratios are measured against the copy floor taken in the same run.
 """
 
 from __future__ import annotations
@@ -17,18 +19,25 @@ import subprocess
 import sys
 from pathlib import Path
 
-SIZES = {   # name: tiny-model arguments
-    "1m": ["--hidden", "128", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--intermediate", "384"],
-    "10m": ["--hidden", "256", "--layers", "10", "--heads", "8", "--kv-heads", "4", "--intermediate", "1024"],
-    "100m": ["--hidden", "768", "--layers", "14", "--heads", "12", "--kv-heads", "4", "--intermediate", "2048"],
+SIZES = {   # name: (architecture, tiny-model arguments)
+    "1m": ("qwen2", ["--hidden", "128", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--intermediate", "384"]),
+    "10m": ("qwen2", ["--hidden", "256", "--layers", "10", "--heads", "8", "--kv-heads", "4", "--intermediate",
+                      "1024"]),
+    "100m": ("qwen2", ["--hidden", "768", "--layers", "14", "--heads", "12", "--kv-heads", "4", "--intermediate",
+                       "2048"]),
+    "moe": ("qwen3_moe", ["--hidden", "256", "--layers", "6", "--heads", "8", "--kv-heads", "4", "--intermediate",
+                          "1024", "--experts", "8", "--experts-per-tok", "2", "--moe-intermediate", "384"]),
 }
+# how a size runs besides --tp: the MoE model on two ranks, its experts split over them
+LAYOUT = {"moe": ["--nproc", "2", "train.ep=2"]}
 
 
 def build(name: str, cache: Path) -> Path:
-    out = cache / f"qwen2-{name}"
+    arch, args = SIZES[name]
+    out = cache / f"{arch}-{name}"
     if not (out / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "hybridrl", "assets", "tiny-model", "--arch", "qwen2", "--out",
-                        str(out), *SIZES[name]], check=True)
+        subprocess.run([sys.executable, "-m", "hybridrl", "assets", "tiny-model", "--arch", arch, "--out",
+                        str(out), *args], check=True)
     return out
 
 
@@ -57,7 +66,7 @@ def main() -> int:
                     env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1" if pages == "on" else "0"}
                     subprocess.run([sys.executable, "-m", "hybridrl", "bench", "mode-switch", "--model", str(model),
                                     "--tp", str(args.tp), "--cycles", str(args.cycles), "--verify", verify,
-                                    "--json", str(path)], check=True, env=env)
+                                    "--json", str(path), *LAYOUT.get(size, [])], check=True, env=env)
                     runs.setdefault((size, verify, pages), []).append(json.loads(path.read_text()))
     rows = []
     for (size, verify, pages), results in runs.items():

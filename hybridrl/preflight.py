@@ -66,10 +66,12 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
             raise PreflightError(problem)
         world_size -= placement.rollout_ranks
         world_key = "training ranks (world size - placement.rollout_ranks)"
-    check_layout(cfg.model.path, cfg.train.tp, cfg.train.pp, world_size, world_key=world_key)
+    check_layout(cfg.model.path, cfg.train.tp, cfg.train.pp, world_size, world_key=world_key, ep=cfg.train.ep)
     if cfg.run.job == "rl":
         check_dtypes(cfg)
     train_size = check_task(cfg)
+    if cfg.run.job == "rl":
+        check_curriculum_and_suite(cfg)
     notes = warnings(cfg, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or
                               cfg.distributed.nproc_per_node) if world_size is None else world_size)
     notes += check_objective(cfg, train_size)
@@ -94,6 +96,17 @@ def check_interface(ifname: str) -> None:
         interface_address(ifname)
     except InterfaceError as err:
         raise PreflightError(str(err)) from None
+
+
+def check_curriculum_and_suite(cfg: Any) -> None:
+    """task.mixture settings the collection can honour, and trainer.eval_suite: tasks the run holds, the
+    run's budgets, no instance shared with the training split (hybridrl.evaluate.protect)."""
+    from hybridrl.envs.tasks.mixture import check_mixture
+    from hybridrl.evaluate.protect import check_run
+
+    problem = check_mixture(cfg) or check_run(cfg)
+    if problem:
+        raise PreflightError(problem)
 
 
 def check_objective(cfg: Any, train_size: int | None) -> list[str]:
@@ -208,21 +221,26 @@ def check_scalar_head(path: str) -> None:
                          "checkpoint with score.weight, or value_head.safetensors beside a causal LM); "
                          "`hybridrl assets tiny-classifier` makes a small one")
 def check_layout(path: str, tp: int, pp: int, world_size: int, *, keys: tuple[str, str] = ("train.tp", "train.pp"),
-                 world_key: str = "world size (distributed.nproc_per_node)") -> None:
-    """The parallel layout against the model's shape (config.json) and the world size, before any
-    process group exists (Megatron would fail on every rank after torchrun started)."""
+                 world_key: str = "world size (distributed.nproc_per_node)", ep: int = 1,
+                 ep_key: str = "train.ep", training: bool = True) -> None:
+    """The model's config (one the engines implement: `ModelSpec`) and the parallel layout against
+    its shape and the world size, before any process group exists (Megatron would fail on every
+    rank after torchrun started)."""
     from hybridrl.backends.megatron.config import layout_problem
+    from hybridrl.backends.model_spec import ModelSpec
 
-    config = json.loads((Path(path) / "config.json").read_text())
     try:
-        heads = int(config["num_attention_heads"])
-        shape = dict(num_layers=int(config["num_hidden_layers"]), num_heads=heads,
-                     num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                     intermediate_size=int(config["intermediate_size"]) if "intermediate_size" in config else None)
-    except (KeyError, TypeError, ValueError) as err:
+        spec = ModelSpec.from_dir(path)
+    except KeyError as err:
         raise PreflightError(f"model.path={path}: config.json lacks a usable {err} (needed to check "
                              f"{keys[0]}/{keys[1]})") from None
-    problem = layout_problem(tp=tp, pp=pp, world_size=world_size, keys=keys, world_key=world_key, **shape)
+    except (TypeError, ValueError) as err:             # a model the engines do not implement, named by key
+        raise PreflightError(f"model.path: {err}") from None
+    problem = layout_problem(tp=tp, pp=pp, world_size=world_size, keys=keys, world_key=world_key,
+                             num_layers=spec.num_layers, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                             intermediate_size=spec.intermediate_size, ep=ep, num_experts=spec.num_experts,
+                             moe_intermediate_size=spec.moe_intermediate_size or None, ep_key=ep_key,
+                             training=training)
     if problem:
         raise PreflightError(problem)
 

@@ -5,7 +5,8 @@
 The config is loaded and validated, and the run's inputs checked (`hybridrl.preflight`: model
 files, the task, what happens to run.dir), before any process group starts: a bad recipe or a
 missing input exits with code 2 and one line naming it. Exit codes: 0 done, 1 the run failed (every rank exits),
-2 bad configuration. When torchrun restarts the ranks (`trainer.max_restarts`), an RL run resumes
+2 bad configuration; after SIGINT / SIGTERM (`hybridrl/controller/interrupts.py`) 0 under torchrun's agent, else 128 +
+the signal. When torchrun restarts the ranks (`trainer.max_restarts`), an RL run resumes
 from its newest complete checkpoint (TORCHELASTIC_RESTART_COUNT > 0 forces `trainer.resume=auto`).
 """
 
@@ -20,6 +21,7 @@ import time
 import traceback
 from typing import Sequence
 
+from hybridrl.controller import interrupts
 from hybridrl.config import ConfigError, load_config
 from hybridrl.host_memory import choose_pages
 from hybridrl.telemetry.logs import setup_logging
@@ -60,6 +62,7 @@ def run(cfg) -> int:
     setup_logging(cfg.run.log_level, ctx.rank)
     watchdog = Watchdog(ctx.control, cfg.distributed, format_failure=format_report)
     watchdog.start()
+    interrupts.attach(ctx, watchdog)         # rank 0 can now stop every rank on SIGINT / SIGTERM
     seed_everything(cfg.run.seed)
     code = EXIT_OK
     try:
@@ -119,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hybridrl.store import rundir
     from hybridrl.preflight import PreflightError, preflight
 
+    interrupts.install(int(os.environ.get("RANK", "0")))    # before anything starts a process or a thread
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -129,6 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hybridrl: {err}", file=sys.stderr)
         return EXIT_CONFIG
     rundir.record_origin(args.config, args.overrides)
+    interrupts.configure(cfg)
     choose_pages(roles_apart=cfg.placement.disaggregated)      # before torch allocates anything
     return run(cfg)
 

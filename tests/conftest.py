@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -28,7 +29,10 @@ def pytest_collection_modifyitems(config, items):
         has_sglang = True
     except Exception:  # noqa: BLE001
         has_sglang = False
+    has_vllm = importlib.util.find_spec("vllm") is not None
     for item in items:
+        if item.get_closest_marker("vllm") and not has_vllm:
+            item.add_marker(pytest.mark.skip(reason="needs vLLM: make test-vllm (its own venv, .venv-vllm)"))
         if item.get_closest_marker("slow") and not run_slow:
             item.add_marker(pytest.mark.skip(reason="slow: set HYBRIDRL_SLOW=1 or pass --run-slow"))
         gpu = item.get_closest_marker("gpu")

@@ -67,6 +67,7 @@ def test_sft_validates_greedy_and_sampled_and_says_what_it_means(sft_run):
     assert record["validation_accuracy_sampled"] == final["val/accuracy_sampled"]
     assert record["validation_verdict"] == expected
     assert not (run_dir / "val_hf").exists()                   # the intermediate export is removed
+    assert json.loads((run_dir / "config.json").read_text())["run"]["job"] == "sft"   # kept, as an RL run's
 
 
 def test_eval_of_the_exported_model_agrees_with_the_sft_validation(sft_run, tmp_path):

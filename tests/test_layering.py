@@ -54,9 +54,9 @@ def package_graph() -> dict[str, set[str]]:
 LAYERS = (
     ("foundations", {"config", "data", "telemetry"}),
     ("algorithms and protocols", {"algo", "reward", "distributed", "training", "rollout"}),
-    ("components", {"envs", "store", "publication", "agent", "backends", "assets"}),
+    ("components", {"envs", "store", "publication", "agent", "gateway", "backends", "assets"}),
     ("assembly", {"workers", "jobs", "host_memory", "shipped"}),
-    ("loops and checks", {"controller", "preflight", "evaluate", "bench", "inspect"}),
+    ("loops and checks", {"controller", "preflight", "evaluate", "bench", "inspect", "cost"}),
 )
 
 

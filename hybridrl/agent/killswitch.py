@@ -104,7 +104,7 @@ class Watcher(threading.Thread):
         super().__init__(name="hybridrl-kill-switch", daemon=True)
         self.path, self.on_trip, self.poll_s = str(path), on_trip, poll_s
         self.tripped: str | None = None
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def check(self) -> str | None:
         """Trip now if the file is there (also called directly, e.g. before a call)."""
@@ -118,11 +118,11 @@ class Watcher(threading.Thread):
         return self.tripped
 
     def run(self) -> None:
-        while not self._stop.is_set() and self.check() is None:
-            self._stop.wait(self.poll_s)
+        while not self._halt.is_set() and self.check() is None:
+            self._halt.wait(self.poll_s)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
 
 def stop_requested(cfg, run, step: int, close_workers) -> bool:

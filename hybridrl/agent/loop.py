@@ -10,7 +10,8 @@ One episode (`AgentRunner.run_episode`):
     until an answer / env done (COMPLETED), no action (FAILED), a budget (TRUNCATED, with
     which), a stop request (ABORTED), or an infrastructure fault (INFRA_INVALID).
 
-Budgets: `max_turns` assistant turns; `max_new_tokens_per_turn` (ends the episode, or with
+Budgets (the agent config's; a mixture's task may set its own, `Task.budgets`, and a mixture's
+episode is run by the task that made its instance, `Task.for_instance`): `max_turns` assistant turns; `max_new_tokens_per_turn` (ends the episode, or with
 `on_turn_limit=close_turn` closes the turn the way the template would, with mask 0, and goes
 on); `max_response_tokens` for
 everything after the prompt (an observation that would not fit ends the episode before it is
@@ -29,6 +30,7 @@ resampled; every episode returns a `Trajectory`, in (task, attempt) order.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
@@ -39,7 +41,7 @@ from hybridrl.agent.actions import ActionError, ActionParser, ToolAuthorizer, To
 from hybridrl.agent.chat import ChatFormat
 from hybridrl.agent.config import AgentConfig
 from hybridrl.agent.env_sessions import EnvProvider, EnvSession, LocalEnvProvider
-from hybridrl.agent.pause import PauseGate
+from hybridrl.agent.pause import PauseGate, Slot
 from hybridrl.agent.tools.base import ToolBox
 from hybridrl.data.trajectory import ToolCallRecord, Trajectory, TrajectoryStatus, Truncation
 from hybridrl.data.episode import EpisodeOutcome, TaskInstance
@@ -92,6 +94,7 @@ class _Episode:
     deadline: float
     seed: int
     temperature: float
+    cfg: AgentConfig                        # the runner's, with the task's own budgets (a mixture's entry)
     answer: str | None = None
     num_answers: int = 0
     final_text: str = ""
@@ -99,6 +102,7 @@ class _Episode:
     session: EnvSession | None = None
     pause: PauseGate | None = None
     paused_at_start: float = 0.0
+    slot: Slot | None = None
     open_turn: tuple | None = None          # (turn, timings, first response index) of the turn being traced
     timings: dict[str, float] = field(default_factory=lambda: {"generate_s": 0.0, "tool_s": 0.0,
                                                                "env_s": 0.0})
@@ -160,10 +164,14 @@ class AgentRunner:
         loop = asyncio.get_running_loop()
         if self._slots is None or self._slots_loop is not loop:    # one limit per event loop
             self._slots, self._slots_loop = asyncio.Semaphore(self.cfg.max_concurrent_episodes), loop
-        async with self._slots:
+        slot = Slot(self._slots)
+        await slot.take()
+        try:
             return await self.run_episode(inst, task=task, attempt=attempt, group_id=group_id, stop=stop,
                                           queue_s=time.monotonic() - queued, temperature=temperature,
-                                          pause=pause)
+                                          pause=pause, slot=slot)
+        finally:
+            slot.give_back()
 
     def parser(self, task: Task) -> ActionParser:
         """How this runner reads an assistant turn of `task`: the task's action formats (one parser
@@ -174,18 +182,22 @@ class AgentRunner:
 
     async def run_episode(self, instance: TaskInstance, *, task: Task, attempt: int = 0,
                           group_id: str | None = None, stop: asyncio.Event | None = None, queue_s: float = 0.0,
-                          temperature: float | None = None, pause: PauseGate | None = None) -> Trajectory:
+                          temperature: float | None = None, pause: PauseGate | None = None,
+                          slot: Slot | None = None) -> Trajectory:
         """One episode; never raises for the episode's own problems (they become its status).
         `temperature` overrides `agent.temperature` for this episode; with a `pause` gate the episode
-        can be interrupted between (and within) requests and continued later (see `PauseGate`)."""
+        can be interrupted between (and within) requests and continued later (see `PauseGate`); while
+        it waits at a closed gate it gives back its concurrency `slot` (when admitted with one)."""
         started = time.monotonic()
+        task = task.for_instance(instance)          # a mixture: the task that made the instance
+        cfg = dataclasses.replace(self.cfg, **task.budgets) if task.budgets else self.cfg
         traj = Trajectory(run_id=self.run_id, task_id=instance.task_id, group_id=group_id or instance.task_id,
                           attempt=attempt, prompt_ids=[])
         seed = int.from_bytes(hashlib.sha256(f"{self.seed}/{traj.trajectory_id}".encode()).digest()[:4],
                               "little")
-        ep = _Episode(instance, task, traj, started + self.cfg.max_episode_s, seed,
-                      temperature=self.cfg.temperature if temperature is None else temperature,
-                      pause=pause, paused_at_start=pause.paused_s() if pause is not None else 0.0)
+        ep = _Episode(instance, task, traj, started + cfg.max_episode_s, seed,
+                      temperature=cfg.temperature if temperature is None else temperature, cfg=cfg,
+                      pause=pause, paused_at_start=pause.paused_s() if pause is not None else 0.0, slot=slot)
         self.counts["episodes"] += 1
         if pause is not None:
             pause.running[traj.trajectory_id] = ep
@@ -220,7 +232,7 @@ class AgentRunner:
         return traj
 
     async def _episode(self, ep: _Episode, stop: asyncio.Event | None) -> None:
-        cfg, traj = self.cfg, ep.traj
+        cfg, traj = ep.cfg, ep.traj
         if stop is not None and stop.is_set():
             raise _End(TrajectoryStatus.ABORTED, reason="stopped before it started")
         if getattr(self.tools, "killed", None) is not None:     # the kill switch (agent/killswitch.py)
@@ -265,7 +277,7 @@ class AgentRunner:
     async def _turn(self, ep: _Episode, turn: int,
                     stop: asyncio.Event | None) -> tuple[list[int], FinishReason]:
         """One assistant turn (several requests if new weights interrupt it); appends its tokens."""
-        cfg, traj = self.cfg, ep.traj
+        cfg, traj = ep.cfg, ep.traj
         ids: list[int] = []
         segment = 0
         while True:
@@ -278,14 +290,15 @@ class AgentRunner:
             if room < 1:
                 raise _End(TrajectoryStatus.TRUNCATED, limit)
             if ep.pause is not None:
-                await ep.pause.wait()                  # interrupted: continue when the gate opens again
+                await ep.pause.wait(ep.slot)           # interrupted: continue when the gate opens again
             sampling = SamplingParams(max_new_tokens=room, temperature=ep.temperature, top_p=cfg.top_p,
                                       top_k=cfg.top_k, seed=(ep.seed + 7919 * turn + 104729 * segment) % (1 << 31))
             rid = f"{traj.trajectory_id}/t{turn}" + (f".{segment}" if segment else "")
             out = await self._generate(ep, traj.prompt_ids + traj.response_ids, sampling, rid, stop)
             generate_event(traj, turn, rid, sampling, out, start=len(traj.response_ids))
             if out.token_ids:
-                traj.append(out.token_ids, policy=True, logprobs=out.logprobs, version=out.policy_version)
+                traj.append(out.token_ids, policy=True, logprobs=out.logprobs, version=out.policy_version,
+                            routed_experts=out.routed_experts)
             traj.sampler_contract = out.sampler_contract
             ids += out.token_ids
             finish = out.finish_reason
@@ -328,7 +341,7 @@ class AgentRunner:
                                start=len(ep.traj.response_ids))
                 produced = len(partial.token_ids)
                 ep.traj.append(partial.token_ids, policy=True, logprobs=partial.logprobs,
-                               version=partial.policy_version)
+                               version=partial.policy_version, routed_experts=partial.routed_experts)
             if which == "deadline":
                 raise _End(TrajectoryStatus.TRUNCATED, Truncation.WALL_CLOCK)
             raise _End(TrajectoryStatus.ABORTED, reason="stop requested")
@@ -355,7 +368,7 @@ class AgentRunner:
     async def _act(self, ep: _Episode, turn: int, calls: Sequence[ToolCall], errors: Sequence[ActionError],
                    authorizer: ToolAuthorizer, stop: asyncio.Event | None) -> list[dict[str, str]]:
         """Authorize and run the turn's calls (concurrently); one observation message per call."""
-        traj, cfg = ep.traj, self.cfg
+        traj, cfg = ep.traj, ep.cfg
         plan: list[tuple[ToolCall | None, ActionError | None]] = [(None, e) for e in errors]
         for i, call in enumerate(calls):
             if i >= cfg.max_tool_calls_per_turn:
@@ -408,10 +421,10 @@ class AgentRunner:
                             finish: FinishReason) -> None:
         traj = ep.traj
         clean = [{"role": m["role"], "content": self.chat.sanitize(m["content"],
-                                                                   self.cfg.max_observation_chars)}
+                                                                   ep.cfg.max_observation_chars)}
                  for m in messages]
         ids = self.chat.observation_ids(clean, after_eos=after_eos)
-        if len(traj.response_ids) + len(ids) > self.cfg.max_response_tokens:
+        if len(traj.response_ids) + len(ids) > ep.cfg.max_response_tokens:
             raise _End(TrajectoryStatus.TRUNCATED, Truncation.MAX_RESPONSE_TOKENS,
                        reason="the next observation does not fit the response budget")
         if len(traj.prompt_ids) + len(traj.response_ids) + len(ids) >= self.max_model_len:

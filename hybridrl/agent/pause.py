@@ -55,8 +55,19 @@ class PauseGate:
         """An episode's wall-clock deadline moved by the pauses since it started."""
         return base + self.paused_s() - paused_at_start
 
-    async def wait(self) -> None:
-        await self._open.wait()
+    async def wait(self, slot: "Slot | None" = None) -> None:
+        """Wait until the gate is open. An episode waiting at a closed gate gives its concurrency `slot`
+        back meanwhile, so that paused episodes never hold every slot while other episodes of the same
+        runner must run (validation between the steps of a partial-rollout run); it takes one again
+        before going on."""
+        if slot is None or self.is_open:
+            await self._open.wait()
+            return
+        slot.give_back()
+        try:
+            await self._open.wait()
+        finally:
+            await slot.take()
 
     def close(self) -> None:
         if self._open.is_set():
@@ -116,3 +127,20 @@ class PauseGate:
             await asyncio.sleep(poll_s)
         self.interruptions += aborted
         return aborted
+
+
+class Slot:
+    """One episode's hold on its runner's concurrency limit (`agent.max_concurrent_episodes`): taken at
+    admission, given back at the end, and in between while the episode waits at a closed gate."""
+
+    def __init__(self, limit: asyncio.Semaphore):
+        self.limit, self.held = limit, False
+
+    async def take(self) -> None:
+        await self.limit.acquire()
+        self.held = True
+
+    def give_back(self) -> None:
+        if self.held:
+            self.held = False
+            self.limit.release()

@@ -67,6 +67,9 @@ class AlgoConfig:
                                "behaviour weight) | per_segment (train all, each token corrected by its own "
                                "behaviour logprob; needs tis_cap > 0) | discard_mixed (no token of such a row is "
                                "trained)")
+    router_replay: str = knob("off", "mixture-of-experts policies: rollout = the trainer's routers use the experts the "
+                                     "rollout engine recorded for each token (rollout routing replay, R3); off = they "
+                                     "choose themselves (the agreement is logged as moe/router_agreement either way)")
     ppo_epochs: int = knob(1, "passes over each rollout batch; each pass takes ppo_mini_batches optimizer steps")
     ppo_mini_batches: int = knob(1, "optimizer steps per epoch: the admitted batch is split into this many "
                                     "mini-batches of (nearly) equal sequence counts, each one step with its own "
@@ -79,6 +82,7 @@ class AlgoConfig:
         check_choice("reinforce_baseline", self.reinforce_baseline, ("group", "none"))
         check_choice("kl_estimator", self.kl_estimator, kl.OPTIONS)
         check_choice("kl_in", self.kl_in, ("loss", "reward"))
+        check_choice("router_replay", self.router_replay, ("off", "rollout"))
         check_choice("tis_mode", self.tis_mode, correction.TIS_MODES)
         check_choice("mis", self.mis, correction.MIS_LEVELS)
         for name in ("ppo_epochs", "ppo_mini_batches"):

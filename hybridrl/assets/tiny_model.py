@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-ARCHS = ("qwen2", "llama")
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe")
 
 
 @dataclass(kw_only=True)
@@ -34,8 +34,16 @@ class TinyModelSpec:
     vocab_multiple: int = 64        # model vocab = tokenizer size rounded up (like real checkpoints)
     max_position: int = 2048
     rope_theta: float | None = None  # default: 1e6 for qwen2, 1e4 for llama
-    tie_embeddings: bool | None = None  # default: True for qwen2, False for llama
+    tie_embeddings: bool | None = None  # default: True for qwen2 and qwen3 (as their small models), False for llama, qwen3_moe
     rope_scaling: tuple[tuple[str, float | str], ...] = ()   # e.g. (("rope_type", "llama3"), ("factor", 8.0), ...)
+    head_dim: int | None = None     # default: hidden // heads
+    # qwen3_moe only
+    experts: int = 8
+    experts_per_tok: int = 2
+    moe_intermediate: int = 64
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     init_std: float = 0.02
     norm_std: float = 0.1           # norm scales are 1 + N(0, norm_std)
     seed: int = 0
@@ -47,10 +55,12 @@ class TinyModelSpec:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads})")
+        if self.arch == "qwen3_moe" and not 1 <= self.experts_per_tok <= self.experts:
+            raise ValueError(f"experts_per_tok ({self.experts_per_tok}) must be in [1, experts={self.experts}]")
 
 
 def hf_config(spec: TinyModelSpec, vocab_size: int, special_ids: dict[str, int]):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -65,11 +75,23 @@ def hf_config(spec: TinyModelSpec, vocab_size: int, special_ids: dict[str, int])
         eos_token_id=special_ids["eos"],
         pad_token_id=special_ids["pad"],
     )
-    theta = spec.rope_theta if spec.rope_theta is not None else (1e6 if spec.arch == "qwen2" else 1e4)
+    theta = spec.rope_theta if spec.rope_theta is not None else (1e4 if spec.arch == "llama" else 1e6)
     if spec.rope_scaling:
         common["rope_parameters"] = {"rope_theta": theta, **dict(spec.rope_scaling)}
     else:
         common["rope_theta"] = theta
+    if spec.arch in ("qwen3", "qwen3_moe"):
+        qwen3 = dict(common, head_dim=spec.head_dim or spec.hidden // spec.heads, rms_norm_eps=1e-6,
+                     attention_bias=False, tie_word_embeddings=(spec.arch == "qwen3" if spec.tie_embeddings is None
+                                                          else spec.tie_embeddings))
+        if spec.arch == "qwen3":
+            return Qwen3Config(**qwen3)
+        return Qwen3MoeConfig(**qwen3, num_experts=spec.experts, num_experts_per_tok=spec.experts_per_tok,
+                              moe_intermediate_size=spec.moe_intermediate, norm_topk_prob=spec.norm_topk_prob,
+                              decoder_sparse_step=spec.decoder_sparse_step, mlp_only_layers=list(spec.mlp_only_layers),
+                              router_aux_loss_coef=0.001)
+    if spec.head_dim is not None:
+        common["head_dim"] = spec.head_dim
     if spec.arch == "qwen2":
         return Qwen2Config(
             **common,
@@ -130,8 +152,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", choices=ARCHS, default=d.arch)
     parser.add_argument("--out", required=True, help="output directory")
     for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab_size", "vocab_multiple",
-                 "max_position", "seed"):
+                 "max_position", "seed", "head_dim"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    moe = parser.add_argument_group("qwen3_moe")
+    moe.add_argument("--experts", type=int, default=d.experts, help="routed experts per sparse layer")
+    moe.add_argument("--experts-per-tok", type=int, default=d.experts_per_tok, help="the router's top-k")
+    moe.add_argument("--moe-intermediate", type=int, default=d.moe_intermediate, help="each expert's FFN width")
+    moe.add_argument("--norm-topk-prob", action=argparse.BooleanOptionalAction, default=d.norm_topk_prob)
+    moe.add_argument("--decoder-sparse-step", type=int, default=d.decoder_sparse_step,
+                     help="layer i is sparse when (i + 1) %% step == 0 (and not in --mlp-only-layers)")
+    moe.add_argument("--mlp-only-layers", type=int, nargs="*", default=list(d.mlp_only_layers),
+                     help="layers that keep a dense MLP")
     parser.add_argument("--rope-theta", type=float, default=None)
     parser.add_argument("--init-std", type=float, default=d.init_std)
     parser.add_argument("--norm-std", type=float, default=d.norm_std)
@@ -139,8 +170,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    spec = TinyModelSpec(**{k: v for k, v in vars(args).items() if k in TinyModelSpec.__dataclass_fields__})
+    values = {k: v for k, v in vars(args).items() if k in TinyModelSpec.__dataclass_fields__}
+    values["mlp_only_layers"] = tuple(values.get("mlp_only_layers") or ())
+    spec = TinyModelSpec(**values)
     out = build_tiny_model(args.out, spec)
     n = sum(1 for _ in out.iterdir())
-    print(f"wrote {spec.arch} tiny model ({spec.layers} layers, hidden {spec.hidden}) to {out} ({n} files)")
+    experts = f", {spec.experts} experts top-{spec.experts_per_tok}" if spec.arch == "qwen3_moe" else ""
+    print(f"wrote {spec.arch} tiny model ({spec.layers} layers, hidden {spec.hidden}{experts}) to {out} ({n} files)")
     return 0

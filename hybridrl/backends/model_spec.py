@@ -2,9 +2,15 @@
 
 The one HF-config parser of hybridrl: the native engine and the Megatron adapters both build from
 it, so training and generation cannot disagree on what a checkpoint means (RoPE scaling, biases,
-tied embeddings, head sizes). Read straight from the JSON (no transformers import), for the Qwen2
-and Llama families. Anything neither engine implements (sliding windows, unknown RoPE types) is
-refused with an error naming the key, rather than silently computing something else.
+tied embeddings, head sizes, q/k norms, experts). Read straight from the JSON (no transformers
+import), for the Qwen2, Llama, Qwen3 and Qwen3-MoE families. Anything neither engine implements
+(sliding windows, RoPE types other than default / linear / llama3, shared experts) is refused with
+an error naming the key, rather than silently computing something else.
+
+Mixture of experts (Qwen3-MoE): layer i is sparse when it is not in `mlp_only_layers` and
+`(i + 1) % decoder_sparse_step == 0`; its router is softmax over all experts then the top
+`num_experts_per_tok`, those weights renormalised to sum to 1 when `norm_topk_prob`; each expert is
+a SwiGLU MLP of width `moe_intermediate_size`; there are no shared experts.
 """
 
 from __future__ import annotations
@@ -15,13 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
+                 "Qwen3MoeForCausalLM": "qwen3_moe"}
 ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_PARAMS = {"default": (), "linear": ("factor",),
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    arch: str                        # "qwen2" | "llama"
+    arch: str                        # "qwen2" | "llama" | "qwen3" | "qwen3_moe"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -38,8 +48,38 @@ class ModelSpec:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool = False            # RMSNorm over each head's query and key, before RoPE (Qwen3)
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    # mixture of experts (0 / () for dense models)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0     # the router's top-k
+    moe_intermediate_size: int = 0   # each expert's FFN width
+    norm_topk_prob: bool = False     # renormalise the top-k weights to sum to 1
+    moe_layers: tuple[int, ...] = () # the sparse layers' indices, ascending
+    router_aux_loss_coef: float = 0.0   # the family's load-balancing coefficient (informative)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    def moe_index(self, layer: int) -> int | None:
+        """The position of `layer` among the sparse layers (the routing record's layer axis), or None."""
+        try:
+            return self.moe_layers.index(layer)
+        except ValueError:
+            return None
+
+    @property
+    def routing_dtype(self):
+        """The smallest integer dtype that holds an expert id (what a routing record is stored in)."""
+        import torch
+
+        return torch.int8 if self.num_experts <= 127 else torch.int16
 
     @property
     def q_size(self) -> int:
@@ -79,8 +119,8 @@ class ModelSpec:
             cfg = cfg.to_dict()
         archs = cfg.get("architectures") or []
         arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-        if arch is None:
-            arch = {"qwen2": "qwen2", "llama": "llama"}.get(cfg.get("model_type", ""))
+        if arch is None and cfg.get("model_type") in ARCHITECTURES.values():
+            arch = cfg["model_type"]
         if arch is None:
             raise ValueError(f"{source}: architectures={archs} model_type={cfg.get('model_type')!r}: hybridrl "
                              f"implements {sorted(ARCHITECTURES)}")
@@ -97,17 +137,12 @@ class ModelSpec:
         if num_heads % num_kv_heads:
             raise ValueError(f"{source}: num_attention_heads={num_heads} is not a multiple of "
                              f"num_key_value_heads={num_kv_heads}")
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(f"{source}: rope_type={rope_type!r} is not implemented (one of {ROPE_TYPES})")
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"{source}: partial_rotary_factor != 1 is not implemented")
-        rope_params = tuple(sorted((k, float(v)) for k, v in rope.items()
-                                   if k in ("factor", "low_freq_factor", "high_freq_factor",
-                                            "original_max_position_embeddings")))
+        rope_theta, rope_type, rope_params = _rope(cfg, source)
+        qwen3 = arch in QK_NORM_FAMILIES
         attention_bias = bool(cfg.get("attention_bias", False))
+        # transformers' defaults where a key is absent: Qwen3 configs default head_dim to 128
+        head_dim = cfg.get("head_dim") or (128 if qwen3 else cfg["hidden_size"] // num_heads)
+        moe = _moe(cfg, source, cfg["num_hidden_layers"]) if arch == "qwen3_moe" else {}
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -115,19 +150,21 @@ class ModelSpec:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"],
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             rope_type=rope_type,
             rope_params=rope_params,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "qwen2")),
             qkv_bias=True if arch == "qwen2" else attention_bias,
             o_bias=False if arch == "qwen2" else attention_bias,
-            mlp_bias=False if arch == "qwen2" else bool(cfg.get("mlp_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)) if arch == "llama" else False,
+            qk_norm=qwen3,
             eos_token_ids=tuple(eos_token_ids),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            **moe,
         )
 
     def inv_freq(self):
@@ -149,6 +186,46 @@ class ModelSpec:
             medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
             inv = torch.where(medium, smoothed, scaled)
         return inv
+
+
+def _rope(cfg: dict[str, Any], source: str) -> tuple[float, str, tuple[tuple[str, float], ...]]:
+    """(theta, type, parameters) from `rope_parameters` (transformers 5) or `rope_scaling` (older
+    configs); a type the engines do not implement, or one missing a parameter, is refused."""
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    rope = dict(cfg.get(key) or {})
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{source}: {key}.rope_type={rope_type!r} is not implemented (one of {ROPE_TYPES}); "
+                         "hybridrl would rotate differently from the checkpoint's training")
+    missing = [k for k in ROPE_PARAMS[rope_type] if k not in rope]
+    if missing:
+        raise ValueError(f"{source}: {key} with rope_type={rope_type!r} lacks {missing}")
+    if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor != 1 is not implemented")
+    if rope_type != "default" and rope.get("attention_factor") not in (None, 1, 1.0):
+        raise ValueError(f"{source}: {key}.attention_factor={rope['attention_factor']} is not implemented")
+    params = tuple(sorted((k, float(rope[k])) for k in ROPE_PARAMS[rope_type]))
+    return theta, rope_type, params
+
+
+def _moe(cfg: dict[str, Any], source: str, num_layers: int) -> dict[str, Any]:
+    """The ModelSpec fields of a Qwen3-MoE config (transformers 5 writes num_local_experts)."""
+    num_experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+    top_k = int(cfg.get("num_experts_per_tok", 0) or 0)
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise ValueError(f"{source}: num_experts={num_experts} / num_experts_per_tok={top_k}: need "
+                         "1 <= num_experts_per_tok <= num_experts")
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if cfg.get(key):
+            raise ValueError(f"{source}: {key}={cfg[key]}: shared experts are not implemented for qwen3_moe")
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return {"num_experts": num_experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)), "moe_layers": layers,
+            "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.0) or 0.0)}
 
 
 def _as_ids(value: Any) -> list[int]:

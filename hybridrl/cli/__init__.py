@@ -18,15 +18,18 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl generate --model D --input I --output O --max-new-tokens N   token ids or text in, samples out
     hybridrl chat MODEL                        text in, text out (chat template applied)
     hybridrl eval RECIPE [--model DIR] [-n N]  greedy and sampled accuracy on the validation split + a verdict
+    hybridrl eval SUITE --model DIR | --run RUN_DIR [--checkpoints all|last|N,M] [--compare]   a suite (configs/eval/)
     hybridrl plot RUN [RUN ...] [--out F.png]  curves of one or more runs as a PNG
     hybridrl compare A B                       config differences and a metric table of two runs
     hybridrl demo [--dir D] [key=value | sft:key=value | grpo:key=value ...]   base model -> SFT -> GRPO
+    hybridrl cost RUN_DIR [RUN_DIR ...] [--json]   device-seconds by stage, what never trained, money
+    hybridrl plan RUN_DIR [--measure] [--target-tokens-per-s X | --ranks N] [--what-if k=v]   capacity plan
+    hybridrl export RUN --step N --out DIR     a run's checkpoint as an HF directory (starts torchrun)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -73,8 +76,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     print(f"hybridrl: launching {nproc} rank(s): {' '.join(cmd[1:])}", file=sys.stderr)
     sys.stderr.flush()
-    os.execv(sys.executable, cmd)
-    return 1  # not reached
+    from hybridrl.launcher import supervise
+
+    return supervise(cmd, run_dir=cfg.run.dir if cfg.run.job in rundir.JOBS else None)   # Ctrl-C: see launcher.py
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
@@ -192,7 +196,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from hybridrl.evaluate import main
+    from hybridrl.cli.eval import main
 
     return main(args)
 
@@ -215,10 +219,28 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from hybridrl.cli.export import main
+
+    return main(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from hybridrl.demo import main
 
     return main(args)
+
+
+def _cmd_cost(args: argparse.Namespace) -> int:
+    from hybridrl.cost.cli import cost_main
+
+    return cost_main(args)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from hybridrl.cost.cli import plan_main
+
+    return plan_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,9 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect_arguments(p)
     p.set_defaults(func=_cmd_inspect)
 
-    p = sub.add_parser("eval", help="greedy and sampled accuracy of a model on a task's validation split, and "
-                                    "whether RL has a signal")
-    from hybridrl.evaluate import add_arguments as add_eval_arguments
+    p = sub.add_parser("eval", help="a suite (configs/eval/) on a model or a run's checkpoints; or, given a recipe, "
+                                    "greedy and sampled accuracy on a task's validation split and whether RL has a signal")
+    from hybridrl.cli.eval import add_arguments as add_eval_arguments
 
     add_eval_arguments(p)
     p.set_defaults(func=_cmd_eval)
@@ -332,6 +354,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_compare_arguments(p)
     p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("export", help="a run's checkpoint (an intermediate step) as an HF directory (starts torchrun)")
+    from hybridrl.cli.export import add_arguments as add_export_arguments
+
+    add_export_arguments(p)
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("cost", help="what a run cost: device-seconds by stage, never-trained work, money")
+    from hybridrl.cost.cli import add_cost_arguments, add_plan_arguments
+
+    add_cost_arguments(p)
+    p.set_defaults(func=_cmd_cost)
+    p = sub.add_parser("plan", help="capacity plan: stage capacities, the bottleneck, placement, ranks, lag")
+    add_plan_arguments(p)
+    p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("init", help="start something of your own from a template")
     isub = p.add_subparsers(dest="init_command", required=True)

@@ -218,6 +218,10 @@ def _rollout(cfg, args) -> int:
     from hybridrl.agent.tools.base import ToolBox
     from hybridrl.envs.tasks import Task, get_task
 
+    if cfg.task.agent:       # the gateway's runner sits above this package (hybridrl/gateway/runner.py)
+        print(f"hybridrl: agent rollout runs the built-in agent loop, not task.agent={cfg.task.agent}; its "
+              "episodes run in training and in SFT's validation (hybridrl train / hybridrl sft)", file=sys.stderr)
+        return 2
     task = get_task(cfg.task.name, cfg.task)
     instances = (task.validation_split if args.split == "validation" else task.train_split)(args.n)
     model = cfg.model.path

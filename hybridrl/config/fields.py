@@ -51,6 +51,20 @@ def field_help(f: dataclasses.Field) -> str:
     return f.metadata.get(_HELP, "")
 
 
+def items_of(cls: type, key: str, items: Iterable[Any]) -> list[Any]:
+    """A list field's items as `cls` instances. The config loader hands a list of dataclasses over as
+    mappings whose values it has already typed; a failed check of an item names `key[i].field`."""
+    out = []
+    for i, item in enumerate(items):
+        try:
+            out.append(item if isinstance(item, cls) else cls(**item))
+        except ConfigValueError as err:
+            raise ConfigValueError(f"{key}[{i}].{err.field}", str(err)) from None
+        except TypeError as err:
+            raise ConfigValueError(f"{key}[{i}]", str(err)) from None
+    return out
+
+
 def check_choice(field: str, value: Any, choices: Iterable[Any]) -> None:
     choices = tuple(choices)
     if value not in choices:

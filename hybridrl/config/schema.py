@@ -67,13 +67,14 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("model", "hybridrl.config.schema:ModelConfig", "the policy model"),
     ("train", "hybridrl.backends.megatron.config:MegatronConfig",
      "the Megatron-core training backend (actor and reference)"),
-    ("rollout", "hybridrl.backends.rollout_config:RolloutConfig", "the rollout engine: native or sglang, layout, knobs"),
+    ("rollout", "hybridrl.backends.rollout_config:RolloutConfig", "the rollout engine: native, sglang or vllm, layout, knobs"),
     ("publish", "hybridrl.publication.config:PublishConfig", "weight publication: buckets, verification, parity probe"),
     ("hybrid", "hybridrl.workers.config:HybridConfig", "the colocated worker's mode switches"),
     ("agent", "hybridrl.agent.config:AgentConfig", "the async agent loop: episode budgets, concurrency, sampling"),
     ("tools", "hybridrl.agent.config:ToolsConfig", "the tool sandbox pool and its limits"),
     ("task", "hybridrl.envs.config:TaskConfig", "the task: splits, reward weights, SFT demonstrations, options"),
     ("env", "hybridrl.envs.config:EnvServiceConfig", "the leased environment service"),
+    ("gateway", "hybridrl.gateway.config:GatewayConfig", "the OpenAI-compatible gateway of task.agent episodes"),
     ("algo", "hybridrl.algo.config:AlgoConfig", "the RL algorithm: advantages, policy loss, KL, filters"),
     ("critic", "hybridrl.workers.critic_config:CriticConfig",
      "the value model of algo.advantage=gae: init, optimizer, value clip"),
@@ -108,10 +109,10 @@ def check_across(self) -> None:
                                              "model.path in the recipe or pass model.path=DIR")
     if self.placement.disaggregated:
         _check_disaggregated(self)
-    if self.rollout.engine == "sglang" and self.publish.verify == "post_copy":
+    if not self.rollout.engine_config.reads_back_weights and self.publish.verify == "post_copy":
         raise ConfigValueError("publish.verify", "post_copy needs an engine that reads its weights back after "
-                                                 "the copy; SGLang cannot (they live in its scheduler processes, "
-                                                 "in its own layout): set publish.verify=structure")
+                                                 f"the copy; rollout.engine={self.rollout.engine} cannot: set "
+                                                 "publish.verify=structure")
 
 
 def _check_disaggregated(self) -> None:
@@ -124,10 +125,10 @@ def _check_disaggregated(self) -> None:
                                                       "rollout ranks generate the next step while this one "
                                                       "trains, 0 makes them wait for every update")
     refusals = (
-        ("rollout.engine", self.rollout.engine != "native",
-         "the disaggregated placement publishes to the native engine only (SGLang's weights arrive over CUDA IPC "
-         "from a colocated trainer); use rollout.engine=native or placement.mode=colocated"),
-        ("rollout.tp", self.rollout.tp != 1, "each rollout rank serves its own native engine: set rollout.tp=1"),
+        ("rollout.engine", not self.rollout.engine_config.remote_publication,
+         f"the disaggregated placement publishes to engines on their own ranks; rollout.engine={self.rollout.engine} "
+         "takes weights from a colocated trainer only: use another rollout.engine or placement.mode=colocated"),
+        ("rollout.tp", self.rollout.tp != 1, "each rollout rank serves its own engine: set rollout.tp=1"),
         ("trainer.rollout_mode", self.trainer.rollout_mode != "sync",
          "the disaggregated placement collects continuously on its own: leave trainer.rollout_mode=sync (partial "
          "rollouts are for the colocated placement)"),

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.algo.filters import admit, informative_groups, stale_groups
+from hybridrl.controller import curriculum
 from hybridrl.controller import metrics as M
 from hybridrl.data.queue import GroupQueue
 from hybridrl.data.trajectory import Trajectory, from_batch
@@ -131,9 +132,10 @@ class SyncCollection:
             if not tc.dynamic_sampling or short <= 0 or rounds >= tc.max_sampling_rounds:
                 break
             want = math.ceil(short / self.rollout_dp) * self.rollout_dp     # groups stay whole on one engine
-        return out, ({"dynamic/rounds": float(rounds),
-                      "dynamic/informative_groups": float(len(informative_admitted(self.cfg, out, self.run.version)))}
-                     if tc.dynamic_sampling else {})
+        return curriculum.after_rollout(self, step, out, {     # task.mixture: per-task statistics
+            "dynamic/rounds": float(rounds),
+            "dynamic/informative_groups": float(len(informative_admitted(self.cfg, out, self.run.version)))}
+            if tc.dynamic_sampling else {})
 
     # a stateful part of the run's checkpoint: a synchronous step leaves nothing between steps
     def state_dict(self) -> dict:
@@ -246,7 +248,7 @@ class PartialCollection:
             metrics["dynamic/rounds"] = float(rounds)
             metrics["dynamic/informative_groups"] = float(len(informative_admitted(self.cfg, trajectories,
                                                                                    self.run.version)))
-        return trajectories, metrics
+        return curriculum.after_rollout(self, step, trajectories, metrics, partial=True)   # task.mixture: shares
 
     # a stateful part of the run's checkpoint
     def state_dict(self) -> dict:
@@ -374,7 +376,7 @@ class StreamCollection(PartialCollection):
         busy = clock - deltas["idle_s"] / max(1, len(stats))
         if not any(s["first"] for s in stats):   # generation's own rate: policy tokens of the episodes ended
             metrics["gen/tokens_per_s"] = deltas["policy_tokens"] / busy if busy > 0 else 0.0   # since the last take
-        return trajectories, metrics
+        return curriculum.after_rollout(self, step, trajectories, metrics)     # task.mixture: per-task statistics
 
     def state_dict(self) -> dict:
         """The groups granted ahead that can run on the version served now, taken once complete (they finish

@@ -17,6 +17,11 @@ class TrainerConfig:
     group_size: int = knob(8, "samples per instance (the group of GRPO / RLOO)")
     validate_every: int = knob(5, "validate on the task's held-out split (task.validation_size instances) every k steps, and always before the first and after the last; 0 = only then")
     validation_temperature: float = knob(0.0, "sampling temperature of validation episodes (0 = greedy)")
+    eval_suite: str = knob("", "an evaluation suite (a name in configs/eval/ or a suite's YAML) run on the current policy "
+                               "beside validation: scores in metrics.jsonl (eval/<suite>/...), <run.dir>/eval/<suite>/ and "
+                               "the ledger; empty: none")
+    eval_every: int = knob(0, "run trainer.eval_suite every k steps, and always before the first and after the last; "
+                              "0 = only then")
     checkpoint_every: int = knob(10, "save a checkpoint every k steps; 0 = never")
     keep_checkpoints: int = knob(2, "complete checkpoints kept")
     resume: str = knob("auto", "auto: continue the run in run.dir from its newest checkpoint (another task / model "
@@ -52,6 +57,13 @@ class TrainerConfig:
                                          "counts such groups only)")
     max_sampling_rounds: int = knob(4, "dynamic_sampling: at most this many rollout rounds per step (a hard task "
                                        "may have no informative group for a while)")
+    stop_after_dead_steps: int = knob(0, "end the run after this many steps in a row without a learning signal (no "
+                                         "admitted group whose rewards differ); the run says why after 3 such steps "
+                                         "either way; 0 = never stop for it")
+    callbacks: list[str] = knob(help="observers of the run's events (start, step, validation, checkpoint, "
+                                     "interrupt, end) on the controller: module:Class of yours, or wandb / mlflow "
+                                     "(skipped with a note when the package is missing); see "
+                                     "hybridrl/controller/callbacks.py", factory=list)
 
     def __post_init__(self) -> None:
         for name in ("total_steps", "prompts_per_step", "group_size"):
@@ -74,6 +86,14 @@ class TrainerConfig:
         check_positive("rollout_deadline_s", self.rollout_deadline_s, allow_zero=True)
         check_positive("collect_poll_s", self.collect_poll_s)
         check_positive("max_sampling_rounds", self.max_sampling_rounds)
+        check_positive("stop_after_dead_steps", self.stop_after_dead_steps, allow_zero=True)
+        from hybridrl.controller.callbacks import CallbackError, resolve
+
+        for spec in self.callbacks:
+            try:
+                resolve(spec)
+            except CallbackError as err:
+                raise ConfigValueError("callbacks", str(err)) from None
         check_positive("max_groups_per_step", self.max_groups_per_step, allow_zero=True)
         check_positive("queue_max_groups", self.queue_max_groups)
         check_positive("queue_max_tokens", self.queue_max_tokens, allow_zero=True)
@@ -85,6 +105,14 @@ class TrainerConfig:
         if self.rollout_mode == "partial" and self.quorum_groups > self.groups_in_flight:
             raise ConfigValueError("quorum", f"{self.quorum_groups} complete groups can never be reached with "
                                              f"{self.groups_in_flight} in flight: raise oversample or lower quorum")
+        check_positive("eval_every", self.eval_every, allow_zero=True)
+        if self.eval_suite:
+            from hybridrl.evaluate.suite import SuiteError, suite_path
+
+            try:
+                suite_path(self.eval_suite)
+            except SuiteError as err:
+                raise ConfigValueError("eval_suite", str(err)) from None
         if self.validation_temperature < 0:
             raise ConfigValueError("validation_temperature", f"must be >= 0, got {self.validation_temperature}")
 

@@ -6,10 +6,13 @@ import statistics
 from collections import Counter
 from typing import Any, Sequence
 
-
-from hybridrl.algo.filters import FilterResult
+from hybridrl.algo.filters import FilterResult, informative_groups
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import Trajectory
+
+# the switch's named phases as the links report them, each timed on rank 0 (their sum is the timed part of T_sync)
+SWITCH_PHASES = ("switch/offload_s", "switch/publish_s", "switch/wake_s", "switch/probe_s", "switch/sleep_s",
+                 "switch/reload_s", "switch/arrival_rollout_s", "switch/arrival_train_s")
 
 
 def episode_rows(instances: Sequence[Any], group_size: int, step: int | str) -> Batch:
@@ -19,9 +22,24 @@ def episode_rows(instances: Sequence[Any], group_size: int, step: int | str) -> 
                        "group_id": [f"{inst.task_id}@{step}" for inst, _ in rows]})
 
 
+def _score(t: Trajectory) -> float:
+    """How well an episode solved its task: the `correct` reward term, else the whole reward."""
+    return t.rewards.get("correct", t.reward)
+
+
 def _accuracy(ts: Sequence[Trajectory]) -> float:
-    scores = [t.rewards.get("correct", t.reward) for t in ts]
+    scores = [_score(t) for t in ts]
     return sum(scores) / len(scores) if scores else 0.0
+
+
+def signal_metrics(trajectories: list[Trajectory], kept: FilterResult) -> dict[str, float]:
+    """What says whether a step can teach the policy anything (`controller/diagnosis.py`): groups, the
+    admitted groups whose members scored differently, successes, the admitted rewards' spread."""
+    admitted = [t.reward for t in kept.kept]
+    return {"groups": float(len({t.group_id for t in trajectories})),
+            "groups/informative": float(len(informative_groups(kept.kept))),
+            "episodes/succeeded": float(sum(_score(t) > 0 for t in trajectories)),
+            "reward/admitted_std": statistics.pstdev(admitted) if admitted else 0.0}
 
 
 def step_metrics(trajectories: list[Trajectory], kept: FilterResult, batch: Batch | None, update: dict,
@@ -37,8 +55,10 @@ def step_metrics(trajectories: list[Trajectory], kept: FilterResult, batch: Batc
         "tokens/generated": policy_tokens, "tokens/admitted": admitted,
         "episode/turns": statistics.fmean(t.turns for t in trajectories),
         "episode/tool_calls": statistics.fmean(len(t.tool_calls) for t in trajectories),
+        "episode/with_tool_call": statistics.fmean(bool(t.tool_calls) for t in trajectories),
         "episode/response_tokens": statistics.fmean(len(t.response_ids) for t in trajectories),
         "time/step_s": wall_s, "policy/version": version,
+        **signal_metrics(trajectories, kept),
     }
     for name in ("rollout", "reward", "prep", "train", "sync"):
         m[f"time/T_{name}"] = stages.get(name, 0.0)
@@ -56,6 +76,9 @@ def step_metrics(trajectories: list[Trajectory], kept: FilterResult, batch: Batc
     for key, value in switch.items():
         if key.startswith(("switch/", "parity/", "publish/")):
             m[key] = float(value)
+    # the part of T_sync no phase of the switch accounts for (dispatch, the controller's own waits)
+    timed = sum(float(switch.get(key, 0.0)) for key in SWITCH_PHASES)
+    m["switch/untimed_s"] = max(stages.get("sync", 0.0) - timed, 0.0) if timed else 0.0
     for key, value in update.items():     # the update's own scalars; mismatch/, passes/, time/ keep their names
         m[key if "/" in key else f"train/{key}"] = float(value)
     if "kl" in update:
@@ -85,7 +108,11 @@ def engine_metrics(per_rank: list[dict], run) -> dict[str, float]:
     deltas = {k: v - run.counters.get(k, 0) for k, v in totals.items()}
     run.counters = dict(totals)
     keep = ("prefill_tokens", "prefix_hit_tokens", "decode_tokens", "preemptions", "episodes", "malformed_actions",
-            "unauthorized_actions", "invalid_arguments", "tool_errors", "tool_calls")
+            "unauthorized_actions", "invalid_arguments", "tool_errors", "tool_calls",
+            # the gateway of task.agent episodes (hybridrl/gateway/runner.py)
+            "template_drift", "token_drift", "gateway_splits", "gateway_branches", "budget_refusals", "agent_errors",
+            "sampling_overridden", "untrained_policy_tokens",
+            "engine/steps", "step_time_s")      # the engines' busy time (cost accounting, the planner)
     out = {k: float(v) for k, v in deltas.items() if any(k.endswith(s) for s in keep)}
     # the tool sandbox's isolation (root | userns | none): ranks running in each mode, every step
     for stats in per_rank:
@@ -93,15 +120,3 @@ def engine_metrics(per_rank: list[dict], run) -> dict[str, float]:
         if mode:
             out[f"sandbox/isolation_{mode}"] = out.get(f"sandbox/isolation_{mode}", 0.0) + 1.0
     return out
-
-
-def postfix(m: dict[str, float]) -> str:
-    parts = [f"reward={m['reward/mean']:.3f}"]
-    if "val/accuracy" in m:
-        parts.append(f"val_acc={m['val/accuracy']:.3f}")
-    if "loss" in m:
-        parts.append(f"loss={m['loss']:.4f}")
-    parts.append(f"step={m['time/step_s']:.1f}s")
-    return " ".join(parts)
-
-

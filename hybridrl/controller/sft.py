@@ -14,6 +14,7 @@ export must be visible to every rank: one node, or a shared filesystem.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from hybridrl.config.loader import to_dict
 from hybridrl.store import rundir
 from hybridrl.distributed.dispatch import ONE_TO_ALL, DPSplit
 from hybridrl.data.batch import Batch, pad_sequences
@@ -102,6 +104,8 @@ def run_sft(cfg, wg) -> dict:
     plan = rundir.prepare(cfg)             # an earlier run there is refused, or moved aside if told
     if plan.note:
         log.info("%s", plan.note)
+    # the run's config beside it, as an RL run keeps it (hybridrl eval, compare and export read it)
+    (Path(cfg.run.dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
     logger = MetricsLogger(cfg.run.dir)
     started, last, val = time.perf_counter(), {}, {}
     steps, every = cfg.sft.steps, cfg.sft.validate_every

@@ -8,7 +8,8 @@ The batch reaches the training side once per step (one `TrainSide.update_policy`
 per-row values and the ledger's per-token lineage come back from it. How the rollout side is
 reached (a mode switch on the same ranks, or a publication to other ranks) and how a step collects
 its trajectories are the placement's (`controller/placements.py`); what happens at the named
-moments of a step outside the algorithm (faults) is the run's hooks.
+moments of a step outside the algorithm (faults, the console's progress, callbacks) is the run's
+hooks (`controller/state.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import logging
 import time
 
 import torch
-from tqdm import tqdm
 
 from hybridrl.algo import partial
 from hybridrl.algo.groups import group_index_of
@@ -25,8 +25,10 @@ from hybridrl.algo.minibatches import lay_out, plan
 from hybridrl.controller import critic as C
 from hybridrl.controller import metrics as M
 from hybridrl.controller.collection import admitted
+from hybridrl.controller.evaluation import evaluate_in_loop
 from hybridrl.controller.placements import make_worker
 from hybridrl.controller.state import RunState
+from hybridrl.cost.clock import RunClock
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import from_batch, to_batch
 from hybridrl.jobs import Job
@@ -43,16 +45,16 @@ def train(cfg, wg) -> dict:
     collection = cfg.placement.resolve().collection(cfg, wg, run)     # sync | partial | stream
     run.restore(collection)
     link = collection.link
+    clock = RunClock.start(cfg, resumed=run.resumed_from is not None, step=run.step, world_size=wg.world_size)
     if run.step == 0:
-        run.log(0, validate(cfg, wg, run, link, step=0))
-    bar = tqdm(range(run.step + 1, tc.total_steps + 1), initial=run.step, total=tc.total_steps,
-               desc="rl", dynamic_ncols=True, disable=None)
-    for step in bar:
+        run.log(0, {**validate(cfg, wg, run, link, step=0), **evaluate_in_loop(cfg, wg, run, link, 0)})
+    for step in run.steps():                   # to trainer.total_steps, or until the hooks stop the run
+        clock.mark("step", step)                   # what the step's metrics do not time: hybridrl/cost
         timer, started = StageTimer(), time.perf_counter()
         rollout_version = run.version
 
         with timer("sync"):
-            switch = link.to_rollout(run.version, step)
+            switch = link.to_rollout(run.version, run.trained_at)
         run.hooks.at(step, "switch")
         with timer("rollout"):
             trajectories, collected = collection.rollout(step)
@@ -81,7 +83,7 @@ def train(cfg, wg) -> dict:
                     attach_lineage(batch, out, layout)
         run.hooks.at(step, "train")
         if updates_actor:
-            run.version += 1
+            run.updated(step)
 
         metrics = M.step_metrics(trajectories, kept, batch, update, switch, timer.pop(),
                                  wall_s=time.perf_counter() - started, world_size=wg.world_size,
@@ -89,12 +91,10 @@ def train(cfg, wg) -> dict:
         metrics.update(collected)
         metrics["train/updated"] = float(updates_actor)   # a step without a learning signal goes on
         metrics.update(critic)
-        if batch is None:
-            log.info("step %d: no update (none of %d episodes admitted: %s)", step, len(trajectories),
-                     ", ".join(f"{k} {v}" for k, v in kept.counts.items() if v) or "no reason counted")
         metrics.update(M.engine_metrics(wg.call(RolloutSide.rollout_stats), run))
         if step == tc.total_steps or (tc.validate_every and step % tc.validate_every == 0):
             metrics.update(validate(cfg, wg, run, link, step))
+        metrics.update(evaluate_in_loop(cfg, wg, run, link, step))     # trainer.eval_suite, when due
         checkpoint = tc.checkpoint_every and step % tc.checkpoint_every == 0
         metrics["time/T_store"] = run.ledger.record_step(
             step, trajectories=trajectories, kept=kept, batch=batch, switch=switch, rollout_version=rollout_version,
@@ -103,17 +103,21 @@ def train(cfg, wg) -> dict:
         metrics["time/logged_at"] = time.time()      # wall clock: throughput over steps, whatever overlaps
         run.log(step, metrics, samples=trajectories)
         run.hooks.at(step, "log")
-        bar.set_postfix_str(M.postfix(metrics))
         if checkpoint:
-            run.save_checkpoint(step, link)
+            with clock.span("checkpoint", step):
+                run.save_checkpoint(step, link)
+    clock.mark("finish", run.step)
     run.finish(wg)
+    clock.mark("end", run.step)
     return run.summary()
 
 
 def update_inputs(batch: Batch) -> Batch:
     """What `TrainSide.update_policy` needs of a batch: tokens, masks, behaviour logprobs, the
-    outcome reward and each row's group as a dense index (metadata stays on the controller)."""
+    outcome reward, each row's group as a dense index (metadata stays on the controller) and, for
+    MoE policies, the rollout's routing record (the engine replays or compares it)."""
     names = ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "reward")
+    names += ("routed_experts",) if "routed_experts" in batch.tensors else ()    # MoE: the rollout's routing
     return Batch({**{n: batch[n] for n in names}, "group_index": group_index_of(batch["group_id"])})
 
 
@@ -141,9 +145,9 @@ def validate(cfg, wg, run: RunState, link, step: int) -> dict:
     serving the current version; the next step's switch is then a no-op."""
     tc = cfg.trainer
     started = time.perf_counter()
-    switch = link.ensure_rollout(run.version, step)
+    switch = link.ensure_rollout(run.version, run.trained_at)
     if switch is not None:
-        run.ledger.record_switch(step, switch)
+        run.ledger.record_switch(step, switch, purpose="validation")
     rows = M.episode_rows(run.validation, 1, f"val{step}")
     trajectories = from_batch(wg.call(RolloutSide.rollout, rows, temperature=tc.validation_temperature))
     out = M.validation_metrics(trajectories)

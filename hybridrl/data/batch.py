@@ -201,7 +201,9 @@ class Batch:
     def concat(batches: Sequence["Batch"], *, pad_dim1: Mapping[str, float] | None = None) -> "Batch":
         """Rows of all batches in order; they must hold the same names and trailing shapes, except
         that tensors named in `pad_dim1` are first right-padded along dim 1 (sequence length) with
-        the given value to the longest among the batches. The first batch's `info` is kept."""
+        the given value to the longest among the batches (a batch that lacks such a tensor while
+        others hold it gets one of the pad value: e.g. a shard of placeholder rows). The first
+        batch's `info` is kept."""
         batches = list(batches)
         if not batches:
             raise ValueError("concat needs at least one batch")
@@ -227,11 +229,16 @@ class Batch:
 def _pad_dim1(batches: list["Batch"], pad_values: Mapping[str, float]) -> list["Batch"]:
     width = {name: max(b.tensors[name].shape[1] for b in batches if name in b.tensors) for name in pad_values
              if any(name in b.tensors for b in batches)}
+    like = {name: next(b.tensors[name] for b in batches if name in b.tensors) for name in width}
     out = []
     for b in batches:
         tensors = dict(b.tensors)
         for name, w in width.items():
             t = tensors.get(name)
+            if t is None:
+                ref = like[name]
+                t = tensors[name] = torch.full((len(b), w, *ref.shape[2:]), pad_values[name], dtype=ref.dtype,
+                                               device=ref.device)
             if t is not None and t.shape[1] < w:
                 pad = torch.full((t.shape[0], w - t.shape[1], *t.shape[2:]), pad_values[name], dtype=t.dtype,
                                  device=t.device)

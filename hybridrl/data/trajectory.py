@@ -9,13 +9,20 @@ template ids appended between turns (mask 0, logprob 0.0, version -1).
 x = prompt + response, position t of every [B, T] tensor describes token x[t] (its logprob is
 log p(x[t] | x[<t]); position 0 has none). So `loss_mask[b, t] = 1` exactly where x[t] is a
 policy-sampled token.
+
+Mixture-of-experts policies: `routed_experts` [positions, moe_layers, top_k] (int8, int16 above 128
+experts) holds the experts the rollout engine routed each token x[t] to, for the tokens it computed
+(all but the last), merged over the turns of an episode: a turn's record covers its whole context,
+and positions already recorded by an earlier turn keep that earlier record (the routing the earlier
+tokens were sampled with). `to_batch` adds it as `routed_experts` [B, T, moe_layers, top_k], -1
+where nothing was recorded; the trainer replays it (routing replay) or compares with it.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -69,6 +76,7 @@ class Trajectory:
     timings: dict[str, float] = field(default_factory=dict)
     sampler_contract: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    routed_experts: Any = None     # MoE: [positions, moe_layers, top_k] int tensor, see the module doc
 
     @property
     def trajectory_id(self) -> str:
@@ -88,8 +96,13 @@ class Trajectory:
         return {v for v, m in zip(self.policy_versions, self.response_mask) if m}
 
     def append(self, ids: Sequence[int], *, policy: bool, logprobs: Sequence[float] | None = None,
-               version: int = -1) -> None:
-        """Append a segment: policy tokens (with logprobs, version) or observation tokens."""
+               version: int = -1, routed_experts: Any = None) -> None:
+        """Append a segment: policy tokens (with logprobs, version, and for MoE engines the turn's
+        routing record, `GenerationOutput.routed_experts`) or observation tokens."""
+        if routed_experts is not None:
+            have = self.routed_experts
+            self.routed_experts = (routed_experts if have is None or len(have) == 0
+                                   else torch.cat([have, routed_experts[len(have):]]))
         ids = list(ids)
         if policy:
             if logprobs is None or len(logprobs) != len(ids):
@@ -112,23 +125,28 @@ class Trajectory:
             raise ValueError(f"trajectory {self.trajectory_id}: response_mask must be 0/1")
         if any(v < 0 for v, m in zip(self.policy_versions, self.response_mask) if m):
             raise ValueError(f"trajectory {self.trajectory_id}: a policy token has no version")
+        if self.routed_experts is not None and len(self.routed_experts) > len(self.prompt_ids) + n:
+            raise ValueError(f"trajectory {self.trajectory_id}: routing recorded for {len(self.routed_experts)} "
+                             f"positions of a {len(self.prompt_ids) + n}-token sequence")
         if self.status == TrajectoryStatus.TRUNCATED and self.truncation is None:
             raise ValueError(f"trajectory {self.trajectory_id}: TRUNCATED needs the budget that ended it")
 
     def record(self) -> dict[str, Any]:
         """Everything but the per-token lists (they travel as tensors): small, picklable."""
-        d = asdict(self)
-        for name in ("prompt_ids", "response_ids", "response_mask", "behavior_logprobs", "policy_versions"):
+        d = asdict(replace(self, routed_experts=None))
+        for name in ("prompt_ids", "response_ids", "response_mask", "behavior_logprobs", "policy_versions",
+                     "routed_experts"):
             d.pop(name)
         d["status"] = self.status.value
         d["truncation"] = self.truncation.value if self.truncation else None
         return d
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = asdict(replace(self, routed_experts=None))
         d["status"] = self.status.value
         d["truncation"] = self.truncation.value if self.truncation else None
         d["trajectory_id"] = self.trajectory_id
+        d.pop("routed_experts")          # tensors stay out of JSON records (it travels in to_batch)
         return d
 
 
@@ -155,11 +173,21 @@ def to_batch(trajectories: Sequence[Trajectory], *, pad_id: int = 0, length: int
         loss_mask[i, p:n] = torch.tensor(t.response_mask, dtype=torch.float32)
         behavior[i, p:n] = torch.tensor(t.behavior_logprobs, dtype=torch.float32)
         versions[i, p:n] = torch.tensor(t.policy_versions, dtype=torch.long)
+    tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+               "behavior_logprobs": behavior, "policy_version": versions,
+               "prompt_len": torch.tensor([len(t.prompt_ids) for t in trajectories]),
+               "reward": torch.tensor([t.reward for t in trajectories], dtype=torch.float32)}
+    routed = [t.routed_experts for t in trajectories]
+    shape = next((r.shape[1:] for r in routed if r is not None and len(r)), None)
+    if shape is not None:
+        dtype = max((r.dtype for r in routed if r is not None), key=lambda d: torch.iinfo(d).bits)
+        table = torch.full((b, width, *shape), -1, dtype=dtype)
+        for i, r in enumerate(routed):
+            if r is not None and len(r):
+                table[i, : len(r)] = r
+        tensors["routed_experts"] = table
     return Batch(
-        {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-         "behavior_logprobs": behavior, "policy_version": versions,
-         "prompt_len": torch.tensor([len(t.prompt_ids) for t in trajectories]),
-         "reward": torch.tensor([t.reward for t in trajectories], dtype=torch.float32)},
+        tensors,
         {"trajectory_id": [t.trajectory_id for t in trajectories],
          "group_id": [t.group_id for t in trajectories],
          "status": [t.status.value for t in trajectories],
@@ -183,6 +211,9 @@ def from_batch(batch: Batch) -> list[Trajectory]:
                        response_mask=[int(x) for x in batch["loss_mask"][i, p:n].tolist()],
                        behavior_logprobs=batch["behavior_logprobs"][i, p:n].tolist(),
                        policy_versions=batch["policy_version"][i, p:n].tolist())
+        if "routed_experts" in batch.tensors:            # the recorded prefix of the row
+            row = batch["routed_experts"][i, :n]
+            t.routed_experts = row[: int((row[:, 0, 0] >= 0).sum())].clone()
         t.validate()
         out.append(t)
     return out

@@ -10,22 +10,11 @@ import socket
 import weakref
 from typing import Any
 
+from hybridrl.distributed.reaper import start_time  # noqa: F401  (also this module's API)
+
 # the live services of this process, by owner: an intent owned by one of them is in progress only
 # while that object executes it (pid and start time cannot tell two services of one process apart)
 SERVICES: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
-
-
-def start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (Linux), None where unknown; with the
-    pid it names one process (pids are reused, start times with them are not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    if fields[0] in ("Z", "X"):                      # exited, not yet reaped: not alive
-        return "dead"
-    return fields[19]
 
 
 def owner_alive(owner: str) -> bool:

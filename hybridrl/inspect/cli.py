@@ -98,10 +98,36 @@ def format_summary(s: dict) -> str:
              f"{b['per_trajectory'] / 1024:.2f} KiB per trajectory"
              + (f"; data of steps {s['pruned_steps']} deleted by retention" if s["pruned_steps"] else "")]
     for r in s["releases"]:
-        lines.append(f"  release v{r['version']}: {r['checkpoint_hash']} (published at step {r['published_at_step']})")
+        what = PUBLISHED_FOR.get(r.get("published_for"), "its rollout")
+        lines.append(f"  release v{r['version']} ({_made_by(r['version'], r['training_step'])}): "
+                     f"{r['checkpoint_hash']}, published at step {r['published_at_step']} for {what}")
+    if s.get("diagnosis"):
+        lines.append(f"  {s['diagnosis']}")
     for e in s["events"]:
         lines.append(f"  event {e['kind']} at step {e['step']}: {e['detail']}")
+    lines += format_evaluations(s.get("evaluations", []))
     return "\n".join(lines)
+
+
+PUBLISHED_FOR = {"validation": "the validation after its update", "evaluation": "the evaluation after its update"}
+
+
+def _made_by(version: int, training_step: int) -> str:
+    return "the initial weights" if version == 0 else f"the update of step {training_step}"
+
+
+def format_evaluations(rows: list[dict]) -> list[str]:
+    """Which checkpoint scored what on which suite (the ledger's evaluations), one line each."""
+    lines = []
+    for r in rows:
+        scores = ", ".join(f"{sampling} " + " ".join(f"{k} {100 * v:.1f}%" for k, v in values.items()
+                                                     if k == "accuracy" or k.startswith("pass@"))
+                           for sampling, values in r["metrics"]["sampling"].items())
+        where = r["checkpoint"] or "no checkpoint at this step"
+        lines.append(f"  eval {r['suite']} v{r['suite_version']} ({r['suite_hash']}) step {r['step']} "
+                     f"({r['source']}, policy v{r['policy_version'] if r['policy_version'] is not None else '?'}, "
+                     f"model {str(r['model_hash'])[:12]}, {where}): {scores}")
+    return lines
 
 
 def format_list(out: dict) -> str:

@@ -4,6 +4,8 @@ The page embeds its data as JSON and draws everything with inline JavaScript and
   - reward and validation-accuracy curves per step (metrics.jsonl),
   - stage times per step as stacked bars (rollout, sync, prep, train, store, the rest),
   - per step: policy lag, trajectories not trained on and why (filter reasons), statuses,
+  - the run's cost (`hybridrl cost`): device-seconds by stage family and stage, never-trained work by
+    reason, money,
   - episodes turn by turn: every token coloured by the policy version that produced it (observation
     tokens grey), its behaviour logprob as the colour's strength, and a hover title with the token,
     its version, behaviour / trainer logprob and advantage; tool calls with the authorizer's
@@ -45,8 +47,37 @@ def page_data(ledger: RunLedger, ids: list[str]) -> dict:
         steps.append({"step": s["step"], "episodes": s["episodes"], "admitted": s["admitted"], "lag_max": lag,
                       "filters": filters, "statuses": statuses, "version": [s["rollout_version"], s["version_after"]],
                       "store_s": s["write_s"], "pruned": bool(s["pruned"])})
-    return {"summary": ledger.summary(), "curves": curves, "stages": stages, "steps": steps,
-            "episodes": [ledger.explain(i) for i in ids]}
+    return {"summary": ledger.summary(), "curves": curves, "evaluations": evaluation_series(ledger), "stages": stages,
+            "steps": steps,
+            "episodes": [ledger.explain(i) for i in ids], "cost": cost_data(ledger.run_dir)}
+
+
+def evaluation_series(ledger: RunLedger) -> list[dict]:
+    """The suites' results across the run's checkpoints (`hybridrl eval SUITE --run`, in-loop evaluation):
+    one series per suite, sampling and metric (accuracy, and pass@k for the largest k), points by step."""
+    series: dict[str, list[list[float]]] = {}
+    for row in ledger.evaluations():
+        for sampling, values in row["metrics"].get("sampling", {}).items():
+            ks = sorted((int(k[5:]) for k in values if k.startswith("pass@") and k[5:].isdigit()), reverse=True)
+            for metric in ["accuracy"] + [f"pass@{k}" for k in ks[:1] if k > 1]:
+                if values.get(metric) is not None:
+                    series.setdefault(f"{row['suite']} {sampling} {metric}", []).append([row["step"], values[metric]])
+    return [{"name": name, "points": sorted(points)} for name, points in series.items()]
+
+
+def cost_data(run_dir: Path) -> dict | None:
+    """The run's books for the page's cost section (hybridrl/cost): None where they cannot be made."""
+    try:
+        from hybridrl.cost.accounting import account
+        from hybridrl.cost.prices import load_prices
+        from hybridrl.cost.report import run_report
+
+        r = run_report(account(run_dir), load_prices())
+    except Exception as err:        # the page still renders without the books
+        return {"error": f"{type(err).__name__}: {err}"}
+    keys = ("wall_s", "world_size", "roles", "device_s_total", "device_s_expected", "by_stage", "by_family",
+            "never_trained", "tokens", "episodes", "environment", "stored_bytes", "notes")
+    return {**{k: r[k] for k in keys}, "money": {k: v for k, v in r["money"].items() if k != "by_stage"}}
 
 
 def write_html(ledger: RunLedger, out: str | Path, ids: list[str]) -> Path:
@@ -79,6 +110,7 @@ table{border-collapse:collapse;margin:.4em 0}td,th{border:1px solid #ddd;padding
 <h2>Curves</h2><div class="charts" id="curves"></div>
 <h2>Stage times per step</h2><div class="charts" id="stages"></div>
 <h2>Lag and filter reasons</h2><div id="steps"></div>
+<h2>Cost</h2><div id="cost"></div>
 <h2>Episodes</h2><div class="legend" id="legend"></div><div id="episodes"></div>
 <script type="application/json" id="ledger-data">__DATA__</script>
 <script>
@@ -127,13 +159,19 @@ function lineChart(id, title, series, yMax) {
                         points: s.points.map(p => X(p[0]).toFixed(1) + "," + Y(p[1]).toFixed(1)).join(" ")}, svg);
     s.points.forEach(p => el("svg:circle", {cx: X(p[0]), cy: Y(p[1]), r: 3, fill: s.color}, svg)
       .appendChild(el("svg:title", {}, null, `${s.name} step ${p[0]}: ${fmt(p[1])}`)));
-    el("svg:text", {x: L + 8 + 130 * i, y: 22, fill: s.color, "font-size": 11}, svg, s.name);
+    el("svg:text", {x: L + 8, y: 22 + 13 * i, fill: s.color, "font-size": 11}, svg, s.name);
   });
 }
 lineChart("reward-curve", "Training reward per step",
           [{name: "reward/mean", color: "#1f77b4", points: D.curves.reward},
            {name: "reward/accuracy", color: "#2ca02c", points: D.curves.accuracy}]);
 lineChart("validation-curve", "Validation accuracy", [{name: "val/accuracy", color: "#d62728", points: D.curves.validation}], 1);
+const PALETTE = ["#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#ff7f0e", "#1f77b4"];
+if (D.evaluations.length)
+  lineChart("evaluation-curve", "Evaluations across checkpoints (hybridrl eval)",
+            D.evaluations.map((s, i) => ({name: s.name, color: PALETTE[i % PALETTE.length], points: s.points})), 1);
+else
+  el("p", {}, document.getElementById("curves"), "No evaluation recorded: hybridrl eval SUITE --run RUN_DIR.");
 
 // ---------------------------------------------------------------- stacked stage bars
 (function () {
@@ -173,6 +211,40 @@ lineChart("validation-curve", "Validation accuracy", [{name: "val/accuracy", col
      Object.entries(s.statuses).map(([k, v]) => `${k} ${v}`).join(", "), fmt(s.store_s, 4)]
       .forEach(x => el("td", {}, tr, String(x)));
   }
+})();
+
+// ---------------------------------------------------------------- cost: device-seconds by stage, never-trained work
+(function () {
+  const c = D.cost, box = document.getElementById("cost");
+  if (!c) { el("p", {}, box, "no cost data"); return; }
+  if (c.error) { el("p", {}, box, "the books could not be made: " + c.error); return; }
+  const m = c.money;
+  el("p", {}, box, `wall ${fmt(c.wall_s, 1)}s x ${c.world_size} ranks = ${fmt(c.device_s_expected, 1)} device-s; ` +
+     `assigned ${fmt(c.device_s_total, 1)}; ${fmt(m.total, 6)} ${m.currency} (${m.device_kind} at ${m.device_hour}/device-hour)` +
+     (m.per_million_admitted_tokens ? `; ${fmt(m.per_million_admitted_tokens, 4)} per million admitted tokens` : ""));
+  const fam = Object.entries(c.by_family).sort((a, b) => b[1] - a[1]);
+  const total = Math.max(1e-9, c.device_s_total), W = 900;
+  const svg = el("svg:svg", {id: "cost-bar", width: W, height: 34}, box);
+  let x = 0;
+  fam.forEach(([k, v], i) => {
+    const w = v / total * W;
+    const r = el("svg:rect", {class: "cost", "data-family": k, x: x, y: 0, width: Math.max(0, w), height: 24,
+                              fill: `hsl(${(i * 47) % 360}, 60%, ${k === "idle" ? 80 : 55}%)`}, svg);
+    el("svg:title", {}, r, `${k}: ${fmt(v, 1)} device-s (${fmt(100 * v / total, 1)}%)`);
+    if (w > 40) el("svg:text", {x: x + 3, y: 16, "font-size": 11}, svg, k);
+    x += w;
+  });
+  const t = el("table", {id: "cost-stages"}, box), h = el("tr", {}, t);
+  ["stage", "device-s", "share"].forEach(x => el("th", {}, h, x));
+  Object.entries(c.by_stage).sort((a, b) => b[1] - a[1]).forEach(([k, v]) => {
+    const tr = el("tr", {"data-stage": k}, t);
+    [k, fmt(v, 2), fmt(100 * v / total, 1) + "%"].forEach(x => el("td", {}, tr, x)); });
+  const n = el("table", {id: "cost-never-trained"}, box), nh = el("tr", {}, n);
+  ["generation by outcome", "episodes", "policy tokens", "rollout device-s"].forEach(x => el("th", {}, nh, x));
+  Object.entries(c.never_trained || {}).forEach(([k, v]) => {
+    const tr = el("tr", {"data-reason": k}, n);
+    [k, v.trajectories, v.policy_tokens, fmt(v.device_s, 2)].forEach(x => el("td", {}, tr, String(x))); });
+  (c.notes || []).forEach(x => el("p", {class: "note"}, box, "note: " + x));
 })();
 
 // ---------------------------------------------------------------- episodes token by token

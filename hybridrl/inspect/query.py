@@ -14,6 +14,7 @@ For a trajectory id the answers are:
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,37 @@ class RunLedger:
         return [dict(r) for r in self.db.execute("SELECT * FROM steps ORDER BY step")]
 
     def releases(self) -> dict[int, dict]:
-        return {r["version"]: dict(r) for r in self.db.execute("SELECT * FROM releases ORDER BY version")}
+        """version -> the release (its row, and `published_for`: the step's rollout or the validation after
+        its update; rollout when the ledger predates the distinction)."""
+        out = {}
+        for r in self.db.execute("SELECT * FROM releases ORDER BY version"):
+            manifest = json.loads(r["manifest"]) if r["manifest"] else {}
+            out[r["version"]] = {**dict(r), "published_for": manifest.get("published_for", "rollout")}
+        return out
+
+    def diagnosis(self) -> str | None:
+        """Why the run learned nothing, when its metrics show it (`controller/diagnosis.py`)."""
+        from hybridrl.controller.diagnosis import diagnose
+        from hybridrl.telemetry.metrics import read_metrics
+
+        critic = self.config.get("algo", {}).get("advantage") == "gae"
+        found = diagnose(read_metrics(self.run_dir), group_baseline=not critic)
+        return found.text if found is not None else None
+
+    def evaluations(self, suite: str | None = None) -> list[dict]:
+        """Which checkpoint scored what on which suite: one row per (step, suite, source), by step. A
+        ledger written before evaluations were recorded has none."""
+        try:
+            rows = self.db.execute("SELECT * FROM evaluations" + (" WHERE suite = ?" if suite else "")
+                                   + " ORDER BY suite, step, source", (suite,) if suite else ()).fetchall()
+        except sqlite3.OperationalError:
+            return []
+        out = []
+        for r in rows:
+            row = dict(r)
+            row["metrics"] = json.loads(row["metrics"])
+            out.append(row)
+        return out
 
     def resolve(self, target: str) -> str:
         """A trajectory id, its trace id, or a unique prefix of either -> the trajectory id."""
@@ -91,7 +122,8 @@ class RunLedger:
                 "bytes": {"data": data, "text": text,
                           "per_trajectory": (data + text) / n if n else 0.0,
                           "data_per_trajectory": data / n if n else 0.0},
-                "pruned_steps": [s["step"] for s in steps if s["pruned"]], "events": events}
+                "pruned_steps": [s["step"] for s in steps if s["pruned"]], "events": events,
+                "diagnosis": self.diagnosis(), "evaluations": self.evaluations()}
 
     # ------------------------------------------------------------------ one trajectory
 

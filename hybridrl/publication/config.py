@@ -46,6 +46,8 @@ class PublishConfig:
                      "only (the parity probe remains the check on contents)")
     parity_prompts: int = knob(2, "fixed prefixes the parity probe generates from after each publication; 0 = off")
     parity_tokens: int = knob(8, "greedy tokens per parity prefix")
+    parity_every: int = knob(1, "run the parity probe on a process's first publication and on every version that "
+                                "is a multiple of this (1 = every publication); metrics parity/probed says which did")
     parity_tolerance: float = knob(1e-3, "fail the publication when engine and trainer logprobs differ by more "
                                          "(max abs, nats). 1e-3 suits float32 on both sides; with bfloat16/float16 "
                                          "on either side use 0.1 (preflight refuses less than 2^-6 there: one "
@@ -56,4 +58,5 @@ class PublishConfig:
         check_choice("verify", self.verify, VERIFY_MODES)
         check_positive("parity_prompts", self.parity_prompts, allow_zero=True)
         check_positive("parity_tokens", self.parity_tokens)
+        check_positive("parity_every", self.parity_every)
         check_positive("parity_tolerance", self.parity_tolerance)

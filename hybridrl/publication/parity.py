@@ -50,3 +50,17 @@ def compare(prompts: list[list[int]], outputs: list[GenerationOutput], trainer_l
     d = torch.cat(diffs) if diffs else torch.zeros(0)
     return {"parity/max_abs": float(d.max()) if d.numel() else 0.0,
             "parity/mean_abs": float(d.mean()) if d.numel() else 0.0, "parity/tokens": float(d.numel())}
+
+
+class ProbeSchedule:
+    """Which publications the parity probe checks (`publish.parity_every`): a process's first one (a
+    fresh engine, a resumed run) and every version that is a multiple of `every`. Both ends of a
+    publication decide alike from the version alone, so the sender and the receivers always agree."""
+
+    def __init__(self, every: int):
+        self.every, self.first = max(int(every), 1), True
+
+    def due(self, version: int) -> bool:
+        due = self.first or version % self.every == 0
+        self.first = False
+        return due

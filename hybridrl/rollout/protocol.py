@@ -85,6 +85,10 @@ class GenerationOutput:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     timings: GenerationTimings = field(default_factory=GenerationTimings)
+    # MoE models: the expert ids each token of prompt + output was routed to, a CPU tensor
+    # [positions, moe_layers, top_k] (int8, or int16 above 128 experts) covering every token the
+    # engine computed (all but the last output token); None for dense models / engines without it
+    routed_experts: Any = None
     sampler_contract: int = SAMPLER_CONTRACT_VERSION
 
 

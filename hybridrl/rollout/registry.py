@@ -23,6 +23,7 @@ from typing import Any
 ENGINES = {
     "native": "hybridrl.backends.native.engine:NativeEngine",
     "sglang": "hybridrl.backends.sglang.engine:SGLangEngine",
+    "vllm": "hybridrl.backends.vllm.engine:VLLMEngine",
 }
 
 

@@ -21,7 +21,9 @@ update's batch) or why none did (`filter_reason`), how its advantage was compute
 the policy version before and after the update, the stage times and the checkpoint the step wrote.
 Releases (the manifest of each weight publication: version, training step, checkpoint hash) are
 recorded when they happen, so that "which release resulted from the update of step s" is the
-release of that step's `version_after`.
+release of that step's `version_after`. Evaluations (`evaluations`: one row per step and suite, from
+the in-loop evaluation or `hybridrl eval --run`) say which checkpoint (and policy version, model
+hash) scored what on which suite (name, version, hash); they hold scores only, never an episode.
 
 Shards are written to a temporary name and renamed (a crash never leaves half a shard under a
 real name), then made read-only. A run resumed from step k does steps k+1.. again: the first
@@ -64,6 +66,10 @@ CREATE TABLE IF NOT EXISTS releases (
     version INTEGER PRIMARY KEY, training_step INTEGER, published_at_step INTEGER, checkpoint_hash TEXT,
     manifest TEXT);
 CREATE TABLE IF NOT EXISTS events (at REAL, kind TEXT, step INTEGER, detail TEXT);
+CREATE TABLE IF NOT EXISTS evaluations (
+    step INTEGER, suite TEXT, source TEXT, suite_version INTEGER, suite_hash TEXT, instances_hash TEXT,
+    policy_version INTEGER, checkpoint TEXT, model_hash TEXT, label TEXT, metrics TEXT, result_path TEXT,
+    recorded_at REAL, PRIMARY KEY (step, suite, source));
 """
 
 
@@ -100,7 +106,10 @@ class NullLedger:
     def record_step(self, step: int, **kwargs: Any) -> float:
         return 0.0
 
-    def record_switch(self, step: int, switch: dict | None) -> None:
+    def record_switch(self, step: int, switch: dict | None, purpose: str = "rollout") -> None:
+        return None
+
+    def record_evaluation(self, step: int, result: dict, *, result_path: str) -> None:
         return None
 
 
@@ -121,15 +130,16 @@ class Ledger:
 
     # ------------------------------------------------------------------ writing
 
-    def record_switch(self, step: int, switch: dict | None) -> None:
-        """A mode switch's result: the release it published, if any."""
+    def record_switch(self, step: int, switch: dict | None, purpose: str = "rollout") -> None:
+        """A mode switch's result: the release it published, if any, and what for: the `rollout` of step
+        `step`, or the `validation` after it (the manifest's `published_for`)."""
         self._first_record(step)
         release = (switch or {}).get("release")
         if not release:
             return
         self.db.execute("INSERT OR REPLACE INTO releases VALUES (?, ?, ?, ?, ?)",
                         (int(release["policy_version"]), int(release.get("training_step", -1)), step,
-                         release.get("checkpoint_hash"), _json(release)))
+                         release.get("checkpoint_hash"), _json({**release, "published_for": purpose})))
 
     def record_step(self, step: int, *, trajectories: Sequence[Any], kept: Any, batch: Any, switch: dict | None,
                     rollout_version: int, version_after: int, metrics: dict | None = None,
@@ -217,6 +227,11 @@ class Ledger:
         seconds = time.perf_counter() - started
         self.db.execute("UPDATE steps SET write_s = ? WHERE step = ?", (seconds, step))
         return seconds
+
+    def record_evaluation(self, step: int, result: dict, *, result_path: str) -> None:
+        """The in-loop evaluation of step `step` (its scores, never its episodes)."""
+        self._first_record(step)
+        _insert_evaluation(self.db, result, result_path=result_path)
 
     def _advantage_explanations(self, batch: Any, admitted: Sequence[Any]) -> dict[str, dict]:
         """How each admitted trajectory's advantage was computed: the estimator's registry entry (its
@@ -323,6 +338,7 @@ class Ledger:
         self.db.execute("DELETE FROM trajectories WHERE step >= ?", (step,))
         self.db.execute("DELETE FROM steps WHERE step >= ?", (step,))
         self.db.execute("DELETE FROM releases WHERE published_at_step >= ?", (step,))
+        self.db.execute("DELETE FROM evaluations WHERE step >= ? AND source = 'train'", (step,))
         self.db.execute("INSERT INTO events VALUES (?, 'rewind', ?, ?)", (
             time.time(), step, _json({"steps": [r["step"] for r in later],
                                       "trajectories": sum(r["episodes"] or 0 for r in later),
@@ -361,6 +377,23 @@ def _seal(tmp: Path, path: Path) -> Path:
     os.chmod(tmp, 0o444)
     os.replace(tmp, path)
     return path
+
+
+def _insert_evaluation(db: sqlite3.Connection, result: dict, *, result_path: str) -> None:
+    model, suite = result["model"], result["suite"]
+    db.execute("INSERT OR REPLACE INTO evaluations VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (
+        model["step"], suite["name"], result.get("source", "cli"), suite["version"], suite["hash"],
+        result["instances_hash"], model.get("policy_version"), model.get("checkpoint"), model.get("hash"),
+        result.get("label"), _json(result["metrics"]), result_path, time.time()))
+
+
+def record_evaluation(run_dir: str | Path, result: dict, *, result_path: str) -> None:
+    """A result of `hybridrl eval --run` (a model of this run, by step) into the run's ledger."""
+    db = connect(run_dir, create=True)
+    try:
+        _insert_evaluation(db, result, result_path=result_path)
+    finally:
+        db.close()
 
 
 def open_ledger(cfg: Any, tokenizer: Any = None) -> Ledger | NullLedger:

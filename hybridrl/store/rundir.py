@@ -2,7 +2,7 @@
 
     <run.dir>/run.json   the run: job, recipe and overrides, task (name, version, seed, options),
                          model (path, weight files), shapes (the model's dimensions, train.tp/pp),
-                         status (running | finished) and the last step
+                         status (running | finished | stopped | interrupted) and the last step
 
 `plan(cfg)` decides, before any process starts (and again on rank 0 before anything is written):
 
@@ -10,7 +10,9 @@
     resume      trainer.resume=auto: the newest complete checkpoint, when it was written by the same
                 task, model and shapes and the run is not finished (or trainer.total_steps was
                 raised past its end); trainer.resume=PATH: that checkpoint, as told
-    move_aside  trainer.resume=never over an earlier run: it is renamed <run.dir>.old-N first
+    move_aside  trainer.resume=never over an earlier run: it is renamed <run.dir>.old-N first; so is
+                an interrupted run with nothing to resume from (SFT, or RL before its first
+                checkpoint), and the run starts over
 
 and raises `RunDirError` (one line: the difference, and how to go on) for an earlier run that
 cannot continue: finished, without a checkpoint, or of another task, model or shapes. `hybridrl
@@ -33,7 +35,8 @@ from hybridrl.telemetry.metrics import read_metrics
 RECORD = "run.json"
 # What runs write into run.dir (what --overwrite removes; nothing else in the directory is touched).
 OUTPUTS = ("run.json", "config.json", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "hf",
-           "offload", "envs.sqlite", "envs.sqlite-wal", "envs.sqlite-shm", "faults.jsonl")
+           "offload", "envs.sqlite", "envs.sqlite-wal", "envs.sqlite-shm", "faults.jsonl", "interrupted.log",
+           "wandb_run_id", "mlflow_run_id")
 # What a start that died before its first step leaves and a fresh start would append to.
 LEFTOVERS = ("run.json", "metrics.jsonl", "samples.jsonl", "tensorboard")
 # config.json keys that fix the shapes of a checkpoint's tensors
@@ -60,6 +63,11 @@ class Plan:
 def record_origin(recipe: str | None, overrides: Sequence[str]) -> None:
     """What launched this process (recorded in run.json): the recipe and the command-line overrides."""
     _origin.update(recipe=str(Path(recipe).resolve()) if recipe else None, overrides=list(overrides))
+
+
+def origin() -> tuple[str | None, list[str]]:
+    """The recipe (absolute) and command-line overrides this process was launched with."""
+    return _origin.get("recipe"), list(_origin.get("overrides", []))
 
 
 def identity(cfg) -> dict[str, Any]:
@@ -140,6 +148,10 @@ def plan(cfg) -> Plan:
         return Plan("move_aside", run_dir, note=f"trainer.resume=never: the earlier run in {run_dir} moves to "
                                                 f"{aside_path(run_dir)}")
     what = f"run.dir {run_dir} holds {earlier.describe(cfg.run.job)}"
+    if earlier.record.get("status") == "interrupted" and (cfg.run.job != "rl" or earlier.checkpoint is None):
+        check_model_outside(cfg, [run_dir], "the interrupted run there moves aside")
+        return Plan("move_aside", run_dir, note=f"{what}, interrupted before it had a checkpoint to resume from: it "
+                                                f"moves to {aside_path(run_dir)} and the run starts over")
     if cfg.run.job != "rl" or earlier.checkpoint is None:
         if cfg.run.job == "rl":
             what += " without a checkpoint to resume from"
@@ -171,15 +183,26 @@ def prepare(cfg) -> Plan:
         remove_outputs(p.run_dir, LEFTOVERS)   # a start that died before its first step: nothing to keep
     p.run_dir.mkdir(parents=True, exist_ok=True)
     record = read_record(p.run_dir) if p.action == "resume" else {}
+    for key in ("signal", "checkpoint", "interrupted_at", "interrupted_at_s", "stop_reason"):
+        record.pop(key, None)             # the earlier attempt's ending; this one is running
     record.update(job=cfg.run.job, **identity(cfg), status="running", hybridrl=_version(),
                   started_at=time.strftime("%Y-%m-%dT%H:%M:%S"), **{k: v for k, v in _origin.items()})
     write_record(p.run_dir, record)
     return p
 
 
-def mark_finished(run_dir: str | Path, step: int, **summary: Any) -> None:
+def mark_finished(run_dir: str | Path, step: int, *, status: str = "finished", **summary: Any) -> None:
+    """The run ended: `finished` (all its steps), or `stopped` before them (trainer.stop_after_dead_steps)."""
     record = read_record(Path(run_dir))
-    record.update(status="finished", step=step, finished_at=time.strftime("%Y-%m-%dT%H:%M:%S"), **summary)
+    record.update(status=status, step=step, finished_at=time.strftime("%Y-%m-%dT%H:%M:%S"), **summary)
+    write_record(Path(run_dir), record)
+
+
+def mark_interrupted(run_dir: str | Path, step: int, *, signal: str, checkpoint: str | None) -> None:
+    """SIGINT / SIGTERM stopped the run after `step`; `checkpoint` is the one the same command resumes from."""
+    record = read_record(Path(run_dir))
+    record.update(status="interrupted", step=step, signal=signal, checkpoint=checkpoint,
+                  interrupted_at=time.strftime("%Y-%m-%dT%H:%M:%S"), interrupted_at_s=time.time())
     write_record(Path(run_dir), record)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Mapping
 
@@ -64,7 +65,9 @@ def truncate_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    tmp = path.with_name(path.name + ".tmp")      # replaced at once: a kill meanwhile loses no row
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

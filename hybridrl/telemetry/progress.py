@@ -21,8 +21,8 @@ def fmt_duration(seconds: float) -> str:
 
 class LineProgress:
     def __init__(self, name: str, total: int, *, start: int = 0, enabled: bool = True, every_pct: int = 10,
-                 stream: IO[str] | None = None):
-        self.name, self.total, self.start = name, total, start
+                 stream: IO[str] | None = None, unit: str = "step"):
+        self.name, self.total, self.start, self.unit = name, total, start, unit
         self.enabled, self.every_pct = enabled and total > 0, every_pct
         self.stream = stream or sys.stderr
         self.started = time.perf_counter()
@@ -35,9 +35,9 @@ class LineProgress:
         self.next_pct = self.every_pct * (100 * step // (self.every_pct * self.total) + 1)
         done = step - self.start
         per_step = (time.perf_counter() - self.started) / done if done else 0.0
-        parts = [f"{self.name} step {step}/{self.total} ({100 * step // self.total}%)"]
+        parts = [f"{self.name} {self.unit} {step}/{self.total} ({100 * step // self.total}%)"]
         parts += [f"{k.replace('_', ' ')} {v}" for k, v in fields.items()]
-        parts.append(f"{per_step:.2f} s/step")
+        parts.append(f"{per_step:.2f} s/{self.unit}")
         if step < self.total:
             parts.append(f"ETA {fmt_duration(per_step * (self.total - step))}")
         self.note(": ".join(parts[:1]) + ": " + ", ".join(parts[1:]) if len(parts) > 1 else parts[0])

@@ -32,7 +32,10 @@ def build(cfg: Any, role: str, device: Any) -> Any:
 
     cls = engine_class(cfg.train.engine)
     if role == ACTOR:
-        return cls.from_hf(cfg.model.path, cfg.train, training=True, device=device, head=LM_HEAD)
+        actor = cls.from_hf(cfg.model.path, cfg.train, training=True, device=device, head=LM_HEAD)
+        if cfg.algo.router_replay != "off":          # MoE: the rollout's recorded experts (engine's set_router_replay)
+            actor.set_router_replay(cfg.algo.router_replay)
+        return actor
     if role == REFERENCE:
         return cls.from_hf(cfg.model.path, cfg.train, training=False, device=device, head=LM_HEAD)
     if role == CRITIC:

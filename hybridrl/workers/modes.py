@@ -27,6 +27,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -57,7 +58,10 @@ class PhaseTimeout(RuntimeError):
 
 class Arrivals:
     """A barrier on a key-value store (the control plane's) that gives up at a deadline and says who is
-    missing. `aborted()` is polled too, so a run aborted elsewhere ends the wait at once."""
+    missing. Nothing polls: each rank marks itself arrived and counts itself in; the last one sets the
+    barrier's key, which every other rank waits for in the store's own blocking wait (answered the
+    moment it is set), bounded by the phase's deadline. A run aborted during the wait reaches the rank
+    through its watchdog, which watches the abort flag and ends the process."""
 
     def __init__(self, store, rank: int, ranks: Sequence[int], aborted: Callable[[], str | None] = lambda: None):
         self.store, self.rank, self.ranks, self.aborted = store, rank, list(ranks), aborted
@@ -66,22 +70,32 @@ class Arrivals:
         """Mark this rank arrived at `key`; wait for the others until `deadline` (time.monotonic()).
         Returns the ranks still missing (empty when all arrived)."""
         self.store.set(f"arrive/{key}/{self.rank}", b"1")
-        missing, pause = list(self.ranks), 0.001
-        while True:
-            missing = [r for r in missing if not self.store.check([f"arrive/{key}/{r}"])]
-            if not missing or (deadline is not None and time.monotonic() > deadline):
-                return missing
-            reason = self.aborted()
-            if reason is not None:
-                raise RuntimeError(f"rank {self.rank}: the run was aborted while waiting at {key}: {reason}")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+        if self.store.add(f"arrive/{key}/count", 1) >= len(self.ranks):
+            self.store.set(f"arrive/{key}/all", b"1")
+            return []
+        reason = self.aborted()
+        if reason is not None:
+            raise RuntimeError(f"rank {self.rank}: the run was aborted while waiting at {key}: {reason}")
+        try:
+            if deadline is None:
+                self.store.wait([f"arrive/{key}/all"])
+            else:
+                left = max(deadline - time.monotonic(), 0.001)
+                self.store.wait([f"arrive/{key}/all"], timedelta(seconds=left))
+            return []
+        except RuntimeError:                     # the store's wait timed out (DistStoreError)
+            return [r for r in self.ranks if not self.store.check([f"arrive/{key}/{r}"])]
 
     def forget(self, key: str) -> None:
-        try:
-            self.store.delete_key(f"arrive/{key}/{self.rank}")
-        except Exception:  # noqa: BLE001 - best effort
-            pass
+        """Drop this rank's keys of a barrier that no rank reads any more (the first rank drops the shared ones)."""
+        keys = [f"arrive/{key}/{self.rank}"]
+        if self.ranks and self.rank == self.ranks[0]:
+            keys += [f"arrive/{key}/count", f"arrive/{key}/all"]
+        for k in keys:
+            try:
+                self.store.delete_key(k)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
 
 
 @dataclass
@@ -89,6 +103,7 @@ class PhaseRecord:
     seconds: float
     bytes_moved: int
     peak_mem_bytes: int
+    arrival_s: float = 0.0          # waiting for the other ranks at the phase's barrier (before `seconds`)
 
 
 class Phases:
@@ -136,7 +151,9 @@ class Phases:
             backstop.start()
         try:
             if self.arrivals is not None and limit:       # a phase of a switch: every rank runs it
+                arrived = time.perf_counter()
                 missing = self.arrivals.wait(f"{self.switches}/{name}", deadline)
+                rec.arrival_s = time.perf_counter() - arrived
                 # every rank has passed the barrier of two switches ago: its key is no longer read
                 self.arrivals.forget(f"{self.switches - 2}/{name}")
                 if missing:
@@ -180,7 +197,8 @@ class Phases:
 
     def last(self) -> dict[str, dict[str, float]]:
         return {name: {"seconds": recs[-1].seconds, "bytes": recs[-1].bytes_moved,
-                       "peak_mem_bytes": recs[-1].peak_mem_bytes} for name, recs in self.history.items() if recs}
+                       "peak_mem_bytes": recs[-1].peak_mem_bytes, "arrival_s": recs[-1].arrival_s}
+                for name, recs in self.history.items() if recs}
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Median seconds / bytes and max peak memory of every phase so far."""

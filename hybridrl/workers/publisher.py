@@ -32,6 +32,11 @@ class Publisher:
         special = [t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None]
         n = cfg.publish.parity_prompts
         self.probe = parity.probe_prompts(len(tokenizer), n, avoid=special) if n else []
+        self.schedule = parity.ProbeSchedule(cfg.publish.parity_every)
+
+    def probe_due(self, version: int) -> bool:
+        """Whether the parity probe checks this publication (the probe on, and the schedule says so)."""
+        return bool(self.probe) and self.schedule.due(version)
 
     def publish(self, version: int, step: int, *, target: Any, transport: Any, run: Callable[[Any, str], Any],
                 peers: Any) -> str | None:

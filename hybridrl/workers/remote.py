@@ -103,9 +103,11 @@ class SendingEnd(RemotePublication):
             rec.bytes_moved = self.publisher.stats.bytes_copied if refused is None else 0
         published = refused is None
         probe = {}
-        if published and self.publisher.probe:
+        if published and self.publisher.probe_due(version):
             with self.phases.phase("probe", waits_for="the parity probe"):
                 probe = self.publisher.check_parity(version, self._probe_outputs(), lambda v: self.trainers.max([v])[0])
+        if published:
+            probe["parity/probed"] = float("parity/max_abs" in probe)
         out = {"published": published, "policy_version": self.target.policy_version, **probe,
                "publish/refused": float(not published), "switch/publish_s": self.phases.last()["publish"]["seconds"]}
         return {**out, **self.publisher.release_metrics(published)}
@@ -137,6 +139,7 @@ class ReceivingEnd(RemotePublication):
         special = [t for t in (rollout.tokenizer.eos_token_id, rollout.tokenizer.pad_token_id) if t is not None]
         n = cfg.publish.parity_prompts
         self.probe = parity.probe_prompts(len(rollout.tokenizer), n, avoid=special) if n else []
+        self.schedule = parity.ProbeSchedule(cfg.publish.parity_every)
 
     @register(dispatch=OneToAll("rank0"))
     def publish(self, *, version: int, step: int) -> dict:
@@ -150,7 +153,7 @@ class ReceivingEnd(RemotePublication):
         self.producer.producer.poke()
         if got["error"] is not None:
             raise got["error"]
-        if self.engine.policy_version == version and self.probe:
+        if self.engine.policy_version == version and self.probe and self.schedule.due(version):
             with self.phases.phase("probe", waits_for="the parity probe"):
                 outputs = None
                 if self.ctx.rank == self.first_rollout_rank:

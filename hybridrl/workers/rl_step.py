@@ -14,7 +14,8 @@ the engines; this file is the algorithm.
     critic steps, then ppo_epochs x mini-batches actor steps, on the same mini-batches
 
 The batch arrives laid out by `algo.minibatches` (tensors: input_ids, attention_mask, loss_mask,
-behavior_logprobs, reward, group_index). What returns, on the output ranks, is one Batch row per
+behavior_logprobs, reward, group_index; MoE: routed_experts, which the engine's routers replay or
+compare with their own choice). What returns, on the output ranks, is one Batch row per
 input row: the row's mean advantage and worst mismatch, the per-token old logprobs, advantages
 (and reference logprobs) the run ledger keeps, and in `info` the step's scalars ('metrics'), one
 dict per optimizer step ('per_update') and the critic's scalars ('critic').

@@ -37,7 +37,7 @@ ON_ROLLOUT_RANKS = OneToAll(mesh="rollout")
 
 # per-token tensors of a rollout: padded on the sequence dim when shards are put together
 ROLLOUT_PADS = (("input_ids", 0), ("attention_mask", 0), ("loss_mask", 0.0), ("behavior_logprobs", 0.0),
-                ("policy_version", -1))
+                ("policy_version", -1), ("routed_experts", -1))       # (MoE: the routing record, -1 = none)
 
 # what the reward model scores: every trajectory with a response the policy is answerable for
 SCORED = (TrajectoryStatus.COMPLETED, TrajectoryStatus.TRUNCATED, TrajectoryStatus.FAILED)
@@ -51,10 +51,10 @@ class RolloutSide(Part):
         of the rank's main thread, run only inside calls (SGLang's tokenizer manager binds to its first loop)."""
         from transformers import AutoTokenizer
 
-        from hybridrl.agent.loop import AgentRunner
         from hybridrl.agent.producer import LoopThread
         from hybridrl.agent.tools.base import ToolBox
         from hybridrl.envs.tasks import get_task
+        from hybridrl.gateway.runner import agent_runner
 
         self.cfg, self.ctx, self.phases, self.mesh = cfg, ctx, phases, mesh
         self.threads = LoopThread() if threaded else None
@@ -77,8 +77,8 @@ class RolloutSide(Part):
         self.task = get_task(cfg.task.name, cfg.task)
         tool_names = sorted({t for inst in self.task.validation_split(8) for t in inst.tools})
         self.tools = self.run(ToolBox.from_config(cfg.tools, names=tool_names).start())
-        self.runner = AgentRunner(self.engine, self.tokenizer, agent_cfg=cfg.agent, tools=self.tools,
-                                  run_id=cfg.run.name, seed=cfg.run.seed, envs=self._env_provider())
+        # the built-in agent loop, or the gateway's runner when task.agent names an OpenAI-client agent
+        self.runner = agent_runner(cfg, self.engine, self.tokenizer, tools=self.tools, envs=self._env_provider())
         self.collector = None              # partial rollouts: episodes kept across steps (built on first use)
         self.everyone = Reducer.over_peers(ctx.control_peers)
         self.probe_counts: dict[str, float] = {}    # engine counters spent on parity probes (not episodes)
@@ -242,6 +242,8 @@ class RolloutSide(Part):
     def close(self) -> None:
         if self.collector is not None:
             self.collector.close()
+        if self.cfg.task.agent:
+            self.run(self.runner.close())          # the gateway's server and client
         self.run(self.tools.close())
         self.run_sync(self.engine.close)
         if self.threads is not None:
@@ -254,7 +256,7 @@ def _counter(value: Any) -> bool:
 
 def _placeholder_rows(n: int) -> Batch:
     tensors = {name: torch.full((n, 1), value, dtype=torch.float32 if isinstance(value, float) else torch.long)
-               for name, value in ROLLOUT_PADS}
+               for name, value in ROLLOUT_PADS if name != "routed_experts"}   # (concat fills it in)
     tensors["prompt_len"] = torch.zeros(n, dtype=torch.long)
     tensors["reward"] = torch.zeros(n)
     return Batch(tensors, {k: [None] * n for k in ("trajectory_id", "group_id", "status", "record")}, num_padding=n)

@@ -75,10 +75,13 @@ class ModeSwitch(Part):
                     published = refused is None
             with self.modes.phase("wake", waits_for="the rollout engine to wake up"):
                 self._engine_call(self.engine.wake_up(tags - {WEIGHTS}), "the engine to take its memory back")
-            probe = {}
-            if published and self.publisher.probe:       # a check after the switch, timed apart from it
+            probe, phases = {}, ["offload", "publish", "wake"]
+            if published and self.publisher.probe_due(version):     # a check after the switch, timed apart
                 with self.modes.phase("probe", waits_for="the parity probe"):
                     probe = self._parity_probe(version)
+                phases.append("probe")
+            if published:
+                probe["parity/probed"] = float("probe" in phases)
         except BaseException:
             self.modes.to(Mode.TRAIN)
             self._back_to_train(tags)
@@ -86,9 +89,14 @@ class ModeSwitch(Part):
         self.modes.to(Mode.ROLLOUT)
         out = {"published": published, "policy_version": self.engine.policy_version, **probe,
                "publish/refused": float(self.everyone.count(refused is not None)),
-               **{f"switch/{k}_s": v["seconds"] for k, v in self.modes.last().items()
-                  if k in ("offload", "publish", "wake")}}
+               **self._timed(phases, "switch/arrival_rollout_s")}
         return {**out, **self.publisher.release_metrics(published)}
+
+    def _timed(self, phases: list[str], arrival_key: str) -> dict[str, float]:
+        """Seconds of the phases this switch ran, and of the waits at their arrival barriers (`arrival_key`)."""
+        last = self.modes.last()
+        return {**{f"switch/{k}_s": last[k]["seconds"] for k in phases},
+                arrival_key: sum(last[k]["arrival_s"] for k in phases)}
 
     def _publish(self, version: int, step: int) -> str | None:
         """Publish `version` into this rank's engine; returns why it was refused (None: published). Every rank
@@ -122,7 +130,7 @@ class ModeSwitch(Part):
             self._engine_call(self.engine.sleep(self.engine.releasable_tags), "the engine to drain and release")
         self.train.reload()
         self.modes.to(Mode.TRAIN)
-        return {f"switch/{k}_s": v["seconds"] for k, v in self.modes.last().items() if k in ("sleep", "reload")}
+        return self._timed(["sleep", "reload"], "switch/arrival_train_s")
 
     def _back_to_train(self, tags) -> None:
         """After a failed switch: release what the engine took, bring training state back (bounded)."""

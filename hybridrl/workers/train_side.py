@@ -38,7 +38,10 @@ class TrainSide(Part):
 
         self.cfg, self.ctx, self.phases = cfg, ctx, phases
         self.actor = registry.build(cfg, registry.ACTOR, ctx.device)
-        self.ref = registry.build(cfg, registry.REFERENCE, ctx.device) if cfg.algo.uses_reference else None
+        self.ref = None
+        if cfg.algo.uses_reference:     # with LoRA the reference is the actor's frozen base (no second copy)
+            self.ref = (self.actor.base_model() if cfg.train.lora.enabled
+                        else registry.build(cfg, registry.REFERENCE, ctx.device))
         self.critic = registry.build(cfg, registry.CRITIC, ctx.device) if cfg.algo.uses_critic else None
         value = None
         if self.critic is not None:
@@ -170,6 +173,11 @@ class TrainSide(Part):
     @register(dispatch=ON_TRAIN_RANKS)
     def export_hf(self, out_dir: str) -> None:
         self.actor.export_hf(out_dir)
+
+    @register(dispatch=ON_TRAIN_RANKS)
+    def export_peft(self, out_dir: str) -> None:
+        """A PEFT adapter directory of a LoRA actor (export_hf writes the merged weights)."""
+        self.actor.export_peft(out_dir)
 
 
 def critic_checkpoint_dir(model_path: str | Path) -> Path:

@@ -97,17 +97,20 @@ def test_a_paused_episode_keeps_its_leased_environment_through_a_long_update(tok
             lo, hi = (int(guess) + 1, hi) if hint == "higher" else (lo, int(guess) - 1)
         return f"<answer>{(lo + hi) // 2}</answer>"
 
-    svc = EnvService(tmp_path / "envs.sqlite", lease_ttl_s=0.6)
+    # The lease must outlive one turn (a generate and a step: ~0.1 s quiet, several times that on a
+    # loaded machine); the update below outlives three leases.
+    ttl = 2.0
+    svc = EnvService(tmp_path / "envs.sqlite", lease_ttl_s=ttl)
     engine = ScriptedEngine(tokenizer, bisect, step_latency_s=0.01)
     runner = AgentRunner(engine, tokenizer, agent_cfg=AgentConfig(max_turns=8), tools=ToolBox([]), run_id="r",
-                         envs=LeasedEnvProvider(svc, EnvServiceConfig(db_path=str(svc.db_path), lease_ttl_s=0.6)))
+                         envs=LeasedEnvProvider(svc, EnvServiceConfig(db_path=str(svc.db_path), lease_ttl_s=ttl)))
     loop = asyncio.new_event_loop()
     collector = PartialCollector(runner, task, loop, group_size=1, sum_over_ranks=lambda v: v)
     [inst] = task.train_split(1, seed=0)
     try:
         out, stats = collector.collect([(inst, 0, "g@1")], quorum=1, deadline_s=0.05, poll_s=0.01)
         assert out == [] and stats.live == 1
-        time.sleep(2.0)                               # the update: over 3 lease lifetimes, nothing stepping
+        time.sleep(3.3 * ttl)                         # the update: over 3 lease lifetimes, nothing stepping
         out, _ = collector.collect([], quorum=1, poll_s=0.01)
     finally:
         collector.close()
@@ -116,3 +119,24 @@ def test_a_paused_episode_keeps_its_leased_environment_through_a_long_update(tok
     assert t.status == S.COMPLETED and t.reward == 1.0, t.metadata
     assert collector.gate.renewals >= 2
     assert [s for (s,) in svc.db.execute("SELECT status FROM episodes").fetchall()] == ["closed"]
+
+
+def test_validation_runs_while_paused_episodes_would_hold_every_slot(tokenizer):
+    """A paused episode gives its concurrency slot back: validation on the same runner (between the
+    steps of a partial-rollout run) does not wait for episodes that wait for it."""
+    engine, loop, collector = _setup(tokenizer, max_concurrent_episodes=1)
+    slow = TaskInstance(task="calculator", task_id="slow", reference="5", tools=("calculator",), metadata={},
+                        messages=({"role": "user", "content": "2 + 3? (take your time)"},))
+    runner = collector.runner
+    try:
+        out, stats = collector.collect([(slow, 0, "slow@1")], quorum=1, deadline_s=0.03, poll_s=0.01)
+        assert out == [] and stats.live == 1                  # paused, behind the closed gate
+        validation = runner.run_attempts([(_instance("val"), 0, "val@0")], task=TASK, temperature=0.0)
+        [val] = loop.run_until_complete(asyncio.wait_for(validation, timeout=60))
+        assert val.status == S.COMPLETED and val.reward == 1.0
+        out2, _ = collector.collect([], quorum=1, poll_s=0.01)
+    finally:
+        collector.close()
+        loop.close()
+    assert out2[0].status == S.COMPLETED and out2[0].metadata["interruptions"] == 1
+    assert runner._slots._value == 1                          # every slot given back exactly once

@@ -94,7 +94,8 @@ def test_every_shipped_recipe_loads(recipe):
 def test_configs_dir_mirrors_the_schema():
     """configs/<section>.yaml is generated from the dataclasses: it documents every key."""
     texts = defaults_yaml()
-    on_disk = {p.stem: p.read_text() for p in CONFIGS_DIR.glob("*.yaml")}
+    on_disk = {p.stem: p.read_text() for p in CONFIGS_DIR.glob("*.yaml")
+               if p.name != "prices.yaml"}     # not a config section: the price table of `hybridrl cost`
     assert on_disk == texts, "configs/ is stale: run `hybridrl config defaults --write configs`"
 
 
@@ -127,25 +128,34 @@ PINNED_KEYS = [
     "tools.allowed_destinations", "tools.audit_log", "tools.kill_switch",
     "tools.max_output_bytes", "tools.uid_base", "tools.visible_paths", "tools.hidden_paths", "tools.python", "tools.calculator_max_chars",
     "task.name", "task.seed", "task.train_size", "task.validation_size", "task.format_weight",
-    "task.sft_tool_use_fraction", "task.sft_guess_correct_fraction",       # task.options: a free mapping
+    "task.sft_tool_use_fraction", "task.sft_guess_correct_fraction", "task.agent",  # task.options: a free mapping
+    "task.mixture", "task.sampler", "task.sampler_floor", "task.sampler_window", "task.share_policy",
+    "task.share_tolerance", "task.share_max_wait_rounds",
+    "gateway.listen", "gateway.host", "gateway.port", "gateway.tool_parser", "gateway.reasoning_parser",
+    "gateway.render_tools", "gateway.on_drift", "gateway.check_tokens", "gateway.prefix_affinity_slack",
+    "gateway.agent_grace_s", "gateway.model_name",
     "env.db_path", "env.lease_ttl_s", "env.synchronous", "env.busy_timeout_s", "env.step_timeout_s", "env.max_retries",
     "env.audit_log",
-    "train.engine", "train.tp", "train.pp", "train.micro_batch_size", "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens",
+    "train.engine", "train.tp", "train.pp", "train.ep", "train.moe_aux_loss_coef", "train.moe_z_loss_coef", "train.micro_batch_size", "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens",
     "train.dtype", "train.lr", "train.min_lr",
     "train.lr_warmup_steps", "train.lr_decay_steps", "train.lr_schedule", "train.weight_decay",
     "train.adam_beta1", "train.adam_beta2", "train.adam_eps", "train.clip_grad",
     "train.use_distributed_optimizer", "train.loss_aggregation", "train.attention", "train.recompute_activations",
     "train.make_vocab_size_divisible_by", "train.seed",
-    "rollout.engine", "rollout.tp", "rollout.native.block_size", "rollout.native.kv_cache_mb", "rollout.native.num_blocks", "rollout.native.max_num_seqs",
+    "train.lora.rank", "train.lora.alpha", "train.lora.dropout", "train.lora.target_modules",
+    "rollout.engine", "rollout.tp", "rollout.native.block_size", "rollout.native.kv_cache_mb", "rollout.native.num_blocks", "rollout.native.max_num_seqs", "rollout.native.keep_kv_cache",
     "rollout.native.max_num_batched_tokens", "rollout.native.max_model_len", "rollout.native.enable_prefix_caching", "rollout.native.dtype",
     "rollout.native.seed", "rollout.native.on_weight_update", "rollout.native.watermark_blocks", "rollout.native.driver",
     "rollout.sglang.mem_fraction_static", "rollout.sglang.dtype", "rollout.sglang.enable_memory_saver",
     "rollout.sglang.load_format", "rollout.sglang.base_port", "rollout.sglang.context_length", "rollout.sglang.cuda_graph",
     "rollout.sglang.deterministic_inference",
-    "publish.bucket_mb", "publish.verify", "publish.parity_prompts", "publish.parity_tokens",
+    "rollout.vllm.dtype", "rollout.vllm.kv_cache_mb", "rollout.vllm.max_num_seqs", "rollout.vllm.max_num_batched_tokens",
+    "rollout.vllm.max_model_len", "rollout.vllm.enable_prefix_caching", "rollout.vllm.enforce_eager", "rollout.vllm.threads",
+    "rollout.vllm.gpu_memory_utilization", "rollout.vllm.enable_sleep_mode", "rollout.vllm.log_level",
+    "publish.bucket_mb", "publish.verify", "publish.parity_prompts", "publish.parity_tokens", "publish.parity_every",
     "publish.parity_tolerance", "hybrid.spill_optimizer", "hybrid.offload_deadline_s", "hybrid.publish_deadline_s",
     "hybrid.wake_deadline_s", "hybrid.sleep_deadline_s", "hybrid.reload_deadline_s", "hybrid.drain_deadline_s",
-    "algo.advantage", "algo.norm_adv_by_std", "algo.reinforce_baseline", "algo.gamma", "algo.lam",
+    "algo.advantage", "algo.router_replay", "algo.norm_adv_by_std", "algo.reinforce_baseline", "algo.gamma", "algo.lam",
     "algo.gae_whiten",
     "critic.path", "critic.lr", "critic.min_lr", "critic.lr_warmup_steps", "critic.lr_decay_steps",
     "critic.lr_schedule", "critic.weight_decay", "critic.clip_grad", "critic.value_clip", "critic.warmup_steps",
@@ -157,12 +167,13 @@ PINNED_KEYS = [
     "algo.drop_truncated", "algo.overlong_buffer", "algo.overlong_penalty", "algo.drop_all_equal_groups",
     "algo.max_policy_lag", "algo.stale", "algo.partial_policy", "algo.ppo_epochs", "algo.ppo_mini_batches",
     "trainer.total_steps", "trainer.prompts_per_step", "trainer.group_size", "trainer.validate_every",
-    "trainer.validation_temperature", "trainer.checkpoint_every",
+    "trainer.validation_temperature", "trainer.eval_suite", "trainer.eval_every", "trainer.checkpoint_every",
     "trainer.keep_checkpoints", "trainer.resume", "trainer.export_hf", "trainer.log_samples", "trainer.max_restarts",
     "trainer.inject",
     "trainer.rollout_mode", "trainer.oversample", "trainer.quorum", "trainer.rollout_deadline_s", "trainer.collect_poll_s",
     "trainer.dynamic_sampling", "trainer.max_sampling_rounds", "trainer.max_groups_per_step",
     "trainer.queue_max_groups", "trainer.queue_max_tokens", "trainer.queue_policy",
+    "trainer.stop_after_dead_steps", "trainer.callbacks",
     "sft.num_demonstrations", "sft.steps", "sft.batch_size", "sft.output_dir",
     "sft.log_every", "sft.validate_every",
     "store.enabled", "store.text", "store.keep_steps", "store.max_mb", "store.compression",

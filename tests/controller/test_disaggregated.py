@@ -42,6 +42,7 @@ def test_one_update_ahead_every_token_keeps_its_version(tmp_path, model):
         assert r["filter/policy_lag"] == 0
     for r in rows[1:]:
         assert r["publish/refused"] == 0 and r["parity/max_abs"] < 1e-4 and r["switch/publish_s"] > 0
+        assert r["parity/probed"] == 1.0
     from hybridrl.inspect.query import RunLedger
 
     ledger = RunLedger(tmp_path)
@@ -116,5 +117,6 @@ def test_kill_9_then_resume_trains_every_drawn_prompt_exactly_once_and_bitwise(t
     assert_same_run(straight, killed, ignore=STREAM_TIMING)
 
 
-# the stream collection's waits and idle time are timings too
-STREAM_TIMING = ("stream/trainer_wait_s", "stream/rollout_idle_s")
+# the stream collection's waits and idle time are timings too, and so are the engines' counters: a take
+# counts the tokens generated since the last one, of groups granted ahead as well as the taken ones
+STREAM_TIMING = ("stream/trainer_wait_s", "stream/rollout_idle_s", "engine/")

@@ -17,7 +17,7 @@ from tests.launch import ROOT, env_with_repo, processes_mentioning
 RECIPE = ROOT / "tests" / "controller" / "rl_tiny.yaml"
 
 # metrics that measure time or throughput differ between runs; everything else must not
-_TIMING = ("time/", "switch/", "gen/", "yield/", "val/seconds")
+_TIMING = ("time/", "switch/", "gen/", "yield/", "val/seconds", "engine/step_time_s", "val/engine/step_time_s")
 
 
 def hybridrl_train(recipe, *overrides, timeout=600) -> subprocess.CompletedProcess:
@@ -51,6 +51,7 @@ def test_a_run_logs_trains_and_exports(straight, model):
         assert r["mismatch/max_abs"] < 1e-4              # the engine samples what the trainer scores
         assert r["policy/version"] == r["step"]
     assert rows[2]["parity/max_abs"] < 1e-4 and rows[2]["switch/publish_s"] > 0   # v1 was published for step 2
+    assert rows[2]["parity/probed"] == 1.0 and rows[2]["switch/untimed_s"] >= 0
     assert any((straight / "tensorboard").iterdir())
     assert json.loads((straight / "config.json").read_text())["trainer"]["total_steps"] == 4
     samples = [json.loads(line) for line in (straight / "samples.jsonl").read_text().splitlines()]

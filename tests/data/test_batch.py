@@ -80,3 +80,14 @@ def test_concat_pads_sequence_dim_when_asked():
         Batch.concat([a, b])
     c = Batch.concat([a, b], pad_dim1={"ids": 7, "m": 0.0})
     assert c["ids"].tolist()[0] == [1, 1, 7, 7] and c["m"][0].tolist() == [1, 1, 0, 0] and len(c) == 3
+
+
+def test_concat_fills_a_padded_tensor_that_one_shard_lacks():
+    """A rollout shard of placeholder rows has no routing record: concat gives it one of the pad value."""
+    routed = torch.arange(2 * 3 * 2 * 2, dtype=torch.int8).reshape(2, 3, 2, 2)
+    real = Batch({"ids": torch.ones(2, 3, dtype=torch.long), "routed_experts": routed})
+    placeholder = Batch({"ids": torch.zeros(1, 1, dtype=torch.long)}, num_padding=1)
+    c = Batch.concat([real, placeholder], pad_dim1={"ids": 0, "routed_experts": -1})
+    assert c["routed_experts"].shape == (3, 3, 2, 2) and c["routed_experts"].dtype == torch.int8
+    assert torch.equal(c["routed_experts"][:2], routed) and bool((c["routed_experts"][2] == -1).all())
+    assert c.num_padding == 1

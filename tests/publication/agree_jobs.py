@@ -84,6 +84,11 @@ def main(out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(everyone, f)
+    # the short group's pair broke at rank 1's timeout: left to interpreter exit, gloo's threads are
+    # torn down in no fixed order and may abort the process ("terminate called without an active
+    # exception") after the results are written; an explicit teardown on every rank has none of that
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -120,3 +120,13 @@ def test_structure_mode_does_not_read_back_and_a_mismatched_model_is_refused(set
     with pytest.raises(PublicationRefused, match="has shape"):
         run_publish(engine, bad, 2)
     assert engine.policy_version == 1 and engine.stats()["pending_version"] is None
+
+
+def test_the_parity_probe_checks_a_process_first_publication_and_every_nth_version():
+    """`publish.parity_every`: the sender and every receiver decide from the version alone, so they agree."""
+    from hybridrl.publication.parity import ProbeSchedule
+
+    resumed = ProbeSchedule(3)                     # a run resumed at version 5: its first publication is checked
+    assert [v for v in range(5, 13) if resumed.due(v)] == [5, 6, 9, 12]
+    every = ProbeSchedule(1)
+    assert all(every.due(v) for v in range(1, 6))

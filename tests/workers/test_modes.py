@@ -52,12 +52,18 @@ def test_a_switch_phase_waits_for_every_rank_until_its_deadline_and_names_who_is
     assert 0.3 <= time.monotonic() - started < 2.0
     with m.phase("generate"):                   # no deadline: not a switch phase, rank 1 is not awaited
         pass
-    for switch in (1, 2, 3):                    # rank 1 arrives now: the phase passes
+    import threading
+
+    other = Arrivals(store, 1, [0, 1])
+    for switch in (1, 2, 3):                    # rank 1 comes now, late: rank 0 waits for it, then passes
         m.switches = switch
-        store.set(f"arrive/{switch}/offload/1", b"1")
+        late = threading.Timer(0.05, other.wait, args=(f"{switch}/offload", None))
+        late.start()
         with m.phase("offload"):
             pass
+        late.join()
     assert store.check(["arrive/3/offload/0", "arrive/2/offload/0"]) and not store.check(["arrive/1/offload/0"])
+    assert not store.check(["arrive/1/offload/all"]) and store.check(["arrive/3/offload/all"])
 
 
 def test_work_that_cannot_be_interrupted_is_reported_past_its_deadline_plus_grace():

@@ -245,7 +245,9 @@ def export_hf(engine: "MegatronEngine", out_dir: Path) -> None:
 
     is_writer = dist.get_rank() == 0
     tensors: dict[str, torch.Tensor] = {}
-    if ps.get_data_parallel_rank() == 0:             # one model-parallel group gathers
+    # one model-parallel group gathers; with expert parallelism an expert comes from another
+    # data-parallel rank, so every rank takes part (each expert-parallel group completes its own)
+    if ps.get_data_parallel_rank() == 0 or engine.adapter.ep > 1:
         for name, tensor in engine.iter_hf_tensors():
             if is_writer:
                 tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()

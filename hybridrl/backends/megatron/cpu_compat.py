@@ -18,6 +18,12 @@ torch.cuda.current_device -> "cpu"
     _communicate_shapes, _communicate (receive buffers); distributed/param_and_grad_buffer.py:
     _ParamAndGradBuffer.__init__ (param/grad buffers); optimizer/distrib_optimizer.py
     (state gathers); optimizer/optimizer.py: MegatronOptimizer.get_loss_scale.
+torch.cuda.Stream / current_stream / stream -> a stream that does nothing (CPU work is in order)
+    transformer/moe/token_dispatcher.py: MoEAlltoAllTokenDispatcher.__init__ (its device-to-host
+    stream) and _maybe_dtoh_and_synchronize (wait_stream, record_event, event.synchronize).
+transformer/moe/token_dispatcher.py: maybe_move_tensor_to_cpu(as_numpy=True) -> numpy also for a CPU
+    tensor (upstream converts only device tensors, and all_to_all_single then rejects the tensor
+    split sizes of a CPU run).
 torch.cuda.synchronize -> no-op
     pipeline_parallel/p2p_communication.py: _communicate_shapes, _communicate;
     distributed/distributed_data_parallel.py: offload_grad_buffers / restore_grad_buffers;
@@ -64,13 +70,18 @@ def activate() -> None:
         if _active:
             return
         from megatron.core.tensor_parallel import random as mrandom
+        from megatron.core.transformer.moe import token_dispatcher
 
         torch.cuda.current_device = _current_device
         torch.cuda.synchronize = _synchronize
+        torch.cuda.Stream = _CpuStream
+        torch.cuda.current_stream = _current_stream
+        torch.cuda.stream = _stream
         torch.cuda.get_rng_state = _get_rng_state
         torch.cuda.manual_seed = _manual_seed
         mrandom._get_cuda_rng_state = _get_cuda_rng_state
         mrandom._set_cuda_rng_state = _set_cuda_rng_state
+        token_dispatcher.maybe_move_tensor_to_cpu = _to_host
         _active = True
 
 
@@ -80,6 +91,52 @@ def _current_device() -> str:
 
 def _synchronize(device=None) -> None:
     return None
+
+
+def _to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's maybe_move_tensor_to_cpu, with `as_numpy` honoured for tensors already on the CPU."""
+    if torch.is_tensor(tensor):
+        tensor = tensor.cpu()
+        return tensor.numpy() if as_numpy else tensor
+    return tensor
+
+
+class _CpuEvent:
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream=None) -> None:
+        return None
+
+
+class _CpuStream:
+    """Stands for a CUDA stream on the CPU, where work runs in program order."""
+
+    def __init__(self, device=None, priority: int = 0, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def record_event(self, event=None) -> _CpuEvent:
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _current_stream(device=None) -> _CpuStream:
+    return _CPU_STREAM
+
+
+def _stream(stream) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 def _get_rng_state(device="cuda") -> torch.Tensor:

@@ -61,6 +61,8 @@ class MegatronEngine:
         self.training = training
         self.head = head
         self.num_steps = 0
+        self.lora = getattr(model, "lora", None)     # LoRA adapters (backends/megatron/lora.py) or None
+        self._lora_full = None                        # their gathered HF factors, until the next change
         self.passes = {"logprobs": 0, "train": 0}   # schedule runs, by kind (what a step costs, counted)
         from hybridrl.backends.megatron.model import local_layers
         from hybridrl.backends.megatron.weights import owned_params, slot_owners
@@ -109,10 +111,10 @@ class MegatronEngine:
         device = device or default_device()
         if device.type == "cpu":
             cpu_compat.activate()
-        adapter = adapter_for(ModelSpec.from_dir(model_dir), tp=cfg.tp,
+        adapter = adapter_for(ModelSpec.from_dir(model_dir), tp=cfg.tp, ep=cfg.ep,
                               vocab_divisible_by=cfg.make_vocab_size_divisible_by)
         with cpu_compat.device_scope(device):
-            mesh = parallel.ensure_model_parallel(cfg.tp, cfg.pp, cfg.seed)
+            mesh = parallel.ensure_model_parallel(cfg.tp, cfg.pp, cfg.seed, ep=cfg.ep)
             tconfig = transformer_config(adapter.spec, cfg, device=device)
             spec = adapter.spec if head == LM_HEAD else dataclasses.replace(adapter.spec, tie_word_embeddings=False)
             model = build_gpt_model(spec, cfg, tconfig, padded_vocab_size=adapter.padded_vocab_size, device=device)
@@ -124,6 +126,11 @@ class MegatronEngine:
                 params = {s: p for s, p in params.items() if s.role is not Role.OUTPUT}
             mark_tensor_parallel(params)
             load_hf_weights(adapter, params, model_dir)
+            if cfg.lora.enabled and training and head == LM_HEAD:
+                from hybridrl.backends.megatron.lora import attach
+
+                attach(model, adapter, cfg.lora, local_layers(model), seed=cfg.seed, dtype=DTYPES[cfg.dtype],
+                       device=device)
             ddp = optimizer = scheduler = None
             if training:
                 ddp, optimizer, scheduler = _training_state(model, tconfig, cfg)
@@ -177,6 +184,13 @@ class MegatronEngine:
         """Parameters of the whole model (all TP shards and PP stages; the vocabulary padding excluded)."""
         shapes = self.adapter.hf_shapes()
         return sum(torch.Size(s).numel() for s in shapes.values())
+
+    def set_router_replay(self, mode: str) -> None:
+        """Mixture-of-experts routing replay (`algo.router_replay`: "off" | "rollout"; `moe.py`): the
+        routers use the batch's `routed_experts` for recorded tokens. A no-op for dense models."""
+        from hybridrl.backends.megatron import moe
+
+        moe.set_mode(self.model, mode)
 
     # ------------------------------------------------------------------------------ logprobs
 
@@ -370,6 +384,7 @@ class MegatronEngine:
             lr = float(self.optimizer.param_groups[0]["lr"])
             _, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
+            self._lora_full = None
             for name in watched:
                 for key in (f"{name}_max", f"{name}_min"):
                     highs.setdefault(key, torch.tensor(-float("inf"), dtype=torch.float64, device=self.device))
@@ -382,6 +397,11 @@ class MegatronEngine:
                 metrics[key.removeprefix("metric/")] = total / max(denominators.num_tokens, 1.0)
             else:       # an extreme: the min travelled negated, so that one MAX reduces both
                 metrics[key] = -total if key.endswith("_min") else total
+        from hybridrl.backends.megatron import moe
+
+        with self._scope():      # routing agreement, expert load, aux loss (MoE models; {} for dense)
+            metrics.update(moe.metrics(self.model, self.adapter.spec, dp_group=dp_group,
+                                       pp_group=ps.get_pipeline_model_parallel_group()))
         if capture:
             num_rows, length = batch["input_ids"].shape
             metrics["logprobs"] = _assemble(mbs, seen, num_rows, length) if self.is_loss_rank else None
@@ -426,8 +446,10 @@ class MegatronEngine:
 
         self._policy_only("iter_hf_tensors")
         with self._scope():
-            yield from iter_hf_tensors(self.adapter, self.params, self._owners, dtype=DTYPES[self.cfg.dtype],
-                                       device=self.device)
+            merge = self._lora_merge()
+            for name, tensor in iter_hf_tensors(self.adapter, self.params, self._owners, dtype=DTYPES[self.cfg.dtype],
+                                                device=self.device):
+                yield name, merge(name, tensor)
 
     def iter_hf_groups(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Like `iter_hf_tensors`, one fused group (e.g. q, k, v of one layer) per item, in model order."""
@@ -436,31 +458,77 @@ class MegatronEngine:
 
         self._policy_only("iter_hf_groups")
         with self._scope():
-            yield from iter_hf_groups(self.adapter, self.params, self._owners, dtype=DTYPES[self.cfg.dtype],
-                                      device=self.device)
+            merge = self._lora_merge()
+            for group in iter_hf_groups(self.adapter, self.params, self._owners, dtype=DTYPES[self.cfg.dtype],
+                                        device=self.device):
+                yield [(name, merge(name, tensor)) for name, tensor in group]
 
     def hf_group_specs(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
         """The exported fused groups (a slot's HF tensors, e.g. q/k/v of one layer) as (name, shape,
         dtype), in model order, known without gathering: what a publication plans its buckets from."""
-        self._policy_only("hf_group_specs")
-        spec = self.hf_spec()
-        return [[(name, *spec[name]) for name in slot.hf_names] for slot in self._exported_slots()]
+        from hybridrl.backends.megatron.model import DTYPES
+        from hybridrl.backends.megatron.weights import group_specs
 
-    def _exported_slots(self) -> list:
-        if getattr(self, "_exported", None) is None:
-            self._exported = [s for s in self.adapter.slots() if s.exported]
-        return self._exported
+        self._policy_only("hf_group_specs")
+        return group_specs(self.adapter, DTYPES[self.cfg.dtype])
 
     def write_hf_group(self, index: int, out: dict[str, torch.Tensor]) -> None:
         """Write group `index` of `hf_group_specs()` into `out[name]` (contiguous tensors of those
         shapes), un-fusing in place. Every rank of the model-parallel group calls it, in order.
         Copies and collectives only: no CUDA literal to map, so no device scope (on a CPU its
         per-call Python dispatch doubled the time of a publication's writes)."""
-        from hybridrl.backends.megatron.weights import write_hf_group
+        from hybridrl.backends.megatron.weights import write_group
 
-        slot = self._exported_slots()[index]
         with torch.no_grad():
-            write_hf_group(self.adapter, slot, self.params.get(slot), self._owners[slot], out)
+            write_group(self.adapter, index, self.params, self._owners, out)
+            if self.lora is not None:
+                from hybridrl.backends.megatron.lora import merged_delta
+
+                for name in list(out):
+                    delta = merged_delta(self.lora_factors(), name, self.cfg.lora.scale)
+                    if delta is not None:
+                        out[name].add_(delta.to(device=out[name].device, dtype=out[name].dtype))
+
+    # ------------------------------------------------------------------------------ LoRA
+
+    def lora_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """HF module name -> full (A [r, in], B [out, r]) of every adapter, float32 on the CPU, on every rank
+        of this model-parallel group (gathered once per optimizer step; every rank of the group calls it)."""
+        from hybridrl.backends.megatron.lora import full_adapters
+
+        if self.lora is None:
+            raise RuntimeError("lora_factors: this engine has no LoRA adapters (train.lora.rank is 0)")
+        if self._lora_full is None:
+            with self._scope():
+                self._lora_full = full_adapters(self.lora)
+        return self._lora_full
+
+    def load_lora_factors(self, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Set the adapters from full HF factors (what `lora_factors` returns; a PEFT directory's tensors)."""
+        from hybridrl.backends.megatron.lora import load_full
+
+        load_full(self.lora, factors)
+        self._lora_full = None
+
+    def _lora_merge(self):
+        """name, tensor -> the tensor with its adapter's scale * B @ A added (a new tensor), or as it is."""
+        if self.lora is None:
+            return lambda name, tensor: tensor
+        from hybridrl.backends.megatron.lora import merged_delta
+
+        factors, scale = self.lora_factors(), self.cfg.lora.scale
+
+        def merge(name, tensor):
+            delta = merged_delta(factors, name, scale)
+            return tensor if delta is None else tensor + delta.to(device=tensor.device, dtype=tensor.dtype)
+
+        return merge
+
+    def base_model(self) -> "BaseModel":
+        """The frozen base under the adapters, as an engine that computes logprobs (the reference)."""
+        from hybridrl.backends.megatron.lora import BaseModel
+
+        return BaseModel(self)
 
     def hf_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> (shape, dtype) of every tensor `iter_hf_tensors` yields, known without gathering."""
@@ -477,6 +545,14 @@ class MegatronEngine:
         self._policy_only("export_hf")
         export_hf(self, Path(out_dir))
 
+    def export_peft(self, out_dir: str | Path) -> None:
+        """Write a PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) for the HF
+        base model; every rank takes part, rank 0 writes."""
+        from hybridrl.backends.megatron.lora import export_peft
+
+        self._policy_only("export_peft")
+        export_peft(self, Path(out_dir))
+
     def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> None:
         """Distributed checkpoint of model, optimizer, LR schedule, RNG states and `extra` (rank 0's)."""
         from hybridrl.backends.megatron.checkpoint import save_checkpoint
@@ -488,6 +564,7 @@ class MegatronEngine:
         """Restore what `save_checkpoint` wrote (same tp/pp; dp may differ); returns `extra`."""
         from hybridrl.backends.megatron.checkpoint import load_checkpoint
 
+        self._lora_full = None
         with self._scope(), torch.no_grad():
             return load_checkpoint(self, Path(path))
 

@@ -1,8 +1,17 @@
 """Build a megatron-core `GPTModel` (this rank's pipeline stage and TP shard) from a `ModelSpec`.
 
 Local (pure-torch) layer spec: RMSNorm, SwiGLU, RoPE with the model's base, grouped-query
-attention, optional qkv bias, tied or untied embeddings. Every fusion is off so the same model
-runs on CPU and GPU; bf16/fp16 are for GPUs (CPU stays fp32).
+attention, optional qkv bias, optional per-head q/k RMSNorm (Qwen3's, Megatron's qk_layernorm),
+tied or untied embeddings. Every fusion is off so the same model runs on CPU and GPU; bf16/fp16
+are for GPUs (CPU stays fp32).
+
+Mixture of experts (Qwen3-MoE): each layer gets its own spec, dense or sparse as the model spec
+says (`mlp_only_layers`, `decoder_sparse_step`); a sparse layer is Megatron's MoELayer with the
+top-k router (softmax scores; `norm_topk_prob` picks softmax over the top-k logits, i.e. the
+renormalised top-k probabilities, else the top-k of the softmax over all experts), the alltoall
+token dispatcher and local experts run one after another (SequentialMLP: pure torch, any device),
+split over `train.ep` expert-parallel ranks. Routing replay (`moe.RoutingReplay`) is installed on
+every router.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from hybridrl.backends.megatron.adapters import Slot, Split
 from hybridrl.backends.model_spec import ModelSpec
 from hybridrl.backends.megatron.attention import SDPAttention
 from hybridrl.backends.megatron.config import MegatronConfig, pipeline_stage_layers
+from hybridrl.backends.megatron.moe import moe_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,6 +44,8 @@ def transformer_config(spec: ModelSpec, cfg: MegatronConfig, *, device: torch.de
     if device.type == "cpu" and dtype is not torch.float32:
         raise ValueError(f"train.dtype={cfg.dtype} on CPU: use float32 (bf16 matmuls are ~30x slower here)")
     return TransformerConfig(
+        qk_layernorm=spec.qk_norm,
+        **moe_config(spec, cfg),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_heads,
@@ -57,7 +69,6 @@ def transformer_config(spec: ModelSpec, cfg: MegatronConfig, *, device: torch.de
         num_layers_in_last_pipeline_stage=stages[-1] if uneven else None,
         sequence_parallel=False,
         variable_seq_lengths=cfg.pp > 1,           # each micro-batch is cut to its own longest sequence
-        moe_token_dispatcher_type="alltoall",      # (dense model; the default rejects variable lengths)
         # precision
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -81,12 +92,29 @@ def transformer_config(spec: ModelSpec, cfg: MegatronConfig, *, device: torch.de
     )
 
 
-def layer_spec(cfg: MegatronConfig):
-    """Megatron's local (pure torch) layer spec with RMSNorm; core attention per cfg.attention."""
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+def layer_spec(cfg: MegatronConfig, *, qk_norm: bool = False, num_experts: int | None = None):
+    """Megatron's local (pure torch) layer spec with RMSNorm (a sparse MLP with `num_experts`
+    experts); core attention per cfg.attention."""
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, num_experts=num_experts,
+                                    moe_grouped_gemm=False)
     if cfg.attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
+
+
+def decoder_spec(spec: ModelSpec, cfg: MegatronConfig):
+    """One layer spec for the whole model (dense), or this pipeline stage's per-layer specs (MoE)."""
+    if not spec.is_moe:
+        return layer_spec(cfg, qk_norm=spec.qk_norm)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    dense, sparse = layer_spec(cfg, qk_norm=spec.qk_norm), layer_spec(cfg, qk_norm=spec.qk_norm,
+                                                                       num_experts=spec.num_experts)
+    stages = pipeline_stage_layers(spec.num_layers, cfg.pp)
+    stage = ps.get_pipeline_model_parallel_rank()
+    first = sum(stages[:stage])
+    layers = [sparse if spec.moe_index(i) is not None else dense for i in range(first, first + stages[stage])]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=dense.submodules.input_layernorm)
 
 
 def build_gpt_model(spec: ModelSpec, cfg: MegatronConfig, config: TransformerConfig, *,
@@ -94,7 +122,7 @@ def build_gpt_model(spec: ModelSpec, cfg: MegatronConfig, config: TransformerCon
     """This rank's stage of the model, parameters on `device` (values are loaded afterwards)."""
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(cfg),
+        transformer_layer_spec=decoder_spec(spec, cfg),
         vocab_size=padded_vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -115,7 +143,12 @@ def build_gpt_model(spec: ModelSpec, cfg: MegatronConfig, config: TransformerCon
     for module in model.modules():
         if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
             module.to(config.params_dtype)
-    return model.to(device)
+    model = model.to(device)
+    if spec.is_moe:
+        from hybridrl.backends.megatron.moe import RoutingReplay
+
+        RoutingReplay.install(model, spec, local_layers(model))
+    return model
 
 
 def mark_tensor_parallel(params: Mapping[Slot, torch.nn.Parameter]) -> None:

@@ -14,6 +14,15 @@ packed (`max_tokens_per_micro_batch>0`): the real tokens of several sequences ar
 Either way the loss function sees the micro-batch as rows [b, T_mb] (`MicroBatch.batch`, the
 rows' tensors cut to their longest sequence) and the engine's per-token values are laid out in
 those rows, so losses and denominators do not depend on the layout.
+
+Mixture-of-experts models: before each micro-batch's forward its recorded routing (the batch's
+`routed_experts`, when present) is handed to every sparse layer's router (`moe.set_micro_batch`:
+routing replay and its metrics), and padded positions are masked out of the routers' auxiliary
+losses; a training run scales those losses to the global batch's real-token count. With expert
+parallelism every forward exchanges tokens with the other expert-parallel ranks, so they must run
+as many micro-batches: packing can give ranks different counts, and a rank with fewer appends
+fillers (its first row's first token, nothing trained: the values they produce are those of
+position 0, which every per-token output leaves at 0 or recomputes identically).
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from hybridrl.backends.megatron import cpu_compat
+from hybridrl.backends.megatron import cpu_compat, moe
 from hybridrl.data.batch import Batch
 
 # Attention groups inside a pack (see `PackedSequences`): sequences sorted by length go into one
@@ -61,6 +70,7 @@ class MicroBatch:
     attention_mask: torch.Tensor    # [b, T_mb] 0/1 of the rows, on the device
     rows: list[int] = field(default_factory=list)   # the rows' indices in the batch that was split
     packed: PackedSequences | None = None
+    filler: bool = False            # only there so expert-parallel peers run as many forwards (see below)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -224,23 +234,72 @@ def run_schedule(model: torch.nn.Module, mbs: list[MicroBatch],
         # loss by the micro-batch count nor averages over DP; our losses are globally normalised.
         return loss, torch.tensor(0, dtype=torch.int), {}
 
+    gpt = getattr(model, "module", model)                    # under Megatron's DDP wrapper
+    sparse = bool(moe.replays(gpt))
+
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
+        extra = {}
+        if sparse:
+            moe.set_micro_batch(gpt, mb)
+            extra["padding_mask"] = moe.padding_mask(mb)
         with cpu_compat.native_ops():
             if mb.packed is not None:
-                output = chunk(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed)
+                output = chunk(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed, **extra)
             else:
-                output = chunk(mb.input_ids, mb.position_ids, mb.causal_mask)
+                output = chunk(mb.input_ids, mb.position_ids, mb.causal_mask, **extra)
         return output, partial(loss_func, mb)
 
+    if sparse:
+        _even_out(mbs)
     longest = max(mb.model_shape[1] for mb in mbs)
     widest = max(mb.model_shape[0] for mb in mbs)
-    get_forward_backward_func(pp_size=pp)(
-        forward_step_func=forward_step,
-        data_iterator=iter(mbs),
-        model=[model],
-        num_microbatches=len(mbs),
-        seq_length=longest,
-        micro_batch_size=widest,
-        forward_only=forward_only,
-    )
+    moe.reset(gpt)
+    scale = 1.0 if forward_only or not sparse else 1.0 / _global_real_tokens(mbs)
+    with moe.aux_loss_scale(gpt, scale):
+        get_forward_backward_func(pp_size=pp)(
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=[model],
+            num_microbatches=len(mbs),
+            seq_length=longest,
+            micro_batch_size=widest,
+            forward_only=forward_only,
+        )
+
+
+def _even_out(mbs: list[MicroBatch]) -> None:
+    """Append fillers (in place) up to the largest micro-batch count of the expert-parallel group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_expert_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return
+    device = mbs[0].attention_mask.device
+    count = torch.tensor([float(len(mbs))], dtype=torch.float64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    first = mbs[0]
+    one = {k: v[:1, :1] if v.dim() >= 2 and v.shape[1] == first.shape[1] else v[:1]
+           for k, v in first.batch.tensors.items()}
+    if "loss_mask" in one:
+        one["loss_mask"] = torch.zeros_like(one["loss_mask"])
+    ids = first.batch["input_ids"][:1, :1].to(device=device, dtype=torch.long)
+    for _ in range(int(count) - len(mbs)):
+        mbs.append(MicroBatch(Batch(dict(one)), ids, torch.zeros_like(ids),
+                              torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=device),
+                              first.batch["attention_mask"][:1, :1].to(device), first.rows[:1], filler=True))
+
+
+def _global_real_tokens(mbs: list[MicroBatch]) -> float:
+    """Real tokens of these micro-batches summed over the data-parallel group (>= 1)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    device = mbs[0].attention_mask.device
+    total = torch.tensor([float(sum(int(mb.attention_mask.sum()) for mb in mbs if not mb.filler))], dtype=torch.float64,
+                         device=device)
+    group = ps.get_data_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return max(float(total), 1.0)

@@ -2,12 +2,14 @@
 given token ids, through the Megatron backend.
 
     hybridrl score --model HF_DIR --backend megatron --tp 2 --pp 1 --input seqs.jsonl --output out.jsonl
+    hybridrl score --model MOE_DIR --ep 2 --nproc 2 --input seqs.jsonl --output out.jsonl   # experts split
 
 Input lines: {"id": ..., "token_ids": [int, ...]}. Output lines, in input order:
 {"id": ..., "logprobs": [null, lp_1, ..., lp_{n-1}]}: lp_t = log p(token_t | tokens before t) at
 the given temperature; the first token has no prefix, hence null. The command starts
-tp * pp * dp ranks with torchrun (dp = --nproc / (tp * pp)); each data-parallel group scores
-its share and rank 0 writes the file. Use it to check parity with another implementation.
+tp * pp * dp ranks with torchrun (dp = --nproc / (tp * pp); a mixture-of-experts model's experts
+are split over --ep of the dp ranks); each data-parallel group scores its share and rank 0 writes
+the file. Use it to check parity with another implementation.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help='JSONL to write {"id", "logprobs"} lines to')
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    parser.add_argument("--nproc", type=int, default=None, help="ranks to start (default tp * pp)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models; divides dp)")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks to start (default tp * pp * ep)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per compute_logprobs call")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -64,7 +67,7 @@ def run_rank(args: argparse.Namespace) -> None:
     from hybridrl.distributed.config import DistributedConfig
 
     ctx = init_distributed(DistributedConfig())
-    cfg = MegatronConfig(tp=args.tp, pp=args.pp, micro_batch_size=args.micro_batch_size, dtype=args.dtype)
+    cfg = MegatronConfig(tp=args.tp, pp=args.pp, ep=args.ep, micro_batch_size=args.micro_batch_size, dtype=args.dtype)
     engine = MegatronEngine.from_hf(args.model, cfg, training=False, device=ctx.device)
     records = read_sequences(args.input)
     mesh = engine.mesh

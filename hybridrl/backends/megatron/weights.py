@@ -5,6 +5,9 @@ from safetensors) and copies its TP shard into the parameters.
 `iter_hf_tensors`: the whole model as full HF tensors, sorted by name, on every rank of the
 model-parallel group: per fused group, an all-gather over TP on the owning stage, the adapter's
 `to_hf`, then a broadcast over PP. At most one layer's worth of tensors is held at a time.
+An expert's weights live on one expert-parallel rank of the owning stage: it gathers them over the
+expert-tensor-parallel group and broadcasts them over the expert-parallel group, so every rank
+ends with the whole model (experts included) as with dense models.
 """
 
 from __future__ import annotations
@@ -85,10 +88,11 @@ def load_hf_weights(adapter: DecoderAdapter, params: Mapping[Slot, torch.nn.Para
     if missing:
         raise KeyError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}")
     tp_rank = ps.get_tensor_model_parallel_rank()
+    etp_rank = ps.get_expert_tensor_parallel_rank() if adapter.spec.is_moe else tp_rank
     loaded = 0
     with torch.no_grad():
         for slot, param in params.items():
-            shard = adapter.from_hf(slot, ckpt, tp_rank)
+            shard = adapter.from_hf(slot, ckpt, etp_rank if slot.expert is not None else tp_rank)
             if shard.shape != param.shape:
                 raise ValueError(f"{slot}: adapter built {tuple(shard.shape)}, model expects {tuple(param.shape)}")
             param.copy_(shard)
@@ -97,9 +101,11 @@ def load_hf_weights(adapter: DecoderAdapter, params: Mapping[Slot, torch.nn.Para
 
 
 def slot_owners(adapter: DecoderAdapter, params: Mapping[Slot, torch.nn.Parameter]) -> dict[Slot, int]:
-    """Exported slot -> the pipeline stage (pp rank) that holds it, agreed by all stages."""
+    """Exported slot -> the pipeline stage (pp rank) that holds it, agreed by all stages. (An expert's
+    slot belongs to the stage of its layer, whichever expert-parallel rank there holds it.)"""
     index = {slot: i for i, slot in enumerate(adapter.slots())}
-    mine = sorted(index[s] for s in params if s.exported)
+    layers = {s.layer for s in params if s.layer is not None}
+    mine = sorted(i for s, i in index.items() if s.exported and (s in params or (s.expert is not None and s.layer in layers)))
     group = ps.get_pipeline_model_parallel_group()
     per_stage: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(per_stage, mine, group=group)
@@ -120,23 +126,41 @@ def gather_slot(adapter: DecoderAdapter, slot: Slot, param: torch.Tensor | None,
     """Full HF tensors of one slot on every rank of this model-parallel group."""
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    if pp_rank == owner:
-        local = param.detach()
-        if slot.split is Split.NONE or adapter.tp == 1:
-            shards = [local]
-        else:
-            tp_group = ps.get_tensor_model_parallel_group()
-            shards = [torch.empty_like(local) for _ in range(adapter.tp)]
-            dist.all_gather(shards, local.contiguous(), group=tp_group)
-        full = adapter.to_hf(slot, shards[:1] if slot.split is Split.NONE else shards)
+    if pp_rank == owner and param is not None:
+        full = adapter.to_hf(slot, _tp_shards(adapter, slot, param))
         full = {n: t.contiguous() for n, t in full.items()}
     else:
         full = {n: torch.empty(shapes[n], dtype=dtype, device=device) for n in slot.hf_names}
+    if pp_rank == owner:
+        _broadcast_expert(adapter, slot, full)
     if dist.get_world_size(pp_group) > 1:
         src = dist.get_global_rank(pp_group, owner)
         for name in slot.hf_names:
             dist.broadcast(full[name], src=src, group=pp_group)
     return full
+
+
+def _tp_shards(adapter: DecoderAdapter, slot: Slot, param: torch.Tensor) -> list[torch.Tensor]:
+    """Every TP rank's shard of `slot` (experts: every expert-TP rank's), gathered; one when replicated."""
+    local = param.detach()
+    n = adapter.tp_of(slot)
+    if slot.split is Split.NONE or n == 1:
+        return [local]
+    group = ps.get_expert_tensor_parallel_group() if slot.expert is not None else ps.get_tensor_model_parallel_group()
+    shards = [torch.empty_like(local) for _ in range(n)]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    return shards
+
+
+def _broadcast_expert(adapter: DecoderAdapter, slot: Slot, full: Mapping[str, torch.Tensor]) -> None:
+    """An expert's full tensors from the expert-parallel rank that holds it to the others of its stage."""
+    owner = adapter.ep_owner(slot)
+    if owner is None or adapter.ep == 1:
+        return
+    group = ps.get_expert_model_parallel_group()
+    src = dist.get_global_rank(group, owner)
+    for name in slot.hf_names:
+        dist.broadcast(full[name], src=src, group=group)
 
 
 def iter_hf_tensors(adapter: DecoderAdapter, params: Mapping[Slot, torch.nn.Parameter],
@@ -157,29 +181,43 @@ def iter_hf_tensors(adapter: DecoderAdapter, params: Mapping[Slot, torch.nn.Para
 def iter_hf_groups(adapter: DecoderAdapter, params: Mapping[Slot, torch.nn.Parameter],
                    owners: Mapping[Slot, int], *, dtype: torch.dtype,
                    device: torch.device) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """One fused group (a training slot's HF tensors, e.g. q/k/v) at a time, in slot order,
-    identical on all MP ranks: what weight publication buckets without splitting a group."""
+    """One publication group (`adapter.groups()`: a slot's HF tensors, e.g. q/k/v, or one expert's
+    gate/up/down) at a time, in model order, identical on all MP ranks: what weight publication
+    buckets without splitting a group."""
     shapes = adapter.hf_shapes()
-    for slot in adapter.slots():
-        if slot.exported:
+    for group in adapter.groups():
+        out = []
+        for slot in group:
             full = gather_slot(adapter, slot, params.get(slot), owners[slot], shapes, dtype, device)
-            yield [(name, full[name]) for name in slot.hf_names]
+            out += [(name, full[name]) for name in slot.hf_names]
+        yield out
+
+
+def group_specs(adapter: DecoderAdapter, dtype: torch.dtype) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+    """`adapter.groups()` as (HF name, shape, dtype) lists, known without gathering."""
+    shapes = adapter.hf_shapes()
+    return [[(name, tuple(shapes[name]), dtype) for slot in group for name in slot.hf_names]
+            for group in adapter.groups()]
+
+
+def write_group(adapter: DecoderAdapter, index: int, params: Mapping[Slot, torch.nn.Parameter],
+                owners: Mapping[Slot, int], out: Mapping[str, torch.Tensor]) -> None:
+    """Publication group `index` of `adapter.groups()` written into `out[name]` on every rank."""
+    for slot in adapter.groups()[index]:
+        write_hf_group(adapter, slot, params.get(slot), owners[slot], out)
 
 
 def write_hf_group(adapter: DecoderAdapter, slot: Slot, param: torch.Tensor | None, owner: int,
                    out: Mapping[str, torch.Tensor]) -> None:
     """`gather_slot` written straight into the caller's tensors `out[name]` (a publication's flat
     bucket) on every rank of this model-parallel group: the owning stage gathers over TP and
-    un-fuses into `out` (`adapter.write_hf`), then broadcasts `out` over PP."""
+    un-fuses into `out` (`adapter.write_hf`; an expert: its expert-parallel rank, which then
+    broadcasts over the expert-parallel group), then broadcasts `out` over PP."""
     pp_group = ps.get_pipeline_model_parallel_group()
     if ps.get_pipeline_model_parallel_rank() == owner:
-        local = param.detach()
-        if slot.split is Split.NONE or adapter.tp == 1:
-            shards = [local]
-        else:
-            shards = [torch.empty_like(local) for _ in range(adapter.tp)]
-            dist.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
-        adapter.write_hf(slot, shards, out)
+        if param is not None:
+            adapter.write_hf(slot, _tp_shards(adapter, slot, param), out)
+        _broadcast_expert(adapter, slot, out)
     if dist.get_world_size(pp_group) > 1:
         src = dist.get_global_rank(pp_group, owner)
         for name in slot.hf_names:

@@ -6,6 +6,7 @@ Import-light on purpose (no torch): the config schema imports it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, knob
 
@@ -17,6 +18,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 @dataclass(kw_only=True)
 class NativeEngineConfig:
     """The native torch engine: paged KV cache, continuous batching, prefix reuse."""
+
+    # what the config checks need to know of this engine (not knobs)
+    reads_back_weights: ClassVar[bool] = True     # publish.verify=post_copy: it hashes its own storage
+    remote_publication: ClassVar[bool] = True     # a rollout rank of the disaggregated placement can run it
 
     block_size: int = knob(16, "tokens per KV-cache block (the unit of paging and of prefix reuse)")
     kv_cache_mb: int = knob(256, "KV-cache budget in MiB, allocated (zeroed) at start and at wake_up; "
@@ -36,6 +41,10 @@ class NativeEngineConfig:
         "drain", "requests in flight when new weights arrive: drain (they finish on the version they started "
                  "with, then the copy happens) | abort (they end now with finish_reason weights_updated)")
     watermark_blocks: int = knob(1, "free blocks kept in reserve when admitting a request (fewer preemptions)")
+    keep_kv_cache: bool = knob(
+        False, "keep the KV cache allocated while the engine sleeps (a mode switch then neither frees nor re-zeroes "
+               "it: on a CPU, where it is host memory, a wake costs nothing; the cache's contents are dropped all "
+               "the same). Costs its kv_cache_mb during training")
     driver: str = knob(
         "auto", "where steps run: loop (a task on the caller's event loop, which regains control between "
                 "steps) | thread (a dedicated thread: the loop never waits on a forward pass) | auto (loop on "

@@ -88,6 +88,9 @@ class EngineCore:
     def _size_cache(spec: ModelSpec, cfg: NativeEngineConfig, dtype: torch.dtype) -> tuple[int, int]:
         elem = torch.empty((), dtype=dtype).element_size()
         block_bytes = spec.num_layers * cfg.block_size * 2 * spec.num_kv_heads * spec.head_dim * elem
+        if spec.is_moe:      # the routing record beside the KV (one byte or two per expert id)
+            id_bytes = torch.empty((), dtype=spec.routing_dtype).element_size()
+            block_bytes += spec.num_moe_layers * cfg.block_size * spec.num_experts_per_tok * id_bytes
         num_blocks = cfg.num_blocks or (cfg.kv_cache_mb * 2**20) // block_bytes
         if num_blocks < 1:
             raise ValueError(f"rollout.native.kv_cache_mb={cfg.kv_cache_mb} holds no KV block of this model "
@@ -166,6 +169,8 @@ class EngineCore:
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status == SeqStatus.FINISHED:
             return
+        if seq.blocks and self.runner.routing is not None:     # before the blocks go back to the pool
+            seq.routed_experts = self.runner.read_routing(seq)
         self.scheduler.remove(seq)
         seq.finish_reason = reason
         seq.t_finish = time.monotonic()
@@ -198,6 +203,7 @@ class EngineCore:
             policy_version=seq.version if seq.started else self.policy_version,
             prompt_tokens=seq.prompt_len,
             cached_prompt_tokens=seq.cached_prompt_tokens,
+            routed_experts=seq.routed_experts,
             timings=GenerationTimings(
                 queued_s=(seq.t_scheduled - t0) if seq.t_scheduled else 0.0,
                 first_token_s=(seq.t_first_token - t0) if seq.t_first_token else 0.0,
@@ -248,12 +254,15 @@ class EngineCore:
     # -- memory -------------------------------------------------------------------------------
 
     def sleep(self) -> int:
-        """Abort everything in flight (ABORT), free the KV cache (tag "kv_cache"). Returns the bytes released."""
+        """Abort everything in flight (ABORT), free the KV cache (tag "kv_cache"; kept allocated with
+        `keep_kv_cache`, its blocks forgotten all the same). Returns the bytes released."""
         self.abort_all(FinishReason.ABORT)
-        freed = self.runner.kv_cache_bytes
-        self.runner.free_kv()
         self.pool.invalidate()
         self.asleep = True
+        if self.cfg.keep_kv_cache:
+            return 0
+        freed = self.runner.kv_cache_bytes
+        self.runner.free_kv()
         release_host_memory()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

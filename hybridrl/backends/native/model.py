@@ -1,10 +1,17 @@
-"""The Qwen2 / Llama forward pass over a flat batch of tokens with a paged KV cache.
+"""The Qwen2 / Llama / Qwen3 / Qwen3-MoE forward pass over a flat batch of tokens with a paged KV cache.
 
 A step's tokens from every scheduled sequence are concatenated ("flat": [N, hidden]), so the
 linear layers run once for decodes and prefill chunks together with no padding. Only attention
 looks at sequences: decode tokens first (one query each), then the prefill chunks (see
-`attention.py`). Numerics follow transformers: fp32 RMSNorm, rotate-half RoPE with float32
-cos/sin, softmax(q k^T / sqrt(head_dim)), SiLU-gated MLP.
+`attention.py`). Numerics follow transformers: fp32 RMSNorm (also over each q/k head in Qwen3),
+rotate-half RoPE with float32 cos/sin, softmax(q k^T / sqrt(head_dim)), SiLU-gated MLP.
+
+Sparse (MoE) layers route every token of the step at once (softmax over the experts in float32,
+top-k, optionally renormalised, as transformers' Qwen3MoeTopKRouter), then run each expert that
+received tokens once on all of them, so the step's cost is one matmul pair per used expert
+whatever the number of sequences. The chosen expert ids of every token are written to the
+routing cache, in the token's KV slot (`routing` [moe_layers, slots, top_k]): a sequence's record
+lives beside its KV blocks, so prefix-cache hits carry the routing of the tokens they share.
 """
 
 from __future__ import annotations
@@ -60,6 +67,36 @@ def apply_rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Non
     x2.mul_(cos).add_(x1_sin)
 
 
+def route(h: torch.Tensor, router: torch.Tensor, top_k: int, normalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [N, k] in h's dtype, expert ids [N, k] long): softmax over all experts in float32,
+    the top k, renormalised to sum to 1 when `normalise` (transformers' Qwen3MoeTopKRouter)."""
+    probs = torch.softmax(F.linear(h, router), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(h.dtype), ids
+
+
+def moe_mlp(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+            w2: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[n, k] * expert_{ids[n, k]}(h[n]) for h [N, hidden]: tokens grouped by expert, each
+    used expert's SwiGLU run once on its tokens, the weighted outputs added back in expert order."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)                       # (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    token = order // k
+    rows = h.index_select(0, token)
+    outs, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            gate, up = F.linear(rows[start: start + count], w13[expert]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, w2[expert]))
+            start += count
+    y = torch.cat(outs) * weights.reshape(-1).index_select(0, order).unsqueeze(1)
+    return torch.zeros_like(h).index_add_(0, token, y)
+
+
 def residual_linear(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x + h @ weight.T (+ bias), the residual add done by the matmul itself (one op instead of two)."""
     if bias is not None:
@@ -68,7 +105,7 @@ def residual_linear(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias
 
 
 class CausalLM:
-    """Inference-only Qwen2 / Llama. `forward` returns float32 logits of the selected rows."""
+    """Inference-only Qwen2 / Llama / Qwen3 / Qwen3-MoE. `forward` returns float32 logits of the selected rows."""
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, rotary: RotaryTable):
         self.spec = spec
@@ -77,24 +114,39 @@ class CausalLM:
         self.scale = spec.head_dim ** -0.5
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor, logits_rows: torch.Tensor) -> torch.Tensor:
+                kv_cache: torch.Tensor, logits_rows: torch.Tensor, routing: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [N]; kv_cache [layers, blocks, block_size, 2, kv_heads, head_dim];
-        logits_rows [S] (flat rows whose next-token logits are needed) -> logits [S, vocab] float32."""
+        logits_rows [S] (flat rows whose next-token logits are needed) -> logits [S, vocab] float32.
+        routing [moe_layers, blocks * block_size, top_k] (MoE models): each token's expert ids are
+        written at its KV slot."""
         spec, w = self.spec, self.weights
         n = input_ids.shape[0]
         q_size, kv_size, hd = spec.q_size, spec.kv_size, spec.head_dim
+        heads = spec.num_heads + spec.num_kv_heads
         cos, sin = self.rotary.lookup(positions, w.embed.dtype)
         x = F.embedding(input_ids, w.embed)                                    # [N, hidden]
+        moe = 0
         for i, layer in enumerate(w.layers):
             h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)                       # [N, q + 2 kv]
-            apply_rotary_(qkv[:, : q_size + kv_size].view(n, spec.num_heads + spec.num_kv_heads, hd), cos, sin)
+            qk = qkv[:, : q_size + kv_size].view(n, heads, hd)
+            if layer.q_norm is not None:                                       # Qwen3: per-head RMSNorm
+                qk[:, : spec.num_heads] = rms_norm(qk[:, : spec.num_heads], layer.q_norm, spec.rms_norm_eps)
+                qk[:, spec.num_heads:] = rms_norm(qk[:, spec.num_heads:], layer.k_norm, spec.rms_norm_eps)
+            apply_rotary_(qk, cos, sin)
             q = qkv[:, :q_size].view(n, spec.num_heads, hd)
             kv = qkv[:, q_size:].view(n, 2, spec.num_kv_heads, hd)
             write_kv(kv_cache[i], kv, meta.slot_mapping)
             attn = paged_attention(q, kv, kv_cache[i], meta, self.scale)          # [N, q_size]
             x = residual_linear(x, attn, layer.o, layer.o_bias)
             h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
+            if layer.router is not None:
+                weights, ids = route(h, layer.router, spec.num_experts_per_tok, spec.norm_topk_prob)
+                if routing is not None:
+                    routing[moe].index_copy_(0, meta.slot_mapping, ids.to(routing.dtype))
+                moe += 1
+                x = x + moe_mlp(h, weights, ids, layer.w13, layer.w2)
+                continue
             gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
             x = residual_linear(x, F.silu(gate) * up, layer.down, layer.down_bias)
         if logits_rows.numel() == 0:

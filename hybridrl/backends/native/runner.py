@@ -1,8 +1,9 @@
 """`ModelRunner`: turns a `StepPlan` into tensors, runs the forward pass and samples.
 
 It owns the KV-cache tensor ([layers, blocks, block_size, 2, kv_heads, head_dim], one
-allocation, zero-initialised so that masked padding reads finite values) and can free and
-re-allocate it (sleep / wake_up). Everything per sequence happens here in a few list
+allocation, zero-initialised so that masked padding reads finite values) and, for MoE models, the
+routing cache beside it ([moe_layers, blocks * block_size, top_k] expert ids, int8 up to 128 experts),
+and can free and re-allocate both (sleep / wake_up). Everything per sequence happens here in a few list
 comprehensions; the per-token work is vectorised.
 """
 
@@ -36,6 +37,9 @@ class ModelRunner:
         spec = model.spec
         self.kv_shape = (spec.num_layers, num_blocks, block_size, 2, spec.num_kv_heads, spec.head_dim)
         self.kv_cache: torch.Tensor | None = None
+        self.routing_shape = ((spec.num_moe_layers, num_blocks * block_size, spec.num_experts_per_tok)
+                              if spec.is_moe else None)
+        self.routing: torch.Tensor | None = None     # [moe_layers, slots, top_k]: expert ids per KV slot
         self._arange_cache = torch.arange(0, device=device)
         # a decode group costs a few fixed op launches per layer: worth about 256 KiB of gathered KV
         block_bytes = block_size * 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=dtype).element_size()
@@ -46,21 +50,37 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        if self.kv_cache is None:
-            return 0
-        return self.kv_cache.numel() * self.kv_cache.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.routing) if t is not None)
 
     def allocate_kv(self) -> None:
         if self.kv_cache is None:
             self.kv_cache = torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device)
+        if self.routing_shape is not None and self.routing is None:
+            self.routing = torch.full(self.routing_shape, -1, dtype=self.model.spec.routing_dtype, device=self.device)
 
     def free_kv(self) -> None:
         self.kv_cache = None
+        self.routing = None
 
     def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
-        """Copy-on-write of partial prefixes: rows [0, n) of block src into block dst, every layer."""
+        """Copy-on-write of partial prefixes: rows [0, n) of block src into block dst, every layer
+        (the routing record of those tokens with them)."""
+        bs = self.block_size
         for src, dst, rows in copies:
             self.kv_cache[:, dst, :rows] = self.kv_cache[:, src, :rows]
+            if self.routing is not None:
+                self.routing[:, dst * bs: dst * bs + rows] = self.routing[:, src * bs: src * bs + rows]
+
+    def read_routing(self, seq: Sequence) -> torch.Tensor | None:
+        """The expert ids every computed token of `seq` was routed to, [num_computed, moe_layers, top_k]
+        on the CPU (None for a dense model). Read before the sequence's blocks are released."""
+        if self.routing is None:
+            return None
+        bs, n = self.block_size, seq.num_computed
+        blocks = torch.tensor(seq.blocks, dtype=torch.long)
+        positions = torch.arange(n)
+        slots = (blocks[positions // bs] * bs + positions % bs).to(self.device)
+        return self.routing.index_select(1, slots).permute(1, 0, 2).contiguous().cpu()
 
     # -- a step -------------------------------------------------------------------------------
 
@@ -118,7 +138,7 @@ class ModelRunner:
         meta.slot_mapping = torch.tensor(slots, dtype=long, device=dev)
         logits = self.model.forward(torch.tensor(ids, dtype=long, device=dev),
                                     torch.tensor(positions, dtype=long, device=dev), meta, self.kv_cache,
-                                    torch.tensor(logits_rows, dtype=long, device=dev))
+                                    torch.tensor(logits_rows, dtype=long, device=dev), self.routing)
         if not sampled:
             return StepResult([], [], [])
         batch = SamplingBatch.build(

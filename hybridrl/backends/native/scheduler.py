@@ -57,6 +57,7 @@ class Sequence:
     cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    routed_experts: Any = None                       # [positions, moe_layers, top_k] ids, read at finish (MoE)
     t_submit: float = field(default_factory=time.monotonic)
     t_scheduled: float | None = None
     t_first_token: float | None = None

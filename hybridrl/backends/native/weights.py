@@ -1,7 +1,9 @@
 """The engine's weights: fused buffers, their HF-named views, loading and validated in-place updates.
 
 q/k/v projections live in one fused `qkv` matrix per layer and gate/up in one `gate_up` matrix,
-so a layer runs two matmuls where HF runs five. Every HF tensor name maps to a *view* into
+so a layer runs two matmuls where HF runs five; a sparse layer's experts live in one block, each
+expert's gate, up and down matrices side by side (the order a publication sends them), seen as
+`w13` [experts, 2I, hidden] and `w2` [experts, hidden, I]. Every HF tensor name maps to a *view* into
 those buffers (`hf_views`), so loading a checkpoint and `update_weights` both copy straight into
 the existing storage: there is never a second full copy of the model.
 """
@@ -25,13 +27,33 @@ class LayerWeights:
     input_norm: torch.Tensor            # [hidden]
     qkv: torch.Tensor                   # [q_size + 2 * kv_size, hidden]
     qkv_bias: torch.Tensor | None       # [q_size + 2 * kv_size]
+    q_norm: torch.Tensor | None         # [head_dim] (Qwen3: RMSNorm of each query head before RoPE)
+    k_norm: torch.Tensor | None         # [head_dim]
     o: torch.Tensor                     # [hidden, q_size]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor             # [hidden]
-    gate_up: torch.Tensor               # [2 * intermediate, hidden]
+    gate_up: torch.Tensor | None        # [2 * intermediate, hidden]; None in a sparse (MoE) layer
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor                  # [hidden, intermediate]
+    down: torch.Tensor | None           # [hidden, intermediate]
     down_bias: torch.Tensor | None
+    router: torch.Tensor | None = None  # [experts, hidden]: sparse layers only
+    experts: torch.Tensor | None = None # [experts, 3 * moe_intermediate * hidden]: per expert gate, up, down
+    w13: torch.Tensor | None = None     # [experts, 2 * moe_intermediate, hidden] view: [gate_e; up_e]
+    w2: torch.Tensor | None = None      # [experts, hidden, moe_intermediate] view: down_e
+
+
+def layer_shapes(spec: ModelSpec, i: int) -> list[tuple[str, tuple[int, ...] | None]]:
+    """(field, shape) of layer i's tensors in storage order (None: the model has no such tensor)."""
+    h, inter, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    qkv_rows = spec.q_size + 2 * spec.kv_size
+    out = [("input_norm", (h,)), ("qkv", (qkv_rows, h)), ("qkv_bias", (qkv_rows,) if spec.qkv_bias else None),
+           ("q_norm", (hd,) if spec.qk_norm else None), ("k_norm", (hd,) if spec.qk_norm else None),
+           ("o", (h, spec.q_size)), ("o_bias", (h,) if spec.o_bias else None), ("post_norm", (h,))]
+    if spec.moe_index(i) is not None:
+        e, mi = spec.num_experts, spec.moe_intermediate_size
+        return out + [("router", (e, h)), ("experts", (e, 3 * mi * h))]
+    return out + [("gate_up", (2 * inter, h)), ("gate_up_bias", (2 * inter,) if spec.mlp_bias else None),
+                  ("down", (h, inter)), ("down_bias", (h,) if spec.mlp_bias else None)]
 
 
 @dataclass
@@ -45,15 +67,12 @@ class ModelWeights:
     @classmethod
     def empty(cls, spec: ModelSpec, *, dtype: torch.dtype, device: torch.device) -> "ModelWeights":
         """Every tensor a view of one flat buffer, laid out in the order a publication sends them
-        (embedding; per layer: input norm, q/k/v, their biases, o, post norm, gate/up, down; final
-        norm; LM head), so a bucket of consecutive tensors lands with one copy."""
-        h, inter = spec.hidden_size, spec.intermediate_size
-        qkv_rows = spec.q_size + 2 * spec.kv_size
-        shapes: list[tuple[int, ...] | None] = [(spec.vocab_size, h)]
-        for _ in range(spec.num_layers):
-            shapes += [(h,), (qkv_rows, h), (qkv_rows,) if spec.qkv_bias else None, (h, spec.q_size),
-                       (h,) if spec.o_bias else None, (h,), (2 * inter, h), (2 * inter,) if spec.mlp_bias else None,
-                       (h, inter), (h,) if spec.mlp_bias else None]
+        (embedding; per layer: input norm, q/k/v, their biases, q/k norms, o, post norm, then
+        gate/up and down, or the router and each expert's gate, up, down; final norm; LM head),
+        so a bucket of consecutive tensors lands with one copy."""
+        h = spec.hidden_size
+        per_layer = [layer_shapes(spec, i) for i in range(spec.num_layers)]
+        shapes = [(spec.vocab_size, h)] + [shape for layer in per_layer for _, shape in layer]
         shapes += [(h,), None if spec.tie_word_embeddings else (spec.vocab_size, h)]
         flat = torch.zeros(sum(torch.Size(s).numel() for s in shapes if s), dtype=dtype, device=device)
         views, offset = [], 0
@@ -64,15 +83,16 @@ class ModelWeights:
             n = torch.Size(shape).numel()
             views.append(flat[offset: offset + n].view(shape))
             offset += n
-        embed, rest = views[0], views[1:]
+        embed, rest = views[0], iter(views[1:-2])
         layers = []
-        for i in range(spec.num_layers):
-            (input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down,
-             down_bias) = rest[10 * i: 10 * i + 10]
-            layers.append(LayerWeights(input_norm=input_norm, qkv=qkv, qkv_bias=qkv_bias, o=o, o_bias=o_bias,
-                                       post_norm=post_norm, gate_up=gate_up, gate_up_bias=gate_up_bias, down=down,
-                                       down_bias=down_bias))
-        norm, lm_head = rest[-2], rest[-1]
+        for fields in per_layer:
+            layer = LayerWeights(**{name: next(rest) for name, _ in fields},
+                                 **{k: None for k in ("gate_up", "gate_up_bias", "down", "down_bias")
+                                    if k not in dict(fields)})
+            if layer.experts is not None:
+                layer.w13, layer.w2 = expert_views(layer.experts, spec)
+            layers.append(layer)
+        norm, lm_head = views[-2], views[-1]
         return cls(embed=embed, layers=layers, norm=norm, lm_head=embed if lm_head is None else lm_head, flat=flat)
 
     def num_bytes(self) -> int:
@@ -86,9 +106,19 @@ class ModelWeights:
         yield self.norm
         yield self.lm_head
         for layer in self.layers:
-            for value in vars(layer).values():
-                if value is not None:
+            for name, value in vars(layer).items():
+                if value is not None and name not in ("w13", "w2"):
                     yield value
+
+
+def expert_views(experts: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [experts, 3 * I * hidden] block as w13 [experts, 2I, hidden] (gate rows, then up rows) and
+    w2 [experts, hidden, I] (down): strided views, each expert's matrices contiguous."""
+    e, i, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    stride = 3 * i * h
+    w13 = experts.as_strided((e, 2 * i, h), (stride, h, 1))
+    w2 = experts.as_strided((e, h, i), (stride, i, 1), experts.storage_offset() + 2 * i * h)
+    return w13, w2
 
 
 def hf_views(weights: ModelWeights, spec: ModelSpec) -> dict[str, torch.Tensor]:
@@ -105,9 +135,20 @@ def hf_views(weights: ModelWeights, spec: ModelSpec) -> dict[str, torch.Tensor]:
             views[p + f"self_attn.{name}.weight"] = layer.qkv[rows]
             if layer.qkv_bias is not None:
                 views[p + f"self_attn.{name}.bias"] = layer.qkv_bias[rows]
+        if layer.q_norm is not None:
+            views[p + "self_attn.q_norm.weight"] = layer.q_norm
+            views[p + "self_attn.k_norm.weight"] = layer.k_norm
         views[p + "self_attn.o_proj.weight"] = layer.o
         if layer.o_bias is not None:
             views[p + "self_attn.o_proj.bias"] = layer.o_bias
+        if layer.router is not None:
+            mi = spec.moe_intermediate_size
+            views[p + "mlp.gate.weight"] = layer.router
+            for e in range(spec.num_experts):
+                views[p + f"mlp.experts.{e}.gate_proj.weight"] = layer.w13[e, :mi]
+                views[p + f"mlp.experts.{e}.up_proj.weight"] = layer.w13[e, mi:]
+                views[p + f"mlp.experts.{e}.down_proj.weight"] = layer.w2[e]
+            continue
         for name, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
             views[p + f"mlp.{name}.weight"] = layer.gate_up[rows]
             if layer.gate_up_bias is not None:

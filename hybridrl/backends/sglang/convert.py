@@ -8,6 +8,11 @@ Facts used (sglang 0.5.x, `managers/io_struct.py`, `entrypoints/engine.py`):
   {"type": "stop", "matched": id} | {"type": "length", "length": n} | {"type": "abort", ...}.
 - Its logprobs are log_softmax(logits / T) over the full vocabulary before top-k/top-p (our
   sampler contract v1); greedy returns the raw log_softmax.
+- meta_info.routed_experts (server flag enable_return_routed_experts, request flag
+  return_routed_experts; MoE models): the top-k expert ids of every token the engine computed,
+  prompt + output but the last output token, for every hidden layer (dense layers' rows carry no
+  meaning), as base64 of int32 [tokens - 1, num_hidden_layers, top_k] (a plain list in some
+  releases).
 """
 
 from __future__ import annotations
@@ -45,8 +50,31 @@ def finish_reason(meta: Mapping[str, Any], num_tokens: int, max_new_tokens: int)
     raise ValueError(f"unrecognised SGLang finish_reason {reason!r}")
 
 
+def routed_experts(meta: Mapping[str, Any], *, num_positions: int, routing: Any):
+    """SGLang's routing record as ours: the sparse layers' rows, [num_positions, moe_layers, top_k] in
+    the spec's routing dtype; None when the response has none. `routing` is the model's `ModelSpec`."""
+    blob = meta.get("routed_experts")
+    if blob is None:
+        return None
+    import base64
+
+    import numpy as np
+    import torch
+
+    if isinstance(blob, (str, bytes)):
+        flat = np.frombuffer(base64.b64decode(blob), dtype=np.int32)
+    else:
+        flat = np.asarray(blob, dtype=np.int32).reshape(-1)
+    width = routing.num_layers * routing.num_experts_per_tok
+    if flat.size != num_positions * width:
+        raise ValueError(f"SGLang routed_experts holds {flat.size} ids, expected {num_positions} tokens x "
+                         f"{routing.num_layers} layers x top-{routing.num_experts_per_tok}")
+    table = flat.reshape(num_positions, routing.num_layers, routing.num_experts_per_tok)[:, list(routing.moe_layers)]
+    return torch.from_numpy(np.ascontiguousarray(table)).to(routing.routing_dtype)
+
+
 def generation_output(out: Mapping[str, Any], *, request_id: str, policy_version: int, prompt_tokens: int,
-                      max_new_tokens: int, timings: GenerationTimings) -> GenerationOutput:
+                      max_new_tokens: int, timings: GenerationTimings, routing: Any = None) -> GenerationOutput:
     """Build our output from SGLang's, taking ids and logprobs from the same logprob records."""
     meta = out.get("meta_info", {})
     records = meta.get("output_token_logprobs") or []
@@ -56,8 +84,10 @@ def generation_output(out: Mapping[str, Any], *, request_id: str, policy_version
     if output_ids is not None and list(output_ids) != token_ids:
         raise ValueError(f"request {request_id}: SGLang output_ids and logprob records disagree "
                          f"({len(output_ids)} vs {len(token_ids)} tokens)")
+    routed = (routed_experts(meta, num_positions=prompt_tokens + len(token_ids) - 1, routing=routing)
+              if routing is not None else None)
     return GenerationOutput(
         request_id=request_id, token_ids=token_ids, logprobs=logprobs,
         finish_reason=finish_reason(meta, len(token_ids), max_new_tokens),
         policy_version=policy_version, prompt_tokens=prompt_tokens,
-        cached_prompt_tokens=int(meta.get("cached_tokens", 0) or 0), timings=timings)
+        cached_prompt_tokens=int(meta.get("cached_tokens", 0) or 0), timings=timings, routed_experts=routed)

@@ -9,7 +9,9 @@ that uses them: one engine, one loop, for its whole life. Memory by tags ("weigh
 inside a weight-update session (begin at a version's first bucket, end once every tensor has
 arrived, then `flush_cache`), one payload serialized for each TP rank (each rank deserializes its
 own copy, so the CUDA IPC reference counts drop cleanly after every load: sglang's own
-`Engine._serialize_tensors_per_rank`, entrypoints/engine.py:1656-1672).
+`Engine._serialize_tensors_per_rank`, entrypoints/engine.py:1656-1672). Mixture-of-experts models:
+the server records routing (`enable_return_routed_experts`) and every request returns it
+(`return_routed_experts`), as `GenerationOutput.routed_experts` (routing replay).
 
 Starting the engine changes the trainer's process (environment, signal handlers, start method):
 `launch.py` isolates and restores them; the tokenizer manager's signal handlers come off our event
@@ -80,8 +82,12 @@ class SGLangEngine:
                  drain_timeout_s: float = 60.0):
         import sglang
 
+        from hybridrl.backends.model_spec import ModelSpec
+
         self.cfg = cfg
         self.tp_size = tp_size
+        spec = ModelSpec.from_dir(model_path)
+        self._routing = spec if spec.is_moe else None      # MoE: record and return each token's experts
         self.dtype = getattr(torch, cfg.dtype)
         self.drain_timeout_s = drain_timeout_s
         self.releasable_tags = cfg.releasable_tags()
@@ -89,7 +95,8 @@ class SGLangEngine:
             os.environ.setdefault("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "true")   # read by the scheduler processes
         with launch.launch_scope() as self._trainer_signals:
             self._engine = sglang.Engine(**engine_kwargs(model_path, cfg, tp_size=tp_size, base_gpu_id=base_gpu_id,
-                                                         port_offset=port_offset, seed=seed))
+                                                         port_offset=port_offset, seed=seed,
+                                                         routed_experts=self._routing is not None))
         self._tm = self._engine.tokenizer_manager
         self._bound = False              # the tokenizer manager is bound to our loop (see `_bind`)
         self._seed_warned = cfg.deterministic_inference
@@ -149,7 +156,8 @@ class SGLangEngine:
         try:
             out = await self._engine.async_generate(
                 input_ids=list(token_ids), sampling_params=convert.sampling_params(sampling, self.eos_token_ids),
-                return_logprob=True, rid=request_id)
+                return_logprob=True, rid=request_id,
+                **({"return_routed_experts": True} if self._routing is not None else {}))
         finally:
             self._in_flight.discard(request_id)
         total = time.perf_counter() - started
@@ -157,7 +165,7 @@ class SGLangEngine:
             raise RuntimeError(f"request {request_id} spans a weight update (v{version} -> v{self.policy_version})")
         return convert.generation_output(out, request_id=request_id, policy_version=version,
                                          prompt_tokens=len(token_ids), max_new_tokens=sampling.max_new_tokens,
-                                         timings=GenerationTimings(total_s=total))
+                                         timings=GenerationTimings(total_s=total), routing=self._routing)
 
     async def abort(self, request_id: str) -> bool:
         if request_id not in self._in_flight:
@@ -306,7 +314,7 @@ def resolved_max_model_len(requested: int | None, tokenizer_manager: Any) -> int
 
 
 def engine_kwargs(model_path: str, cfg: SGLangConfig, *, tp_size: int, base_gpu_id: int, port_offset: int,
-                  seed: int) -> dict[str, Any]:
+                  seed: int, routed_experts: bool = False) -> dict[str, Any]:
     """`sglang.Engine(**kwargs)` for one engine of a rollout group (unique ports per engine)."""
     kwargs: dict[str, Any] = dict(
         model_path=model_path, tokenizer_path=model_path, skip_tokenizer_init=True, tp_size=tp_size,
@@ -316,6 +324,8 @@ def engine_kwargs(model_path: str, cfg: SGLangConfig, *, tp_size: int, base_gpu_
         random_seed=seed, log_level="error", disable_cuda_graph=not cfg.cuda_graph)
     if cfg.context_length:
         kwargs["context_length"] = cfg.context_length
+    if routed_experts:
+        kwargs["enable_return_routed_experts"] = True
     if cfg.deterministic_inference:
         kwargs["enable_deterministic_inference"] = True
     kwargs.update(cfg.engine_args)

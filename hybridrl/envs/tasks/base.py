@@ -24,6 +24,7 @@ class Task:
     Options: ClassVar[type] = type(None)
     action_formats: ClassVar[tuple[str, ...]] = ("json",)
     render_tools: ClassVar[bool] = False       # list the tools' JSON schemas in the system turn
+    budgets: dict = {}                          # episode budgets of this task's own (a mixture's entry: agent.*)
 
     def __init__(self, cfg: "TaskConfig"):
         from hybridrl.envs.tasks.registry import task_options
@@ -50,6 +51,14 @@ class Task:
         return None
 
     # ------------------------------------------------------------------ provided
+
+    def for_instance(self, instance: TaskInstance) -> "Task":
+        """The task that parses, scores and builds the environment of `instance` (a mixture: its entry's)."""
+        return self
+
+    def task_names(self) -> list[str]:
+        """The tasks whose instances this task runs."""
+        return [self.name]
 
     def train_split(self, n: int | None = None, seed: int | None = None) -> list[TaskInstance]:
         return self._split("train", n or self.cfg.train_size, self.cfg.seed if seed is None else seed)

@@ -121,3 +121,24 @@ def test_write_hf_into_a_flat_bucket_equals_to_hf(tiny_models, family, tp):
     assert [e.name for e in plan.entries] == [n for s in slots for n in s.hf_names]
     for name, tensor in hf.items():
         assert torch.equal(bucket.views[name], tensor), name
+
+
+@pytest.mark.parametrize("family,tp", [("qwen3", 2), ("qwen3_moe", 2)])
+def test_qwen3_round_trip_keeps_qk_norms_whole_and_groups_experts(family_models, family, tp):
+    path = family_models(family)
+    hf = load_file(str(path / "model.safetensors"))
+    adapter = adapter_for(ModelSpec.from_dir(path), tp=tp, ep=2 if family == "qwen3_moe" else 1)
+    shards = [adapter.shard_state_dict(hf, rank) for rank in range(tp)]
+    back = adapter.merge_state_dicts(shards)
+    assert sorted(back) == sorted(hf) == adapter.hf_names()
+    assert all(torch.equal(back[n], t) for n, t in hf.items())
+    norms = [s for s in adapter.slots() if s.role in (Role.Q_NORM, Role.K_NORM)]
+    assert len(norms) == 2 * adapter.spec.num_layers and all(s.split is Split.NONE for s in norms)
+    assert all(torch.equal(shards[1][s], hf[s.hf_names[0]]) for s in norms)        # replicated, not split
+    if family == "qwen3_moe":
+        experts = [g for g in adapter.groups() if g[0].expert is not None]
+        assert len(experts) == 2 * 8                                                # 2 sparse layers x 8
+        assert all([s.role for s in g] == [Role.EXPERT_FC1, Role.EXPERT_FC2] for g in experts)
+        assert [adapter.ep_owner(g[0]) for g in experts[:8]] == [0] * 4 + [1] * 4
+        router = next(s for s in adapter.slots() if s.role is Role.ROUTER)
+        assert router.split is Split.NONE and hf[router.hf_names[0]].shape == (8, 64)

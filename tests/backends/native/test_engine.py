@@ -249,3 +249,19 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(driver, 
     assert stats["requests_running"] == 0 and stats["kv_blocks_used"] == 0
     outs = generate_all(engine, [[3, 4, 5]], sp, tag="after")
     assert len(outs[0].token_ids) == 8
+
+
+def test_a_kept_kv_cache_stays_allocated_asleep_and_its_old_blocks_are_never_reused(tiny_models, make_engine):
+    """`keep_kv_cache`: a wake re-creates nothing, and the prefix blocks of before the sleep are forgotten."""
+    engine = make_engine(tiny_models("qwen2"), kv_cache_mb=8, keep_kv_cache=True)
+    prompt = prompts_of([12])[0]
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    before = generate_all(engine, [prompt], greedy)[0]
+    cache = engine._core.runner.kv_cache
+    asyncio.run(engine.sleep())
+    assert engine.stats()["asleep"] and engine.stats()["kv_cache_bytes"] == 8 * 2**20
+    asyncio.run(engine.wake_up())
+    assert engine._core.runner.kv_cache is cache
+    again = generate_all(engine, [prompt], greedy, tag="again")[0]
+    assert again.token_ids == before.token_ids and again.logprobs == before.logprobs
+    assert again.cached_prompt_tokens == 0                # nothing of before the sleep was reused

@@ -7,19 +7,22 @@ from typing import Any
 from hybridrl.backends.megatron.adapters.base import DecoderAdapter, Role, Slot, Split
 from hybridrl.backends.megatron.adapters.llama import LlamaAdapter
 from hybridrl.backends.megatron.adapters.qwen2 import Qwen2Adapter
+from hybridrl.backends.megatron.adapters.qwen3 import Qwen3Adapter, Qwen3MoeAdapter
 from hybridrl.backends.model_spec import ModelSpec
 
-ADAPTERS: tuple[type[DecoderAdapter], ...] = (Qwen2Adapter, LlamaAdapter)
+ADAPTERS: tuple[type[DecoderAdapter], ...] = (Qwen2Adapter, LlamaAdapter, Qwen3Adapter, Qwen3MoeAdapter)
 
-__all__ = ["ADAPTERS", "DecoderAdapter", "LlamaAdapter", "Qwen2Adapter", "Role", "Slot", "Split", "adapter_for"]
+__all__ = ["ADAPTERS", "DecoderAdapter", "LlamaAdapter", "Qwen2Adapter", "Qwen3Adapter", "Qwen3MoeAdapter", "Role",
+           "Slot", "Split", "adapter_for"]
 
 
-def adapter_for(spec: ModelSpec | Any, *, tp: int = 1, vocab_divisible_by: int = 128) -> DecoderAdapter:
-    """The adapter for a model, for tensor-parallel size `tp`. `spec` is a `ModelSpec` (or an HF
-    config mapping / transformers config object, read through `ModelSpec.from_hf_config`)."""
+def adapter_for(spec: ModelSpec | Any, *, tp: int = 1, ep: int = 1, vocab_divisible_by: int = 128) -> DecoderAdapter:
+    """The adapter for a model, for tensor-parallel size `tp` and expert-parallel size `ep`. `spec`
+    is a `ModelSpec` (or an HF config mapping / transformers config object, read through
+    `ModelSpec.from_hf_config`)."""
     if not isinstance(spec, ModelSpec):
         spec = ModelSpec.from_hf_config(spec)
     for cls in ADAPTERS:
         if cls.family == spec.arch:
-            return cls(spec, tp=tp, vocab_divisible_by=vocab_divisible_by)
+            return cls(spec, tp=tp, ep=ep, vocab_divisible_by=vocab_divisible_by)
     raise ValueError(f"no Megatron adapter for {spec.arch!r}; supported: {[c.family for c in ADAPTERS]}")

@@ -12,7 +12,14 @@ Layouts (Megatron-core's GPTModel with the local layer spec, checked bitwise aga
   linear_fc1   on each TP rank: [that rank's gate slice; that rank's up slice].
   linear_proj, linear_fc2   row-parallel: split along dim 1.
   embedding, output_layer   vocab rows, padded with zeros to `padded_vocab_size`, split dim 0.
-  norms        replicated.
+  norms        replicated; q_layernorm / k_layernorm (Qwen3) act on one head's head_dim, so they
+               are replicated too (never TP-split).
+  MoE layers   router.weight [experts, hidden] replicated; expert e lives on expert-parallel rank
+               e // (experts / ep) as local expert e % (experts / ep); its linear_fc1 / linear_fc2
+               are split over the expert-tensor-parallel group like the dense MLP's.
+
+Publication groups (`groups`): one slot each, except that an expert's fc1 and fc2 form one group
+(its gate, up and down tensors), so a bucket never holds part of an expert.
 """
 
 from __future__ import annotations
@@ -37,6 +44,11 @@ class Role(enum.Enum):
     FC2_WEIGHT = "fc2_weight"
     FINAL_NORM = "final_norm"
     OUTPUT = "output"
+    Q_NORM = "q_norm"
+    K_NORM = "k_norm"
+    ROUTER = "router"
+    EXPERT_FC1 = "expert_fc1"
+    EXPERT_FC2 = "expert_fc2"
 
 
 class Split(enum.Enum):
@@ -53,17 +65,21 @@ _SPLIT_OF = {
     Role.INPUT_NORM: Split.NONE, Role.MLP_NORM: Split.NONE, Role.FINAL_NORM: Split.NONE,
     Role.QKV_WEIGHT: Split.QKV, Role.QKV_BIAS: Split.QKV,
     Role.PROJ_WEIGHT: Split.ROW, Role.FC2_WEIGHT: Split.ROW, Role.FC1_WEIGHT: Split.GATE_UP,
+    Role.Q_NORM: Split.NONE, Role.K_NORM: Split.NONE, Role.ROUTER: Split.NONE,
+    Role.EXPERT_FC1: Split.GATE_UP, Role.EXPERT_FC2: Split.ROW,
 }
 
 
 @dataclass(frozen=True)
 class Slot:
-    """One Megatron parameter: its role, global layer index (None outside the layers), HF names."""
+    """One Megatron parameter: its role, global layer index (None outside the layers), HF names,
+    and for an expert's weights the expert's global index."""
 
     role: Role
     layer: int | None
     hf_names: tuple[str, ...]
     exported: bool = True     # False: a copy of another slot's tensor (tied output layer)
+    expert: int | None = None
 
     @property
     def split(self) -> Split:
@@ -71,7 +87,8 @@ class Slot:
 
     def __str__(self) -> str:
         where = f"layer {self.layer} " if self.layer is not None else ""
-        return f"{where}{self.role.value}"
+        which = f" of expert {self.expert}" if self.expert is not None else ""
+        return f"{where}{self.role.value}{which}"
 
 
 class DecoderAdapter:
@@ -81,7 +98,7 @@ class DecoderAdapter:
     family = "decoder"
     model_types: tuple[str, ...] = ()
 
-    def __init__(self, spec: ModelSpec, *, tp: int = 1, vocab_divisible_by: int = 128):
+    def __init__(self, spec: ModelSpec, *, tp: int = 1, ep: int = 1, vocab_divisible_by: int = 128):
         self.check_spec(spec)
         if spec.num_heads % spec.num_kv_heads:
             raise ValueError(f"{spec.num_heads} attention heads do not divide into {spec.num_kv_heads} KV groups")
@@ -91,9 +108,28 @@ class DecoderAdapter:
         if spec.intermediate_size % tp or spec.num_heads % tp:
             raise ValueError(f"tp={tp} must divide the FFN size ({spec.intermediate_size}) and the heads "
                              f"({spec.num_heads})")
+        if ep > 1 and not spec.is_moe:
+            raise ValueError(f"ep={ep}: expert parallelism needs a mixture-of-experts model ({spec.arch} is dense)")
+        if spec.is_moe and (spec.num_experts % ep or spec.moe_intermediate_size % tp):
+            raise ValueError(f"ep={ep} must divide the {spec.num_experts} experts and tp={tp} their FFN size "
+                             f"({spec.moe_intermediate_size})")
         self.spec = spec
         self.tp = tp
+        self.ep = ep
+        self.etp = tp               # experts are TP-split like the dense MLP (expert_tensor_parallel_size = tp)
         self.padded_vocab_size = spec.padded_vocab_size(tp, vocab_divisible_by)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.spec.num_experts // self.ep
+
+    def tp_of(self, slot: Slot) -> int:
+        """How many shards the slot has: the expert-TP size for experts' weights, else the TP size."""
+        return self.etp if slot.expert is not None else self.tp
+
+    def ep_owner(self, slot: Slot) -> int | None:
+        """The expert-parallel rank that holds an expert's slot (None for every other slot)."""
+        return None if slot.expert is None else slot.expert // self.experts_per_rank
 
     @classmethod
     def check_spec(cls, spec: ModelSpec) -> None:
@@ -108,7 +144,13 @@ class DecoderAdapter:
     # ----------------------------------------------------------------- slots
 
     def slots(self) -> list[Slot]:
-        """Every Megatron parameter of the whole model, in model order (embedding, layers, norm, output)."""
+        """Every Megatron parameter of the whole model, in model order (embedding, layers, norm, output).
+        (Computed once: a large MoE model has tens of thousands; do not modify the list.)"""
+        if getattr(self, "_slots", None) is None:
+            self._slots = self._all_slots()
+        return self._slots
+
+    def _all_slots(self) -> list[Slot]:
         out = [Slot(Role.EMBEDDING, None, ("model.embed_tokens.weight",))]
         for i in range(self.spec.num_layers):
             out += self.layer_slots(i)
@@ -128,13 +170,37 @@ class DecoderAdapter:
         ]
         if self.spec.qkv_bias:
             slots.append(Slot(Role.QKV_BIAS, i, tuple(f"{attn}{x}_proj.bias" for x in "qkv")))
+        if self.spec.qk_norm:
+            slots += [Slot(Role.Q_NORM, i, (attn + "q_norm.weight",)), Slot(Role.K_NORM, i, (attn + "k_norm.weight",))]
         slots += [
             Slot(Role.PROJ_WEIGHT, i, (attn + "o_proj.weight",)),
             Slot(Role.MLP_NORM, i, (p + "post_attention_layernorm.weight",)),
-            Slot(Role.FC1_WEIGHT, i, (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
-            Slot(Role.FC2_WEIGHT, i, (p + "mlp.down_proj.weight",)),
         ]
+        if self.spec.moe_index(i) is None:
+            return slots + [Slot(Role.FC1_WEIGHT, i, (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+                            Slot(Role.FC2_WEIGHT, i, (p + "mlp.down_proj.weight",))]
+        slots.append(Slot(Role.ROUTER, i, (p + "mlp.gate.weight",)))
+        for e in range(self.spec.num_experts):
+            ex = f"{p}mlp.experts.{e}."
+            slots += [Slot(Role.EXPERT_FC1, i, (ex + "gate_proj.weight", ex + "up_proj.weight"), expert=e),
+                      Slot(Role.EXPERT_FC2, i, (ex + "down_proj.weight",), expert=e)]
         return slots
+
+    def groups(self) -> list[list[Slot]]:
+        """The exported slots in model order, as publication groups: one slot each, an expert's fc1
+        and fc2 together (a bucket holds whole experts). Computed once."""
+        if getattr(self, "_groups", None) is not None:
+            return self._groups
+        out: list[list[Slot]] = []
+        for slot in self.slots():
+            if not slot.exported:
+                continue
+            if slot.role is Role.EXPERT_FC2 and out and out[-1][0].expert == slot.expert:
+                out[-1].append(slot)
+            else:
+                out.append([slot])
+        self._groups = out
+        return out
 
     def hf_names(self) -> list[str]:
         """The HF state-dict names this model exports, sorted (the canonical order)."""
@@ -167,6 +233,18 @@ class DecoderAdapter:
             return layer.self_attention.linear_proj.weight
         if role is Role.MLP_NORM:
             return layer.pre_mlp_layernorm.weight
+        if role is Role.Q_NORM:
+            return layer.self_attention.q_layernorm.weight
+        if role is Role.K_NORM:
+            return layer.self_attention.k_layernorm.weight
+        if role is Role.ROUTER:
+            return layer.mlp.router.weight
+        if role in (Role.EXPERT_FC1, Role.EXPERT_FC2):
+            local = layer.mlp.local_expert_indices
+            if slot.expert not in local:
+                return None                                     # another expert-parallel rank holds it
+            expert = layer.mlp.experts.local_experts[local.index(slot.expert)]
+            return (expert.linear_fc1 if role is Role.EXPERT_FC1 else expert.linear_fc2).weight
         if role is Role.FC1_WEIGHT:
             return layer.mlp.linear_fc1.weight
         if role is Role.FC2_WEIGHT:
@@ -178,7 +256,7 @@ class DecoderAdapter:
     def from_hf(self, slot: Slot, hf: Mapping[str, torch.Tensor], tp_rank: int) -> torch.Tensor:
         """TP rank `tp_rank`'s shard of `slot`, built from full HF tensors (`hf[name]` for its names)."""
         tensors = [hf[n] for n in slot.hf_names]
-        split, tp = slot.split, self.tp
+        split, tp = slot.split, self.tp_of(slot)
         if split is Split.NONE:
             return tensors[0].clone()
         if split is Split.VOCAB:
@@ -199,8 +277,8 @@ class DecoderAdapter:
 
     def to_hf(self, slot: Slot, shards: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The full HF tensors of `slot` from every TP rank's shard (in TP rank order)."""
-        if len(shards) != (1 if slot.split is Split.NONE else self.tp):
-            raise ValueError(f"{slot}: expected {self.tp} TP shards, got {len(shards)}")
+        if len(shards) != (1 if slot.split is Split.NONE else self.tp_of(slot)):
+            raise ValueError(f"{slot}: expected {self.tp_of(slot)} TP shards, got {len(shards)}")
         split, names = slot.split, slot.hf_names
         if split is Split.NONE:
             return {names[0]: shards[0]}
@@ -277,15 +355,15 @@ class DecoderAdapter:
     # ----------------------------------------------------------------- whole state dicts (offline)
 
     def shard_state_dict(self, hf: Mapping[str, torch.Tensor], tp_rank: int) -> dict[Slot, torch.Tensor]:
-        """Every slot's shard for one TP rank (all layers; for tests and offline conversion)."""
-        return {slot: self.from_hf(slot, hf, tp_rank) for slot in self.slots()}
+        """Every slot's shard for one TP rank (all layers and experts; for tests and offline conversion)."""
+        return {slot: self.from_hf(slot, hf, tp_rank) for slot in self.slots() if tp_rank < self.tp_of(slot)}
 
     def merge_state_dicts(self, shards: Sequence[Mapping[Slot, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The HF state dict from every TP rank's `shard_state_dict` (exported names only)."""
         out: dict[str, torch.Tensor] = {}
         for slot in self.slots():
             if slot.exported:
-                parts = [shards[0][slot]] if slot.split is Split.NONE else [s[slot] for s in shards]
+                parts = [shards[0][slot]] if slot.split is Split.NONE else [s[slot] for s in shards[:self.tp_of(slot)]]
                 out.update(self.to_hf(slot, parts))
         return out
 
@@ -293,11 +371,14 @@ class DecoderAdapter:
         """The full shape of every exported HF tensor."""
         s = self.spec
         q, kv, h, f = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.hidden_size, s.intermediate_size
+        mf = s.moe_intermediate_size
         by_role = {
             Role.EMBEDDING: [(s.vocab_size, h)], Role.OUTPUT: [(s.vocab_size, h)],
             Role.INPUT_NORM: [(h,)], Role.MLP_NORM: [(h,)], Role.FINAL_NORM: [(h,)],
             Role.QKV_WEIGHT: [(q, h), (kv, h), (kv, h)], Role.QKV_BIAS: [(q,), (kv,), (kv,)],
             Role.PROJ_WEIGHT: [(h, q)], Role.FC1_WEIGHT: [(f, h), (f, h)], Role.FC2_WEIGHT: [(h, f)],
+            Role.Q_NORM: [(s.head_dim,)], Role.K_NORM: [(s.head_dim,)], Role.ROUTER: [(s.num_experts, h)],
+            Role.EXPERT_FC1: [(mf, h), (mf, h)], Role.EXPERT_FC2: [(h, mf)],
         }
         return {n: shape for slot in self.slots() if slot.exported
                 for n, shape in zip(slot.hf_names, by_role[slot.role])}

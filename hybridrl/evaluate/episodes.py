@@ -1,6 +1,6 @@
-"""Evaluate an HF model directory on a task: greedy and sampled accuracy, and what they say for RL.
+"""The recipe form of `hybridrl eval`: greedy and sampled accuracy on a task, and what they say for RL.
 
-    hybridrl eval RECIPE [key=value ...] [--model DIR] [-n N] [--temperature T] [--json OUT]
+    hybridrl eval RECIPE [key=value ...] [--model DIR] [-n N] [--temperature T] [--json OUT]   (hybridrl/cli/eval.py)
 
 Greedy accuracy is what training's validation reports. Sampled accuracy (at `agent.temperature`,
 the temperature RL samples at) says whether RL has a signal: a group estimator learns only from
@@ -14,11 +14,8 @@ the same code on every rank, each on its share of the validation split.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -32,9 +29,9 @@ def run_episodes(cfg: Any, model_dir: str | Path, instances: Sequence[Any], *, t
     """One episode per instance through the agent loop on `model_dir` (or on `engine`, when given)."""
     from transformers import AutoTokenizer
 
-    from hybridrl.agent.loop import AgentRunner
     from hybridrl.agent.tools.base import ToolBox
     from hybridrl.envs.tasks import Task, get_task
+    from hybridrl.gateway.runner import agent_runner
 
     task = get_task(cfg.task.name, cfg.task)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -53,10 +50,13 @@ def run_episodes(cfg: Any, model_dir: str | Path, instances: Sequence[Any], *, t
 
     async def go():
         async with ToolBox.from_config(cfg.tools, names=names) as tools:
-            runner = AgentRunner(engine, tokenizer, agent_cfg=cfg.agent, tools=tools, run_id=cfg.run.name,
-                                 seed=cfg.run.seed, envs=envs)
+            runner = agent_runner(cfg, engine, tokenizer, tools=tools, envs=envs)   # task.agent: the gateway's
             attempts = [(inst, 0, f"{inst.task_id}@{group_id}") for inst in instances]
-            return await runner.run_attempts(attempts, task=task, temperature=temperature)
+            try:
+                return await runner.run_attempts(attempts, task=task, temperature=temperature)
+            finally:
+                if cfg.task.agent:
+                    await runner.close()
 
     try:
         return asyncio.run(go())
@@ -112,46 +112,3 @@ def evaluate(cfg: Any, model_dir: str | Path, *, n: int | None = None, temperatu
             "greedy": greedy, "sampled": sampled, "seconds": time.perf_counter() - started,
             "verdict": verdict(greedy["accuracy"], sampled["accuracy"], successes=sampled["successes"],
                                temperature=sampled_t)}
-
-
-# ------------------------------------------------------------------ command
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hybridrl.config.cli import add_recipe_arguments
-
-    add_recipe_arguments(p)
-    p.add_argument("--model", default=None, help="HF model directory (default: model.path); a run directory "
-                                                 "means its hf/")
-    p.add_argument("-n", type=int, default=None, help="validation instances (default: task.validation_size)")
-    p.add_argument("--temperature", type=float, default=None, help="the sampled pass's temperature "
-                                                                  "(default: agent.temperature)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--json", default=None, help="also write the result here")
-
-
-def main(args: argparse.Namespace) -> int:
-    from hybridrl.config import ConfigError, load_config
-    from hybridrl.config.cli import recipe_and_overrides
-    from hybridrl.preflight import PreflightError, check_model
-
-    try:
-        recipe, overrides = recipe_and_overrides(args.recipe_args, args.config)
-        cfg = load_config(recipe, overrides)
-        model = args.model or cfg.model.path
-        if model and (Path(model) / "run.json").exists() and (Path(model) / "hf" / "config.json").exists():
-            model = str(Path(model) / "hf")                       # a finished run: its exported model
-        check_model(model, key="--model" if args.model else "model.path")
-    except (ConfigError, PreflightError) as err:
-        print(f"hybridrl eval: {err}", file=sys.stderr)
-        return 2
-    result = evaluate(cfg, model, n=args.n, temperature=args.temperature, device=args.device)
-    g, s = result["greedy"], result["sampled"]
-    print(f"{result['task']}: {result['instances']} validation instances, model {model} ({result['seconds']:.0f}s)")
-    for name, r in (("greedy", g), (f"sampled T={result['temperature']:g}", s)):
-        print(f"  {name:16s} accuracy {100 * r['accuracy']:5.1f}%  reward {r['reward']:.3f}  "
-              f"tool calls/episode {r['tool_calls']:.2f}  response tokens {r['response_tokens']:.1f}")
-    print(result["verdict"])
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0

@@ -1,0 +1,59 @@
+"""The `vllm` knobs of the rollout section. Engine arguments we do not model pass through `engine_args`.
+
+Import-light on purpose (no torch, no vllm): the config schema imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, knob
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True)
+class VLLMConfig:
+    """vLLM's V1 engine (its engine core and worker run in processes of their own), one per rollout rank."""
+
+    # what the config checks need to know of this engine (not knobs)
+    reads_back_weights: ClassVar[bool] = True     # publish.verify=post_copy: the worker hashes its own parameters
+    remote_publication: ClassVar[bool] = True     # a rollout rank of the disaggregated placement can run it
+
+    dtype: str = knob("auto", "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | "
+                              "float16")
+    kv_cache_mb: int = knob(64, "KV-cache budget in MiB (vLLM's kv_cache_memory_bytes), allocated at start")
+    max_num_seqs: int = knob(64, "most sequences in the running batch")
+    max_num_batched_tokens: int = knob(0, "tokens computed per step; 0 = vLLM's default")
+    max_model_len: int = knob(0, "longest sequence (prompt + output); 0 = the model's")
+    enable_prefix_caching: bool = knob(True, "vLLM's prefix cache (reset whenever a new policy version arrives)")
+    enforce_eager: bool = knob(True, "no torch.compile / CUDA graphs (start-up in seconds; the CPU default)")
+    threads: int = knob(0, "OpenMP threads of vLLM's worker process; 0 = this process's torch thread count (1 per "
+                           "rank under torchrun, so two ranks on two cores share them sanely)")
+    gpu_memory_utilization: float = knob(0.5, "CUDA only: fraction of the GPU for weights + KV cache (the trainer "
+                                              "holds the rest)")
+    enable_sleep_mode: bool = knob(False, "CUDA only: release weights and KV cache between modes through vLLM's "
+                                          "sleep levels (vLLM refuses sleep mode on CPU)")
+    log_level: str = knob("WARNING", "vLLM's own log level (VLLM_LOGGING_LEVEL) in its processes")
+    engine_args: dict[str, Any] = knob(factory=dict, help="extra vllm AsyncEngineArgs(**kwargs), passed through "
+                                                          "unchecked")
+
+    def __post_init__(self) -> None:
+        check_choice("dtype", self.dtype, DTYPES)
+        check_positive("kv_cache_mb", self.kv_cache_mb)
+        check_positive("max_num_seqs", self.max_num_seqs)
+        check_positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_zero=True)
+        check_positive("max_model_len", self.max_model_len, allow_zero=True)
+        check_positive("threads", self.threads, allow_zero=True)
+        check_choice("log_level", self.log_level, ("DEBUG", "INFO", "WARNING", "ERROR"))
+        if not 0.0 < self.gpu_memory_utilization < 1.0:
+            raise ConfigValueError("gpu_memory_utilization", f"must be in (0, 1), got {self.gpu_memory_utilization}")
+
+    def releasable_tags(self, on_cuda: bool) -> frozenset[str]:
+        """What the engine releases between modes: on CUDA with sleep mode, weights (sleep level 2: they must be
+        published again) and the KV cache; on CPU nothing (vLLM has no sleep mode there: the KV cache stays
+        allocated and the weights stay where they are)."""
+        if on_cuda and self.enable_sleep_mode:
+            return frozenset({"weights", "kv_cache"})
+        return frozenset()

@@ -1,0 +1,71 @@
+"""The `gateway` section: the OpenAI-compatible inference gateway that agents written with the OpenAI
+client talk to (`task.agent`). Import-light (no torch, no web stack)."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, check_range, knob
+
+TOOL_PARSERS = ("auto", "hermes", "llama3", "actions", "none")
+REASONING_PARSERS = ("auto", "think", "none")
+
+
+@dataclass(kw_only=True)
+class GatewayConfig:
+    """Where the gateway listens, how it reads the model's turns and what it does when a chat template
+    is not append-only. Episode budgets are the agent section's (`agent.max_turns` ...)."""
+
+    listen: str = knob("unix", "unix (a socket in a private 0700 directory of this rank) | tcp (loopback only, "
+                               "gateway.host:gateway.port)")
+    host: str = knob("127.0.0.1", "listen=tcp: a loopback address (127.0.0.0/8, ::1 or localhost); anything else "
+                                  "is refused")
+    port: int = knob(0, "listen=tcp: the port (0: one the OS picks)")
+    tool_parser: str = knob("auto", "how tool calls are read from a turn into OpenAI tool_calls: hermes "
+                                    "(<tool_call>{json}</tool_call>: Qwen2.5, Qwen3, Hermes) | llama3 (a JSON "
+                                    "object {name, parameters}, after <|python_tag|> or alone) | actions (the "
+                                    "task's action formats: <calc>, <tool_call>) | none | auto (from the chat "
+                                    "template: hermes if it mentions <tool_call>, llama3 if it mentions "
+                                    "<|python_tag|> or ipython, else actions)")
+    reasoning_parser: str = knob("auto", "think (<think>...</think> is returned as reasoning_content) | none | "
+                                         "auto (think when the chat template mentions <think>)")
+    render_tools: bool = knob(True, "render a request's `tools` with the chat template (false: parse calls to "
+                                    "them but keep the list out of the prompt, for a model trained without it)")
+    on_drift: str = knob("mark", "a rendering that does not extend the episode's tokens (a chat template that is "
+                                 "not append-only): mark (keep the exact tokens, append the new messages as the "
+                                 "template's delta, mark the trajectory) | split (serve the fresh rendering as a "
+                                 "new segment; the episode trains on its last segment). Counted either way")
+    check_tokens: bool = knob(True, "compare each request's captured ids with one tokenization of its full "
+                                    "rendering and count the differences (token_drift); the captured ids are "
+                                    "what the model sees either way")
+    prefix_affinity_slack: int = knob(8, "routing: a new episode goes to a replica that already serves its group "
+                                         "(the prompt prefix is warm there) while that replica has at most this many "
+                                         "more episodes than the least-loaded one")
+    agent_grace_s: float = knob(5.0, "after agent.max_episode_s the agent has this long to return (its requests "
+                                     "get budget errors) before it is cancelled")
+    model_name: str = knob("policy", "the model name /v1/models reports (requests may name any model)")
+
+    def __post_init__(self) -> None:
+        check_choice("listen", self.listen, ("unix", "tcp"))
+        check_choice("tool_parser", self.tool_parser, TOOL_PARSERS)
+        check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+        check_choice("on_drift", self.on_drift, ("mark", "split"))
+        check_range("port", self.port, 0, 65535)
+        check_positive("prefix_affinity_slack", self.prefix_affinity_slack, allow_zero=True)
+        check_positive("agent_grace_s", self.agent_grace_s, allow_zero=True)
+        if not is_loopback(self.host):
+            raise ConfigValueError("host", f"the gateway listens on loopback only (127.0.0.1, ::1, localhost), "
+                                           f"got {self.host!r}")
+        if not self.model_name:
+            raise ConfigValueError("model_name", "must not be empty")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+

@@ -1,0 +1,172 @@
+"""The gateway's HTTP side: a Starlette app on uvicorn, inside the event loop that runs the engine.
+
+    POST /v1/chat/completions     (stream: server-sent events)
+    POST /v1/completions
+    GET  /v1/models
+
+It listens on a Unix socket in a private directory (mode 0700, the socket 0600) or on a loopback TCP
+address, nothing else. Every request needs an episode's key (`episodes.EpisodeKeys`). uvicorn is driven
+by its `startup` / `shutdown` only: no signal handlers are installed (the rank's own stay in charge) and
+nothing runs between requests, so the loop may stop between rollout phases and resume.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hybridrl.gateway.episodes import EpisodeKeys, GatewayError
+from hybridrl.gateway.service import GatewayService, stream_chunks
+
+log = logging.getLogger(__name__)
+
+MISSING_STACK = ("the OpenAI-compatible gateway needs starlette and uvicorn (and agents need openai): "
+                 "pip install -e .[gateway]")
+
+
+def build_app(service: GatewayService, keys: EpisodeKeys) -> Any:
+    try:
+        from starlette.applications import Starlette
+        from starlette.responses import Response, StreamingResponse
+        from starlette.routing import Route
+    except ImportError as err:
+        raise ImportError(MISSING_STACK) from err
+
+    def error(err: GatewayError) -> Response:
+        service.counts["refused" if err.status < 500 else "errors"] += 1
+        return Response(json.dumps(err.body()), status_code=err.status, media_type="application/json")
+
+    async def body_of(request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise GatewayError(400, "the request body is not JSON") from None
+        if not isinstance(body, dict):
+            raise GatewayError(400, "the request body must be a JSON object")
+        return body
+
+    def endpoint(handler):
+        async def serve(request) -> Response:
+            service.counts["requests"] += 1
+            try:
+                episode = keys.find(request.headers)
+                body = await body_of(request)
+                out = await handler(episode, body)
+            except GatewayError as err:
+                return error(err)
+            except Exception as err:  # noqa: BLE001 - the engine or a bug: the agent gets a 500, the episode is invalid
+                log.warning("gateway request failed: %s", err, exc_info=True)
+                episode = _episode_or_none(keys, request)
+                if episode is not None:
+                    episode.end_reason = f"gateway error: {type(err).__name__}: {err}"
+                    episode.infra_error = episode.end_reason
+                return error(GatewayError(500, f"the gateway failed: {type(err).__name__}", type="server_error"))
+            if body.get("stream"):
+                service.counts["streamed"] += 1
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                events = stream_chunks(out, include_usage=include_usage) if out["object"] == "chat.completion" \
+                    else _completion_events(out)
+
+                async def send():
+                    for event in events:
+                        yield event
+                return StreamingResponse(send(), media_type="text/event-stream")
+            return Response(json.dumps(out), media_type="application/json")
+        return serve
+
+    async def models(request) -> Response:
+        try:
+            keys.find(request.headers)              # every endpoint needs a running episode's key
+        except GatewayError as err:
+            return error(err)
+        return Response(json.dumps({"object": "list", "data": [{"id": service.model_name, "object": "model",
+                                                                "created": 0, "owned_by": "hybridrl"}]}),
+                        media_type="application/json")
+
+    return Starlette(routes=[Route("/v1/chat/completions", endpoint(service.chat), methods=["POST"]),
+                             Route("/v1/completions", endpoint(service.completions), methods=["POST"]),
+                             Route("/v1/models", models, methods=["GET"])])
+
+
+def _episode_or_none(keys: EpisodeKeys, request) -> Any:
+    try:
+        return keys.find(request.headers)
+    except GatewayError:
+        return None
+
+
+def _completion_events(out: dict[str, Any]) -> list[str]:
+    events = ["data: " + json.dumps({**out, "choices": [c]}) + "\n\n" for c in out["choices"]]
+    return events + ["data: [DONE]\n\n"]
+
+
+class HttpServer:
+    """uvicorn serving `app` on a socket made here (Unix in a private directory, or loopback TCP)."""
+
+    def __init__(self, app: Any, *, listen: str = "unix", host: str = "127.0.0.1", port: int = 0):
+        self.app, self.listen, self.host, self.port = app, listen, host, port
+        self.socket_path: Path | None = None
+        self._dir: tempfile.TemporaryDirectory | None = None
+        self._sock: socket.socket | None = None
+        self._server = None
+
+    @property
+    def base_url(self) -> str:
+        """The URL an OpenAI client is given (over the Unix socket the host part is a placeholder)."""
+        if self.listen == "unix":
+            return "http://hybridrl-gateway/v1"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    async def start(self) -> None:
+        try:
+            import uvicorn
+        except ImportError as err:
+            raise ImportError(MISSING_STACK) from err
+        self._sock = self._bind()
+        config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False,
+                                server_header=False, date_header=False, timeout_keep_alive=30)
+        config.load()
+        server = uvicorn.Server(config)
+        server.lifespan = config.lifespan_class(config)
+        await server.startup(sockets=[self._sock])
+        self._server = server
+
+    def _bind(self) -> socket.socket:
+        if self.listen == "unix":
+            self._dir = tempfile.TemporaryDirectory(prefix="hybridrl-gateway-")
+            os.chmod(self._dir.name, 0o700)
+            self.socket_path = Path(self._dir.name) / "gateway.sock"
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            old = os.umask(0o177)
+            try:
+                sock.bind(str(self.socket_path))
+            finally:
+                os.umask(old)
+            os.chmod(self.socket_path, 0o600)
+        else:
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1" if self.host == "localhost" else self.host, self.port))
+            self.host, self.port = sock.getsockname()[:2]
+        sock.listen(1024)
+        sock.setblocking(False)
+        return sock
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            await self._server.shutdown(sockets=[self._sock])
+            self._server = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None

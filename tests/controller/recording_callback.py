@@ -1,0 +1,36 @@
+"""A callback of a user's own (`trainer.callbacks=[tests.controller.recording_callback:Recorder]`): every
+event it hears, as one JSON line in <run.dir>/events.jsonl."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class Recorder:
+    def __init__(self):
+        self.path = None
+
+    def _write(self, event: str, **data) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"event": event, **data}, default=str) + "\n")
+
+    def on_start(self, run: dict) -> None:
+        self.path = Path(run["run_dir"]) / "events.jsonl"
+        self._write("start", step=run["step"], total_steps=run["total_steps"], resumed_from=run["resumed_from"],
+                    total_steps_in_config=run["config"]["trainer"]["total_steps"])
+
+    def on_step(self, step: int, metrics: dict) -> None:
+        self._write("step", step=step, metrics=metrics)
+
+    def on_validation(self, step: int, metrics: dict) -> None:
+        self._write("validation", step=step, metrics=metrics)
+
+    def on_checkpoint(self, step: int, path: str) -> None:
+        self._write("checkpoint", step=step, path=path)
+
+    def on_interrupt(self, info: dict) -> None:
+        self._write("interrupt", **info)
+
+    def on_end(self, summary: dict) -> None:
+        self._write("end", summary=summary)
