@@ -50,13 +50,15 @@ OPS = ("set", "get", "check", "add", "delete_key", "wait", "multi_get", "multi_s
 # ------------------------------------------------------------------------------------ one launch
 
 class CountingStore:
-    """A store client that counts its calls in shared memory (slot: rank x {main, clone})."""
+    """A store client that counts its calls in shared memory (slot: rank x {main, clone}); with
+    `latency` (a dict), also the longest request of each kind on this connection, in seconds."""
 
-    def __init__(self, store, counts, slot: int):
-        self._store, self._counts, self._slot = store, counts, slot
+    def __init__(self, store, counts, slot: int, latencies: dict | None = None):
+        self._store, self._counts, self._slot, self._latencies = store, counts, slot, latencies
+        self._latency = None if latencies is None else latencies.setdefault("clone" if slot & 1 else "main", {})
 
     def clone(self) -> "CountingStore":
-        return CountingStore(self._store.clone(), self._counts, self._slot | 1)
+        return CountingStore(self._store.clone(), self._counts, self._slot | 1, self._latencies)
 
     def __getattr__(self, name):
         attr = getattr(self._store, name)
@@ -65,9 +67,17 @@ class CountingStore:
         index = self._slot * len(OPS) + OPS.index(name)
         counts = self._counts
 
+        latency = self._latency
+
         def counted(*args, **kwargs):
             counts[index] += 1
-            return attr(*args, **kwargs)
+            if latency is None:
+                return attr(*args, **kwargs)
+            t = time.monotonic()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                latency[name] = max(latency.get(name, 0.0), time.monotonic() - t)
 
         return counted
 
@@ -125,7 +135,8 @@ def rank_main(rank: int, args, port: int, counts, tmp: Path) -> int:
     if hasattr(ControlPlane, "connect"):               # the control plane's own connection, as bootstrap makes it
         inner = inner.clone()
         inner.set_timeout(timedelta(days=365))
-    control = ControlPlane(CountingStore(inner, counts, 2 * rank), rank, world)
+    latencies: dict = {}                              # rank 0: its connections' longest requests
+    control = ControlPlane(CountingStore(inner, counts, 2 * rank, latencies if rank == 0 else None), rank, world)
     control.register_process(host, os.getpid())
     if store.add("bench/up", 1) == world:             # every rank up: the rendezvous torchrun's ranks pass
         store.set("bench/go", b"1")
@@ -133,6 +144,10 @@ def rank_main(rank: int, args, port: int, counts, tmp: Path) -> int:
     ctx = DistContext(rank, world, rank % per_node, per_node, torch.device("cpu"), "gloo", None, None, control,
                       cfg, roles=Roles(world, world), store=store)
     watchdog = Watchdog(control, cfg, format_failure=format_report)
+    beats: list[float] = []
+    if rank == 0:                                     # when the controller's heartbeats went out
+        beat = watchdog.control.beat
+        watchdog.control.beat = lambda *a: (beats.append(time.monotonic()), beat(*a))
     watchdog.start()
     worker = _worker_class()(ctx)
     if rank != 0:
@@ -147,6 +162,9 @@ def rank_main(rank: int, args, port: int, counts, tmp: Path) -> int:
     except BaseException:  # noqa: BLE001 - the benchmark's own failure: recorded, then every rank stops
         result["bench_error"] = traceback.format_exc()
         group.abort("benchmark failed")
+    gaps = sorted(b - a for a, b in zip(beats, beats[1:]))
+    result["controller_beat_gap_s"] = {"max": gaps[-1], "p99": _quantile(gaps, 0.99)} if gaps else None
+    result["controller_store_latency_max_s"] = latencies
     (tmp / "controller.json").write_text(json.dumps(result))
     watchdog.stop()
     return 1
@@ -154,6 +172,7 @@ def rank_main(rank: int, args, port: int, counts, tmp: Path) -> int:
 
 def _controller(group, worker, args, counts, tmp: Path, result: dict) -> None:
     kind = type(worker)
+    result["started_at"] = time.monotonic()
     for _ in range(args.warmup):
         group.call(kind.noop)
         group.call(kind.echo, value=1)
@@ -163,6 +182,7 @@ def _controller(group, worker, args, counts, tmp: Path, result: dict) -> None:
         before, started = list(counts), time.monotonic()
         cpu0 = [o["cpu_s"] for o in group.call(kind.echo)]
         for i in range(args.calls):
+            result["calls_started"] = i + 1
             t = time.perf_counter()
             group.call(kind.noop)
             times["noop"].append(time.perf_counter() - t)

@@ -6,6 +6,16 @@ rank's heartbeat counter in one read): an error report, a worker process that di
 its pid; any host: a silent heartbeat), or a call past its deadline becomes the run's `failure`,
 and it wakes the controller's main thread if that is waiting for a call to end. Ranks that fall
 silent are named with their node; when every rank of a node is silent the node is named as lost.
+
+Silence is judged by two clocks: a peer is silent when its heartbeat has not moved for
+`heartbeat_timeout_s` AND the observer itself has read the store on schedule all that while
+(at least timeout / interval of its own rounds since the peer last moved). An observer whose
+own rounds stall (its store requests queued behind a burst of other ranks' traffic, or its
+thread starved of CPU on a loaded host) sees every peer as quiet without evidence that any of
+them stopped; it judges them once its reads are back on schedule. A dead peer is then named
+after the timeout of the observer's working rounds: at most a few intervals late when the store
+answers at once.
+
 If the main thread is stuck inside a collective or a transfer (it cannot wait on the store
 there), the watchdog prints the failure, sets the abort flag and ends the process after
 `error_grace_s`. On a worker it watches the controller and the abort flag, and ends the process
@@ -15,6 +25,7 @@ when either says the run is over.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import sys
@@ -89,7 +100,9 @@ class Watchdog(threading.Thread):
         self._watched: list[int] = []                     # registered workers, in rank order
         self._hosts: dict[int, str] = {}
         self._pids: dict[int, int] = {}                   # workers on this host
-        self._beats: dict[int, tuple[int, float]] = {}    # rank -> (counter, when it last moved)
+        self._beats: dict[int, tuple[int, float, int]] = {}   # rank -> (counter, when it last moved, round then)
+        self._round = 0                                   # this watchdog's rounds that read the store
+        self._rounds_needed = max(1, math.ceil(cfg.heartbeat_timeout_s / cfg.heartbeat_interval_s))
         self._finished: dict[int, int] = {}               # rank -> newest command it finished
 
     # ------------------------------------------------------------------ main-thread API
@@ -127,7 +140,9 @@ class Watchdog(threading.Thread):
 
     def run(self) -> None:
         interval = self.cfg.heartbeat_interval_s
-        while not self._halt.wait(interval):
+        due = time.monotonic() + interval
+        while not self._halt.wait(max(0.0, due - time.monotonic())):
+            due = max(due + interval, time.monotonic())   # a fixed schedule; a late round does not shift it
             try:
                 self._count += 1
                 self.control.beat(self._count, self.finished)
@@ -135,6 +150,7 @@ class Watchdog(threading.Thread):
                     self._watch_workers()
                 else:
                     self._watch_controller()
+                self._round += 1
             except Exception as err:  # noqa: BLE001 - the store is gone: the controller is gone
                 if self._halt.is_set():
                     return
@@ -169,6 +185,19 @@ class Watchdog(threading.Thread):
             _hard_exit("hybridrl: the controller is blocked in a collective while the run failed; "
                        "aborting every rank.\n" + message)
 
+    def _seen(self, rank: int, count: int, now: float) -> None:
+        """A heartbeat counter read this round: its time and round are reset when it moved."""
+        last = self._beats.get(rank)
+        if last is None or count != last[0]:
+            self._beats[rank] = (count, now, self._round)
+
+    def _quiet_for(self, rank: int, now: float) -> float:
+        """How long `rank` has been silent, as far as this watchdog has evidence: 0 until it has
+        read the store on `heartbeat_timeout_s / heartbeat_interval_s` rounds since the rank last
+        moved (see the module doc), the wall-clock time since then after that."""
+        _, since, at_round = self._beats[rank]
+        return now - since if self._round - at_round >= self._rounds_needed else 0.0
+
     def _timeout_report(self) -> ErrorReport:
         if self.blocked:
             return ErrorReport(0, self.method, "timeout",
@@ -190,14 +219,15 @@ class Watchdog(threading.Thread):
                 self._hosts[rank] = host
                 if host == self._host:
                     self._pids[rank] = pid
-                self._beats[rank] = (-1, now)
+                self._beats[rank] = (-1, now, self._round)
             self._unregistered = [r for r in self._unregistered if r not in set(new)]
             self._watched = sorted(self._hosts)
             if not self._unregistered:
                 nodes = self.nodes()
                 log.info("%d ranks on %d node(s): %s", self.world_size, len(nodes),
                          "; ".join(f"{host} {_ranks(ranks)}" for host, ranks in nodes.items()))
-        if self._unregistered and now - self._born > self.cfg.heartbeat_timeout_s:
+        if (self._unregistered and now - self._born > self.cfg.heartbeat_timeout_s
+                and self._round >= self._rounds_needed):
             self.set_failure(ErrorReport(self._unregistered[0], self.method, "silent",
                                          f"{_ranks(self._unregistered)} never registered with the controller "
                                          f"within {self.cfg.heartbeat_timeout_s:g}s of its start"))
@@ -208,11 +238,12 @@ class Watchdog(threading.Thread):
                 self.set_failure(ErrorReport(rank, self.method, "died",
                                              f"rank {rank} (pid {pid} on {self._hosts[rank]}) died"))
                 return
-        for rank, (count, finished) in zip(self._watched, self.control.beats_of(self._watched)):
+        beats = self.control.beats_of(self._watched)
+        now = time.monotonic()                       # as of this read (the requests before it may have queued)
+        for rank, (count, finished) in zip(self._watched, beats):
             self._finished[rank] = finished
-            if count != self._beats[rank][0]:
-                self._beats[rank] = (count, now)
-        silent = [r for r in self._watched if now - self._beats[r][1] > self.cfg.heartbeat_timeout_s]
+            self._seen(rank, count, now)
+        silent = [r for r in self._watched if self._quiet_for(r, now) > self.cfg.heartbeat_timeout_s]
         if silent:
             self.set_failure(self._silence_report(silent, now))
 
@@ -220,13 +251,14 @@ class Watchdog(threading.Thread):
         """Silent ranks by node; a node whose every rank stopped beating is named as lost (ranks
         that died together cross the timeout a heartbeat or two apart: those quiet for two
         heartbeats count with them)."""
-        quiet = {r for r in self._watched if now - self._beats[r][1] > 2 * self.cfg.heartbeat_interval_s}
+        quiet = {r for r in self._watched if now - self._beats[r][1] > 2 * self.cfg.heartbeat_interval_s
+                 and self._round - self._beats[r][2] >= 2}
         parts, named = [], []
         for host, ranks in self.nodes().items():
             lost = [r for r in ranks if r in silent]
             if not lost:
                 continue
-            longest = max(now - self._beats[r][1] for r in lost)
+            longest = max(self._quiet_for(r, now) for r in lost)
             stopped = sorted(set(lost) | {r for r in ranks if r in quiet})
             named += stopped if stopped == ranks else lost
             if stopped == ranks:
@@ -248,12 +280,12 @@ class Watchdog(threading.Thread):
 
     def _check_controller(self, now: float) -> None:
         count = self.control.beats(0)[0]
-        last = self._beats.get(0)
-        if last is None or count != last[0]:
-            self._beats[0] = (count, now)
-        elif now - last[1] > self.cfg.heartbeat_timeout_s:
+        now = time.monotonic()
+        self._seen(0, count, now)
+        quiet = self._quiet_for(0, now)
+        if quiet > self.cfg.heartbeat_timeout_s:
             self.set_failure(ErrorReport(0, self.method, "silent",
-                                         f"the controller (rank 0) sent no heartbeat for {now - last[1]:.1f}s"))
+                                         f"the controller (rank 0) sent no heartbeat for {quiet:.1f}s"))
             return
         if 0 not in self._pids:
             proc = self.control.process(0)
