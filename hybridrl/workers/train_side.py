@@ -91,20 +91,20 @@ class TrainSide(Part):
 
     @register(dispatch=DPSplit("train"))
     def compute_ref_logprobs(self, batch: Batch) -> Batch | None:
-        self.phases.require(Mode.TRAIN)
-        if self.ref is None:
-            raise RuntimeError("no reference model: algo.kl_coef is 0")
-        out = self.ref.compute_logprobs(batch, temperature=self.temperature)
-        return None if out is None else Batch({"ref_logprobs": out["logprobs"]})
+        return self._scored(self.ref, "ref_logprobs", batch, "no reference model: algo.kl_coef is 0")
 
     @register(dispatch=DPSplit("train"))
     def compute_teacher_logprobs(self, batch: Batch) -> Batch | None:
         """teacher_logprobs [B, T] of the distillation teacher at the rollout temperature (token-aligned)."""
+        return self._scored(self.teacher, "teacher_logprobs", batch, "no teacher model: distill.teacher is not set")
+
+    def _scored(self, engine, name: str, batch: Batch, missing: str) -> Batch | None:
+        """`name` [B, T]: a frozen model's logprobs of the batch at the rollout temperature (output ranks)."""
         self.phases.require(Mode.TRAIN)
-        if self.teacher is None:
-            raise RuntimeError("no teacher model: distill.teacher is not set")
-        out = self.teacher.compute_logprobs(batch, temperature=self.temperature)
-        return None if out is None else Batch({"teacher_logprobs": out["logprobs"]})
+        if engine is None:
+            raise RuntimeError(missing)
+        out = engine.compute_logprobs(batch, temperature=self.temperature)
+        return None if out is None else Batch({name: out["logprobs"]})
 
     @register(dispatch=DPSplit("train"))
     def train_step(self, batch: Batch) -> dict:

@@ -1,10 +1,18 @@
 """A callback of a user's own (`trainer.callbacks=[tests.controller.recording_callback:Recorder]`): every
-event it hears, as one JSON line in <run.dir>/events.jsonl."""
+event it hears, as one JSON line in <run.dir>/events.jsonl.
+
+With RECORDER_HOLD_AT_CHECKPOINT=N in its environment it also holds the run once it has heard of
+checkpoint N: it writes <run.dir>/held and sleeps (up to two minutes), so that a test's signal lands
+at a known moment (after step N, checkpoint N the newest) however fast the machine runs the steps."""
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
+
+_HOLD_S = 120.0
 
 
 class Recorder:
@@ -28,6 +36,9 @@ class Recorder:
 
     def on_checkpoint(self, step: int, path: str) -> None:
         self._write("checkpoint", step=step, path=path)
+        if os.environ.get("RECORDER_HOLD_AT_CHECKPOINT") == str(step):
+            (self.path.parent / "held").write_text(str(step))
+            time.sleep(_HOLD_S)                         # the signal's handler ends the process in here
 
     def on_interrupt(self, info: dict) -> None:
         self._write("interrupt", **info)

@@ -224,13 +224,15 @@ def _signal_after(path: Path, job: subprocess.Popen, delay: float, sig: int, tim
 
 
 def interrupt_and_resume(run_dir: Path, model: Path, wait_for: str, delay: float,
-                         sig: int = signal.SIGINT) -> tuple[str, str]:
+                         sig: int = signal.SIGINT, hold_at: int | None = None) -> tuple[str, str]:
     """`sig` once `run_dir/wait_for` exists (+ `delay`), then the same command; returns (stderr of the
-    interrupted run, stderr of the resumed one)."""
+    interrupted run, stderr of the resumed one). `hold_at`: the interrupted run's recording callback
+    holds it once checkpoint `hold_at` is complete (tests/controller/recording_callback.py)."""
     cmd = [sys.executable, "-m", "hybridrl", "train", str(RECIPE), *COIN, f"model.path={model}", f"run.dir={run_dir}"]
     log = run_dir.parent / f"{run_dir.name}.interrupted.log"
+    env = _env(run_dir) | ({"RECORDER_HOLD_AT_CHECKPOINT": str(hold_at)} if hold_at is not None else {})
     with log.open("w") as err:
-        job = subprocess.Popen(cmd, cwd=ROOT, env=_env(run_dir), stdout=subprocess.DEVNULL, stderr=err,
+        job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err,
                                start_new_session=True)
         try:
             _signal_after(run_dir / wait_for, job, delay, sig)
@@ -250,10 +252,12 @@ def interrupt_and_resume(run_dir: Path, model: Path, wait_for: str, delay: float
 def test_ctrl_c_says_how_to_resume_and_the_same_command_resumes_bitwise(reference, models, tmp_path):
     ref_dir, _ = reference
     run_dir = tmp_path / "run"
-    interrupted, resumed = interrupt_and_resume(run_dir, models[1], "checkpoints/step_000002/COMPLETE", 0.3)
+    # held by the recording callback once checkpoint 2 is complete: the signal lands there however fast the
+    # machine runs steps 3 and 4 (a fixed delay after the checkpoint once let a fast machine reach step 4)
+    interrupted, resumed = interrupt_and_resume(run_dir, models[1], "held", 0.1, hold_at=2)
     said = [line for line in interrupted.splitlines() if line.startswith("hybridrl: rl interrupted")]
     assert len(said) == 1, interrupted[-3000:]
-    assert "by SIGINT after step 2 of 4" in said[0] or "by SIGINT after step 3 of 4" in said[0]
+    assert "by SIGINT after step 2 of 4" in said[0]
     assert "the newest checkpoint is step 2" in said[0] and str(run_dir / "checkpoints" / "step_000002") in said[0]
     command = shlex.join(["hybridrl", "train", os.path.relpath(RECIPE, ROOT), *COIN, f"model.path={models[1]}",
                           f"run.dir={run_dir}"])                   # quoted where a shell needs it: pasted, it runs
