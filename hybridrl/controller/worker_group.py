@@ -82,6 +82,13 @@ class WorkerGroup:
     def world_size(self) -> int:
         return self.ctx.world_size
 
+    @property
+    def _workers(self) -> bool:
+        """Whether any rank but this one takes part. A world of one (a single-rank job) has none:
+        a call is rank 0's alone, with no command to post and no end to wait for (the end of a call
+        is set by its last worker to finish; with none, nobody would set it)."""
+        return self.world_size > 1
+
     def mesh(self, name: str) -> Mesh:
         meshes = self.worker.meshes()
         if name not in meshes:
@@ -115,11 +122,12 @@ class WorkerGroup:
         message = encode(cmd)   # a tensor in kwargs fails here, before anything is sent
         self._seq = seq
         self._begin(seq, spec.name, timeout)
-        self.ctx.control.post_command(seq, message)
+        if self._workers:
+            self.ctx.control.post_command(seq, message)
         try:
             with self._blocked():
                 data0 = self._send(plan)
-                output0 = self._run_local(spec.name, data0, kwargs)
+                output0 = self._run_local(spec.name, data0, kwargs, peers=self._workers)
             statuses = self._wait_statuses(seq, [r for r in plan.owners if r != 0])
             with self._blocked():
                 outputs = self._receive(statuses, plan.owners)
@@ -144,6 +152,8 @@ class WorkerGroup:
         if self._closed or self._broken is not None:
             return
         self._closed = True
+        if not self._workers:
+            return
         self._seq += 1
         self.watchdog.call_seq = self._seq
         self.ctx.control.post_command(self._seq, Command(self._seq, SHUTDOWN))
@@ -205,6 +215,8 @@ class WorkerGroup:
         failure = self.watchdog.poll_failure()
         if failure is not None:
             raise WorkerGroupError(failure)
+        if not self._workers:
+            return {}
         outcome = control.wait_outcome(seq)
         if outcome == DONE:
             return dict(zip(owners, control.statuses(seq, owners)))

@@ -8,9 +8,10 @@ Nothing here polls. A rank that waits for a key (a worker for the next command, 
 for the end of a call) blocks in the store's own wait, which the store server answers the moment
 the key is set, and every way a call can end sets the key its waiters wait on: the last worker to
 finish, a worker that fails, the controller's watchdog (a dead or silent rank, a deadline), and
-an abort, which writes an abort marker into the next command slots. A rank whose main thread is
-blocked elsewhere (inside a method, a collective) is reached by its watchdog, which polls the
-abort flag once per heartbeat. A call costs the controller the same few store requests whatever the
+an abort, which writes an abort marker into the next command slots. (A world of one has no
+worker to finish last: its controller posts no command and waits for no end; see `WorkerGroup`.)
+A rank whose main thread is blocked elsewhere (inside a method, a collective) is reached by its
+watchdog, which polls the abort flag once per heartbeat. A call costs the controller the same few store requests whatever the
 world size (post the command; wait for the end of the call; read the owners' statuses at once),
 and each worker two (read the command, a blocking get; count itself finished), plus a status and
 its removal where the controller collects its output; see docs/multinode.md for the figures.
