@@ -18,7 +18,7 @@ endif
 
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-loaded test-slow test-gpu gpu-wheels gpu-check sglang-types vllm-venv test-vllm slurm-install slurm-up slurm-down test-slurm clean
+.PHONY: install demo test test-loaded test-slow test-gpu gpu-wheels gpu-check sglang-types vllm-venv test-vllm slurm-install slurm-up slurm-down test-slurm test-slurm-2node clean
 
 install: $(STAMP)
 
@@ -101,10 +101,13 @@ gpu-wheels: install
 gpu-check:
 	$(PYTHON) benchmarks/gpu_env.py check --wheelhouse $(WHEELHOUSE) --venv $(VENV) -- $(GPU_CHECK_ARGS)
 
-# recipes/slurm/train.sbatch under a real SLURM: a single-node cluster on localhost from Debian's
-# packages (root; apt-get installs them when missing), config and state under SLURM_DIR.
-# `make slurm-up`, then `export SLURM_CONF=$(SLURM_DIR)/slurm.conf` and sbatch as usual.
+# recipes/slurm/train.sbatch under a real SLURM from Debian's packages (root; apt-get installs them
+# when missing), config and state under SLURM_DIR. NODES=1: one node on localhost; NODES=2 (or more):
+# each node a network + UTS + mount namespace on this machine with its own hostname and address, a
+# bridge between them, one slurmd in each (recipes/slurm/local_cluster.sh; nothing leaves the machine).
+# `make slurm-up [NODES=2]`, then `export SLURM_CONF=$(SLURM_DIR)/slurm.conf` and sbatch as usual.
 SLURM_DIR ?= /tmp/hybridrl-slurm
+NODES ?= 1
 
 slurm-install:
 	@command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null \
@@ -112,14 +115,19 @@ slurm-install:
 	  apt-get install -y -q slurmctld slurmd munge slurm-client; }
 
 slurm-up: slurm-install
-	recipes/slurm/local_cluster.sh up $(SLURM_DIR)
+	NODES=$(NODES) recipes/slurm/local_cluster.sh up $(SLURM_DIR)
 
 slurm-down:
 	recipes/slurm/local_cluster.sh down $(SLURM_DIR)
 
-# The SLURM test starts and stops its own cluster (about 2 minutes; not part of `make test`).
+# The SLURM tests start and stop their own cluster (not part of `make test`): one node (about 2
+# minutes), and two nodes in namespaces (about 15 minutes: a colocated and a disaggregated GRPO
+# job across the nodes, and a node lost mid-run, requeued, resumed to the same weights).
 test-slurm: install slurm-install
 	HYBRIDRL_SLURM=1 $(BIN)/python -m pytest tests/test_slurm.py $(PYTEST_ARGS)
+
+test-slurm-2node: install slurm-install
+	HYBRIDRL_SLURM=1 $(BIN)/python -m pytest tests/test_slurm_2node.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache runs

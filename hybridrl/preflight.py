@@ -15,6 +15,8 @@
                 here, so a missing one is named with its option), SFT demonstrations, and tools that
                 exist for the tool calls its demonstrations make
     run.dir     what the launch does with an earlier run there (`hybridrl.store.rundir`)
+    network     distributed.socket_ifname, when set, is an interface of this host with an IPv4
+                address (every rank checks its own host)
 
 Warnings (returned as notes, the run still starts): more CPU ranks than the CPUs this process may
 use, and a group estimator (GRPO, RLOO) with `trainer.group_size=1`, where every advantage is 0.
@@ -45,6 +47,7 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
 
     if cfg.run.job not in rundir.JOBS:
         return []
+    check_interface(cfg.distributed.socket_ifname)
     check_model(cfg.model.path)
     critic, reward_model = getattr(cfg, "critic", None), getattr(cfg, "reward_model", None)
     if critic is not None and cfg.algo.uses_critic and critic.path:
@@ -100,6 +103,18 @@ def check_teacher(cfg: Any) -> str | None:
     if problem:
         raise PreflightError(problem)
     return teacher
+
+
+def check_interface(ifname: str) -> None:
+    """distributed.socket_ifname names an interface of this host that has an IPv4 address."""
+    if not ifname:
+        return
+    from hybridrl.distributed.network import InterfaceError, interface_address
+
+    try:
+        interface_address(ifname)
+    except InterfaceError as err:
+        raise PreflightError(str(err)) from None
 
 
 def check_curriculum_and_suite(cfg: Any) -> None:

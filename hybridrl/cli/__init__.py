@@ -50,8 +50,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.inject:
             overrides = [*overrides, f"trainer.inject=[{','.join(args.inject)}]"]
         cfg = load_config(recipe, overrides)
+        if args.nnodes > 1 and not args.check:
+            raise ConfigError("--nnodes > 1 goes with --check: start a multi-node run with torchrun on every node "
+                              "or with recipes/slurm/train.sbatch")
         notes = preflight(cfg, overwrite=args.overwrite,
-                          world_size=args.nproc_per_node or cfg.distributed.nproc_per_node)
+                          world_size=args.nnodes * (args.nproc_per_node or cfg.distributed.nproc_per_node))
         if args.overwrite and not args.check and cfg.run.job in rundir.JOBS:
             removed = rundir.remove_outputs(cfg.run.dir)
             notes = [n for n in notes if n.startswith("warning:")]
@@ -67,8 +70,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
            *([f"--max-restarts={restarts}"] if restarts else []),
            "-m", "hybridrl.train", *(["--config", recipe] if recipe else []), *overrides]
     if args.check:
+        nodes = f" x {args.nnodes} nodes" if args.nnodes > 1 else ""
         print(f"hybridrl: checked {recipe or 'the defaults'}: config, model, task and run.dir are ready "
-              f"({nproc} rank(s) per node)", file=sys.stderr)
+              f"({nproc} rank(s) per node{nodes})", file=sys.stderr)
         return 0
     print(f"hybridrl: launching {nproc} rank(s): {' '.join(cmd[1:])}", file=sys.stderr)
     sys.stderr.flush()
@@ -255,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="remove an earlier run's outputs from run.dir first (else a finished run, a run without "
                             "a checkpoint or another run's checkpoint there is refused)")
         p.add_argument("--check", action="store_true", help="check the config and the run's inputs; start nothing")
+        p.add_argument("--nnodes", type=int, default=1,
+                       help="with --check: the nodes the run will span (world size = nnodes x ranks per node; "
+                            "recipes/slurm/train.sbatch passes SLURM's)")
         p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:MOMENT]",
                        help="inject a fault, once per run directory (what trainer.inject sets): kill_job or "
                             "kill_rank[N] at switch|rollout|train|log|checkpoint; engine, tool, reward, env_kill "

@@ -18,15 +18,17 @@ import contextlib
 import logging
 import time
 import traceback
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from hybridrl.distributed.dispatch import Dispatch, Plan
 from hybridrl.distributed.messages import SHUTDOWN, Command, Status
 from hybridrl.data.batch import Batch
 from hybridrl.distributed.bootstrap import DistContext
-from hybridrl.distributed.control import ErrorReport, encode
+from hybridrl.distributed.control import DONE, ErrorReport, encode
 from hybridrl.distributed.mesh import Mesh
 from hybridrl.distributed.transport import BatchHeader, PendingSends, broadcast_batch, recv_batch, send_batch
 from hybridrl.distributed.watchdog import Watchdog
@@ -34,7 +36,6 @@ from hybridrl.workers.base import Worker
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.005
 CONTROLLER_DEVICE = torch.device("cpu")
 
 
@@ -81,6 +82,13 @@ class WorkerGroup:
     def world_size(self) -> int:
         return self.ctx.world_size
 
+    @property
+    def _workers(self) -> bool:
+        """Whether any rank but this one takes part. A world of one (a single-rank job) has none:
+        a call is rank 0's alone, with no command to post and no end to wait for (the end of a call
+        is set by its last worker to finish; with none, nobody would set it)."""
+        return self.world_size > 1
+
     def mesh(self, name: str) -> Mesh:
         meshes = self.worker.meshes()
         if name not in meshes:
@@ -113,47 +121,50 @@ class WorkerGroup:
                       owners=tuple(plan.owners))
         message = encode(cmd)   # a tensor in kwargs fails here, before anything is sent
         self._seq = seq
-        self.ctx.control.post_command(seq, message)
-        self.watchdog.method = spec.name
-        self.watchdog.deadline = time.time() + timeout
-        self.watchdog.timeout_s = timeout
+        self._begin(seq, spec.name, timeout)
+        if self._workers:
+            self.ctx.control.post_command(seq, message)
         try:
             with self._blocked():
                 data0 = self._send(plan)
-                output0 = self._run_local(spec.name, data0, kwargs)
-            statuses = self._wait_statuses(seq, spec.name, timeout)
+                output0 = self._run_local(spec.name, data0, kwargs, peers=self._workers)
+            statuses = self._wait_statuses(seq, [r for r in plan.owners if r != 0])
             with self._blocked():
                 outputs = self._receive(statuses, plan.owners)
             if 0 in plan.owners:
                 outputs[0] = output0
-            self.ctx.control.forget(seq, range(self.world_size))
             return plan.gather({rank: to_controller(out) for rank, out in outputs.items()})
         except WorkerGroupError as err:
             self._fail(err)
             raise
         except BaseException as err:
-            report = self._root_cause() or ErrorReport(0, spec.name, "exception", _describe(err),
-                                                       traceback.format_exc())
+            report = self._root_cause(err) or ErrorReport(0, spec.name, "exception", _describe(err),
+                                                          traceback.format_exc())
             failure = WorkerGroupError(report)
             self._fail(failure)
             raise failure from err
         finally:
             self.watchdog.deadline = None
+            self.watchdog.call_seq = None
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Tell every worker to return from serve(); wait for them to acknowledge."""
         if self._closed or self._broken is not None:
             return
         self._closed = True
+        if not self._workers:
+            return
         self._seq += 1
+        self.watchdog.call_seq = self._seq
         self.ctx.control.post_command(self._seq, Command(self._seq, SHUTDOWN))
-        deadline = time.monotonic() + timeout_s
-        workers = list(range(1, self.world_size))
-        while len(self.ctx.control.ready_statuses(self._seq, workers)) < len(workers):
-            if time.monotonic() > deadline or self.watchdog.poll_failure() is not None:
-                log.warning("workers did not acknowledge shutdown within %.0fs", timeout_s)
-                break
-            time.sleep(_POLL_S)
+        try:
+            outcome = self.ctx.control.wait_outcome(self._seq, timedelta(seconds=timeout_s))
+        except dist.DistStoreError:
+            outcome = "timeout"
+        finally:
+            self.watchdog.call_seq = None
+        if outcome != DONE:
+            log.warning("workers did not acknowledge shutdown within %.0fs (%s)", timeout_s, outcome)
 
     def abort(self, reason: str) -> None:
         self._closed = True
@@ -187,30 +198,33 @@ class WorkerGroup:
             report = ErrorReport(0, name, "exception", _describe(err), traceback.format_exc(), time.time())
             # With peers in the call, rank 0's error may be the echo of another rank's failure
             # (a collective broken by a dead peer): prefer the root cause the watchdog finds.
-            root = self._root_cause() if peers else None
+            root = self._root_cause(err) if peers else None
             raise WorkerGroupError(root or report) from err
 
-    def _wait_statuses(self, seq: int, method: str, timeout: float) -> dict[int, Status]:
+    def _begin(self, seq: int, method: str, timeout: float) -> None:
+        """Tell the watchdog which call is in flight: it ends the wait for it on any failure."""
+        self.watchdog.method = method
+        self.watchdog.deadline = time.time() + timeout
+        self.watchdog.timeout_s = timeout
+        self.watchdog.call_seq = seq
+
+    def _wait_statuses(self, seq: int, owners: list[int]) -> dict[int, Status]:
+        """Wait for call `seq` to end on every worker (a blocking wait on the store: the last worker
+        to finish, a failing worker or the watchdog ends it); the statuses of the owners."""
         control = self.ctx.control
-        pending = list(range(1, self.world_size))
-        statuses: dict[int, Status] = {}
-        deadline = time.monotonic() + timeout
-        while pending:
-            for rank in control.ready_statuses(seq, pending):
-                statuses[rank] = control.status(seq, rank)
-                pending.remove(rank)
-                if not statuses[rank].ok:
-                    raise WorkerGroupError(statuses[rank].error)
-            failure = self.watchdog.poll_failure()
-            if failure is not None:
-                raise WorkerGroupError(failure)
-            if time.monotonic() > deadline:
-                raise WorkerGroupError(ErrorReport(
-                    pending[0], method, "timeout",
-                    f"call '{method}' exceeded its {timeout:g}s timeout; ranks still running: {pending}"))
-            if pending:
-                time.sleep(_POLL_S)
-        return statuses
+        failure = self.watchdog.poll_failure()
+        if failure is not None:
+            raise WorkerGroupError(failure)
+        if not self._workers:
+            return {}
+        outcome = control.wait_outcome(seq)
+        if outcome == DONE:
+            return dict(zip(owners, control.statuses(seq, owners)))
+        failure = self.watchdog.poll_failure()
+        if outcome.startswith("fail:") and (failure is None or failure.kind == "exception"):
+            failure = control.status(seq, int(outcome.split(":", 1)[1])).error
+        raise WorkerGroupError(failure or self.watchdog.wait_failure(self.ctx.cfg.heartbeat_interval_s * 3)
+                               or ErrorReport(0, self.watchdog.method, "exception", f"call {seq} ended: {outcome}"))
 
     def _receive(self, statuses: dict[int, Status], owners: list[int]) -> dict[int, Any]:
         outputs: dict[int, Any] = {}
@@ -224,15 +238,15 @@ class WorkerGroup:
                 outputs[rank] = status.value
         return outputs
 
-    def _root_cause(self, wait_s: float | None = None) -> ErrorReport | None:
-        """A failure the watchdog found on another rank (e.g. the peer that broke a collective)."""
-        wait_s = self.ctx.cfg.heartbeat_interval_s * 3 if wait_s is None else wait_s
-        end = time.monotonic() + wait_s
-        while True:
-            failure = self.watchdog.poll_failure()
-            if failure is not None or time.monotonic() > end:
-                return failure
-            time.sleep(0.02)
+    def _root_cause(self, err: BaseException) -> ErrorReport | None:
+        """A failure the watchdog found on another rank (e.g. the peer that broke a collective).
+        A peer lost on another host is found by its silence, so a communication error waits up to
+        the heartbeat timeout for it; anything else a few heartbeats."""
+        cfg = self.ctx.cfg
+        wait_s = cfg.heartbeat_interval_s * 3
+        if _peer_loss(err) and len(self.watchdog.nodes()) > 1:
+            wait_s = cfg.heartbeat_timeout_s + 2 * cfg.heartbeat_interval_s
+        return self.watchdog.wait_failure(wait_s)
 
     def _fail(self, err: WorkerGroupError) -> None:
         if self._broken is None:
@@ -242,3 +256,11 @@ class WorkerGroup:
 
 def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
+
+
+_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout", "NCCL")
+
+
+def _peer_loss(err: BaseException) -> bool:
+    """Whether an error looks like a collective or transfer broken by a peer that went away."""
+    return isinstance(err, dist.DistError) or any(s in str(err) for s in _PEER_LOSS)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from hybridrl.distributed.config import DistributedConfig
 from hybridrl.distributed.control import ControlPlane
+from hybridrl.distributed.network import bind_interface
 from hybridrl.distributed.peers import Peers, build_group
 from hybridrl.distributed.placement import PlacementConfig, Roles
 
@@ -77,6 +78,7 @@ def init_distributed(cfg: DistributedConfig, placement: PlacementConfig | None =
         raise RuntimeError(
             f"not launched by torchrun: {', '.join(missing)} unset. Use `hybridrl train RECIPE` or "
             "`torchrun --nproc-per-node N -m hybridrl.train --config RECIPE`")
+    bind_interface(cfg.socket_ifname)    # before any process group: gloo reads it when it starts
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -102,7 +104,7 @@ def init_distributed(cfg: DistributedConfig, placement: PlacementConfig | None =
     control_group = dist.new_group(backend="gloo", timeout=long)
     data_group = dist.new_group(backend=backend, timeout=long)
     job_store = dist.distributed_c10d._get_default_store()
-    control = ControlPlane(dist.PrefixStore("hybridrl/", job_store), rank, world_size)
+    control = ControlPlane.connect(job_store, rank, world_size)
     control.register_process(socket.gethostname(), os.getpid())
     log.debug("rank %d/%d up on %s (data plane %s)", rank, world_size, device, backend)
     everyone = range(world_size)
@@ -134,7 +136,7 @@ def _init_disaggregated(cfg, roles: Roles, rank: int, local_rank: int, local_wor
     everyone = range(roles.world_size)
     control_peers = build_group(store, "control", everyone, rank, backend="gloo", timeout=long)
     data_peers = build_group(store, "data", everyone, rank, backend=backend, timeout=long)
-    control = ControlPlane(dist.PrefixStore("hybridrl/", store), rank, roles.world_size)
+    control = ControlPlane.connect(store, rank, roles.world_size)
     control.register_process(socket.gethostname(), os.getpid())
     log.debug("rank %d/%d up on %s as a %s rank (data plane %s)", rank, roles.world_size, device, role, backend)
     return DistContext(rank, roles.world_size, local_rank, local_world_size, device, backend, None, None, control,

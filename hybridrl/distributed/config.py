@@ -20,6 +20,11 @@ class DistributedConfig:
     error_grace_s: float = knob(
         3.0, "after a rank fails, how long the controller waits for the others to report before aborting"
     )
+    socket_ifname: str = knob(
+        "", "network interface the job's traffic uses (gloo: GLOO_SOCKET_IFNAME; NCCL's bootstrap: "
+            "NCCL_SOCKET_IFNAME unless set; under SLURM the rendezvous and the control plane's store too); "
+            "empty: the address the hostname resolves to"
+    )
 
     def __post_init__(self) -> None:
         check_positive("nproc_per_node", self.nproc_per_node)

@@ -115,7 +115,7 @@ PINNED_KEYS = [
     "run.name", "run.dir", "run.job", "run.seed", "run.log_level",
     "distributed.nproc_per_node", "distributed.device", "distributed.call_timeout_s",
     "distributed.heartbeat_interval_s", "distributed.heartbeat_timeout_s", "distributed.init_timeout_s",
-    "distributed.error_grace_s",
+    "distributed.error_grace_s", "distributed.socket_ifname",
     "placement.mode", "placement.rollout_ranks",
     "model.path",
     "selfcheck.batch_size", "selfcheck.fail_rank",

@@ -29,10 +29,13 @@ def run_scenario(tmp_path, job: str, world: int = 2, extra=(), during=None, time
     return launch, result
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_dp_split_uneven_and_collect(tmp_path, world):
+    # world 1: a single-rank job, whose controller is the only rank (no worker to end a call or
+    # acknowledge the shutdown)
     launch, result = run_scenario(tmp_path, "UNEVEN", world=world)
     assert launch.codes == [0] * world, launch.all_stderr
+    assert "did not acknowledge shutdown" not in launch.stderr(0)
     for n_str, r in result["uneven"].items():
         n = int(n_str)
         chunk = -(-n // world)
