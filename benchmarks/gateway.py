@@ -1,19 +1,32 @@
 """The OpenAI-compatible gateway's cost, side by side with what it replaces, interleaved in one run.
 
-    python benchmarks/gateway.py overhead --json runs/bench/gateway_overhead.json [--agents 64] [--turns 4]
-                                          [--max-tokens 16] [--repeats 4] [--model DIR] [--driver loop|thread]
+    python benchmarks/gateway.py overhead --json runs/bench/gateway_overhead.json [--agents 1 8 64]
+                                          [--turns 4] [--min-requests 16] [--max-tokens 16] [--repeats 5]
+                                          [--modes direct gateway gateway_inline] [--clients thread|engine]
+                                          [--model DIR] [--driver loop|thread]
     python benchmarks/gateway.py step --json runs/bench/gateway_step.json --model runs/demo/sft/hf
                                       [--steps 6] [--repeats 3]
 
-`overhead`: `--agents` concurrent agents, each a multi-turn conversation of `--turns` requests of
-`--max-tokens` tokens (greedy), on one native engine: once calling `engine.generate` with token ids
-(the context grown by the template's delta, as the built-in loop does), once as OpenAI-client agents
-through the gateway (chat template, token capture, HTTP over the Unix socket, the client's parsing).
-Both modes do the same shape of work (greedy turns of at most `--max-tokens`; an EOS may end one early,
-`tokens_per_request` says how many each mode generated); each (repeat, mode) has its own questions so
-neither reuses the other's prefix cache; the modes alternate order every repeat. Reports per-request
-latency medians (p10, p90) per mode, the gateway's added median (gateway - direct) per repeat, its median
-and spread over the repeats and over all requests pooled, and requests/s.
+`overhead`: the gateway's own added latency per request, (a request through the gateway) - (the same
+request straight to the engine), at each `--agents` count. One native engine runs on the main thread's
+event loop (the engine's loop). The agents (each a multi-turn conversation of `--turns` requests of
+`--max-tokens` greedy tokens; at least `--min-requests` requests per measurement, so a single agent has
+more turns) run on a loop of their own in another thread (`--clients thread`), so that their load does
+not queue on the engine's loop; `--clients engine` runs them on the engine's loop instead (how this
+benchmark measured before). Modes, each with the same questions (the engine's prefix cache is emptied
+between modes, so none reuses another's KV blocks; `tokens_per_request` shows the work was the same):
+
+- direct: the agent sends token ids to the engine's loop (`run_coroutine_threadsafe(engine.generate)`),
+  the context grown by the chat template's delta as the built-in loop does;
+- gateway: OpenAI-client agents through the gateway as it runs now (its HTTP server on its own loop and
+  thread, generation handed to the engine's loop): HTTP over the Unix socket, chat template, token
+  capture, turn parsing, the client's own parsing;
+- gateway_inline: the same with the HTTP server on the engine's loop (`GatewayRunner(server_thread=False)`,
+  the arrangement before the server had its own thread).
+
+Every repeat runs every mode once, the order rotated per repeat. Reports per (agents, mode) the
+per-request latency median (p10, p90) and requests/s; per gateway mode the added median (its median -
+direct's median) per repeat, the median and [min, max] of those, and the same over all requests pooled.
 
 `step`: the demo's GRPO recipe (`recipes/calc_grpo_cpu.yaml`, the built-in agent loop) against the same
 work written as an OpenAI-client agent (`recipes/calc_grpo_agent_cpu.yaml`), `--steps` steps each from
@@ -26,18 +39,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from hybridrl.demo import BASE_MODEL_ARGS  # noqa: E402  (the demo's base model)
+
+MODES = ("direct", "gateway", "gateway_inline")
+TARGET_ADDED_MS = 5.0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -49,8 +67,39 @@ def questions(seed: int, n: int) -> list[str]:
     return [f"What is {rng.randint(100, 999)} * {rng.randint(100, 999)}?" for _ in range(n)]
 
 
-async def direct(engine, chat, prompts: list[str], turns: int, max_tokens: int, tag: str) -> tuple[list, list]:
-    """Per-request latencies (s) and completion tokens of agents calling the engine with token ids."""
+class Clients:
+    """Where the agents run: a loop in a thread of its own, or (None) the engine's loop itself."""
+
+    def __init__(self, own_thread: bool):
+        self.loop = asyncio.new_event_loop() if own_thread else None
+        self._thread = threading.Thread(target=self.loop.run_forever, name="bench-clients", daemon=True) \
+            if own_thread else None
+        if self._thread is not None:
+            self._thread.start()
+
+    async def run(self, coro):
+        """Await `coro` on the agents' loop (from the engine's loop)."""
+        if self.loop is None:
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=30)
+            self.loop.close()
+
+
+async def to_loop(loop, coro):
+    if loop is asyncio.get_running_loop():
+        return await coro
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+
+async def direct(engine, engine_loop, chat, prompts: list[str], turns: int, max_tokens: int,
+                 tag: str) -> tuple[list, list]:
+    """On the agents' loop: per-request latencies (s) and completion tokens of agents sending token ids to
+    the engine's loop."""
     from hybridrl.rollout.protocol import SamplingParams
 
     sampling = SamplingParams(max_new_tokens=max_tokens, temperature=0.0)
@@ -61,7 +110,7 @@ async def direct(engine, chat, prompts: list[str], turns: int, max_tokens: int, 
         ids = chat.prompt_ids([{"role": "user", "content": prompt}])
         for turn in range(turns):
             t0 = time.perf_counter()
-            out = await engine.generate(ids, sampling, f"{tag}-{i}-{turn}")
+            out = await to_loop(engine_loop, engine.generate(ids, sampling, f"{tag}-{i}-{turn}"))
             latencies.append(time.perf_counter() - t0)
             tokens.append(len(out.token_ids))
             ended = bool(out.token_ids) and out.token_ids[-1] in chat.eos_ids
@@ -71,31 +120,187 @@ async def direct(engine, chat, prompts: list[str], turns: int, max_tokens: int, 
     return latencies, tokens
 
 
-async def through_gateway(runner, task, prompts: list[str], turns: int, max_tokens: int) -> tuple[list, list]:
-    """The same for OpenAI-client agents through the gateway (the client's own parsing included)."""
-    from hybridrl.data.episode import TaskInstance
-
-    latencies: list[float] = []
-    tokens: list[int] = []
-
-    async def agent(client, instance):
-        messages = [dict(m) for m in instance.messages]
-        for _ in range(turns):
-            t0 = time.perf_counter()
+async def conversation(client, messages: list[dict], turns: int, max_tokens: int) -> tuple[list, list]:
+    """One agent: `turns` requests, each answer and a user turn appended; (latencies, tokens). `client` is
+    an AsyncOpenAI client, or a `RawClient` (the same request as JSON over HTTP, none of the SDK's work)."""
+    latencies, tokens = [], []
+    for _ in range(turns):
+        t0 = time.perf_counter()
+        if isinstance(client, RawClient):
+            reply = await client.chat(messages=messages, max_tokens=max_tokens)
+            latencies.append(time.perf_counter() - t0)
+            tokens.append(reply["usage"]["completion_tokens"])
+            message = {k: v for k, v in reply["choices"][0]["message"].items() if v is not None}
+        else:
             reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=max_tokens)
             latencies.append(time.perf_counter() - t0)
             tokens.append(reply.usage.completion_tokens)
-            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Next."}]
-        return 0.0
-
-    runner.agent = agent
-    instances = [TaskInstance(task="calculator", task_id=f"q{i}", messages=({"role": "user", "content": p},),
-                              reference="0") for i, p in enumerate(prompts)]
-    trajs = await runner.run(instances, task=task)
-    bad = [t.metadata.get("end_reason") for t in trajs if t.status.value != "completed"]
-    if bad:
-        raise SystemExit(f"gateway episodes did not run cleanly: {bad[:3]}")
+            message = reply.choices[0].message.model_dump(exclude_none=True)
+        messages = messages + [message, {"role": "user", "content": "Next."}]
     return latencies, tokens
+
+
+class RawClient:
+    """POST /v1/chat/completions with the episode's key, the body as the OpenAI SDK sends it."""
+
+    def __init__(self, server, key: str, http):
+        self.url, self.key, self.http = server.base_url + "/chat/completions", key, http
+
+    async def chat(self, **body) -> dict:
+        response = await self.http.post(self.url, json={"model": "policy", **body},
+                                        headers={"Authorization": f"Bearer {self.key}"})
+        response.raise_for_status()
+        return response.json()
+
+
+CLIENT_KIND = {"sdk": True}
+CLIENT_NAME = {True: "openai", False: "http"}
+
+
+def openai_client(server, key: str, http):
+    if not CLIENT_KIND["sdk"]:
+        return RawClient(server, key, http)
+    import openai
+
+    return openai.AsyncOpenAI(api_key=key, base_url=server.base_url, http_client=http, max_retries=0)
+
+
+class ClientProcess:
+    """The agents' clients in a process of their own (`python benchmarks/gateway.py _clients`): one JSON line
+    per conversation in on its stdin, one line of its latencies out."""
+
+    def __init__(self, server, agents: int):
+        self.server, self.agents = server, agents
+        self.proc = None
+        self._answers: dict[int, asyncio.Future] = {}
+        self._next = 0
+        self._reader = None
+
+    async def start(self) -> None:
+        where = ["--socket", str(self.server.socket_path)] if self.server.socket_path else ["--url", self.server.base_url]
+        self.proc = await asyncio.create_subprocess_exec(sys.executable, __file__, "_clients", *where, "--agents",
+                                                         str(self.agents), "--client", CLIENT_NAME[CLIENT_KIND["sdk"]],
+                                                         stdin=subprocess.PIPE,
+                                                         stdout=subprocess.PIPE, cwd=ROOT)
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        async for line in self.proc.stdout:
+            answer = json.loads(line)
+            future = self._answers.pop(answer["id"])
+            if "error" in answer:
+                future.set_exception(RuntimeError(answer["error"]))
+            else:
+                future.set_result((answer["latencies"], answer["tokens"]))
+        for future in self._answers.values():
+            future.set_exception(RuntimeError("the clients' process ended"))
+
+    async def converse(self, key: str, messages: list[dict], turns: int, max_tokens: int) -> tuple[list, list]:
+        self._next += 1
+        future = self._answers[self._next] = asyncio.get_running_loop().create_future()
+        self.proc.stdin.write((json.dumps({"id": self._next, "key": key, "messages": messages, "turns": turns,
+                                           "max_tokens": max_tokens}) + "\n").encode())
+        return await future
+
+    async def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            await self.proc.wait()
+            await self._reader
+
+
+def clients_main(args) -> int:
+    """The clients' process: conversations as their lines arrive on stdin, answers on stdout."""
+    from hybridrl.gateway.runner import _http_client
+
+    class Where:
+        socket_path = args.socket
+        base_url = "http://hybridrl-gateway/v1" if args.socket else args.url
+
+    async def main():
+        http = _http_client(Where, limit=args.agents, timeout=3600)
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        running = set()
+
+        async def one(job: dict) -> None:
+            try:
+                lat, toks = await conversation(openai_client(Where, job["key"], http), job["messages"], job["turns"],
+                                               job["max_tokens"])
+                answer = {"id": job["id"], "latencies": lat, "tokens": toks}
+            except Exception as err:  # noqa: BLE001 - reported to the engine's side
+                answer = {"id": job["id"], "error": f"{type(err).__name__}: {err}"}
+            sys.stdout.write(json.dumps(answer) + "\n")
+            sys.stdout.flush()
+
+        async for line in reader:
+            task = asyncio.ensure_future(one(json.loads(line)))
+            running.add(task)
+            task.add_done_callback(running.discard)
+        await asyncio.gather(*running)
+        await http.aclose()
+
+    asyncio.run(main())
+    return 0
+
+
+class GatewayAgents:
+    """OpenAI-client agents through one runner's gateway; their clients on the agents' thread (`clients`), on
+    the engine's loop, or in their own process."""
+
+    def __init__(self, runner, clients: Clients, agents: int, process: bool):
+        self.runner, self.clients, self.agents = runner, clients, agents
+        self.process = ClientProcess(runner.server, agents) if process else None
+        self._http = None
+
+    async def start(self) -> None:
+        if self.process is not None:
+            await self.process.start()
+
+    async def _converse(self, key: str, messages: list[dict], turns: int, max_tokens: int) -> tuple[list, list]:
+        from hybridrl.gateway.runner import _http_client
+
+        if self._http is None:               # made on the agents' loop, where it is used
+            self._http = _http_client(self.runner.server, limit=self.agents, timeout=3600)
+        return await conversation(openai_client(self.runner.server, key, self._http), messages, turns, max_tokens)
+
+    async def close(self) -> None:
+        if self.process is not None:
+            await self.process.close()
+        if self._http is not None:
+            await self.clients.run(self._http.aclose())
+
+    async def run(self, task, prompts: list[str], turns: int, max_tokens: int) -> tuple[list, list]:
+        from hybridrl.data.episode import TaskInstance
+
+        latencies: list[float] = []
+        tokens: list[int] = []
+
+        async def agent(client, instance):            # on the engine's loop: the conversation runs elsewhere
+            messages = [dict(m) for m in instance.messages]
+            if self.process is not None:
+                lat, toks = await self.process.converse(client.api_key, messages, turns, max_tokens)
+            else:
+                lat, toks = await self.clients.run(self._converse(client.api_key, messages, turns, max_tokens))
+            latencies.extend(lat)
+            tokens.extend(toks)
+            return 0.0
+
+        self.runner.agent = agent
+        instances = [TaskInstance(task="calculator", task_id=f"q{i}", messages=({"role": "user", "content": p},),
+                                  reference="0") for i, p in enumerate(prompts)]
+        trajs = await self.runner.run(instances, task=task)
+        bad = [t.metadata.get("end_reason") for t in trajs if t.status.value != "completed"]
+        if bad:
+            raise SystemExit(f"gateway episodes did not run cleanly: {bad[:3]}")
+        return latencies, tokens
+
+
+def _summary(lat: list[float], toks: list[int], wall: float) -> dict:
+    return {"median_ms": 1e3 * statistics.median(lat), "p10_ms": 1e3 * _quantile(lat, 0.1),
+            "p90_ms": 1e3 * _quantile(lat, 0.9), "requests": len(lat), "requests_per_s": len(lat) / wall,
+            "tokens_per_request": statistics.fmean(toks), "latencies_ms": [1e3 * x for x in lat]}
 
 
 def overhead(args) -> dict:
@@ -109,58 +314,99 @@ def overhead(args) -> dict:
     from hybridrl.gateway.config import GatewayConfig
     from hybridrl.gateway.runner import GatewayRunner
 
-    engine = NativeEngine.from_pretrained(args.model, NativeEngineConfig(kv_cache_mb=256, max_num_seqs=args.agents,
+    import torch
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+    most = max(args.agents)
+    turns_for = {a: max(args.turns, math.ceil(args.min_requests / a)) for a in args.agents}
+    engine = NativeEngine.from_pretrained(args.model, NativeEngineConfig(kv_cache_mb=256, max_num_seqs=most,
                                                                          driver=args.driver), device="cpu")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     chat = ChatFormat(tokenizer, eos_token_ids=engine.eos_token_ids)
-    agent_cfg = AgentConfig(max_turns=args.turns + 1, max_new_tokens_per_turn=args.max_tokens + 1,
+    agent_cfg = AgentConfig(max_turns=max(turns_for.values()) + 1, max_new_tokens_per_turn=args.max_tokens + 1,
                             max_response_tokens=100_000, max_episode_s=3600, temperature=0.0,
-                            max_concurrent_episodes=args.agents)
+                            max_concurrent_episodes=most)
     task = get_task("calculator")
-    per_repeat: list[dict] = []
+    clients = Clients(own_thread=args.clients != "engine")    # direct agents: their own thread with `process` too
+    rows: dict[int, list[dict]] = {a: [] for a in args.agents}
 
     async def go():
-        runner = GatewayRunner(engine, tokenizer, agent_cfg=agent_cfg, gateway_cfg=GatewayConfig(),
-                               tools=ToolBox(cfg=ToolsConfig(kill_switch="", audit_log="")), run_id="bench",
-                               agent=lambda client, instance: None)
-        await runner.start()
-        await direct(engine, chat, questions(-1, 4), 1, args.max_tokens, "warm")          # warm-up, both paths
-        await through_gateway(runner, task, questions(-2, 4), 1, args.max_tokens)
+        engine_loop = asyncio.get_running_loop()
+        gateways = {}
+        for mode in args.modes:
+            if mode == "direct":
+                continue
+            runner = GatewayRunner(engine, tokenizer, agent_cfg=agent_cfg, gateway_cfg=GatewayConfig(),
+                                   tools=ToolBox(cfg=ToolsConfig(kill_switch="", audit_log="")), run_id="bench",
+                                   agent=lambda client, instance: None, server_thread=mode == "gateway")
+            await runner.start()
+            gateways[mode] = GatewayAgents(runner, clients, most, process=args.clients == "process")
+            await gateways[mode].start()
+
+        async def one(mode: str, prompts: list[str], turns: int, tag: str) -> tuple[list, list]:
+            if mode == "direct":
+                return await clients.run(direct(engine, engine_loop, chat, prompts, turns, args.max_tokens, tag))
+            return await gateways[mode].run(task, prompts, turns, args.max_tokens)
+
+        for mode in args.modes:                                    # warm-up: every path once
+            await one(mode, questions(-1, 4), 1, "warm")
         for rep in range(args.repeats):
-            row: dict = {"load_avg_1m": os.getloadavg()[0]}
-            for mode in (("direct", "gateway") if rep % 2 == 0 else ("gateway", "direct")):
-                prompts = questions(2 * rep + (mode == "gateway"), args.agents)
-                t0 = time.perf_counter()
-                lat, toks = (await direct(engine, chat, prompts, args.turns, args.max_tokens, f"r{rep}")
-                             if mode == "direct" else await through_gateway(runner, task, prompts, args.turns,
-                                                                            args.max_tokens))
-                wall = time.perf_counter() - t0
-                row[mode] = {"median_ms": 1e3 * statistics.median(lat), "p10_ms": 1e3 * _quantile(lat, 0.1),
-                             "p90_ms": 1e3 * _quantile(lat, 0.9), "requests": len(lat),
-                             "requests_per_s": len(lat) / wall, "tokens_per_request": statistics.fmean(toks),
-                             "latencies_ms": [1e3 * x for x in lat]}
-            row["added_median_ms"] = row["gateway"]["median_ms"] - row["direct"]["median_ms"]
-            per_repeat.append(row)
-            print(f"repeat {rep}: direct {row['direct']['median_ms']:.1f} ms, gateway {row['gateway']['median_ms']:.1f} "
-                  f"ms (+{row['added_median_ms']:.2f} ms), load {row['load_avg_1m']:.1f}", flush=True)
-        await runner.close()
+            for agents in args.agents:
+                row: dict = {"repeat": rep, "load_avg_1m": os.getloadavg()[0]}
+                order = args.modes[rep % len(args.modes):] + args.modes[:rep % len(args.modes)]
+                prompts = questions(1000 * rep + agents, agents)   # the same questions for every mode
+                for mode in order:
+                    await engine.run_in_engine(lambda core: core.pool.invalidate())   # no prefix reuse across modes
+                    t0 = time.perf_counter()
+                    lat, toks = await one(mode, prompts, turns_for[agents], f"r{rep}a{agents}")
+                    row[mode] = _summary(lat, toks, time.perf_counter() - t0)
+                row["order"] = order
+                for mode in args.modes:
+                    if mode != "direct" and "direct" in row:
+                        row[f"{mode}_added_median_ms"] = row[mode]["median_ms"] - row["direct"]["median_ms"]
+                rows[agents].append(row)
+                print(f"repeat {rep}, {agents} agents: " + ", ".join(
+                    f"{m} {row[m]['median_ms']:.1f} ms" for m in args.modes) + "  added: " + ", ".join(
+                    f"{m} {row[f'{m}_added_median_ms']:+.2f} ms" for m in args.modes if f"{m}_added_median_ms" in row)
+                    + f"  load {row['load_avg_1m']:.1f}", flush=True)
+        for g in gateways.values():
+            await g.close()
+            await g.runner.close()
 
     try:
         asyncio.run(go())
     finally:
+        clients.close()
         engine.close()
-    pooled = {m: [x for r in per_repeat for x in r[m].pop("latencies_ms")] for m in ("direct", "gateway")}
-    med = {m: statistics.median(v) for m, v in pooled.items()}
-    added = [r["added_median_ms"] for r in per_repeat]
-    tokens = {m: statistics.fmean(r[m]["tokens_per_request"] for r in per_repeat) for m in ("direct", "gateway")}
-    return {"benchmark": "gateway overhead", "model": args.model, "driver": args.driver, "agents": args.agents,
-            "turns": args.turns, "max_tokens": args.max_tokens, "repeats": args.repeats,
-            "median_ms": med, "added_median_ms": med["gateway"] - med["direct"],
-            "added_median_ms_per_repeat": added, "added_median_ms_median_of_repeats": statistics.median(added),
-            "added_median_ms_spread": [min(added), max(added)],
-            # the modes' work: greedy turns of at most --max-tokens, ended early by EOS (different questions)
-            "tokens_per_request": tokens,
-            "target_added_ms": 5.0, "target_met": statistics.median(added) <= 5.0, "per_repeat": per_repeat}
+    by_agents = {str(a): _aggregate(rows[a], args.modes) | {"turns": turns_for[a]} for a in args.agents}
+    now = {a: r["added_ms"]["gateway"]["median_of_repeats"] for a, r in by_agents.items() if "gateway" in r["added_ms"]}
+    return {"benchmark": "gateway overhead", "model": args.model, "driver": args.driver, "clients": args.clients,
+            "client": args.client,
+            "torch_threads": torch.get_num_threads(), "switch_interval_s": sys.getswitchinterval(),
+            "agents": args.agents, "modes": args.modes, "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "cpu_count": os.cpu_count(), "target_added_ms": TARGET_ADDED_MS,
+            "target_met_at": {a: v <= TARGET_ADDED_MS for a, v in now.items()},
+            "by_agents": by_agents, "per_repeat": {str(a): rows[a] for a in args.agents}}
+
+
+def _aggregate(rows: list[dict], modes: list[str]) -> dict:
+    pooled = {m: [x for r in rows for x in r[m].pop("latencies_ms")] for m in modes}
+    out: dict = {"median_ms": {m: statistics.median(v) for m, v in pooled.items()},
+                 "p10_ms": {m: _quantile(v, 0.1) for m, v in pooled.items()},
+                 "p90_ms": {m: _quantile(v, 0.9) for m, v in pooled.items()},
+                 "requests_per_s": {m: statistics.median(r[m]["requests_per_s"] for r in rows) for m in modes},
+                 "tokens_per_request": {m: statistics.fmean(r[m]["tokens_per_request"] for r in rows) for m in modes},
+                 "added_ms": {}}
+    for m in modes:
+        if m == "direct" or "direct" not in modes:
+            continue
+        per = [r[f"{m}_added_median_ms"] for r in rows]
+        out["added_ms"][m] = {"median_of_repeats": statistics.median(per), "spread": [min(per), max(per)],
+                              "per_repeat": per, "pooled": out["median_ms"][m] - out["median_ms"]["direct"]}
+    return out
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -215,10 +461,17 @@ def main() -> int:
     sub = ap.add_subparsers(dest="what", required=True)
     o = sub.add_parser("overhead")
     o.add_argument("--json", required=True)
-    o.add_argument("--agents", type=int, default=64)
+    o.add_argument("--agents", type=int, nargs="+", default=[1, 8, 64], help="concurrent agents (each count measured)")
     o.add_argument("--turns", type=int, default=4)
+    o.add_argument("--min-requests", type=int, default=16, help="requests per measurement at least (more turns)")
     o.add_argument("--max-tokens", type=int, default=16)
-    o.add_argument("--repeats", type=int, default=4)
+    o.add_argument("--repeats", type=int, default=5)
+    o.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    o.add_argument("--clients", default="process", choices=("process", "thread", "engine"),
+                   help="where the OpenAI clients run: a process of their own, a loop in their own thread, or "
+                        "the engine's loop (direct agents: their own thread unless engine)")
+    o.add_argument("--torch-threads", type=int, default=None, help="torch's intra-op threads (default: torch's)")
+    o.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (s; default Python's)")
     o.add_argument("--model", default=None, help="HF directory (default: the demo's base model, built for the run)")
     o.add_argument("--driver", default="loop", choices=("loop", "thread"), help="the native engine's driver")
     s = sub.add_parser("step")
@@ -227,7 +480,19 @@ def main() -> int:
     s.add_argument("--steps", type=int, default=6)
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("overrides", nargs="*", help="overrides for both recipes")
+    c = sub.add_parser("_clients", help="(internal) the OpenAI clients' process of `overhead --clients process`")
+    c.add_argument("--socket", default=None)
+    c.add_argument("--url", default=None)
+    c.add_argument("--agents", type=int, default=64)
+    for sp in (o, c):
+        sp.add_argument("--client", default="openai", choices=("openai", "http"),
+                        help="openai: the OpenAI SDK (its own request/response work is timed too) | http: the same "
+                             "JSON over the same HTTP pool, without the SDK (the gateway's own cost)")
     args = ap.parse_args()
+    if args.what in ("_clients", "overhead"):
+        CLIENT_KIND["sdk"] = args.client == "openai"
+    if args.what == "_clients":
+        return clients_main(args)
     with tempfile.TemporaryDirectory(prefix="hybridrl-gateway-bench-") as tmp:
         if args.what == "overhead" and args.model is None:
             args.model = str(Path(tmp) / "model")

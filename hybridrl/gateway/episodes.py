@@ -11,6 +11,7 @@ with that budget.
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +50,8 @@ class Budgets:
 
 @dataclass(eq=False, kw_only=True)
 class GatewayEpisode:
-    """One episode's state on the gateway (lives on the gateway's event loop)."""
+    """One episode's state on the gateway. The HTTP side (the server's thread) and the engine side (`loop`,
+    where the runner opened it) both touch it: `lock` orders a completion's commit against the close."""
 
     key: str
     episode_id: str                  # the trajectory id
@@ -78,6 +80,8 @@ class GatewayEpisode:
     aborted: bool = False            # the engine ended a request (not a budget): the episode is ABORTED
     infra_error: str = ""            # the gateway failed serving it: the episode is INFRA_INVALID
     generate_s: float = 0.0
+    loop: Any = None                 # the engine's event loop: generation is run there (service.on_loop)
+    lock: Any = field(default_factory=threading.RLock)
 
     @property
     def traj(self) -> Any:
@@ -89,8 +93,9 @@ class GatewayEpisode:
         return self.pause.deadline(deadline, self.paused_at_start) if self.pause is not None else deadline
 
     def truncate(self, truncation: Truncation, reason: str = "") -> None:
-        if self.truncation is None:
-            self.truncation, self.end_reason = truncation, reason or truncation.value
+        with self.lock:                      # the first budget to end the episode names it, from either side
+            if self.truncation is None:
+                self.truncation, self.end_reason = truncation, reason or truncation.value
 
     def check_open(self) -> None:
         """Refuse a request once a budget has ended the episode (or the wall clock has run out)."""
@@ -128,8 +133,9 @@ class EpisodeKeys:
         self.issued += 1
 
     def remove(self, episode: GatewayEpisode) -> None:
-        episode.closed = True
-        self._by_key.pop(episode.key, None)
+        with episode.lock:                   # after a commit in progress; none starts after this
+            episode.closed = True
+            self._by_key.pop(episode.key, None)
 
     def find(self, headers: Any) -> GatewayEpisode:
         key = headers.get("x-episode-key")

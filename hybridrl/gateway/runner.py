@@ -46,7 +46,7 @@ class GatewayRunner:
     """Runs `agent` episodes against `engines` (the replicas this rank fronts; the first is `engine`)."""
 
     def __init__(self, engines: Any, tokenizer: Any, *, agent_cfg: Any, gateway_cfg: Any, tools: Any, run_id: str,
-                 agent: str | Callable, seed: int = 0):
+                 agent: str | Callable, seed: int = 0, server_thread: bool = True):
         engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
         self.engine = engines[0]
         self.cfg, self.gateway_cfg = agent_cfg, gateway_cfg
@@ -54,6 +54,7 @@ class GatewayRunner:
         self.envs = None                        # an agent drives its episodes: no environment service
         self.agent_spec = agent if isinstance(agent, str) else f"{agent.__module__}:{agent.__qualname__}"
         self.agent = load_agent(agent) if isinstance(agent, str) else agent
+        self.server_thread = server_thread      # HTTP on its own loop and thread (False: on the engine's loop)
         self.router = Router([Replica(e, f"replica{i}") for i, e in enumerate(engines)],
                              affinity_slack=gateway_cfg.prefix_affinity_slack)
         self.template = Template(tokenizer, self.engine.eos_token_ids)
@@ -75,13 +76,15 @@ class GatewayRunner:
     # ------------------------------------------------------------------ the server
 
     async def start(self) -> None:
-        """Start the gateway on the running loop (once; the loop it starts on is the one it serves on)."""
+        """Start the gateway (once): its HTTP server in its own thread, and the episodes' client on the running
+        loop, which is the engine's loop the episodes run on (a later call from another loop is refused)."""
         loop = asyncio.get_running_loop()
         if self._starting is None:
             self._loop, self._starting = loop, loop.create_future()
             try:
                 server = HttpServer(build_app(self.service, self.keys), listen=self.gateway_cfg.listen,
-                                    host=self.gateway_cfg.host, port=self.gateway_cfg.port)
+                                    host=self.gateway_cfg.host, port=self.gateway_cfg.port,
+                                    own_thread=self.server_thread)
                 await server.start()
                 self.server = server
                 self._http = _http_client(server, limit=self.cfg.max_concurrent_episodes,
@@ -187,7 +190,8 @@ class GatewayRunner:
                                  capture=capture, budgets=budgets,
                                  temperature=cfg.temperature if temperature is None else temperature,
                                  top_p=cfg.top_p, top_k=cfg.top_k, seed=seed, pause=pause,
-                                 paused_at_start=pause.paused_s() if pause is not None else 0.0, slot=slot)
+                                 paused_at_start=pause.paused_s() if pause is not None else 0.0, slot=slot,
+                                 loop=asyncio.get_running_loop())
         self.keys.add(episode)
         if pause is not None:
             pause.running[traj.trajectory_id] = episode

@@ -1,4 +1,4 @@
-"""The gateway's HTTP side: a Starlette app on uvicorn, inside the event loop that runs the engine.
+"""The gateway's HTTP side: a Starlette app on uvicorn, on its own event loop in its own thread.
 
     POST /v1/chat/completions     (stream: server-sent events)
     POST /v1/completions
@@ -6,17 +6,27 @@
 
 It listens on a Unix socket in a private directory (mode 0700, the socket 0600) or on a loopback TCP
 address, nothing else. Every request needs an episode's key (`episodes.EpisodeKeys`). uvicorn is driven
-by its `startup` / `shutdown` only: no signal handlers are installed (the rank's own stay in charge) and
-nothing runs between requests, so the loop may stop between rollout phases and resume.
+by its `startup` / `shutdown` only: no signal handlers are installed (the rank's own stay in charge).
+
+Where it runs (`HttpServer(own_thread=...)`): by default uvicorn serves on a loop of its own in a daemon
+thread ("hybridrl-gateway"), so the per-request CPU of HTTP, JSON, the chat template and turn parsing
+never queues behind the engine's steps or the agents' coroutines on the engine's loop, and the engine's
+loop never waits for it. The only thing a request needs of the engine's loop is its generation: the
+service hands that over with `asyncio.run_coroutine_threadsafe` (`service.on_loop`), and the answer
+comes back through the future. The engine's loop may stop between rollout phases and resume (nothing
+arrives then: the agents run on it). `own_thread=False` serves on the caller's loop instead (the
+arrangement before; the benchmark compares the two).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import socket
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +116,16 @@ def _completion_events(out: dict[str, Any]) -> list[str]:
 
 
 class HttpServer:
-    """uvicorn serving `app` on a socket made here (Unix in a private directory, or loopback TCP)."""
+    """uvicorn serving `app` on a socket made here (Unix in a private directory, or loopback TCP), in a
+    thread of its own (`own_thread`) or on the loop that calls `start`."""
 
-    def __init__(self, app: Any, *, listen: str = "unix", host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app: Any, *, listen: str = "unix", host: str = "127.0.0.1", port: int = 0,
+                 own_thread: bool = True):
         self.app, self.listen, self.host, self.port = app, listen, host, port
+        self.own_thread = own_thread
         self.socket_path: Path | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None      # the loop uvicorn serves on
+        self._thread: threading.Thread | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
         self._sock: socket.socket | None = None
         self._server = None
@@ -129,6 +144,20 @@ class HttpServer:
         except ImportError as err:
             raise ImportError(MISSING_STACK) from err
         self._sock = self._bind()
+        if not self.own_thread:
+            self.loop = asyncio.get_running_loop()
+            await self._serve(uvicorn)
+            return
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="hybridrl-gateway", daemon=True)
+        self._thread.start()
+        try:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._serve(uvicorn), self.loop))
+        except BaseException:
+            self._stop_thread()
+            raise
+
+    async def _serve(self, uvicorn: Any) -> None:
         config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False,
                                 server_header=False, date_header=False, timeout_keep_alive=30)
         config.load()
@@ -159,14 +188,33 @@ class HttpServer:
         sock.setblocking(False)
         return sock
 
-    async def stop(self) -> None:
+    async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
             await self._server.shutdown(sockets=[self._sock])
             self._server = None
+
+    async def stop(self) -> None:
+        if self._thread is not None:
+            if self._thread.is_alive():
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop))
+            self._stop_thread()
+        else:
+            await self._shutdown()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
+
+    def _stop_thread(self) -> None:
+        """Stop the server's loop and thread (it has no work left by then: the join is immediate)."""
+        loop, thread = self.loop, self._thread
+        self._thread = None
+        if thread is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        if not thread.is_alive():
+            loop.close()

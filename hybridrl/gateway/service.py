@@ -1,9 +1,16 @@
 """What the gateway does with one request: OpenAI request body in, OpenAI response body out.
 
-    check the episode's budgets -> render + capture the context (capture.py) -> route (sticky replica)
-    -> generate on the engine (per-token logprobs and versions; a turn interrupted by new weights or a
-    pause continues on the newer version) -> commit the completion to the capture -> parse the turn
-    (toolcalls.py) -> response
+    check the episode's budgets -> render + capture the context (capture.py)
+    -> [on the engine's loop] route (sticky replica) -> generate on the engine (per-token logprobs and
+       versions; a turn interrupted by new weights or a pause continues on the newer version)
+    -> parse the turn (toolcalls.py) -> commit the completion to the capture -> response
+
+Two loops: the HTTP side (everything here but generation) runs on the server's loop (its own thread,
+`server.HttpServer`); generation runs on the loop of the episode's engine (`GatewayEpisode.loop`, where
+the runner opened it), handed over whole, once per request, by `on_loop`. What both sides touch of an
+episode is its counters and flags (single writes), and the close: a completion is committed under the
+episode's lock, and the runner closes the episode under it, so a trajectory is never built from a
+capture that is being extended.
 
 Sampling is the run's: the trainer recomputes logprobs at `agent.temperature` (the sampler contract),
 so a request's own temperature / top_p are not applied; when they differ they are counted
@@ -38,6 +45,15 @@ class Generated:
     logprobs: list[float]
     versions: list[int]
     finish: str                      # stop | length | tool_calls
+
+
+async def on_loop(loop: asyncio.AbstractEventLoop | None, coro: Any) -> Any:
+    """Await `coro` on `loop` (the engine's) from whichever loop this runs on: directly when it is this
+    one, else through `run_coroutine_threadsafe` (the engine's loop wakes for it; cancelling the awaiting
+    task cancels the coroutine there)."""
+    if loop is None or loop is asyncio.get_running_loop():
+        return await coro
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
 
 
 class GatewayService:
@@ -75,22 +91,27 @@ class GatewayService:
             raise GatewayError(400, str(err), param="messages") from None
         results = await self._serve(episode, prepared, body, max_tokens=_max_tokens(body))
         _still_open(episode)
-        choices = []
-        usage = 0
+        turns = []
         for i, gen in enumerate(results):
             text = self.template.decode([t for t in gen.ids if t not in self.template.eos_ids])
-            turn = self.parser.parse(_cut_stop(text, body.get("stop")), names,
-                                     call_prefix=f"{episode.episode_id}/t{episode.turns}/{i}")
-            message = turn.message()
-            episode.capture.commit(prepared, gen.ids, gen.logprobs, gen.versions, returned=message)
-            self._record(episode, turn)
-            finish = "tool_calls" if turn.tool_calls and gen.finish == "stop" else gen.finish
-            entry: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
-            if body.get("logprobs"):
-                entry["logprobs"] = {"content": [self._token_logprob(t, lp) for t, lp in zip(gen.ids, gen.logprobs)]}
-            choices.append(entry)
-            usage += len(gen.ids)
-            episode.final_text = turn.content or ""
+            turns.append(self.parser.parse(_cut_stop(text, body.get("stop")), names,
+                                           call_prefix=f"{episode.episode_id}/t{episode.turns}/{i}"))
+        choices = []
+        usage = 0
+        with episode.lock:
+            _still_open(episode)
+            for i, (gen, turn) in enumerate(zip(results, turns)):
+                message = turn.message()
+                episode.capture.commit(prepared, gen.ids, gen.logprobs, gen.versions, returned=message)
+                self._record(episode, turn)
+                finish = "tool_calls" if turn.tool_calls and gen.finish == "stop" else gen.finish
+                entry: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
+                if body.get("logprobs"):
+                    entry["logprobs"] = {"content": [self._token_logprob(t, lp)
+                                                     for t, lp in zip(gen.ids, gen.logprobs)]}
+                choices.append(entry)
+                usage += len(gen.ids)
+                episode.final_text = turn.content or ""
         return {"id": f"chatcmpl-{_rid(episode)}", "object": "chat.completion", "created": int(time.time()),
                 "model": body.get("model") or self.model_name, "choices": choices,
                 "usage": _usage(prepared, usage), "system_fingerprint": f"hybridrl-v{max(results[0].versions, default=-1)}"}
@@ -122,19 +143,21 @@ class GatewayService:
             raise GatewayError(400, "'echo' is not served", param="echo")
         prepared = episode.capture.prepare_prompt(prompt)
         results = await self._serve(episode, prepared, body, max_tokens=_max_tokens(body, default=16))
-        _still_open(episode)
+        texts = [_cut_stop(self.template.decode([t for t in gen.ids if t not in self.template.eos_ids]),
+                           body.get("stop")) for gen in results]
         choices, usage = [], 0
-        for i, gen in enumerate(results):
-            text = _cut_stop(self.template.decode([t for t in gen.ids if t not in self.template.eos_ids]),
-                             body.get("stop"))
-            episode.capture.commit(prepared, gen.ids, gen.logprobs, gen.versions)
-            entry: dict[str, Any] = {"index": i, "text": text, "finish_reason": gen.finish, "logprobs": None}
-            if body.get("logprobs") is not None:
-                entry["logprobs"] = {"tokens": [self.template.decode([t]) for t in gen.ids],
-                                     "token_logprobs": list(gen.logprobs), "top_logprobs": None, "text_offset": None}
-            choices.append(entry)
-            usage += len(gen.ids)
-            episode.final_text = text
+        with episode.lock:
+            _still_open(episode)
+            for i, (gen, text) in enumerate(zip(results, texts)):
+                episode.capture.commit(prepared, gen.ids, gen.logprobs, gen.versions)
+                entry: dict[str, Any] = {"index": i, "text": text, "finish_reason": gen.finish, "logprobs": None}
+                if body.get("logprobs") is not None:
+                    entry["logprobs"] = {"tokens": [self.template.decode([t]) for t in gen.ids],
+                                         "token_logprobs": list(gen.logprobs), "top_logprobs": None,
+                                         "text_offset": None}
+                choices.append(entry)
+                usage += len(gen.ids)
+                episode.final_text = text
         return {"id": f"cmpl-{_rid(episode)}", "object": "text_completion", "created": int(time.time()),
                 "model": body.get("model") or self.model_name, "choices": choices, "usage": _usage(prepared, usage)}
 
@@ -159,17 +182,21 @@ class GatewayService:
             limit, room = None, max_tokens
         self._note_sampling(episode, body)
         stops = self._stop_ids(body.get("stop"))
-        if episode.replica is None:
-            episode.replica = self.router.place(episode.group_id)
         episode.turns += 1
-        turn = episode.turns - 1
-        outs = await asyncio.gather(*[self._generate(episode, prepared.ids, room, stops, turn, i) for i in range(n)])
+        outs = await on_loop(episode.loop, self._generate_all(episode, prepared.ids, room, stops, episode.turns - 1, n))
         outs = [self._cut_at_stop(gen, body.get("stop")) for gen in outs]
         for gen in outs:
             if gen.finish == "length" and limit is not None and episode.truncation is None:
                 if not (limit == Truncation.MAX_NEW_TOKENS and budgets.close_turn_at_limit):
                     episode.truncate(limit, f"a turn reached the {limit.value} budget")
         return list(outs)
+
+    async def _generate_all(self, episode: GatewayEpisode, context: list[int], room: int, stops: tuple[int, ...],
+                            turn: int, n: int) -> list[Generated]:
+        """On the engine's loop: the episode's replica (placed at its first request), then `n` completions."""
+        if episode.replica is None:
+            episode.replica = self.router.place(episode.group_id)
+        return list(await asyncio.gather(*[self._generate(episode, context, room, stops, turn, i) for i in range(n)]))
 
     async def _generate(self, episode: GatewayEpisode, context: list[int], room: int, stops: tuple[int, ...],
                         turn: int, choice: int) -> Generated:

@@ -15,10 +15,11 @@ from hybridrl.gateway.runner import GatewayRunner
 
 def run_agent(engine: Any, tokenizer: Any, agent: Callable, *, n: int = 2, group_size: int = 1,
               agent_cfg: AgentConfig | None = None, gateway_cfg: GatewayConfig | None = None,
-              inspect: Callable | None = None, instances: list[str] = (), **run_kwargs) -> tuple[list, GatewayRunner]:
+              inspect: Callable | None = None, instances: list[str] = (), server_thread: bool = True,
+              **run_kwargs) -> tuple[list, GatewayRunner]:
     """`n` calculator validation instances (or the `instances` expressions) x `group_size` episodes of
-    `agent` through a gateway on `engine`; `inspect(runner)` runs on the loop after the episodes, before
-    the gateway closes."""
+    `agent` through a gateway on `engine` (its HTTP side in its own thread unless `server_thread=False`);
+    `inspect(runner)` runs on the loop after the episodes, before the gateway closes."""
     task = get_task("calculator")
     chosen = [task.instance(e) for e in instances] or task.validation_split(n)
     agent_cfg = agent_cfg or AgentConfig(max_turns=4, max_new_tokens_per_turn=64, max_response_tokens=400)
@@ -28,7 +29,7 @@ def run_agent(engine: Any, tokenizer: Any, agent: Callable, *, n: int = 2, group
         tools = await ToolBox.from_config(ToolsConfig(kill_switch="", audit_log=""), names=["calculator"]).start()
         engines = engine if isinstance(engine, list) else [engine]
         runner = GatewayRunner(engines, tokenizer, agent_cfg=agent_cfg, gateway_cfg=gateway_cfg, tools=tools,
-                               run_id="test", agent=agent)
+                               run_id="test", agent=agent, server_thread=server_thread)
         try:
             trajs = await runner.run(chosen, task=task, group_size=group_size, **run_kwargs)
             if inspect is not None:
