@@ -45,6 +45,10 @@ class GatewayConfig:
     agent_grace_s: float = knob(5.0, "after agent.max_episode_s the agent has this long to return (its requests "
                                      "get budget errors) before it is cancelled")
     model_name: str = knob("policy", "the model name /v1/models reports (requests may name any model)")
+    http_thread: bool = knob(False, "serve HTTP from a loop in a thread of its own, handing each request's generation "
+                                    "to the engine's loop (true), or on the engine's loop itself (false: measured "
+                                    "faster on CPU, where the two threads take turns on the interpreter lock; "
+                                    "docs/gateway.md)")
 
     def __post_init__(self) -> None:
         check_choice("listen", self.listen, ("unix", "tcp"))

@@ -46,7 +46,7 @@ class GatewayRunner:
     """Runs `agent` episodes against `engines` (the replicas this rank fronts; the first is `engine`)."""
 
     def __init__(self, engines: Any, tokenizer: Any, *, agent_cfg: Any, gateway_cfg: Any, tools: Any, run_id: str,
-                 agent: str | Callable, seed: int = 0, server_thread: bool = True):
+                 agent: str | Callable, seed: int = 0, server_thread: bool | None = None):
         engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
         self.engine = engines[0]
         self.cfg, self.gateway_cfg = agent_cfg, gateway_cfg
@@ -54,7 +54,8 @@ class GatewayRunner:
         self.envs = None                        # an agent drives its episodes: no environment service
         self.agent_spec = agent if isinstance(agent, str) else f"{agent.__module__}:{agent.__qualname__}"
         self.agent = load_agent(agent) if isinstance(agent, str) else agent
-        self.server_thread = server_thread      # HTTP on its own loop and thread (False: on the engine's loop)
+        # HTTP on its own loop and thread (False: on the engine's loop); gateway.http_thread unless given
+        self.server_thread = gateway_cfg.http_thread if server_thread is None else server_thread
         self.router = Router([Replica(e, f"replica{i}") for i, e in enumerate(engines)],
                              affinity_slack=gateway_cfg.prefix_affinity_slack)
         self.template = Template(tokenizer, self.engine.eos_token_ids)
