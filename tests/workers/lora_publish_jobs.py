@@ -10,8 +10,6 @@ engine, and the post-copy verification of a damaged adapter copy (retried once, 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from hybridrl.controller.placements import build_colocated
 from hybridrl.controller.worker_group import WorkerGroupError
 from hybridrl.data.batch import Batch, pad_sequences
