@@ -26,9 +26,29 @@ def test_lora_run_publishes_adapters_only_and_resumes_exactly(tmp_path, tiny_mod
     weights = load_file(str(model / "model.safetensors"))
     whole = sum(t.numel() * t.element_size() for t in weights.values())
     rows = read_metrics(straight)
-    for r in rows[1:]:
+    published = [r for r in rows if "publish/bytes" in r]       # step 1 serves v0, what the engines loaded
+    assert [r["step"] for r in published] == [2, 3, 4]
+    for r in published:
         assert 0 < r["publish/bytes"] < 0.2 * whole, r           # the adapters' A and B, never the model
-        assert r["mismatch/max_abs"] < 1e-4 and r["parity/max_abs"] < 1e-4, r
+        assert r["parity/max_abs"] < 1e-4, r
+    assert all(r["mismatch/max_abs"] < 1e-4 for r in rows[1:])  # the trainer scores what the engines sampled
     trained = load_file(str(straight / "hf" / "model.safetensors"))
     assert max(float((trained[k] - weights[k]).abs().max()) for k in weights) > 0    # the adapters moved
     kill_9_then_resume(straight, tmp_path / "killed", common)
+
+
+@pytest.mark.slow
+def test_a_disaggregated_lora_run_sends_the_adapters_only(tmp_path, tiny_models):
+    """The rollout rank's native engine applies the adapters; training rank 0 broadcasts them alone."""
+    model = tiny_models("qwen2", init_std=0.05)
+    proc = hybridrl_train(RECIPE, f"model.path={model}", f"run.dir={tmp_path}", "trainer.total_steps=2", *LORA,
+                          "placement.mode=disaggregated", "placement.rollout_ranks=1")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    from safetensors.torch import load_file
+
+    whole = sum(t.numel() * t.element_size() for t in load_file(str(model / "model.safetensors")).values())
+    published = [r for r in read_metrics(tmp_path) if "publish/bytes" in r]
+    assert published
+    for r in published:
+        assert 0 < r["publish/bytes"] < 0.2 * whole and r["publish/refused"] == 0, r
+        assert r["parity/max_abs"] < 1e-4, r
