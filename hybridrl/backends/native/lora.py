@@ -18,13 +18,15 @@ extra small matmuls whatever the number of targeted projections:
 
 Each HF tensor is a view into those blocks (a B view is strided), so an update copies straight
 into the engine's storage, as full-weight publication does. Why at run time and not merged into the
-weights at each publication: merging rewrites every targeted weight (most of the model), which is
-the cost adapter-only publication removes; the figures are in docs/native-engine.md.
+weights at each publication: merging rewrites every targeted weight (most of the model) at each
+switch, needs either a second copy of the base or an in-place update that drifts in 16-bit dtypes,
+while the run-time pairs cost some decode speed; the measured figures are in docs/native-engine.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from hybridrl.backends.model_spec import ModelSpec
@@ -115,12 +117,6 @@ class LoraWeights:
 
     def num_bytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
-
-
-def adapter_spec(spec: ModelSpec, lora: LoraSpec, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """HF name -> (shape, dtype) of every adapter tensor, in the engine's storage order."""
-    weights = LoraWeights(spec, lora, dtype=dtype, device=torch.device("meta"))
-    return {name: (tuple(t.shape), dtype) for name, t in weights.views.items()}
 
 
 def lora_spec_of(cfg) -> LoraSpec | None:
