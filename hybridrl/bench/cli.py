@@ -21,6 +21,10 @@ def add_mode_switch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", default="structure", choices=("structure", "post_copy"))
     p.add_argument("--spill-optimizer", action="store_true", help="CPU: spill optimizer state during rollout")
     p.add_argument("--kv-cache-mb", type=int, default=64)
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="LoRA rank R > 0: the switch publishing the whole (merged) model against publishing the "
+                        "adapters only, side by side (native engine; hybridrl/bench/lora_switch.py)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 x rank)")
     p.add_argument("--json", required=True, help="output JSON path")
     p.add_argument("--run-dir", default=None, help="keep the run directory here (default: a temporary one)")
     p.add_argument("overrides", nargs="*", help="extra section.key=value")
@@ -38,15 +42,27 @@ def mode_switch_main(args: argparse.Namespace) -> int:
                f"distributed.nproc_per_node={nproc}", f"train.tp={args.tp}", f"rollout.tp={args.rollout_tp}",
                f"rollout.engine={args.engine}", f"trainer.total_steps={args.cycles}",
                f"publish.verify={args.verify}", f"hybrid.spill_optimizer={str(args.spill_optimizer).lower()}",
-               f"rollout.native.kv_cache_mb={args.kv_cache_mb}", *args.overrides]
+               f"rollout.native.kv_cache_mb={args.kv_cache_mb}", *_lora(args), *args.overrides]
         proc = subprocess.run(cmd)
         if proc.returncode != 0:
             return proc.returncode
         result = json.loads((Path(tmp) / "mode_switch.json").read_text())
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
-    print(explain(result))
+    if args.lora_rank > 0:
+        from hybridrl.bench.lora_switch import explain as explain_lora
+
+        print(explain_lora(result))
+    else:
+        print(explain(result))
     return 0
+
+
+def _lora(args: argparse.Namespace) -> list[str]:
+    if args.lora_rank <= 0:
+        return []
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
+    return ["run.job=hybridrl.bench.lora_switch:JOB", f"train.lora.rank={args.lora_rank}", f"train.lora.alpha={alpha}"]
 
 
 # Below this the floor is a few memcpy calls' fixed cost, not the bytes: no ratio means anything there.

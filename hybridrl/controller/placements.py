@@ -38,6 +38,7 @@ def rollout_mesh(cfg: Any, ranks: list[int]) -> Mesh:
 def build_colocated(cfg: Any, ctx: Any, *, switch: type | None = None) -> RankWorker:
     """Every rank: both sides, switching between them (`switch`: the link's class, ModeSwitch unless a
     test or an experiment brings a variant)."""
+    from hybridrl.workers.publisher import publication_source
     from hybridrl.workers.rollout_side import RolloutSide
     from hybridrl.workers.switch import ModeSwitch
     from hybridrl.workers.train_side import TrainSide
@@ -45,7 +46,8 @@ def build_colocated(cfg: Any, ctx: Any, *, switch: type | None = None) -> RankWo
     everyone = list(range(ctx.world_size))
     modes = phases_for(cfg, ctx, everyone, ModeMachine)
     train = TrainSide(cfg, ctx, modes)
-    rollout = RolloutSide(cfg, ctx, modes, rollout_mesh(cfg, everyone), follower_spec=train.actor.hf_spec)
+    rollout = RolloutSide(cfg, ctx, modes, rollout_mesh(cfg, everyone),
+                          follower_spec=publication_source(cfg, train.actor).hf_spec)
     link = (switch or ModeSwitch)(cfg, ctx, modes, train, rollout)
     meshes = {"world": Mesh.flat("world", ctx.world_size), "train": train.mesh, "rollout": rollout.mesh}
     return RankWorker(ctx, [train, rollout, link, Faults(ctx, train=train, rollout=rollout, meshes=meshes)],

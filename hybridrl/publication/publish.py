@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
@@ -85,6 +85,18 @@ def prepare_thread(device: torch.device) -> ThreadPoolExecutor:
                               initializer=torch.cuda.set_device, initargs=(index,))
 
 
+def _start(helper: ThreadPoolExecutor | None, fn, *args) -> Future:
+    """fn(*args) on the helper thread, or here and now without one (a future either way)."""
+    if helper is not None:
+        return helper.submit(fn, *args)
+    done: Future = Future()
+    try:
+        done.set_result(fn(*args))
+    except BaseException as err:  # noqa: BLE001 - raised where the result is read, as the thread's would be
+        done.set_exception(err)
+    return done
+
+
 async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig, version: int, step: int,
                   hashes: dict[str, str], staging: Staging, peers: Any = None) -> tuple[PolicyRelease, PublishStats]:
     """Publish `source` as `version` into `engine`. `peers`: a `Peers` over every rank this
@@ -129,20 +141,25 @@ async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig
                 f"v{engine.policy_version})") from err
 
     # a helper thread prepares bucket k+1 (gathers, un-fusing, the sender's digests: torch and
-    # xxhash release the GIL) while this thread delivers bucket k; two staging buffers alternate
-    with prepare_thread(staging.device) as helper:
-        pending = helper.submit(prepare, 0) if plans else None
+    # xxhash release the GIL) while this thread delivers bucket k; two staging buffers alternate.
+    # One bucket (a LoRA run's adapters) has nothing to overlap: it is prepared here, without a thread
+    helper = prepare_thread(staging.device) if len(plans) > 1 else None
+    try:
+        pending = _start(helper, prepare, 0) if plans else None
         for i in range(len(plans)):
             bucket, sent, prepare_s = pending.result()
             stats.prepare_s += prepare_s
             if i + 1 < len(plans):
-                pending = helper.submit(prepare, i + 1)
+                pending = _start(helper, prepare, i + 1)
             started = time.perf_counter()
             await deliver(bucket, sent)
             stats.deliver_s += time.perf_counter() - started
             stats.bytes_copied += bucket.plan.nbytes
             stats.num_buckets += 1
             digests.update(sent)
+    finally:
+        if helper is not None:
+            helper.shutdown()
     if engine.policy_version != version:
         raise PublicationError(f"engine did not switch to v{version} after every tensor arrived "
                                f"(it reports v{engine.policy_version})")

@@ -1,7 +1,8 @@
 """The training side's end of a weight publication, shared by both links between the sides (the
 colocated mode switch and the disaggregated placement's remote publication).
 
-    publish(version, step)   the actor's weights into the target (`publication.publish`: structure
+    publish(version, step)   the actor's weights (a LoRA run's adapters only, where the engine applies
+                             them: `publication_source`) into the target (`publication.publish`: structure
                              check, flat buckets, verified copy, manifest) through the link's transport;
                              returns why it was refused before any copy (None: published)
     check_parity(...)        the trainer's logprobs of the engine's greedy probe generations; the worst
@@ -22,9 +23,20 @@ from hybridrl.publication.publish import publish
 log = logging.getLogger(__name__)
 
 
+def publication_source(cfg: Any, actor: Any) -> Any:
+    """What a publication of this run sends: the actor's LoRA adapters alone when the rollout engine applies
+    them itself (`adapter_publication` of its class: the native engine), else the whole model (merged with
+    the adapters of a LoRA run). Decided from the config, so every rank sends the same."""
+    from hybridrl.rollout.registry import engine_class
+
+    adapters = getattr(engine_class(cfg.rollout.engine), "adapter_publication", None)
+    return actor.adapter_source() if adapters is not None and adapters(cfg) else actor
+
+
 class Publisher:
     def __init__(self, cfg: Any, ctx: Any, actor: Any, tokenizer: Any):
         self.cfg, self.ctx, self.actor = cfg, ctx, actor
+        self.source = publication_source(cfg, actor)
         self.staging = Staging(ctx.device)
         self.hashes = model_hashes(cfg.model.path)
         self.release = None
@@ -46,7 +58,7 @@ class Publisher:
         refusal on all, before any copy, so every engine keeps serving what it had."""
         try:
             self.release, self.stats = run(publish(
-                self.actor, engine=target, transport=transport, cfg=self.cfg.publish, version=version, step=step,
+                self.source, engine=target, transport=transport, cfg=self.cfg.publish, version=version, step=step,
                 hashes=self.hashes, staging=self.staging, peers=peers), "the weights to reach the rollout engine")
         except PublicationRefused as err:
             log.error("rank %d: %s", self.ctx.rank, err)
@@ -75,7 +87,8 @@ class Publisher:
             return {}
         stats = self.stats
         return {"release": self.release.summary(), "switch/publish_prepare_s": stats.prepare_s,
-                "switch/publish_deliver_s": stats.deliver_s, "publish/retried_tensors": float(stats.retries)}
+                "switch/publish_deliver_s": stats.deliver_s, "publish/retried_tensors": float(stats.retries),
+                "publish/bytes": float(stats.bytes_copied)}
 
     def memory(self) -> dict:
         return {"staging_bytes": self.staging.nbytes}    # the bucket buffers (kept on a CPU device)

@@ -45,3 +45,22 @@ def test_the_command_on_a_tiny_model_explains_its_ratio(tiny_models, tmp_path):
     result = json.loads((tmp_path / "ms.json").read_text())
     assert out.stdout.strip().splitlines()[-3:] == explain(result).splitlines()
     assert "not meaningful here" in out.stdout            # a ~1M-parameter model: the floor is microseconds
+
+
+def test_the_lora_comparison_is_explained_side_by_side():
+    from hybridrl.bench.lora_switch import explain as explain_lora
+
+    def kind(switch, publish, mib, rate):
+        spread = lambda v: {"median": v, "min": v * 0.9, "max": v * 1.2}       # noqa: E731
+        return {"switch_s": spread(switch), "switch_with_probe_s": spread(switch + 0.3), "cycles": 5,
+                "phases": {"publish": spread(publish)}, "bytes_published": mib * 2**20, "decode_tokens_per_s": spread(rate)}
+
+    result = {"lora_rank": 16, "model_params": 88.6e6, "kinds": {"full": kind(0.33, 0.32, 337.8, 117),
+                                                                 "adapters": kind(0.046, 0.03, 11.6, 88)},
+              "speedup_switch": 0.33 / 0.046, "speedup_switch_with_probe": 0.63 / 0.346,
+              "speedup_publish": 0.32 / 0.03, "merge_in_engine_s": 0.095, "decode_slowdown": 117 / 88}
+    text = explain_lora(result)
+    assert "LoRA rank 16 on a 88.6M-parameter model, 5 interleaved cycles of each" in text
+    assert "337.80 MiB published" in text and "11.60 MiB published" in text
+    assert "7.2x faster per cycle (1.8x with the parity probe), its publish phase 10.7x" in text
+    assert "0.095s per publication" in text and "33% of decode speed" in text

@@ -5,14 +5,11 @@ Slow (three RL runs); the estimator itself is checked with real ranks in tests/w
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 
 from hybridrl.telemetry.metrics import read_metrics
 from tests.controller.conftest import STRAIGHT
-from tests.controller.test_rl_e2e import RECIPE, assert_same_run, hybridrl_train
-from tests.launch import processes_mentioning
+from tests.controller.test_rl_e2e import RECIPE, hybridrl_train, kill_9_then_resume
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +39,4 @@ def test_every_step_logs_the_reverse_kl_to_the_teacher(straight):
 
 @pytest.mark.slow
 def test_kill_9_then_resume_auto_continues_a_distillation_run_to_the_same_numbers(tmp_path, common, straight):
-    killed = tmp_path / "killed"
-    proc = hybridrl_train(RECIPE, *common, f"run.dir={killed}", "--inject", "kill_job@3:train")
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-4000:]
-    assert not processes_mentioning(str(killed))
-    assert [r["step"] for r in read_metrics(killed)] == [0, 1, 2]
-    proc = hybridrl_train(RECIPE, *common, f"run.dir={killed}", "--inject", "kill_job@3:train")   # fired once
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "resuming from" in proc.stderr
-    assert_same_run(straight, killed)
+    kill_9_then_resume(straight, tmp_path / "killed", common)

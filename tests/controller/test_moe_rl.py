@@ -4,14 +4,11 @@ resume=auto reproducing the uninterrupted run's numbers and weights."""
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 
 from hybridrl.telemetry.metrics import read_metrics
 from tests.controller.conftest import STRAIGHT
-from tests.controller.test_rl_e2e import RECIPE, assert_same_run, hybridrl_train
-from tests.launch import processes_mentioning
+from tests.controller.test_rl_e2e import RECIPE, hybridrl_train, kill_9_then_resume
 
 MOE = ("train.ep=2", "algo.router_replay=rollout")
 
@@ -32,11 +29,4 @@ def test_moe_run_replays_the_rollouts_routing_and_resumes_exactly(tmp_path, tiny
         # ... so the trainer scores what the engine sampled
         assert r["mismatch/max_abs"] < 1e-4, r
 
-    killed = tmp_path / "killed"
-    proc = hybridrl_train(RECIPE, *common, f"run.dir={killed}", "--inject", "kill_job@3:train")
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-4000:]
-    assert not processes_mentioning(str(killed))
-    proc = hybridrl_train(RECIPE, *common, f"run.dir={killed}", "--inject", "kill_job@3:train")   # fired once
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "resuming from" in proc.stderr
-    assert_same_run(straight, killed)
+    kill_9_then_resume(straight, tmp_path / "killed", common)

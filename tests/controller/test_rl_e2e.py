@@ -94,20 +94,23 @@ def assert_same_run(straight, resumed, *, from_step: int = 3, ignore: tuple[str,
     assert all(torch.equal(ea[k], eb[k]) for k in ea)
 
 
-def test_kill_9_then_resume_auto_continues_to_the_same_numbers(tmp_path, model, straight):
-    common = [f"model.path={model}", *STRAIGHT]
-    # SIGKILL the whole job (agent, every rank) in step 3, after its update, before it is logged
-    killed = tmp_path / "killed"
-    proc = hybridrl_train(RECIPE, *common, f"run.dir={killed}", "--inject", "kill_job@3:train")
+def kill_9_then_resume(straight, killed, common: list[str], recipe=RECIPE, **same_run) -> None:
+    """SIGKILL the whole job (agent, every rank) in step 3 of a run of `straight`'s config, after its update and
+    before it is logged; run it again (resume=auto from the step-2 checkpoint; the fault fires once): it must
+    reproduce `straight` bitwise (`assert_same_run`, given `same_run`)."""
+    proc = hybridrl_train(recipe, *common, f"run.dir={killed}", "--inject", "kill_job@3:train")
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-4000:]
     assert "fault injection: kill_job@3:train" in proc.stderr
     assert not processes_mentioning(str(killed))
     assert [r["step"] for r in read_metrics(killed)] == [0, 1, 2]
-
-    proc = hybridrl_train(RECIPE, *common, f"run.dir={killed}", "--inject", "kill_job@3:train")   # fired once
+    proc = hybridrl_train(recipe, *common, f"run.dir={killed}", "--inject", "kill_job@3:train")   # fired once
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resuming from" in proc.stderr
-    assert_same_run(straight, killed)
+    assert_same_run(straight, killed, **same_run)
+
+
+def test_kill_9_then_resume_auto_continues_to_the_same_numbers(tmp_path, model, straight):
+    kill_9_then_resume(straight, tmp_path / "killed", [f"model.path={model}", *STRAIGHT])
 
 
 def test_sft_demonstrations_follow_the_task_seed_not_the_run_seed(model):

@@ -44,12 +44,19 @@ def test_publish_prepares_on_its_staging_device(monkeypatch):
     devices = []
     real = publish_mod.prepare_thread
     monkeypatch.setattr(publish_mod, "prepare_thread", lambda device: devices.append(device) or real(device))
-    tensors = [[("w", torch.ones(3))]]
-    engine = FollowerEngine({"w": ((3,), torch.float32)}, eos_token_ids=(), vocab_size=4, max_model_len=0)
+    n = 200_000                                   # 0.8 MB a tensor: two 1 MiB buckets
+    tensors = [[("w", torch.ones(n))], [("v", torch.ones(n))]]
+    engine = FollowerEngine({"w": ((n,), torch.float32), "v": ((n,), torch.float32)}, eos_token_ids=(), vocab_size=4,
+                            max_model_len=0)
+    hashes = {"model_config_hash": "m", "tokenizer_hash": "t", "chat_template_hash": "c"}
     asyncio.run(publish(TensorGroups(tensors), engine=engine, transport=InProcessTransport(engine),
-                        cfg=PublishConfig(verify="structure"), version=1, step=1, staging=Staging("cpu"),
-                        hashes={"model_config_hash": "m", "tokenizer_hash": "t", "chat_template_hash": "c"}))
+                        cfg=PublishConfig(verify="structure", bucket_mb=1), version=1, step=1, staging=Staging("cpu"),
+                        hashes=hashes))
     assert devices == [torch.device("cpu")] and engine.policy_version == 1
+    # one bucket has nothing to overlap: prepared in the caller's thread, no helper
+    asyncio.run(publish(TensorGroups(tensors), engine=engine, transport=InProcessTransport(engine),
+                        cfg=PublishConfig(verify="structure"), version=2, step=2, staging=Staging("cpu"), hashes=hashes))
+    assert devices == [torch.device("cpu")] and engine.policy_version == 2
 
 
 def test_released_cuda_staging_goes_back_to_the_driver(monkeypatch):

@@ -63,6 +63,7 @@ class MegatronEngine:
         self.num_steps = 0
         self.lora = getattr(model, "lora", None)     # LoRA adapters (backends/megatron/lora.py) or None
         self._lora_full = None                        # their gathered HF factors, until the next change
+        self._group_names = None                      # the HF names of each publication group
         self.passes = {"logprobs": 0, "train": 0}   # schedule runs, by kind (what a step costs, counted)
         from hybridrl.backends.megatron.model import local_layers
         from hybridrl.backends.megatron.weights import owned_params, slot_owners
@@ -481,27 +482,21 @@ class MegatronEngine:
 
         with torch.no_grad():
             write_group(self.adapter, index, self.params, self._owners, out)
-            if self.lora is not None:
-                from hybridrl.backends.megatron.lora import merged_delta
+            if self.lora is not None:       # the merged weights (an engine that takes whole models)
+                from hybridrl.backends.megatron.lora import add_merged_
 
-                for name in list(out):
-                    delta = merged_delta(self.lora_factors(), name, self.cfg.lora.scale)
-                    if delta is not None:
-                        out[name].add_(delta.to(device=out[name].device, dtype=out[name].dtype))
+                if self._group_names is None:
+                    self._group_names = [[name for name, _, _ in group] for group in self.hf_group_specs()]
+                add_merged_(self, out, self._group_names[index])
 
-    # ------------------------------------------------------------------------------ LoRA
+    # ------------------------------------------------------------------------------ LoRA (lora.py)
 
     def lora_factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """HF module name -> full (A [r, in], B [out, r]) of every adapter, float32 on the CPU, on every rank
         of this model-parallel group (gathered once per optimizer step; every rank of the group calls it)."""
-        from hybridrl.backends.megatron.lora import full_adapters
+        from hybridrl.backends.megatron.lora import gathered
 
-        if self.lora is None:
-            raise RuntimeError("lora_factors: this engine has no LoRA adapters (train.lora.rank is 0)")
-        if self._lora_full is None:
-            with self._scope():
-                self._lora_full = full_adapters(self.lora)
-        return self._lora_full
+        return gathered(self)
 
     def load_lora_factors(self, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Set the adapters from full HF factors (what `lora_factors` returns; a PEFT directory's tensors)."""
@@ -510,19 +505,17 @@ class MegatronEngine:
         load_full(self.lora, factors)
         self._lora_full = None
 
+    def adapter_source(self):
+        """The adapters alone as a publication source (`lora.AdapterSource`): what a LoRA run publishes
+        into an engine that applies them itself."""
+        from hybridrl.backends.megatron.lora import AdapterSource
+
+        return AdapterSource(self)
+
     def _lora_merge(self):
-        """name, tensor -> the tensor with its adapter's scale * B @ A added (a new tensor), or as it is."""
-        if self.lora is None:
-            return lambda name, tensor: tensor
-        from hybridrl.backends.megatron.lora import merged_delta
+        from hybridrl.backends.megatron.lora import merge_fn
 
-        factors, scale = self.lora_factors(), self.cfg.lora.scale
-
-        def merge(name, tensor):
-            delta = merged_delta(factors, name, scale)
-            return tensor if delta is None else tensor + delta.to(device=tensor.device, dtype=tensor.dtype)
-
-        return merge
+        return merge_fn(self)
 
     def base_model(self) -> "BaseModel":
         """The frozen base under the adapters, as an engine that computes logprobs (the reference)."""

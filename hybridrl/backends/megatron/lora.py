@@ -260,6 +260,86 @@ def merged_delta(factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]], weigh
     return (b @ a) * scale
 
 
+def gathered(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The engine's `full_adapters`, gathered once until its adapters next change (a step, a load)."""
+    if engine.lora is None:
+        raise RuntimeError("lora_factors: this engine has no LoRA adapters (train.lora.rank is 0)")
+    if engine._lora_full is None:
+        with engine._scope():
+            engine._lora_full = full_adapters(engine.lora)
+    return engine._lora_full
+
+
+def merge_fn(engine):
+    """name, tensor -> the tensor with its adapter's scale * B @ A added (a new tensor), or as it is."""
+    if engine.lora is None:
+        return lambda name, tensor: tensor
+    factors, scale = gathered(engine), engine.cfg.lora.scale
+
+    def merge(name, tensor):
+        delta = merged_delta(factors, name, scale)
+        return tensor if delta is None else tensor + delta.to(device=tensor.device, dtype=tensor.dtype)
+
+    return merge
+
+
+def add_merged_(engine, out: Mapping[str, torch.Tensor], names) -> None:
+    """Add each adapter's scale * B @ A to its base weight `out[name]` for `names` (the HF tensors just
+    written; `out` may hold a whole bucket, whose other tensors are not this call's), in place."""
+    factors, scale = gathered(engine), engine.cfg.lora.scale
+    for name in names:
+        delta = merged_delta(factors, name, scale)
+        if delta is not None:
+            out[name].add_(delta.to(device=out[name].device, dtype=out[name].dtype))
+
+
+def adapter_tensor_name(module: str, factor: str) -> str:
+    """The published name of one factor: PEFT's without its `base_model.model.` prefix."""
+    return f"{module}.lora_{factor}.weight"
+
+
+class AdapterSource:
+    """The actor's adapters as a publication source (`publication.publish.WeightSource`): the tensors a
+    LoRA run publishes into an engine that holds the frozen base and applies the adapters itself (the
+    native engine, `backends/native/lora.py`). One group per layer, in the order that engine stores
+    them (per fused linear the A factors, then the B factors), in the trainer's dtype."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._names: list[list[str]] | None = None
+
+    def hf_group_specs(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+        from hybridrl.backends.megatron.model import DTYPES
+
+        engine, dtype = self.engine, DTYPES[self.engine.cfg.dtype]
+        shapes, rank, targets = hf_shapes(engine.adapter.spec), engine.cfg.lora.rank, engine.cfg.lora.target_modules
+        groups = []
+        for layer in range(engine.adapter.spec.num_layers):
+            group = []
+            for role in (Role.QKV_WEIGHT, Role.PROJ_WEIGHT, Role.FC1_WEIGHT, Role.FC2_WEIGHT):
+                mine = [p for p in PROJECTIONS if PROJECTIONS[p][0] is role and p in targets]
+                module = [hf_module_name(layer, p) for p in mine]
+                group += [(adapter_tensor_name(m, "A"), (rank, shapes[p][1]), dtype) for m, p in zip(module, mine)]
+                group += [(adapter_tensor_name(m, "B"), (shapes[p][0], rank), dtype) for m, p in zip(module, mine)]
+            groups.append(group)
+        return groups
+
+    def hf_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of every published factor (what an engine applying them must hold)."""
+        return {name: (shape, dtype) for group in self.hf_group_specs() for name, shape, dtype in group}
+
+    def write_hf_group(self, index: int, out: Mapping[str, torch.Tensor]) -> None:
+        """Write the factors of group `index` into `out` (every rank of the model-parallel group calls it:
+        the first call after a step gathers the adapters)."""
+        if self._names is None:
+            self._names = [[name for name, _, _ in group] for group in self.hf_group_specs()]
+        factors = gathered(self.engine)
+        with torch.no_grad():
+            for name in self._names[index]:
+                module, factor = name.removesuffix(".weight").rsplit(".lora_", 1)
+                out[name].copy_(factors[module][0 if factor == "A" else 1])
+
+
 def load_full(lora: LoraAdapters, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Set this rank's shards from full HF factors (every adapter of this stage must be given)."""
     with torch.no_grad():

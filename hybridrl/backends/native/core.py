@@ -18,6 +18,7 @@ import torch
 
 from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.backends.native.kv_cache import BlockPool
+from hybridrl.backends.native.lora import LoraSpec, LoraWeights
 from hybridrl.backends.native.model import CausalLM, RotaryTable
 from hybridrl.backends.native.runner import ModelRunner
 from hybridrl.backends.native.sampler import request_seed
@@ -51,16 +52,22 @@ def release_host_memory() -> None:
 
 
 class EngineCore:
+    """With `lora` the engine serves the base weights (loaded once, never published) plus LoRA
+    adapters applied at run time, and a publication carries the adapters only: `views` (what
+    `update_weights` writes, `weight_spec`) are then the adapters' HF views, `base_views` the base's."""
+
     def __init__(self, spec: ModelSpec, cfg: NativeEngineConfig, *, device: torch.device,
-                 dtype: torch.dtype, policy_version: int = 0):
+                 dtype: torch.dtype, policy_version: int = 0, lora: LoraSpec | None = None):
         self.spec = spec
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
         self.weights = ModelWeights.empty(spec, dtype=dtype, device=device)
-        self.views = hf_views(self.weights, spec)
+        self.base_views = hf_views(self.weights, spec)
+        self.lora = LoraWeights(spec, lora, dtype=dtype, device=device) if lora is not None else None
+        self.views = self.lora.views if self.lora is not None else self.base_views
         self.num_blocks, self.max_model_len = self._size_cache(spec, cfg, dtype)
-        self.model = CausalLM(spec, self.weights, RotaryTable(spec, self.max_model_len, device))
+        self.model = CausalLM(spec, self.weights, RotaryTable(spec, self.max_model_len, device), self.lora)
         self.pool = BlockPool(self.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -78,10 +85,11 @@ class EngineCore:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, cfg: NativeEngineConfig, *, device: torch.device,
-                        policy_version: int = 0) -> "EngineCore":
+                        policy_version: int = 0, lora: LoraSpec | None = None) -> "EngineCore":
         spec = ModelSpec.from_dir(model_dir)
-        core = cls(spec, cfg, device=device, dtype=resolve_dtype(cfg.dtype, device), policy_version=policy_version)
-        load_checkpoint(model_dir, core.views, spec)
+        core = cls(spec, cfg, device=device, dtype=resolve_dtype(cfg.dtype, device), policy_version=policy_version,
+                   lora=lora)
+        load_checkpoint(model_dir, core.base_views, spec)
         return core
 
     @staticmethod
@@ -299,6 +307,7 @@ class EngineCore:
             "kv_cache_bytes": self.runner.kv_cache_bytes,
             "decode_attention_groups": self.runner.num_decode_groups,
             "weight_bytes": self.weights.num_bytes(),
+            "adapter_bytes": self.lora.num_bytes() if self.lora is not None else 0,
             "max_model_len": self.max_model_len,
             "asleep": self.asleep,
         })

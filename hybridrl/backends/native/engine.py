@@ -36,6 +36,7 @@ import torch
 
 from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.backends.native.core import EngineCore
+from hybridrl.backends.native.lora import LoraSpec, lora_spec_of
 from hybridrl.backends.native.scheduler import Sequence
 from hybridrl.rollout.protocol import KV_CACHE, FinishReason, GenerationOutput, SamplingParams, check_tags
 from hybridrl.rollout.weight_spec import validate_named_tensors
@@ -102,10 +103,13 @@ class NativeEngine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, cfg: NativeEngineConfig | None = None,
-                        device: str | torch.device = "cpu", *, policy_version: int = 0) -> "NativeEngine":
-        """Load an HF directory (config.json + *.safetensors); the weights are `policy_version`."""
+                        device: str | torch.device = "cpu", *, policy_version: int = 0,
+                        lora: LoraSpec | None = None) -> "NativeEngine":
+        """Load an HF directory (config.json + *.safetensors); the weights are `policy_version`. With
+        `lora` those are the frozen base and the engine applies LoRA adapters (zero at start) at run
+        time; `update_weights` then takes the adapters' tensors only (`lora.py`)."""
         core = EngineCore.from_pretrained(model_dir, cfg or NativeEngineConfig(), device=resolve_device(device),
-                                          policy_version=policy_version)
+                                          policy_version=policy_version, lora=lora)
         return cls(core)
 
     # -- as a registered rollout engine (`rollout.registry`) -------------------------------------
@@ -119,7 +123,13 @@ class NativeEngine:
         if cfg.rollout.tp > 1:
             log.warning("the native engine has no tensor parallelism: with rollout.tp=%d one replica on rank %d "
                         "serves its group of %d ranks", cfg.rollout.tp, ctx.rank, cfg.rollout.tp)
-        return cls.from_pretrained(cfg.model.path, cfg.rollout.native, device=ctx.device)
+        return cls.from_pretrained(cfg.model.path, cfg.rollout.native, device=ctx.device, lora=lora_spec_of(cfg))
+
+    @classmethod
+    def adapter_publication(cls, cfg: Any) -> bool:
+        """Whether a publication of this run carries the LoRA adapters only (a LoRA run: the engine holds
+        the frozen base and applies the adapters itself), rather than the whole (merged) model."""
+        return lora_spec_of(cfg) is not None
 
     @classmethod
     def releasable_tags_for(cls, cfg: Any) -> frozenset[str]:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from hybridrl.backends.native.attention import AttentionMetadata, paged_attention, write_kv
 from hybridrl.backends.model_spec import ModelSpec
+from hybridrl.backends.native.lora import LoraWeights, add_low_rank_
 from hybridrl.backends.native.weights import ModelWeights
 
 
@@ -105,12 +106,14 @@ def residual_linear(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias
 
 
 class CausalLM:
-    """Inference-only Qwen2 / Llama / Qwen3 / Qwen3-MoE. `forward` returns float32 logits of the selected rows."""
+    """Inference-only Qwen2 / Llama / Qwen3 / Qwen3-MoE. `forward` returns float32 logits of the selected rows.
+    With `lora`, each targeted fused linear adds its adapters' scale * B A x (`lora.py`)."""
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, rotary: RotaryTable):
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, rotary: RotaryTable, lora: LoraWeights | None = None):
         self.spec = spec
         self.weights = weights
         self.rotary = rotary
+        self.lora = lora
         self.scale = spec.head_dim ** -0.5
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -126,9 +129,12 @@ class CausalLM:
         cos, sin = self.rotary.lookup(positions, w.embed.dtype)
         x = F.embedding(input_ids, w.embed)                                    # [N, hidden]
         moe = 0
+        no_adapters: dict = {}
         for i, layer in enumerate(w.layers):
+            ad = self.lora.layers[i] if self.lora is not None else no_adapters
+            s = self.lora.scale if self.lora is not None else 0.0
             h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)                       # [N, q + 2 kv]
+            qkv = add_low_rank_(F.linear(h, layer.qkv, layer.qkv_bias), h, ad.get("qkv"), s)   # [N, q + 2 kv]
             qk = qkv[:, : q_size + kv_size].view(n, heads, hd)
             if layer.q_norm is not None:                                       # Qwen3: per-head RMSNorm
                 qk[:, : spec.num_heads] = rms_norm(qk[:, : spec.num_heads], layer.q_norm, spec.rms_norm_eps)
@@ -138,7 +144,7 @@ class CausalLM:
             kv = qkv[:, q_size:].view(n, 2, spec.num_kv_heads, hd)
             write_kv(kv_cache[i], kv, meta.slot_mapping)
             attn = paged_attention(q, kv, kv_cache[i], meta, self.scale)          # [N, q_size]
-            x = residual_linear(x, attn, layer.o, layer.o_bias)
+            x = add_low_rank_(residual_linear(x, attn, layer.o, layer.o_bias), attn, ad.get("o"), s)
             h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
             if layer.router is not None:
                 weights, ids = route(h, layer.router, spec.num_experts_per_tok, spec.norm_topk_prob)
@@ -147,8 +153,10 @@ class CausalLM:
                 moe += 1
                 x = x + moe_mlp(h, weights, ids, layer.w13, layer.w2)
                 continue
-            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            x = residual_linear(x, F.silu(gate) * up, layer.down, layer.down_bias)
+            gate_up = add_low_rank_(F.linear(h, layer.gate_up, layer.gate_up_bias), h, ad.get("gate_up"), s)
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            x = add_low_rank_(residual_linear(x, act, layer.down, layer.down_bias), act, ad.get("down"), s)
         if logits_rows.numel() == 0:
             return x.new_empty((0, spec.vocab_size), dtype=torch.float32)
         h = x.index_select(0, logits_rows)
