@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from hybridrl.data.batch import Batch
 from hybridrl.distributed.collectives import collective_device
 from hybridrl.distributed.mesh import Mesh
 from hybridrl.training.protocol import GRADS, LM_HEAD, OPTIMIZER, PARAMS, TRAIN_MEMORY_TAGS, VALUE_HEAD, LossFn
+
+if TYPE_CHECKING:
+    from hybridrl.backends.megatron.lora import BaseModel
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +291,7 @@ class MegatronEngine:
 
             return token_aligned(logits[..., 0].float(), mb.attention_mask), None
 
-        from hybridrl.backends.megatron.logprobs import next_token_targets, token_aligned, vocab_parallel_logprobs
+        from hybridrl.backends.megatron.logprobs import token_aligned, vocab_parallel_logprobs
 
         vocab_local = logits.shape[-1]
         logprobs, entropy = vocab_parallel_logprobs(
