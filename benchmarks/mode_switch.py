@@ -25,6 +25,8 @@ SIZES = {   # name: (architecture, tiny-model arguments)
                       "1024"]),
     "100m": ("qwen2", ["--hidden", "768", "--layers", "14", "--heads", "12", "--kv-heads", "4", "--intermediate",
                        "2048"]),
+    "375m": ("qwen2", ["--hidden", "1024", "--layers", "32", "--heads", "16", "--kv-heads", "4", "--intermediate",
+                       "2816"]),
     "moe": ("qwen3_moe", ["--hidden", "256", "--layers", "6", "--heads", "8", "--kv-heads", "4", "--intermediate",
                           "1024", "--experts", "8", "--experts-per-tok", "2", "--moe-intermediate", "384"]),
 }
