@@ -307,11 +307,12 @@ class RunState:
 
         if self.cfg.trainer.export_hf:
             wg.call(TrainSide.export_hf, out_dir=str(Path(self.cfg.run.dir) / "hf"))
+        peak = [round(b / 2**20, 1) for b in wg.call(RankWorker.peak_rss_bytes)]
         wg.call(RankWorker.close)
         self.logger.close()
-        summary = self.summary()
+        summary = {**self.summary(), "peak_rss_mib": peak}
         rundir.mark_finished(self.cfg.run.dir, self.step, status="stopped" if self.stopped else "finished",
-                             policy_version=self.version, validation=summary["validation"],
+                             policy_version=self.version, validation=summary["validation"], peak_rss_mib=peak,
                              **({"stop_reason": self.stopped} if self.stopped else {}))
         self.hooks.ended(summary)
         print(format_summary(summary), flush=True)
@@ -382,6 +383,8 @@ def format_summary(s: dict) -> str:
         lines.append("rl: first step -> last: " + ", ".join(shown))
     if s.get("diagnosis") and not s.get("stopped"):
         lines.append(f"rl: {s['diagnosis']}")
+    if s.get("peak_rss_mib"):
+        lines.append("rl: peak resident memory per rank (MiB): " + ", ".join(f"{v:.0f}" for v in s["peak_rss_mib"]))
     where = f"rl: metrics {s['run_dir']}/metrics.jsonl, TensorBoard {s['run_dir']}/tensorboard"
     lines.append(where + (f"; HF model {s['model']}" if s["model"] else ""))
     return "\n".join(lines)

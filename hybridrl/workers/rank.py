@@ -3,6 +3,7 @@ side, the link between them, fault injection), and the calls that concern the wh
 
     memory_report()    what this rank holds now (each part's memory, the process's resident size, the
                        phases so far, the mode when it switches)
+    peak_rss_bytes()   the process's resident high-water mark since it started
     close()            every part closes (engines, tools, threads)
 """
 
@@ -31,6 +32,12 @@ class RankWorker(Worker):
             out.update(part.memory())
         out.update(rss_bytes=psutil.Process().memory_info().rss, phases=self.phases.summary())
         return out
+
+    @register(dispatch=ONE_TO_ALL)
+    def peak_rss_bytes(self) -> int:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024      # KiB on Linux
 
     @register(dispatch=ONE_TO_ALL)
     def close(self) -> None:

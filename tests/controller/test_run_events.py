@@ -102,6 +102,11 @@ def test_a_run_with_a_signal_reports_progress_summary_and_events(reference):
     assert wandb[0]["call"] == "init" and wandb[0]["total_steps"] == 4 and wandb[0]["name"] == "rl-tiny"
     assert [w["step"] for w in wandb if w["call"] == "log"] == [0, 1, 2, 3, 4]
     assert [w["call"] for w in wandb[-2:]] == ["summary.update", "finish"]
+    # every rank's peak resident memory, in run.json and the summary (a rank holding torch and two models: > 100 MiB)
+    peak = json.loads((run_dir / "run.json").read_text())["peak_rss_mib"]
+    assert len(peak) == 2 and all(100 < v < 24 * 1024 for v in peak), peak
+    assert seen[-1]["summary"]["peak_rss_mib"] == peak
+    assert f"rl: peak resident memory per rank (MiB): {peak[0]:.0f}, {peak[1]:.0f}" in proc.stdout
     missing = [line for line in proc.stderr.splitlines() if "mlflow is not installed" in line]
     assert len(missing) == 1 and "pip install mlflow" in missing[0] and "off for this run" in missing[0]
 
