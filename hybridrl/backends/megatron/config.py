@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridrl.backends.lora_names import PROJECTIONS as LORA_PROJECTIONS   # what a LoRA adapter can target
 from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, check_range, knob, section
 
 # The modes of hybridrl.algo.aggregation.AGGREGATIONS (that module imports torch; a test keeps
@@ -11,8 +12,6 @@ from hybridrl.config.fields import ConfigValueError, check_choice, check_positiv
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 LR_SCHEDULES = ("constant", "linear", "cosine", "inverse-square-root")
 DTYPES = ("float32", "bfloat16", "float16")
-# the HF projections a LoRA adapter can target (backends/megatron/lora.py maps them onto Megatron's linears)
-LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(kw_only=True)

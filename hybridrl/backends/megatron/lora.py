@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hybridrl.backends.lora_names import factor_name, module_name, projection_shapes
 from hybridrl.backends.megatron.adapters.base import DecoderAdapter, Role
 from hybridrl.backends.megatron.config import LORA_PROJECTIONS, LoraConfig
 
@@ -44,15 +45,6 @@ PROJECTIONS: dict[str, tuple[Role, int]] = {
 }
 assert tuple(PROJECTIONS) == LORA_PROJECTIONS
 _ROW_PARALLEL = (Role.PROJ_WEIGHT, Role.FC2_WEIGHT)
-_HF_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-
-
-def hf_module_name(layer: int, projection: str) -> str:
-    """The HF module an adapter belongs to: `model.layers.{i}.self_attn.q_proj`."""
-    return f"model.layers.{layer}.{_HF_MODULE[projection]}.{projection}"
-
-
 def _key(layer: int, projection: str) -> str:
     return f"{layer}_{projection}"
 
@@ -68,7 +60,7 @@ class LoraAdapters(torch.nn.Module):
         self.enabled = True
         self.A = torch.nn.ParameterDict()
         self.B = torch.nn.ParameterDict()
-        shapes = hf_shapes(adapter.spec)
+        shapes = projection_shapes(adapter.spec)
         for layer in sorted(layers):
             for proj in cfg.target_modules:
                 out_features, in_features = shapes[proj]
@@ -149,14 +141,6 @@ class LoraAdapters(torch.nn.Module):
         return torch.cat(parts, dim=-1)     # fc1: [gate_r; up_r]
 
 
-def hf_shapes(spec) -> dict[str, tuple[int, int]]:
-    """(out, in) of each HF projection's weight."""
-    q, kv, h, f = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size, \
-        spec.intermediate_size
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
-
-
 def init_factors(rank: int, in_features: int, out_features: int, *, seed: int, layer: int,
                  projection: str) -> tuple[torch.Tensor, torch.Tensor]:
     """PEFT's initialisation (A Kaiming-uniform with a=sqrt(5), B zero), drawn from a generator of its own
@@ -191,7 +175,7 @@ def attach(model, adapter: DecoderAdapter, cfg: LoraConfig, layers: Mapping[int,
                         dtype=dtype, device=device)
     model.lora = lora
     spec, tp = adapter.spec, adapter.tp
-    shapes = hf_shapes(spec)
+    shapes = projection_shapes(spec)
     roles = {PROJECTIONS[p][0] for p in cfg.target_modules}
     for index, layer_module in layers.items():
         for role in roles:
@@ -241,7 +225,7 @@ def full_adapters(lora: LoraAdapters) -> dict[str, tuple[torch.Tensor, torch.Ten
             dist.all_gather(parts, split.contiguous(), group=tp_group)
             whole = torch.cat(parts, dim=dim)
             a, b = (whole, b) if row else (a, whole)
-        local[hf_module_name(layer, proj)] = (a.float().cpu().clone(), b.float().cpu().clone())
+        local[module_name(layer, proj)] = (a.float().cpu().clone(), b.float().cpu().clone())
     pp_group = ps.get_pipeline_model_parallel_group()
     if dist.get_world_size(pp_group) == 1:
         return local
@@ -293,11 +277,6 @@ def add_merged_(engine, out: Mapping[str, torch.Tensor], names) -> None:
             out[name].add_(delta.to(device=out[name].device, dtype=out[name].dtype))
 
 
-def adapter_tensor_name(module: str, factor: str) -> str:
-    """The published name of one factor: PEFT's without its `base_model.model.` prefix."""
-    return f"{module}.lora_{factor}.weight"
-
-
 class AdapterSource:
     """The actor's adapters as a publication source (`publication.publish.WeightSource`): the tensors a
     LoRA run publishes into an engine that holds the frozen base and applies the adapters itself (the
@@ -312,15 +291,14 @@ class AdapterSource:
         from hybridrl.backends.megatron.model import DTYPES
 
         engine, dtype = self.engine, DTYPES[self.engine.cfg.dtype]
-        shapes, rank, targets = hf_shapes(engine.adapter.spec), engine.cfg.lora.rank, engine.cfg.lora.target_modules
+        shapes, rank, targets = projection_shapes(engine.adapter.spec), engine.cfg.lora.rank, engine.cfg.lora.target_modules
         groups = []
         for layer in range(engine.adapter.spec.num_layers):
             group = []
             for role in (Role.QKV_WEIGHT, Role.PROJ_WEIGHT, Role.FC1_WEIGHT, Role.FC2_WEIGHT):
                 mine = [p for p in PROJECTIONS if PROJECTIONS[p][0] is role and p in targets]
-                module = [hf_module_name(layer, p) for p in mine]
-                group += [(adapter_tensor_name(m, "A"), (rank, shapes[p][1]), dtype) for m, p in zip(module, mine)]
-                group += [(adapter_tensor_name(m, "B"), (shapes[p][0], rank), dtype) for m, p in zip(module, mine)]
+                group += [(factor_name(layer, p, "A"), (rank, shapes[p][1]), dtype) for p in mine]
+                group += [(factor_name(layer, p, "B"), (shapes[p][0], rank), dtype) for p in mine]
             groups.append(group)
         return groups
 
@@ -344,7 +322,7 @@ def load_full(lora: LoraAdapters, factors: Mapping[str, tuple[torch.Tensor, torc
     """Set this rank's shards from full HF factors (every adapter of this stage must be given)."""
     with torch.no_grad():
         for layer, proj, a, b in lora.items():
-            name = hf_module_name(layer, proj)
+            name = module_name(layer, proj)
             if name not in factors:
                 raise KeyError(f"no LoRA factors for {name}")
             sa, sb = lora.shard(proj, *factors[name])

@@ -29,14 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridrl.backends.lora_names import PROJECTIONS, factor_name, projection_shapes
 from hybridrl.backends.model_spec import ModelSpec
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # the engine's fused linear each HF projection belongs to, in the order its rows lie there
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
          "down": ("down_proj",)}
-_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 @dataclass(frozen=True)
@@ -56,18 +54,6 @@ class LoraSpec:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
-
-
-def projection_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
-    """(out, in) of each HF projection's weight."""
-    h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
-
-
-def adapter_name(layer: int, projection: str, factor: str) -> str:
-    """PEFT's tensor name without its `base_model.model.` prefix: `model.layers.0.self_attn.q_proj.lora_A.weight`."""
-    return f"model.layers.{layer}.{_MODULE[projection]}.{projection}.lora_{factor}.weight"
 
 
 @dataclass
@@ -111,8 +97,8 @@ class LoraWeights:
                 out = shapes[projection][0]
                 if projection in targeted:
                     k = targeted.index(projection)
-                    self.views[adapter_name(layer, projection, "A")] = a[k * r: (k + 1) * r]
-                    self.views[adapter_name(layer, projection, "B")] = b[row: row + out, k * r: (k + 1) * r]
+                    self.views[factor_name(layer, projection, "A")] = a[k * r: (k + 1) * r]
+                    self.views[factor_name(layer, projection, "B")] = b[row: row + out, k * r: (k + 1) * r]
                 row += out
 
     def num_bytes(self) -> int:

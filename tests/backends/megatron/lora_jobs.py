@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from hybridrl.backends.megatron import MegatronConfig, MegatronEngine
 from hybridrl.backends.megatron.config import LoraConfig
-from hybridrl.backends.megatron.lora import hf_shapes
+from hybridrl.backends.lora_names import projection_shapes
 from hybridrl.backends.megatron.parallel import destroy_model_parallel
 from hybridrl.backends.model_spec import ModelSpec
 from tests.backends.megatron.reference import pg_loss, sequence_batch
@@ -35,7 +35,7 @@ def seeded_factors(model_dir: str, targets: list[str]) -> dict[str, tuple[torch.
     out = {}
     for layer in range(spec.num_layers):
         for proj in targets:
-            o, i = hf_shapes(spec)[proj]
+            o, i = projection_shapes(spec)[proj]
             module = f"model.layers.{layer}.{'mlp' if proj in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{proj}"
             out[module] = (torch.randn(RANK, i, generator=gen) * 0.2, torch.randn(o, RANK, generator=gen) * 0.2)
     return out

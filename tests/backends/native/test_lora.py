@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hybridrl.backends.native import NativeEngine, NativeEngineConfig
-from hybridrl.backends.native.lora import PROJECTIONS, LoraSpec, adapter_name
+from hybridrl.backends.lora_names import PROJECTIONS, factor_name
+from hybridrl.backends.native.lora import LoraSpec
 from hybridrl.rollout.protocol import SamplingParams
 from tests.backends.native.conftest import PARITY, generate_all, prompts_of
 
@@ -29,7 +30,7 @@ def test_run_time_adapters_equal_merged_weights(targets, tiny_models, make_engin
     try:
         spec = lora.weight_spec()
         layers = lora.core.spec.num_layers
-        assert sorted(spec) == sorted(adapter_name(i, p, f) for i in range(layers) for p in targets for f in "AB")
+        assert sorted(spec) == sorted(factor_name(i, p, f) for i in range(layers) for p in targets for f in "AB")
         factors = _factors(lora)
         asyncio.run(lora.update_weights(list(factors.items()), 1))
         merged = make_engine(model)
@@ -61,7 +62,7 @@ def test_a_whole_model_is_no_update_of_an_adapter_engine(tiny_models):
     try:
         with pytest.raises(ValueError, match="unknown tensor"):
             asyncio.run(lora.update_weights([("model.norm.weight", lora.core.base_views["model.norm.weight"])], 1))
-        name = adapter_name(0, "q_proj", "A")
+        name = factor_name(0, "q_proj", "A")
         with pytest.raises(ValueError, match=f"'{name}' has shape"):
             asyncio.run(lora.update_weights([(name, torch.zeros(RANK + 1, 7))], 1))
         assert lora.policy_version == 0
