@@ -22,10 +22,11 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1200)]
 
 CLUSTER = ROOT / "recipes" / "slurm" / "local_cluster.sh"
 SBATCH = ROOT / "recipes" / "slurm" / "train.sbatch"
+# the tiny GRPO job of the SLURM tests (`name` and `distributed` differ between one node and two)
 RECIPE = """\
-run: {{name: slurm-mini, job: rl, dir: {run_dir}}}
+run: {{name: {name}, job: rl, dir: {run_dir}}}
 model: {{path: {model}}}
-distributed: {{nproc_per_node: 2, device: cpu, heartbeat_timeout_s: 30}}
+distributed: {{{distributed}}}
 train: {{micro_batch_size: 8, lr: 1.0e-4}}
 rollout: {{native: {{kv_cache_mb: 8}}}}
 publish: {{bucket_mb: 1}}
@@ -80,7 +81,8 @@ def wait(env, job: str, *, timeout: float = 600, until=None) -> tuple[str, str]:
 def test_sbatch_runs_resumes_after_scancel_and_refuses_what_it_must(tmp_path, slurm_env, tiny_models):
     run_dir = tmp_path / "run"
     recipe = tmp_path / "mini.yaml"
-    recipe.write_text(RECIPE.format(run_dir=run_dir, model=tiny_models("qwen2", init_std=0.05)))
+    recipe.write_text(RECIPE.format(run_dir=run_dir, model=tiny_models("qwen2", init_std=0.05), name="slurm-mini",
+                                     distributed="nproc_per_node: 2, device: cpu, heartbeat_timeout_s: 30"))
 
     first = sbatch(slurm_env, tmp_path, recipe)
     checkpoint = run_dir / "checkpoints" / "step_000002" / "COMPLETE"

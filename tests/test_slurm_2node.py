@@ -27,7 +27,7 @@ import pytest
 
 from hybridrl.telemetry.metrics import read_metrics
 from tests.launch import ROOT, env_with_repo, free_port, processes_mentioning
-from tests.test_slurm import job_state, wait
+from tests.test_slurm import RECIPE, job_state, wait
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(2400)]
 
@@ -35,20 +35,6 @@ CLUSTER = ROOT / "recipes" / "slurm" / "local_cluster.sh"
 SBATCH = ROOT / "recipes" / "slurm" / "train.sbatch"
 IFNAME = "hrnet0"
 HEARTBEAT_TIMEOUT_S = 15
-RECIPE = """\
-run: {{name: slurm-2node, job: rl, dir: {run_dir}}}
-model: {{path: {model}}}
-distributed: {{nproc_per_node: 1, device: cpu, heartbeat_timeout_s: {timeout}, socket_ifname: {ifname}}}
-train: {{micro_batch_size: 8, lr: 1.0e-4}}
-rollout: {{native: {{kv_cache_mb: 8}}}}
-publish: {{bucket_mb: 1}}
-agent: {{max_turns: 2, max_new_tokens_per_turn: 8, max_response_tokens: 24, temperature: 1.0}}
-task: {{name: calculator, train_size: 64, validation_size: 4}}
-algo: {{drop_all_equal_groups: false, drop_truncated: false}}   # a random model: train on every group
-trainer: {{total_steps: 6, prompts_per_step: 2, group_size: 2, validate_every: 0,
-          checkpoint_every: 1, keep_checkpoints: 1}}
-tools: {{pool_size: 1, warm: 0}}
-"""
 
 
 def _free_subnet() -> str:
@@ -85,7 +71,8 @@ def model(tiny_models):
 def write_recipe(tmp: Path, model: Path, name: str) -> tuple[Path, Path]:
     run_dir = tmp / name
     recipe = tmp / f"{name}.yaml"
-    recipe.write_text(RECIPE.format(run_dir=run_dir, model=model, timeout=HEARTBEAT_TIMEOUT_S, ifname=IFNAME))
+    recipe.write_text(RECIPE.format(run_dir=run_dir, model=model, name="slurm-2node", distributed=(
+        f"nproc_per_node: 1, device: cpu, heartbeat_timeout_s: {HEARTBEAT_TIMEOUT_S}, socket_ifname: {IFNAME}")))
     return recipe, run_dir
 
 
