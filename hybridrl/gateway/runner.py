@@ -77,8 +77,9 @@ class GatewayRunner:
     # ------------------------------------------------------------------ the server
 
     async def start(self) -> None:
-        """Start the gateway (once): its HTTP server in its own thread, and the episodes' client on the running
-        loop, which is the engine's loop the episodes run on (a later call from another loop is refused)."""
+        """Start the gateway (once): its HTTP server (in its own thread with `gateway.http_thread`), and the
+        episodes' client on the running loop, which is the engine's loop the episodes run on (a later call
+        from another loop is refused)."""
         loop = asyncio.get_running_loop()
         if self._starting is None:
             self._loop, self._starting = loop, loop.create_future()

@@ -1,4 +1,4 @@
-"""The gateway's HTTP side: a Starlette app on uvicorn, on its own event loop in its own thread.
+"""The gateway's HTTP side: a Starlette app on uvicorn, on the engine's event loop or in a thread of its own.
 
     POST /v1/chat/completions     (stream: server-sent events)
     POST /v1/completions
@@ -8,14 +8,15 @@ It listens on a Unix socket in a private directory (mode 0700, the socket 0600) 
 address, nothing else. Every request needs an episode's key (`episodes.EpisodeKeys`). uvicorn is driven
 by its `startup` / `shutdown` only: no signal handlers are installed (the rank's own stay in charge).
 
-Where it runs (`HttpServer(own_thread=...)`): by default uvicorn serves on a loop of its own in a daemon
-thread ("hybridrl-gateway"), so the per-request CPU of HTTP, JSON, the chat template and turn parsing
-never queues behind the engine's steps or the agents' coroutines on the engine's loop, and the engine's
-loop never waits for it. The only thing a request needs of the engine's loop is its generation: the
-service hands that over with `asyncio.run_coroutine_threadsafe` (`service.on_loop`), and the answer
-comes back through the future. The engine's loop may stop between rollout phases and resume (nothing
-arrives then: the agents run on it). `own_thread=False` serves on the caller's loop instead (the
-arrangement before; the benchmark compares the two).
+Where it runs (`HttpServer(own_thread=...)`, the run's `gateway.http_thread`): with `own_thread` uvicorn
+serves on a loop of its own in a daemon thread ("hybridrl-gateway"), so the per-request CPU of HTTP, JSON,
+the chat template and turn parsing never queues behind the engine's steps or the agents' coroutines on the
+engine's loop, and the engine's loop never waits for it. The only thing a request needs of the engine's
+loop is its generation: the service hands that over with `asyncio.run_coroutine_threadsafe`
+(`service.on_loop`), and the answer comes back through the future. Without it (the default, measured faster
+on CPU, where the two threads take turns on the interpreter lock) uvicorn serves on the loop that calls
+`start`, the engine's. The engine's loop may stop between rollout phases and resume (nothing arrives then:
+the agents run on it).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class HttpServer:
     thread of its own (`own_thread`) or on the loop that calls `start`."""
 
     def __init__(self, app: Any, *, listen: str = "unix", host: str = "127.0.0.1", port: int = 0,
-                 own_thread: bool = True):
+                 own_thread: bool = False):
         self.app, self.listen, self.host, self.port = app, listen, host, port
         self.own_thread = own_thread
         self.socket_path: Path | None = None

@@ -5,9 +5,10 @@
        versions; a turn interrupted by new weights or a pause continues on the newer version)
     -> parse the turn (toolcalls.py) -> commit the completion to the capture -> response
 
-Two loops: the HTTP side (everything here but generation) runs on the server's loop (its own thread,
-`server.HttpServer`); generation runs on the loop of the episode's engine (`GatewayEpisode.loop`, where
-the runner opened it), handed over whole, once per request, by `on_loop`. What both sides touch of an
+Two loops where `gateway.http_thread` is set: the HTTP side (everything here but generation) runs on
+the server's loop (its own thread, `server.HttpServer`); generation runs on the loop of the episode's
+engine (`GatewayEpisode.loop`, where the runner opened it), handed over whole, once per request, by
+`on_loop` (on one loop, the default, it is a plain await). What both sides touch of an
 episode is its counters and flags (single writes), and the close: a completion is committed under the
 episode's lock, and the runner closes the episode under it, so a trajectory is never built from a
 capture that is being extended.
