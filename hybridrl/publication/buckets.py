@@ -5,7 +5,8 @@ gathered: fused groups (q/k/v of one layer, gate/up) are never split, and a grou
 the bucket size travels alone. The sender writes each group straight into its views (un-fusing
 Megatron's QKV included: no intermediate HF tensors), so a bucket moves as one buffer: one copy
 per bucket for an engine whose storage is laid out in the same order, one handle for an IPC or
-one broadcast for a process-group transport. The layout is the one SGLang's flattened buckets use
+one broadcast for a process-group transport. An engine in this process may offer its own storage
+as the destination (`InPlaceBucket`): the sender then writes into it and no bucket is copied. The layout is the one SGLang's flattened buckets use
 (byte offsets into a uint8 tensor), so a transport can hand it over as it is.
 """
 
@@ -78,6 +79,26 @@ class FlatBucket:
         self.plan = plan
         self.buffer = buffer[: plan.nbytes]
         self.views = {e.name: self.buffer[e.start: e.end].view(e.dtype).view(e.shape) for e in plan.entries}
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    def named(self, names: Sequence[str] | None = None) -> list[tuple[str, torch.Tensor]]:
+        return [(n, self.views[n]) for n in (names if names is not None else self.views)]
+
+    def digests(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        return tensor_digests(self.named(names))
+
+
+class InPlaceBucket:
+    """A bucket whose views are the engine's own tensors (`writable_views`): the source writes the
+    new weights straight into the engine, and nothing is delivered afterwards but the commit."""
+
+    def __init__(self, plan: BucketPlan, views: dict[str, torch.Tensor]):
+        self.plan = plan
+        self.views = views
+        self.device = next(iter(views.values())).device if views else torch.device("cpu")
 
     def named(self, names: Sequence[str] | None = None) -> list[tuple[str, torch.Tensor]]:
         return [(n, self.views[n]) for n in (names if names is not None else self.views)]

@@ -6,7 +6,10 @@
                      publish or all refuse
     per bucket       the source writes its fused groups straight into the bucket's views (a
                      helper thread prepares bucket k+1 while bucket k is delivered); the sender
-                     hashes the bucket; the transport delivers it
+                     hashes the bucket; the transport delivers it. In `structure` mode, when the
+                     transport offers the engine's own storage (`destination`), the source writes
+                     into the engine directly, the bucket is hashed there and only committed: one
+                     copy of the weights instead of two
     post_copy        the receiver hashes its own storage after the copy and compares; a mismatch
                      is copied once more, a second mismatch stops the publication with an error
                      naming the tensors. Unverified tensors never count as arrived, so the version
@@ -36,7 +39,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import torch
 
 from hybridrl.publication.agree import agree, local, refusal
-from hybridrl.publication.buckets import FlatBucket, Staging, TensorSpec, plan_buckets
+from hybridrl.publication.buckets import FlatBucket, InPlaceBucket, Staging, TensorSpec, plan_buckets
 from hybridrl.publication.config import PublishConfig
 from hybridrl.publication.digest import checkpoint_hash
 from hybridrl.publication.manifest import PolicyRelease, PublicationError, PublicationRefused
@@ -68,8 +71,10 @@ class TensorGroups:
 @dataclass
 class PublishStats:
     prepare_s: float = 0.0           # writing buckets + the sender's digests (helper thread, overlapped)
-    deliver_s: float = 0.0           # the transport: copy into the engine (+ its digests in post_copy)
+    deliver_s: float = 0.0           # the transport: copy into the engine (+ its digests in post_copy); in
+                                     # place: the digests of the engine's storage and the commits
     bytes_copied: int = 0
+    in_place: bool = False           # written straight into the engine's storage (no bucket copied)
     num_buckets: int = 0
     retries: int = 0                 # tensors copied a second time after a verification mismatch
 
@@ -112,15 +117,24 @@ async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig
     plans = plan_buckets(specs, cfg.bucket_mb * 2**20)
     stats = PublishStats()
     digests: dict[str, str] = {}
+    # the engine's own storage as every bucket's destination, where offered; never under post_copy,
+    # whose check compares the engine's storage with what was sent (written in place, the same memory)
+    offered = [transport.destination(plan) for plan in plans] if not verify and hasattr(transport, "destination") \
+        else []
+    in_place = bool(offered) and all(b is not None for b in offered)
+    stats.in_place = in_place
 
-    def prepare(i: int) -> tuple[FlatBucket, dict[str, str], float]:
+    names = [[name for name, _, _ in group] for group in specs]
+
+    def prepare(i: int) -> tuple[FlatBucket | InPlaceBucket, dict[str, str], float]:
         started = time.perf_counter()
-        bucket = staging.bucket(plans[i], i)
+        bucket = offered[i] if in_place else staging.bucket(plans[i], i)
+        sent: dict[str, str] = {}
         for index in plans[i].groups:
             source.write_hf_group(index, bucket.views)
-        sent = bucket.digests()
-        if bucket.buffer.device.type == "cuda":     # the receiver may read it from another stream
-            torch.cuda.current_stream(bucket.buffer.device).synchronize()
+            sent.update(bucket.digests(names[index]))     # while the group is still in the CPU's cache
+        if bucket.device.type == "cuda":     # the receiver may read it from another stream
+            torch.cuda.current_stream(bucket.device).synchronize()
         return bucket, sent, time.perf_counter() - started
 
     async def deliver(bucket: FlatBucket, sent: dict[str, str]) -> None:
@@ -152,7 +166,10 @@ async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig
             if i + 1 < len(plans):
                 pending = _start(helper, prepare, i + 1)
             started = time.perf_counter()
-            await deliver(bucket, sent)
+            if in_place:
+                await transport.commit(bucket, version)
+            else:
+                await deliver(bucket, sent)
             stats.deliver_s += time.perf_counter() - started
             stats.bytes_copied += bucket.plan.nbytes
             stats.num_buckets += 1

@@ -88,7 +88,7 @@ class Publisher:
         stats = self.stats
         return {"release": self.release.summary(), "switch/publish_prepare_s": stats.prepare_s,
                 "switch/publish_deliver_s": stats.deliver_s, "publish/retried_tensors": float(stats.retries),
-                "publish/bytes": float(stats.bytes_copied)}
+                "publish/bytes": float(stats.bytes_copied), "publish/in_place": float(stats.in_place)}
 
     def memory(self) -> dict:
         return {"staging_bytes": self.staging.nbytes}    # the bucket buffers (kept on a CPU device)

@@ -130,3 +130,57 @@ def test_the_parity_probe_checks_a_process_first_publication_and_every_nth_versi
     assert [v for v in range(5, 13) if resumed.due(v)] == [5, 6, 9, 12]
     every = ProbeSchedule(1)
     assert all(every.due(v) for v in range(1, 6))
+
+
+def test_an_asleep_engine_is_written_in_place_in_structure_mode_with_the_copy_paths_manifest(setup, tiny_models):
+    """structure mode into an asleep native engine: the source writes into the engine's own storage (no
+    bucket copied), the manifest is the one a copy through buckets makes of the same weights, and the
+    engine serves them once awake. post_copy never writes in place (its check would read what it wrote)."""
+    from hybridrl.backends.native import NativeEngine, NativeEngineConfig
+
+    engine, model_dir = setup
+    source = source_groups(model_dir, 0.05)
+    asyncio.run(engine.sleep())
+    release, stats = run_publish(engine, source, 1, bucket_mb=1, verify="structure")
+    counters = engine.stats()
+    assert stats.in_place and stats.num_buckets >= 1 and engine.policy_version == 1
+    assert counters["weight_tensors_copied"] == 0
+    assert counters["weight_tensors_in_place"] == len(engine.weight_spec())
+    views = asyncio.run(engine.run_in_engine(lambda core: {n: v.clone() for n, v in core.views.items()}))
+    for group in source.groups:
+        for name, t in group:
+            assert torch.equal(views[name], t), name
+
+    # the same weights through buckets into a second engine (awake: it takes copies) make the same manifest
+    other = NativeEngine.from_pretrained(model_dir, NativeEngineConfig(kv_cache_mb=4, driver="loop"))
+    try:
+        copied, copy_stats = run_publish(other, source, 1, bucket_mb=1, verify="structure")
+        assert not copy_stats.in_place and other.stats()["weight_tensors_copied"] == len(other.weight_spec())
+        assert copied.checkpoint_hash == release.checkpoint_hash
+        assert copied.tensor_hashes == release.tensor_hashes
+    finally:
+        other.close()
+
+    asyncio.run(engine.wake_up())
+    out = asyncio.run(engine.generate([3, 4, 5], SamplingParams(max_new_tokens=2), "served"))
+    assert out.policy_version == 1 and len(out.token_ids) == 2
+
+    asyncio.run(engine.sleep())                               # post_copy: copied from buckets, read back
+    _, verified = run_publish(engine, source_groups(model_dir, 0.1), 2, bucket_mb=1, verify="post_copy")
+    assert not verified.in_place and engine.stats()["weight_tensors_copied"] == len(engine.weight_spec())
+
+
+def test_an_awake_engine_offers_no_storage_and_refuses_an_in_place_commit(setup):
+    engine, model_dir = setup
+    names = list(engine.weight_spec())[:2]
+    assert engine.writable_views(names) is None               # awake: requests may be reading the weights
+    with pytest.raises(RuntimeError, match="asleep"):
+        asyncio.run(engine.commit_in_place(names, 1))
+    asyncio.run(engine.sleep())
+    assert engine.writable_views(names + ["model.layers.99.mlp.up_proj.weight"]) is None   # not a tensor it holds
+    with pytest.raises(ValueError, match="layers.99"):
+        asyncio.run(engine.commit_in_place(["model.layers.99.mlp.up_proj.weight"], 1))
+    views = engine.writable_views(names)
+    assert views is not None and all(v.data_ptr() == engine.core.views[n].data_ptr() for n, v in views.items())
+    asyncio.run(engine.commit_in_place(names, 1))             # two tensors of many: the version waits for the rest
+    assert engine.policy_version == 0 and engine.stats()["pending_version"] == 1

@@ -80,8 +80,8 @@ class EngineCore:
         self.scheduler.version = policy_version
         self.asleep = False
         self.counters = {"steps": 0, "step_time_s": 0.0, "requests_finished": 0, "requests_aborted": 0,
-                         "weight_updates": 0, "weight_tensors_copied": 0, "weight_tensors_mismatched": 0,
-                         "prefix_cache_invalidations": 0}
+                         "weight_updates": 0, "weight_tensors_copied": 0, "weight_tensors_in_place": 0,
+                         "weight_tensors_mismatched": 0, "prefix_cache_invalidations": 0}
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, cfg: NativeEngineConfig, *, device: torch.device,
@@ -237,20 +237,32 @@ class EngineCore:
         self.publication.check(version)
         self.copy_into_storage(items)
         self.counters["weight_tensors_copied"] += len(items)
-        self.pool.invalidate()
-        self.counters["prefix_cache_invalidations"] += 1
         bad = []
         if digests is not None:
             held = tensor_digests([(name, self.views[name]) for name, _ in items])
             bad = [name for name, _ in items if held[name] != digests.get(name)]
-        if self.publication.arrive([name for name, _ in items if name not in bad], version):
-            self.scheduler.version = version
-            self.scheduler.admit_new = True
-            self.counters["weight_updates"] += 1
+        self._arrived([name for name, _ in items if name not in bad], version)
         if bad:
             self.counters["weight_tensors_mismatched"] += len(bad)
             raise WeightMismatch(bad, f"update_weights v{version}: {len(bad)} tensor(s) read back from the engine's "
                                       f"storage differ from the sender's digest: {bad[:5]}")
+
+    def commit_in_place(self, names: Seq[str], version: int) -> None:
+        """Count tensors a publisher wrote straight into `views` as arrived for `version` (no copy
+        here). Call only while asleep: nothing may read the weights while they are written."""
+        if not self.asleep or self.scheduler.num_started():
+            raise RuntimeError("weights written in place can be committed only while the engine is asleep")
+        self.publication.check(version)
+        self.counters["weight_tensors_in_place"] += len(names)
+        self._arrived(list(names), version)
+
+    def _arrived(self, names: list[str], version: int) -> None:
+        self.pool.invalidate()
+        self.counters["prefix_cache_invalidations"] += 1
+        if self.publication.arrive(names, version):
+            self.scheduler.version = version
+            self.scheduler.admit_new = True
+            self.counters["weight_updates"] += 1
 
     def copy_into_storage(self, items: Seq[tuple[str, torch.Tensor]]) -> None:
         """Copy into the views; tensors that lie back to back in memory on both sides (a flat bucket

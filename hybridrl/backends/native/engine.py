@@ -229,6 +229,25 @@ class NativeEngine:
             raise ValueError("update_weights: digests must cover every tensor of the call")
         await self._call("update", items, version, digests)
 
+    def writable_views(self, names: Seq[str]) -> dict[str, torch.Tensor] | None:
+        """The engine's own tensors for `names`, for a publisher that writes the new weights straight
+        into them (one copy, not two: no bucket in between), then calls `commit_in_place`. Given only
+        while the engine is asleep with no update queued, when nothing reads the weights; None
+        otherwise, or when a name is not one it accepts (the caller then sends buckets)."""
+        views = self._core.views
+        if not self._asleep or self._pending_updates or any(n not in views for n in names):
+            return None
+        return {n: views[n] for n in names}
+
+    async def commit_in_place(self, names: Seq[str], version: int) -> None:
+        """Count `names`, written into `writable_views`, as arrived for `version`; the version switches
+        once every tensor of `weight_spec()` has arrived (as with `update_weights`)."""
+        unknown = [n for n in names if n not in self._core.views]
+        if unknown:
+            raise ValueError(f"commit_in_place: {unknown[:5]} are not tensors this engine holds")
+        self._core.publication.check(version)
+        await self._call("commit", list(names), version)
+
     async def sleep(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
         """Release the tagged memory: "kv_cache" aborts every request in flight (FinishReason.ABORT)
         and frees the KV cache; the weights stay."""
@@ -369,6 +388,9 @@ class NativeEngine:
                 if core.cfg.on_weight_update == "abort":
                     core.abort_all(FinishReason.WEIGHTS_UPDATED, started_only=True)
                 self._pending_updates.append((items, version, digests, waiter))
+            elif kind == "commit":
+                core.commit_in_place(args[0], args[1])
+                waiter.settle(None)
             elif kind == "sleep":
                 freed = core.sleep()
                 log.debug("native engine asleep: released %.1f MiB of KV cache", freed / 2**20)
