@@ -132,6 +132,7 @@ def run_bench(cfg, wg) -> dict:
         "copy_floor_s": floor, "ratio_to_floor": switch_s / floor if floor else None,
         "parity_max_abs": max(s.get("parity/max_abs", 0.0) for s in switches),
         "published_cycles": sum(bool(s["published"]) for s in switches),
+        "in_place_cycles": int(sum(s.get("publish/in_place", 0.0) for s in switches)),   # written into the engine
         "retried_tensors": sum(s.get("publish/retried_tensors", 0.0) for s in switches),
     }
 

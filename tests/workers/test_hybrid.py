@@ -27,11 +27,13 @@ def model(tiny_models):
     return tiny_models("qwen2", init_std=0.1)
 
 
-@pytest.mark.parametrize("train_tp", [1, 2])
-def test_published_engine_matches_transformers_on_the_exported_weights(tmp_path, model, train_tp):
-    proc, r = run_job(tmp_path, "PUBLISH", model, f"train.tp={train_tp}")
+@pytest.mark.parametrize("train_tp, verify", [(1, "post_copy"), (2, "structure")])
+def test_published_engine_matches_transformers_on_the_exported_weights(tmp_path, model, train_tp, verify):
+    """post_copy copies from buckets; structure writes the gathered weights straight into each asleep engine."""
+    proc, r = run_job(tmp_path, "PUBLISH", model, f"train.tp={train_tp}", f"publish.verify={verify}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert r["switch"]["published"] and r["switch"]["release"]["ready"]
+    assert r["switch"]["publish/in_place"] == float(verify == "structure")
     assert r["switch"]["release"]["checkpoint_hash"].startswith("xxh3_128:")
     assert r["switch"]["parity/max_abs"] < 1e-4
     from transformers import AutoModelForCausalLM

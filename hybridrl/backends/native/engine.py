@@ -22,6 +22,8 @@ copy waits until every request already started has finished on its version, with
 those end at once with FinishReason.WEIGHTS_UPDATED. Requests not yet started wait and run on
 the new version. The version advances only when every tensor of `weight_spec()` has arrived
 for it (several calls may stream one version in buckets); until then nothing is generated.
+While asleep, a publisher in this process may instead write into the engine's own tensors
+(`writable_views`) and then count them as arrived (`commit_in_place`): one copy, not two.
 """
 
 from __future__ import annotations
