@@ -5,9 +5,10 @@ gathered: fused groups (q/k/v of one layer, gate/up) are never split, and a grou
 the bucket size travels alone. The sender writes each group straight into its views (un-fusing
 Megatron's QKV included: no intermediate HF tensors), so a bucket moves as one buffer: one copy
 per bucket for an engine whose storage is laid out in the same order, one handle for an IPC or
-one broadcast for a process-group transport. An engine in this process may offer its own storage
-as the destination (`InPlaceBucket`): the sender then writes into it and no bucket is copied. The layout is the one SGLang's flattened buckets use
-(byte offsets into a uint8 tensor), so a transport can hand it over as it is.
+one broadcast for a process-group transport. The layout is the one SGLang's flattened buckets use
+(byte offsets into a uint8 tensor), so a transport can hand it over as it is. An engine in this
+process may offer its own storage as the destination (`InPlaceBucket`): the sender then writes
+into it and no bucket is copied.
 """
 
 from __future__ import annotations
@@ -70,8 +71,21 @@ def plan_buckets(groups: Sequence[Sequence[TensorSpec]], bucket_bytes: int) -> l
     return plans
 
 
-class FlatBucket:
-    """One bucket's buffer and its views (name -> tensor of the entry's shape and dtype)."""
+class _Views:
+    """What every bucket has: its plan and a view per tensor (name -> tensor of the entry's shape, dtype)."""
+
+    plan: BucketPlan
+    views: dict[str, torch.Tensor]
+
+    def named(self, names: Sequence[str] | None = None) -> list[tuple[str, torch.Tensor]]:
+        return [(n, self.views[n]) for n in (names if names is not None else self.views)]
+
+    def digests(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        return tensor_digests(self.named(names))
+
+
+class FlatBucket(_Views):
+    """One bucket's buffer and its views."""
 
     def __init__(self, plan: BucketPlan, buffer: torch.Tensor):
         if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < plan.nbytes:
@@ -84,14 +98,8 @@ class FlatBucket:
     def device(self) -> torch.device:
         return self.buffer.device
 
-    def named(self, names: Sequence[str] | None = None) -> list[tuple[str, torch.Tensor]]:
-        return [(n, self.views[n]) for n in (names if names is not None else self.views)]
 
-    def digests(self, names: Sequence[str] | None = None) -> dict[str, str]:
-        return tensor_digests(self.named(names))
-
-
-class InPlaceBucket:
+class InPlaceBucket(_Views):
     """A bucket whose views are the engine's own tensors (`writable_views`): the source writes the
     new weights straight into the engine, and nothing is delivered afterwards but the commit."""
 
@@ -99,12 +107,6 @@ class InPlaceBucket:
         self.plan = plan
         self.views = views
         self.device = next(iter(views.values())).device if views else torch.device("cpu")
-
-    def named(self, names: Sequence[str] | None = None) -> list[tuple[str, torch.Tensor]]:
-        return [(n, self.views[n]) for n in (names if names is not None else self.views)]
-
-    def digests(self, names: Sequence[str] | None = None) -> dict[str, str]:
-        return tensor_digests(self.named(names))
 
 
 class Staging:

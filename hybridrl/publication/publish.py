@@ -119,8 +119,8 @@ async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig
     digests: dict[str, str] = {}
     # the engine's own storage as every bucket's destination, where offered; never under post_copy,
     # whose check compares the engine's storage with what was sent (written in place, the same memory)
-    offered = [transport.destination(plan) for plan in plans] if not verify and hasattr(transport, "destination") \
-        else []
+    offers = not verify and hasattr(transport, "destination")
+    offered = [transport.destination(plan) for plan in plans] if offers else []
     in_place = bool(offered) and all(b is not None for b in offered)
     stats.in_place = in_place
 

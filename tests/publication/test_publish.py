@@ -132,7 +132,7 @@ def test_the_parity_probe_checks_a_process_first_publication_and_every_nth_versi
     assert all(every.due(v) for v in range(1, 6))
 
 
-def test_an_asleep_engine_is_written_in_place_in_structure_mode_with_the_copy_paths_manifest(setup, tiny_models):
+def test_an_asleep_engine_is_written_in_place_in_structure_mode_with_the_copy_paths_manifest(setup):
     """structure mode into an asleep native engine: the source writes into the engine's own storage (no
     bucket copied), the manifest is the one a copy through buckets makes of the same weights, and the
     engine serves them once awake. post_copy never writes in place (its check would read what it wrote)."""
@@ -177,10 +177,12 @@ def test_an_awake_engine_offers_no_storage_and_refuses_an_in_place_commit(setup)
     with pytest.raises(RuntimeError, match="asleep"):
         asyncio.run(engine.commit_in_place(names, 1))
     asyncio.run(engine.sleep())
-    assert engine.writable_views(names + ["model.layers.99.mlp.up_proj.weight"]) is None   # not a tensor it holds
+    unknown = "model.layers.99.mlp.up_proj.weight"
+    assert engine.writable_views(names + [unknown]) is None   # not a tensor it holds
     with pytest.raises(ValueError, match="layers.99"):
-        asyncio.run(engine.commit_in_place(["model.layers.99.mlp.up_proj.weight"], 1))
+        asyncio.run(engine.commit_in_place([unknown], 1))
     views = engine.writable_views(names)
-    assert views is not None and all(v.data_ptr() == engine.core.views[n].data_ptr() for n, v in views.items())
-    asyncio.run(engine.commit_in_place(names, 1))             # two tensors of many: the version waits for the rest
+    assert views is not None
+    assert all(v.data_ptr() == engine.core.views[n].data_ptr() for n, v in views.items())
+    asyncio.run(engine.commit_in_place(names, 1))             # two tensors of many: the version waits
     assert engine.policy_version == 0 and engine.stats()["pending_version"] == 1
