@@ -156,8 +156,11 @@ async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig
 
     # a helper thread prepares bucket k+1 (gathers, un-fusing, the sender's digests: torch and
     # xxhash release the GIL) while this thread delivers bucket k; two staging buffers alternate.
-    # One bucket (a LoRA run's adapters) has nothing to overlap: it is prepared here, without a thread
-    helper = prepare_thread(staging.device) if len(plans) > 1 else None
+    # One bucket (a LoRA run's adapters) has nothing to overlap: it is prepared here, without a thread;
+    # nor has a publication in place, whose delivery is a commit. Here the writes also run faster: on a
+    # CPU, torch's parallel copies launched from a second thread pay a thread wake-up per copy
+    # (88.6M parameters: publish 0.042-0.053 s here against 0.052-0.069 s on the helper, 4 paired runs)
+    helper = prepare_thread(staging.device) if len(plans) > 1 and not in_place else None
     try:
         pending = _start(helper, prepare, 0) if plans else None
         for i in range(len(plans)):
