@@ -70,9 +70,10 @@ class TensorGroups:
 
 @dataclass
 class PublishStats:
-    prepare_s: float = 0.0           # writing buckets + the sender's digests (helper thread, overlapped)
+    prepare_s: float = 0.0           # writing buckets + the sender's digests (helper thread, overlapped;
+                                     # in place: this thread, the writes going into the engine itself)
     deliver_s: float = 0.0           # the transport: copy into the engine (+ its digests in post_copy); in
-                                     # place: the digests of the engine's storage and the commits
+                                     # place: the commits
     bytes_copied: int = 0
     in_place: bool = False           # written straight into the engine's storage (no bucket copied)
     num_buckets: int = 0
@@ -124,7 +125,7 @@ async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig
     in_place = bool(offered) and all(b is not None for b in offered)
     stats.in_place = in_place
 
-    names = [[name for name, _, _ in group] for group in specs]
+    group_names = [[name for name, _, _ in group] for group in specs]
 
     def prepare(i: int) -> tuple[FlatBucket | InPlaceBucket, dict[str, str], float]:
         started = time.perf_counter()
@@ -132,7 +133,7 @@ async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig
         sent: dict[str, str] = {}
         for index in plans[i].groups:
             source.write_hf_group(index, bucket.views)
-            sent.update(bucket.digests(names[index]))     # while the group is still in the CPU's cache
+            sent.update(bucket.digests(group_names[index]))     # while the group is still in the CPU's cache
         if bucket.device.type == "cuda":     # the receiver may read it from another stream
             torch.cuda.current_stream(bucket.device).synchronize()
         return bucket, sent, time.perf_counter() - started
