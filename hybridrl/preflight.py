@@ -72,6 +72,8 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
     if teacher:                            # the teacher runs in the actor's layout
         check_layout(teacher, cfg.train.tp, cfg.train.pp, world_size, world_key=world_key, ep=cfg.train.ep,
                      training=False)
+    if getattr(cfg.train, "share_prefix", False):
+        check_share_prefix(cfg.model.path)
     if cfg.run.job == "rl":
         check_dtypes(cfg)
     train_size = check_task(cfg)
@@ -262,6 +264,17 @@ def check_layout(path: str, tp: int, pp: int, world_size: int, *, keys: tuple[st
                              training=training)
     if problem:
         raise PreflightError(problem)
+
+
+def check_share_prefix(path: str) -> None:
+    """train.share_prefix lays shared prefixes out once; a mixture-of-experts model's routing record
+    and load-balancing loss are per row token, so it is refused there."""
+    from hybridrl.backends.model_spec import ModelSpec
+
+    if ModelSpec.from_dir(path).is_moe:
+        raise PreflightError(f"train.share_prefix=true: model.path={path} is a mixture-of-experts model, whose "
+                             "routing replay and load-balancing loss count every row's tokens; set "
+                             "train.share_prefix=false (packing alone, max_tokens_per_micro_batch, still works)")
 
 
 def rollout_dtype(cfg: Any) -> tuple[str, str]:

@@ -136,3 +136,15 @@ def test_a_rank_checks_before_it_joins_the_process_group(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "hybridrl: model.path=/no/such/dir: no such directory (an HF model directory: config.json, *.safetensors, "
         "tokenizer files; `hybridrl assets tiny-model --out DIR` makes a small one)"]
+
+
+def test_share_prefix_is_refused_for_a_mixture_of_experts_model(tmp_path, capsys, tiny_models):
+    """The GRPO recipe shares prompts in its packs; a mixture-of-experts model's routing record and
+    load-balancing loss are per row token, so the run stops before starting, naming the knob."""
+    moe = tiny_models("qwen3_moe", experts=4, experts_per_tok=2, init_std=0.05)
+    capsys.readouterr()                                         # the build's progress output
+    err = refused(capsys, GRPO, f"model.path={moe}", f"run.dir={tmp_path / 'run'}")
+    assert "train.share_prefix=true" in err and "mixture-of-experts" in err and "share_prefix=false" in err
+    code, err = check(capsys, GRPO, f"model.path={moe}", f"run.dir={tmp_path / 'run'}", "train.share_prefix=false",
+                      "--check")
+    assert code == 0, err

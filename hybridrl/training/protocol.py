@@ -66,7 +66,8 @@ class TrainEngine(Protocol):
     def train_step(self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0, with_entropy: bool = False,
                    extremes: Iterable[str] = (), capture: bool = False) -> dict[str, Any]:
         """One optimizer step on this rank's rows. Returns the same scalars on every rank: loss, grad_norm,
-        lr, num_tokens, num_sequences, each metric's masked token mean over the global batch, and for every
+        lr, num_tokens, num_sequences (optionally model_tokens: the positions the model ran, padding
+        included, summed over data-parallel ranks), each metric's masked token mean over the global batch, and for every
         name in `extremes` its masked max and min over the global batch (`<name>_max`, `<name>_min`).
         `capture`: also 'logprobs' [B, T], the detached values the step's forward gave the loss (on the
         loss ranks; None elsewhere)."""

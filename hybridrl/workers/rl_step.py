@@ -170,12 +170,14 @@ def _rows(values: torch.Tensor, mask: torch.Tensor, lo: int, hi: int) -> torch.T
 def _step_scalars(actor, per_update: list[dict], per_epoch: int, old: torch.Tensor, behavior: torch.Tensor,
                   mask: torch.Tensor) -> dict[str, float]:
     """One step's scalars from its optimizer steps: means of each metric, the last learning rate, the tokens
-    and sequences of one epoch (the batch, counted once), ratio extremes, and the rollout/trainer mismatch
+    and sequences of one epoch (the batch, counted once; model_tokens: the positions the model ran for
+    them), ratio extremes, and the rollout/trainer mismatch
     over the data-parallel ranks."""
-    keys = [k for k in per_update[0] if k not in ("lr", "num_tokens", "num_sequences", "ratio_max", "ratio_min")]
+    counts = [k for k in ("num_tokens", "num_sequences", "model_tokens") if k in per_update[0]]
+    keys = [k for k in per_update[0] if k not in ("lr", "ratio_max", "ratio_min", *counts)]
     out = {k: sum(u[k] for u in per_update) / len(per_update) for k in keys}
     out["lr"] = per_update[-1]["lr"]
-    for k in ("num_tokens", "num_sequences"):
+    for k in counts:
         out[k] = sum(u[k] for u in per_update[:per_epoch])
     out["grad_norm_max"] = max(u["grad_norm"] for u in per_update)
     out["clip_fraction_last"] = per_update[-1].get("clip_fraction", 0.0)

@@ -136,7 +136,7 @@ PINNED_KEYS = [
     "gateway.agent_grace_s", "gateway.model_name", "gateway.http_thread",
     "env.db_path", "env.lease_ttl_s", "env.synchronous", "env.busy_timeout_s", "env.step_timeout_s", "env.max_retries",
     "env.audit_log",
-    "train.engine", "train.tp", "train.pp", "train.ep", "train.moe_aux_loss_coef", "train.moe_z_loss_coef", "train.micro_batch_size", "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens",
+    "train.engine", "train.tp", "train.pp", "train.ep", "train.moe_aux_loss_coef", "train.moe_z_loss_coef", "train.micro_batch_size", "train.max_tokens_per_micro_batch", "train.share_prefix", "train.logprob_chunk_tokens",
     "train.dtype", "train.lr", "train.min_lr",
     "train.lr_warmup_steps", "train.lr_decay_steps", "train.lr_schedule", "train.weight_decay",
     "train.adam_beta1", "train.adam_beta2", "train.adam_eps", "train.clip_grad",

@@ -65,6 +65,11 @@ class MegatronConfig:
     max_tokens_per_micro_batch: int = knob(0, "pack sequences into micro-batches of at most this many real tokens "
                                               "(no padding computed; attention stays within each sequence); "
                                               "0 = off (micro_batch_size padded rows)")
+    share_prefix: bool = knob(False, "in packs, rows that begin with the same tokens (the samples of one prompt) "
+                                     "share them: the common prefix is laid out and computed once and every "
+                                     "row's own tokens attend to it (same logprobs and gradients up to float "
+                                     "rounding, fewer tokens through the model); needs max_tokens_per_micro_batch "
+                                     "> 0; not for mixture-of-experts models")
     logprob_chunk_tokens: int = knob(0, "tokens per chunk of the logprob/entropy computation (float32 copies of the "
                                         "vocabulary-wide logits exist for one chunk at a time); 0 = ~64 MiB per copy")
     dtype: str = knob("float32", "parameter/compute dtype: float32 | bfloat16 | float16 (bf16/fp16 on GPUs)")
@@ -99,6 +104,9 @@ class MegatronConfig:
         check_choice("attention", self.attention, ("sdpa", "megatron"))
         check_positive("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, allow_zero=True)
         check_positive("logprob_chunk_tokens", self.logprob_chunk_tokens, allow_zero=True)
+        if self.share_prefix and not self.max_tokens_per_micro_batch:
+            raise ConfigValueError("share_prefix", "shared prefixes are laid out in packs: set "
+                                   "max_tokens_per_micro_batch > 0 too (e.g. 2048), or share_prefix=false")
         if self.max_tokens_per_micro_batch and self.attention != "sdpa":
             raise ConfigValueError("max_tokens_per_micro_batch", "packing needs attention=sdpa (Megatron's local "
                                    f"attention cannot isolate packed sequences), got attention={self.attention!r}")

@@ -117,6 +117,9 @@ class MegatronEngine:
             cpu_compat.activate()
         adapter = adapter_for(ModelSpec.from_dir(model_dir), tp=cfg.tp, ep=cfg.ep,
                               vocab_divisible_by=cfg.make_vocab_size_divisible_by)
+        if cfg.share_prefix and adapter.spec.is_moe:
+            raise ValueError(f"{model_dir}: share_prefix is not for mixture-of-experts models (their routing "
+                             "record and load-balancing loss count every row's tokens); set share_prefix=False")
         with cpu_compat.device_scope(device):
             mesh = parallel.ensure_model_parallel(cfg.tp, cfg.pp, cfg.seed, ep=cfg.ep)
             tconfig = transformer_config(adapter.spec, cfg, device=device)
@@ -307,7 +310,7 @@ class MegatronEngine:
         from hybridrl.backends.megatron.schedule import micro_batches
 
         return micro_batches(batch, self.cfg.micro_batch_size, self.device,
-                             max_tokens=self.cfg.max_tokens_per_micro_batch)
+                             max_tokens=self.cfg.max_tokens_per_micro_batch, share_prefix=self.cfg.share_prefix)
 
     def _schedule_model(self) -> torch.nn.Module:
         return self.ddp if self.ddp is not None else self.model
@@ -381,6 +384,10 @@ class MegatronEngine:
         self.passes["train"] += 1
         self.model.train()
         mbs = self._micro_batches(rows)
+        # the positions the model runs (padding included, a shared prefix once): against num_tokens,
+        # what the layout costs
+        sums["model_tokens"] = torch.tensor(float(sum(b * t for b, t in (mb.model_shape for mb in mbs))),
+                                            dtype=torch.float64)
         with self._scope():
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -395,7 +402,8 @@ class MegatronEngine:
             reduced = self._reduce_sums(sums, dp_group, highs)
         self.num_steps += 1
         metrics: dict[str, Any] = {"loss": reduced.pop("loss", 0.0), "grad_norm": float(grad_norm or 0.0), "lr": lr,
-                                   "num_tokens": denominators.num_tokens, "num_sequences": denominators.num_sequences}
+                                   "num_tokens": denominators.num_tokens, "num_sequences": denominators.num_sequences,
+                                   "model_tokens": reduced.pop("model_tokens", 0.0)}
         for key, total in sorted(reduced.items()):
             if key.startswith("metric/"):
                 metrics[key.removeprefix("metric/")] = total / max(denominators.num_tokens, 1.0)

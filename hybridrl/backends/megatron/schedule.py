@@ -10,6 +10,9 @@ packed (`max_tokens_per_micro_batch>0`): the real tokens of several sequences ar
     than the budget gets a micro-batch of its own). Megatron runs it in its `thd` format
     (`PackedSeqParams` with cumulative sequence lengths): RoPE positions restart at every
     sequence and attention never crosses one (`attention.SDPAttention`). No padding is computed.
+    With `share_prefix`, rows that begin with the same tokens (the samples of one prompt) are
+    laid out as one unit: the common prefix once, then each row's own tokens (see
+    `prefix_units`); the model computes the prefix once and every row's tokens attend to it.
 
 Either way the loss function sees the micro-batch as rows [b, T_mb] (`MicroBatch.batch`, the
 rows' tensors cut to their longest sequence) and the engine's per-token values are laid out in
@@ -27,6 +30,7 @@ position 0, which every per-token output leaves at 0 or recomputes identically).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -53,12 +57,20 @@ class PackedSequences(PackedSeqParams):
         causal attention never lets it reach a real one), and `valid` the real positions of the
         flattened [n * L] block.
     inverse: the permutation that puts the groups' real outputs back in pack order.
-    unpack: [b, T_mb] pack position of each row's token (-1 after a row ends)."""
+    unpack: [b, T_mb] pack position of each row's token (-1 after a row ends).
+    lengths: the segments of `cu_seqlens` (a shared prefix, then each row's own tokens).
+    positions: per-token RoPE positions [t] when some rows share a prefix (their own tokens do not
+        start at position 0 of a segment); None when every segment is a whole sequence.
+
+    A row's "virtual sequence" is its positions in the pack (`unpack[r]`): a shared prefix's
+    positions, then its own. Attention gathers each row's virtual sequence; the prefix's outputs
+    are taken from the unit's first row only (`valid`), so every pack position is produced once."""
 
     groups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     inverse: torch.Tensor | None = None
     unpack: torch.Tensor | None = None
     lengths: list[int] = field(default_factory=list)
+    positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -119,11 +131,12 @@ def check_sequence_batch(batch: Batch) -> None:
         raise ValueError("attention_mask must be right-padded: ones, then zeros, in every row")
 
 
-def micro_batches(batch: Batch, size: int, device: torch.device, *, max_tokens: int = 0) -> list[MicroBatch]:
+def micro_batches(batch: Batch, size: int, device: torch.device, *, max_tokens: int = 0,
+                  share_prefix: bool = False) -> list[MicroBatch]:
     """Split into micro-batches: `size` rows each (padded), or packs of at most `max_tokens`
-    real tokens when `max_tokens > 0`."""
+    real tokens when `max_tokens > 0` (rows' common prefixes laid out once with `share_prefix`)."""
     if max_tokens > 0:
-        return packed_micro_batches(batch, max_tokens, device)
+        return packed_micro_batches(batch, max_tokens, device, share_prefix=share_prefix)
     out = []
     start = 0
     for part in batch.split(size):
@@ -149,44 +162,144 @@ def _cut(part: Batch, full_len: int, device: torch.device) -> Batch:
 def pack_rows(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """Row indices per pack: first-fit over rows by decreasing length (ties by index), each pack's
     rows longest first; a row longer than `max_tokens` is a pack of its own."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    packs: list[list[int]] = []
+    units = [PrefixUnit([i], 0) for i in range(len(lengths))]
+    return [[r for unit in pack for r in unit.rows] for pack in pack_units(units, lengths, max_tokens)]
+
+
+@dataclass
+class PrefixUnit:
+    """Rows laid out together in a pack: their first `shared` tokens once, then each row's own."""
+
+    rows: list[int]
+    shared: int = 0
+
+    def cost(self, lengths: list[int]) -> int:
+        """Tokens the unit takes in a pack."""
+        return sum(lengths[r] for r in self.rows) - (len(self.rows) - 1) * self.shared
+
+
+def prefix_units(seqs: list[list[int]], max_tokens: int) -> list[PrefixUnit]:
+    """Rows (token lists) cut into units whose rows share a prefix, choosing the units that save
+    the most tokens, each within `max_tokens`.
+
+    Rows sorted by their tokens put rows with long common prefixes side by side; a unit is a run of
+    that order, and its shared part is the run's common prefix less one token. That last common
+    token stays with every row, so that each pack position predicts one next token for all the rows
+    reading it: the shared part's last position predicts the common token, each row's own first
+    position its own continuation (logprobs are computed per pack position). A dynamic programme
+    over the sorted order picks the runs (at most O(rows x run length) steps: a run stops growing
+    when it would share nothing or exceed the budget)."""
+    lengths = [len(s) for s in seqs]
+    n = len(seqs)
+    order = sorted(range(n), key=lambda i: seqs[i])
+    common = []
+    for a, b in zip(order, order[1:]):
+        x, y = seqs[a], seqs[b]
+        k, m = 0, min(len(x), len(y))
+        while k < m and x[k] == y[k]:
+            k += 1
+        common.append(k)
+    best = [0] * (n + 1)                  # best[j]: tokens saved over the first j rows of `order`
+    start = [0] * (n + 1)                 # where the last unit of that best choice starts
+    shared_of = [0] * (n + 1)
+    for j in range(1, n + 1):
+        best[j], start[j], shared_of[j] = best[j - 1], j - 1, 0
+        prefix, total = None, lengths[order[j - 1]]
+        for i in range(j - 2, -1, -1):    # the unit order[i:j]
+            prefix = common[i] if prefix is None else min(prefix, common[i])
+            shared = prefix - 1
+            if shared < 1:
+                break
+            total += lengths[order[i]]
+            size = j - i
+            if total - (size - 1) * shared > max_tokens:
+                break
+            if best[i] + (size - 1) * shared > best[j]:
+                best[j], start[j], shared_of[j] = best[i] + (size - 1) * shared, i, shared
+    units = []
+    j = n
+    while j > 0:
+        units.append(PrefixUnit(order[start[j]:j], shared_of[j]))
+        j = start[j]
+    return units[::-1]
+
+
+def pack_units(units: list[PrefixUnit], lengths: list[int], max_tokens: int) -> list[list[PrefixUnit]]:
+    """Units per pack: first-fit over units by decreasing cost (ties by first row), each pack's
+    units costliest first; a unit over the budget (a single long row) is a pack of its own."""
+    order = sorted(units, key=lambda u: (-u.cost(lengths), u.rows[0]))
+    packs: list[list[PrefixUnit]] = []
     room: list[int] = []
-    for i in order:
+    for unit in order:
+        cost = unit.cost(lengths)
         for p, free in enumerate(room):
-            if lengths[i] <= free:
-                packs[p].append(i)
-                room[p] -= lengths[i]
+            if cost <= free:
+                packs[p].append(unit)
+                room[p] -= cost
                 break
         else:
-            packs.append([i])
-            room.append(max_tokens - lengths[i])
+            packs.append([unit])
+            room.append(max_tokens - cost)
     return packs
 
 
-def packed_micro_batches(batch: Batch, max_tokens: int, device: torch.device) -> list[MicroBatch]:
+def packed_micro_batches(batch: Batch, max_tokens: int, device: torch.device, *,
+                         share_prefix: bool = False) -> list[MicroBatch]:
     lengths = [int(n) for n in batch["attention_mask"].sum(dim=1).tolist()]
     full_len = batch["input_ids"].shape[1]
+    all_ids = batch["input_ids"].tolist()
+    seqs = [row[:n] for row, n in zip(all_ids, lengths)]
+    units = prefix_units(seqs, max_tokens) if share_prefix else [PrefixUnit([i], 0) for i in range(len(seqs))]
     out = []
-    for rows in pack_rows(lengths, max_tokens):
+    for pack in pack_units(units, lengths, max_tokens):
+        rows = [r for unit in pack for r in unit.rows]
         part = _cut(batch.select(rows), full_len, device)
-        lens = [lengths[i] for i in rows]
         mask = part["attention_mask"].to(device)
-        ids = part["input_ids"][part["attention_mask"].bool()].to(device=device, dtype=torch.long).unsqueeze(0)
-        positions = torch.cat([torch.arange(n, device=device) for n in lens]).unsqueeze(0)
-        out.append(MicroBatch(part, ids, positions, None, mask, list(rows), _packed_params(lens, device)))
+        tokens, positions, segments, virtual, owned = [], [], [], [], []
+        for unit in pack:
+            s = unit.shared
+            prefix = list(range(len(tokens), len(tokens) + s))
+            if s:
+                tokens += seqs[unit.rows[0]][:s]
+                positions += range(s)
+                segments.append(s)
+            for k, r in enumerate(unit.rows):
+                own = list(range(len(tokens), len(tokens) + lengths[r] - s))
+                tokens += seqs[r][s:]
+                positions += range(s, lengths[r])
+                segments.append(lengths[r] - s)
+                virtual.append(prefix + own)
+                owned.append(len(prefix) if k else 0)      # the first row of a unit produces its prefix
+        ids = torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(0)
+        pos = torch.tensor(positions, dtype=torch.long, device=device).unsqueeze(0)
+        shared = any(unit.shared for unit in pack)
+        params = _pack_params(virtual, owned, segments, pos[0] if shared else None, device)
+        out.append(MicroBatch(part, ids, pos, None, mask, list(rows), params))
     return out
 
 
 def _packed_params(lengths: list[int], device: torch.device) -> PackedSequences:
+    """The parameters of a pack of whole sequences laid end to end."""
     starts = [0]
     for n in lengths:
         starts.append(starts[-1] + n)
+    virtual = [list(range(starts[r], starts[r] + n)) for r, n in enumerate(lengths)]
+    return _pack_params(virtual, [0] * len(lengths), list(lengths), None, device)
+
+
+def _pack_params(virtual: list[list[int]], owned_from: list[int], segments: list[int],
+                 positions: torch.Tensor | None, device: torch.device) -> PackedSequences:
+    """virtual[r]: row r's pack positions in order (a shared prefix's, then its own); the row
+    produces the outputs of virtual[r][owned_from[r]:]; segments: cu_seqlens' lengths."""
+    starts = [0]
+    for n in segments:
+        starts.append(starts[-1] + n)
     cu = torch.tensor(starts, dtype=torch.int32, device=device)
+    lengths = [len(v) for v in virtual]
     longest = max(lengths)
     unpack = torch.full((len(lengths), longest), -1, dtype=torch.long)
-    for r, n in enumerate(lengths):
-        unpack[r, :n] = torch.arange(starts[r], starts[r] + n)
+    for r, v in enumerate(virtual):
+        unpack[r, :len(v)] = torch.tensor(v)
     # attention groups: consecutive runs of the (longest-first) sequences
     groups, dests = [], []
     order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
@@ -206,16 +319,16 @@ def _packed_params(lengths: list[int], device: torch.device) -> PackedSequences:
         valid = torch.zeros(len(members), width, dtype=torch.bool)
         for k, r in enumerate(members):
             n = lengths[r]
-            index[k, :n] = torch.arange(starts[r], starts[r] + n)
-            index[k, n:] = starts[r] + n - 1
-            valid[k, :n] = True
-            dests.append(index[k, :n])
+            index[k, :n] = unpack[r, :n]
+            index[k, n:] = unpack[r, n - 1]
+            valid[k, owned_from[r]:n] = True
+            dests.append(unpack[r, owned_from[r]:n])
         groups.append((index.to(device), valid.reshape(-1).nonzero().squeeze(1).to(device)))
         i = j
     inverse = torch.argsort(torch.cat(dests)).to(device)
-    return PackedSequences(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                           max_seqlen_kv=longest, groups=groups, inverse=inverse, unpack=unpack.to(device),
-                           lengths=list(lengths))
+    return PackedSequences(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(segments),
+                           max_seqlen_kv=max(segments), groups=groups, inverse=inverse, unpack=unpack.to(device),
+                           lengths=list(segments), positions=positions)
 
 
 def run_schedule(model: torch.nn.Module, mbs: list[MicroBatch],
@@ -245,7 +358,8 @@ def run_schedule(model: torch.nn.Module, mbs: list[MicroBatch],
             extra["padding_mask"] = moe.padding_mask(mb)
         with cpu_compat.native_ops():
             if mb.packed is not None:
-                output = chunk(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed, **extra)
+                with _rope_at(gpt, mb.packed.positions):
+                    output = chunk(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed, **extra)
             else:
                 output = chunk(mb.input_ids, mb.position_ids, mb.causal_mask, **extra)
         return output, partial(loss_func, mb)
@@ -266,6 +380,31 @@ def run_schedule(model: torch.nn.Module, mbs: list[MicroBatch],
             micro_batch_size=widest,
             forward_only=forward_only,
         )
+
+
+@contextmanager
+def _rope_at(gpt, positions: torch.Tensor | None):
+    """While a pack with shared prefixes runs: RoPE at each token's own position.
+
+    Megatron's `thd` RoPE gives each `cu_seqlens` segment positions 0.. unless the frequencies it
+    gets cover every token of the pack, in which case it reads each segment's slice of them at its
+    offset in the pack. So the rotary module hands out the frequencies of `positions`, one per token
+    (the values of the positions a whole-sequence layout would use: RoPE is elementwise in the
+    position)."""
+    if positions is None:
+        yield
+        return
+    rotary = gpt.rotary_pos_emb
+    table = type(rotary).forward                         # megatron's, cached per length
+
+    def per_token(max_seq_len, offset=0, packed_seq=False, cp_group=None):
+        return table(rotary, int(positions.max()) + 1).index_select(0, positions)
+
+    rotary.forward = per_token
+    try:
+        yield
+    finally:
+        del rotary.forward
 
 
 def _even_out(mbs: list[MicroBatch]) -> None:

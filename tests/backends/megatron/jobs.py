@@ -267,30 +267,42 @@ def checkpoint(out: Path, model_dir: str, phase: str) -> None:
 
 
 PACKED_LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+# (row, row it copies, leading tokens copied): rows 0-3 and 4-7 are the two DP ranks' halves; the
+# shared positions carry loss (the batch's "prompt" is 2 tokens), so several rows train through them
+SHARED_PREFIXES = ((1, 0, 5), (3, 0, 8), (5, 4, 4), (6, 4, 6))
 
 
 def packed(out: Path, model_dir: str, lr: str, max_tokens: str) -> None:
-    """Per layout: two train steps and a logprob pass with padded micro-batches (2 rows) and with
-    packs of at most `max_tokens` tokens, from the same weights on the same global batch (7 rows
-    of mixed lengths + 1 dispatcher padding row). Records losses, grad norms, logprobs (vs
-    transformers too) and the updated weights."""
+    """Per layout: two train steps and a logprob pass with padded micro-batches (2 rows), with
+    packs of at most `max_tokens` tokens, and with those packs sharing the rows' common prefixes,
+    from the same weights on the same global batch (7 rows of mixed lengths, some beginning with
+    the same tokens as another row of their DP rank's half, + 1 dispatcher padding row). Records
+    losses, grad norms, logprobs (vs transformers too), the tokens the packs ran and the updated
+    weights."""
     world = dist.get_world_size()
     full = sequence_batch(7, vocab=_vocab(model_dir), seed=3).pad_to(8, zero=["loss_mask"])
+    ids = full["input_ids"]
+    for row, source, count in SHARED_PREFIXES:
+        ids[row, :count] = ids[source, :count]
     hf = _hf_model(model_dir)
     ref_lp, ref_ent = token_logprobs(hf_logits(hf, full), full["input_ids"], full["attention_mask"], TEMPERATURE)
     layouts = PACKED_LAYOUTS if world == 2 else {"dp1": (1, 1)}
     results = {}
     for name, (tp, pp) in layouts.items():
-        for mode, tokens in (("padded", 0), ("packed", int(max_tokens))):
+        for mode, tokens, share in (("padded", 0, False), ("packed", int(max_tokens), False),
+                                    ("shared", int(max_tokens), True)):
             destroy_model_parallel()
             # packed: logprobs in chunks of 5 tokens too (several chunks per pack, over TP at tp2)
             cfg = MegatronConfig(tp=tp, pp=pp, micro_batch_size=2, max_tokens_per_micro_batch=tokens, lr=float(lr),
-                                 weight_decay=0.1, clip_grad=1.0, logprob_chunk_tokens=5 if tokens else 0)
+                                 weight_decay=0.1, clip_grad=1.0, logprob_chunk_tokens=5 if tokens else 0,
+                                 share_prefix=share)
             engine = MegatronEngine.from_hf(model_dir, cfg)
             mine = full.chunk(engine.mesh.dp_size)[engine.mesh.dp_rank(dist.get_rank())]
             mbs = engine._micro_batches(mine.slice(0, max(mine.num_valid, 1)))
             rec: dict = {"rows_per_micro_batch": [len(mb.rows) for mb in mbs],
-                         "model_rows": [mb.model_shape[0] for mb in mbs]}
+                         "model_rows": [mb.model_shape[0] for mb in mbs],
+                         "model_tokens": sum(mb.model_shape[0] * mb.model_shape[1] for mb in mbs),
+                         "real_tokens": sum(int(mb.attention_mask.sum()) for mb in mbs)}
             lp = engine.compute_logprobs(mine, temperature=TEMPERATURE, with_entropy=True)
             rec["steps"] = [engine.train_step(mine, pg_loss, temperature=TEMPERATURE, with_entropy=True)
                             for _ in range(2)]
