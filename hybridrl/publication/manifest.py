@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from hybridrl.rollout.protocol import SAMPLER_CONTRACT_VERSION
@@ -62,10 +62,8 @@ class PolicyRelease:
 
     def summary(self) -> dict:
         """The reference's manifest fields (without the per-tensor tables)."""
-        d = asdict(self)
-        d.pop("tensor_hashes")
-        d.pop("tensor_specs")
-        return d
+        # not asdict(): it would deep-copy the per-tensor tables only to drop them
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("tensor_hashes", "tensor_specs")}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

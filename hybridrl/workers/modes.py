@@ -103,6 +103,50 @@ class Arrivals:
                 pass
 
 
+class Backstop:
+    """Calls `on_overrun(message)` when an armed deadline passes before `disarm`: a phase stuck where
+    nothing can interrupt it (a collective, a copy). One thread for every phase of a rank, started on
+    the first `arm`: arming a phase takes a lock (and a wake-up when the thread must wait less), not
+    a thread start per phase."""
+
+    def __init__(self, on_overrun: Callable[[str], None]):
+        self.on_overrun = on_overrun
+        self._cond = threading.Condition()
+        self._armed: tuple[float, str] | None = None     # (monotonic deadline, message)
+        self._waiting_until: float | None = None        # the deadline the thread sleeps towards (None: idle)
+        self._thread: threading.Thread | None = None
+
+    def arm(self, seconds: float, message: str) -> None:
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            self._armed = (deadline, message)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="hybridrl-phase-backstop", daemon=True)
+                self._thread.start()
+            elif self._waiting_until is None or deadline < self._waiting_until:
+                self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._armed = None          # the thread finds nothing armed when it next wakes
+
+    def _watch(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._armed is None:
+                        self._waiting_until = None
+                        self._cond.wait()
+                        continue
+                    deadline, message = self._armed
+                    if time.monotonic() >= deadline:
+                        self._armed = None
+                        break
+                    self._waiting_until = deadline
+                    self._cond.wait(deadline - time.monotonic())
+            self.on_overrun(message)
+
+
 @dataclass
 class PhaseRecord:
     seconds: float
@@ -128,6 +172,7 @@ class Phases:
         self.arrivals = arrivals
         self.on_overrun = on_overrun
         self.overrun_grace_s = overrun_grace_s
+        self._backstop = Backstop(on_overrun) if on_overrun is not None else None
         self.switches = 0                  # mode switches begun (SPMD: the same count on every rank)
         self._current: tuple[str, float | None] | None = None     # (phase, monotonic deadline)
 
@@ -148,12 +193,10 @@ class Phases:
         limit = self.deadlines.get(name)
         deadline = time.monotonic() + limit if limit else None
         self._current = (name, deadline)
-        backstop = None
-        if limit and self.on_overrun is not None:
-            message = self.timeout_message(waits_for) + " (stuck where it cannot be interrupted)"
-            backstop = threading.Timer(limit + self.overrun_grace_s, self.on_overrun, args=(message,))
-            backstop.daemon = True
-            backstop.start()
+        backstop = self._backstop if limit else None
+        if backstop is not None:
+            backstop.arm(limit + self.overrun_grace_s,
+                         self.timeout_message(waits_for) + " (stuck where it cannot be interrupted)")
         try:
             if self.arrivals is not None and limit:       # a phase of a switch: every rank runs it
                 arrived = time.perf_counter()
@@ -176,7 +219,7 @@ class Phases:
         finally:
             self._current = None
             if backstop is not None:
-                backstop.cancel()
+                backstop.disarm()
 
     def remaining(self) -> float | None:
         """Seconds left before the current phase's deadline (None: no deadline)."""

@@ -88,7 +88,8 @@ class ModeSwitch(Part):
             raise
         self.modes.to(Mode.ROLLOUT)
         out = {"published": published, "policy_version": self.engine.policy_version, **probe,
-               "publish/refused": float(self.everyone.count(refused is not None)),
+               # every rank took the same decision (publication/agree.py): nothing to count over them
+               "publish/refused": float(refused is not None),
                **self._timed(phases, "switch/arrival_rollout_s")}
         return {**out, **self.publisher.release_metrics(published)}
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -77,3 +78,29 @@ def test_work_that_cannot_be_interrupted_is_reported_past_its_deadline_plus_grac
         pass
     time.sleep(0.3)
     assert len(reports) == 1
+
+
+def test_one_backstop_thread_serves_every_phase():
+    """Arming a phase's backstop starts no thread of its own; a shorter deadline armed while the
+    thread waits towards a longer one still fires in time."""
+    from hybridrl.workers.modes import Backstop
+
+    def watchers():
+        return {t for t in threading.enumerate() if t.name == "hybridrl-phase-backstop"}
+
+    reports = []
+    before = watchers()                         # other tests' machines keep theirs
+    m = ModeMachine(rank=0, deadlines={"sleep": 5.0}, on_overrun=reports.append, overrun_grace_s=0.0)
+    for _ in range(20):
+        with m.phase("sleep"):
+            pass
+    assert len(watchers() - before) == 1 and reports == []
+    b = Backstop(reports.append)
+    b.arm(10.0, "late")
+    b.arm(0.05, "soon")                         # the thread sleeps towards 10 s: it must be woken
+    time.sleep(0.4)
+    assert reports == ["soon"]
+    b.arm(0.05, "cancelled")
+    b.disarm()
+    time.sleep(0.2)
+    assert reports == ["soon"]
