@@ -64,7 +64,8 @@ def train(cfg, wg) -> dict:
 
         with timer("prep"):
             kept = admitted(cfg, trajectories, run.version)
-            batch = to_batch(kept.kept, pad_id=run.pad_id) if kept.kept else None
+            # the trajectories stay here: the batch needs no records to rebuild them from
+            batch = to_batch(kept.kept, pad_id=run.pad_id, records=False) if kept.kept else None
             if batch is not None:
                 collected.update(partial.apply(cfg.algo.partial_policy, batch))   # multi-version rows
                 layout = plan(len(batch), wg.mesh("train").dp_size, cfg.algo.ppo_mini_batches)

@@ -55,6 +55,10 @@ class ToolCallRecord:
     latency_s: float = 0.0
 
 
+# a trajectory's per-token lists
+PER_TOKEN = ("prompt_ids", "response_ids", "response_mask", "behavior_logprobs", "policy_versions")
+
+
 @dataclass(kw_only=True)
 class Trajectory:
     run_id: str
@@ -133,9 +137,10 @@ class Trajectory:
 
     def record(self) -> dict[str, Any]:
         """Everything but the per-token lists (they travel as tensors): small, picklable."""
-        d = asdict(replace(self, routed_experts=None))
-        for name in ("prompt_ids", "response_ids", "response_mask", "behavior_logprobs", "policy_versions",
-                     "routed_experts"):
+        # the lists emptied before asdict, which would copy them element by element only to drop them
+        # (for a step's 128 trajectories that was most of T_prep)
+        d = asdict(replace(self, **{name: [] for name in PER_TOKEN}, routed_experts=None))
+        for name in (*PER_TOKEN, "routed_experts"):
             d.pop(name)
         d["status"] = self.status.value
         d["truncation"] = self.truncation.value if self.truncation else None
@@ -150,8 +155,11 @@ class Trajectory:
         return d
 
 
-def to_batch(trajectories: Sequence[Trajectory], *, pad_id: int = 0, length: int | None = None) -> Batch:
-    """Token-aligned [B, T] tensors (right-padded) + per-sample metadata; see the module doc."""
+def to_batch(trajectories: Sequence[Trajectory], *, pad_id: int = 0, length: int | None = None,
+             records: bool = True) -> Batch:
+    """Token-aligned [B, T] tensors (right-padded) + per-sample metadata; see the module doc.
+    `records=False`: without each row's `record` (what `from_batch` needs to rebuild the
+    trajectories), for a batch that only trains."""
     if not trajectories:
         raise ValueError("to_batch needs at least one trajectory")
     for t in trajectories:
@@ -186,13 +194,12 @@ def to_batch(trajectories: Sequence[Trajectory], *, pad_id: int = 0, length: int
             if r is not None and len(r):
                 table[i, : len(r)] = r
         tensors["routed_experts"] = table
-    return Batch(
-        tensors,
-        {"trajectory_id": [t.trajectory_id for t in trajectories],
-         "group_id": [t.group_id for t in trajectories],
-         "status": [t.status.value for t in trajectories],
-         "record": [t.record() for t in trajectories]},
-    )
+    meta = {"trajectory_id": [t.trajectory_id for t in trajectories],
+            "group_id": [t.group_id for t in trajectories],
+            "status": [t.status.value for t in trajectories]}
+    if records:
+        meta["record"] = [t.record() for t in trajectories]
+    return Batch(tensors, meta)
 
 
 def from_batch(batch: Batch) -> list[Trajectory]:
