@@ -3,7 +3,7 @@
     python benchmarks/gateway.py overhead --json runs/bench/gateway_overhead.json [--agents 1 8 64]
                                           [--turns 4] [--min-requests 16] [--max-tokens 16] [--repeats 5]
                                           [--modes direct gateway gateway_inline] [--clients thread|engine]
-                                          [--model DIR] [--driver loop|thread]
+                                          [--model DIR] [--driver loop|thread] [--engine native|instant]
     python benchmarks/gateway.py step --json runs/bench/gateway_step.json --model runs/demo/sft/hf
                                       [--steps 6] [--repeats 3]
 
@@ -25,8 +25,10 @@ between modes, so none reuses another's KV blocks; `tokens_per_request` shows th
   the arrangement before the server had its own thread).
 
 Every repeat runs every mode once, the order rotated per repeat. Reports per (agents, mode) the
-per-request latency median (p10, p90) and requests/s; per gateway mode the added median (its median -
-direct's median) per repeat, the median and [min, max] of those, and the same over all requests pooled.
+per-request latency median (p10, p90), requests/s and the engine process's CPU per request (every
+thread's); per gateway mode the added median (its median - direct's median) per repeat, the median and
+[min, max] of those, the same over all requests pooled, and the added CPU per request. `--engine instant`
+swaps the model for an engine that answers at once with the same few tokens: what is left is the path.
 
 `step`: the demo's GRPO recipe (`recipes/calc_grpo_cpu.yaml`, the built-in agent loop) against the same
 work written as an OpenAI-client agent (`recipes/calc_grpo_agent_cpu.yaml`), `--steps` steps each from
@@ -42,6 +44,7 @@ import json
 import math
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -303,6 +306,34 @@ def _summary(lat: list[float], toks: list[int], wall: float) -> dict:
             "tokens_per_request": statistics.fmean(toks), "latencies_ms": [1e3 * x for x in lat]}
 
 
+class InstantEngine:
+    """`--engine instant`: answers every request at once with the same few tokens (no model), so what a mode
+    costs beyond `direct` is the path to the engine alone: the gateway's CPU per request, undiluted."""
+
+    max_model_len = 1 << 20
+
+    def __init__(self, tokenizer, eos_ids: tuple[int, ...], max_tokens: int):
+        self.eos_token_ids = eos_ids
+        self.answer = tokenizer.encode("The answer is 42.", add_special_tokens=False)[:max_tokens - 1] + [eos_ids[0]]
+
+    async def generate(self, context, sampling, request_id):
+        from hybridrl.rollout.protocol import FinishReason, GenerationOutput
+
+        await asyncio.sleep(0)
+        ids = self.answer[:sampling.max_new_tokens]
+        finish = FinishReason.STOP if ids[-1] in self.eos_token_ids else FinishReason.LENGTH
+        return GenerationOutput(request_id, list(ids), [-0.5] * len(ids), finish, 0, prompt_tokens=len(context))
+
+    async def abort(self, request_id) -> None:
+        return None
+
+    async def run_in_engine(self, fn):
+        return None
+
+    def close(self) -> None:
+        return None
+
+
 def overhead(args) -> dict:
     from transformers import AutoTokenizer
 
@@ -322,9 +353,12 @@ def overhead(args) -> dict:
         sys.setswitchinterval(args.switch_interval)
     most = max(args.agents)
     turns_for = {a: max(args.turns, math.ceil(args.min_requests / a)) for a in args.agents}
-    engine = NativeEngine.from_pretrained(args.model, NativeEngineConfig(kv_cache_mb=256, max_num_seqs=most,
-                                                                         driver=args.driver), device="cpu")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if args.engine == "instant":
+        engine = InstantEngine(tokenizer, (tokenizer.eos_token_id,), args.max_tokens)
+    else:
+        engine = NativeEngine.from_pretrained(args.model, NativeEngineConfig(kv_cache_mb=256, max_num_seqs=most,
+                                                                             driver=args.driver), device="cpu")
     chat = ChatFormat(tokenizer, eos_token_ids=engine.eos_token_ids)
     agent_cfg = AgentConfig(max_turns=max(turns_for.values()) + 1, max_new_tokens_per_turn=args.max_tokens + 1,
                             max_response_tokens=100_000, max_episode_s=3600, temperature=0.0,
@@ -360,17 +394,20 @@ def overhead(args) -> dict:
                 prompts = questions(1000 * rep + agents, agents)   # the same questions for every mode
                 for mode in order:
                     await engine.run_in_engine(lambda core: core.pool.invalidate())   # no prefix reuse across modes
-                    t0 = time.perf_counter()
+                    t0, cpu0 = time.perf_counter(), _cpu_s()
                     lat, toks = await one(mode, prompts, turns_for[agents], f"r{rep}a{agents}")
                     row[mode] = _summary(lat, toks, time.perf_counter() - t0)
+                    row[mode]["cpu_ms_per_request"] = 1e3 * (_cpu_s() - cpu0) / len(lat)
                 row["order"] = order
                 for mode in args.modes:
                     if mode != "direct" and "direct" in row:
                         row[f"{mode}_added_median_ms"] = row[mode]["median_ms"] - row["direct"]["median_ms"]
+                        row[f"{mode}_added_cpu_ms"] = row[mode]["cpu_ms_per_request"] - row["direct"]["cpu_ms_per_request"]
                 rows[agents].append(row)
                 print(f"repeat {rep}, {agents} agents: " + ", ".join(
                     f"{m} {row[m]['median_ms']:.1f} ms" for m in args.modes) + "  added: " + ", ".join(
                     f"{m} {row[f'{m}_added_median_ms']:+.2f} ms" for m in args.modes if f"{m}_added_median_ms" in row)
+                    + "  cpu/request: " + ", ".join(f"{m} {row[m]['cpu_ms_per_request']:.2f} ms" for m in args.modes)
                     + f"  load {row['load_avg_1m']:.1f}", flush=True)
         for g in gateways.values():
             await g.close()
@@ -383,7 +420,8 @@ def overhead(args) -> dict:
         engine.close()
     by_agents = {str(a): _aggregate(rows[a], args.modes) | {"turns": turns_for[a]} for a in args.agents}
     now = {a: r["added_ms"]["gateway"]["median_of_repeats"] for a, r in by_agents.items() if "gateway" in r["added_ms"]}
-    return {"benchmark": "gateway overhead", "model": args.model, "driver": args.driver, "clients": args.clients,
+    return {"benchmark": "gateway overhead", "model": args.model, "engine": args.engine, "driver": args.driver,
+            "clients": args.clients,
             "client": args.client,
             "torch_threads": torch.get_num_threads(), "switch_interval_s": sys.getswitchinterval(),
             "agents": args.agents, "modes": args.modes, "max_tokens": args.max_tokens, "repeats": args.repeats,
@@ -399,14 +437,23 @@ def _aggregate(rows: list[dict], modes: list[str]) -> dict:
                  "p90_ms": {m: _quantile(v, 0.9) for m, v in pooled.items()},
                  "requests_per_s": {m: statistics.median(r[m]["requests_per_s"] for r in rows) for m in modes},
                  "tokens_per_request": {m: statistics.fmean(r[m]["tokens_per_request"] for r in rows) for m in modes},
-                 "added_ms": {}}
+                 "cpu_ms_per_request": {m: statistics.median(r[m]["cpu_ms_per_request"] for r in rows) for m in modes},
+                 "added_ms": {}, "added_cpu_ms": {}}
     for m in modes:
         if m == "direct" or "direct" not in modes:
             continue
         per = [r[f"{m}_added_median_ms"] for r in rows]
         out["added_ms"][m] = {"median_of_repeats": statistics.median(per), "spread": [min(per), max(per)],
                               "per_repeat": per, "pooled": out["median_ms"][m] - out["median_ms"]["direct"]}
+        cpu = [r[f"{m}_added_cpu_ms"] for r in rows]
+        out["added_cpu_ms"][m] = {"median_of_repeats": statistics.median(cpu), "spread": [min(cpu), max(cpu)]}
     return out
+
+
+def _cpu_s() -> float:
+    """This process's CPU seconds so far, every thread's (the engine, the gateway, the direct agents)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -474,6 +521,9 @@ def main() -> int:
     o.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (s; default Python's)")
     o.add_argument("--model", default=None, help="HF directory (default: the demo's base model, built for the run)")
     o.add_argument("--driver", default="loop", choices=("loop", "thread"), help="the native engine's driver")
+    o.add_argument("--engine", default="native", choices=("native", "instant"),
+                   help="native: the demo's model on the native engine | instant: an engine that answers at once "
+                        "(the gateway's own CPU per request, the model's time taken out)")
     s = sub.add_parser("step")
     s.add_argument("--json", required=True)
     s.add_argument("--model", required=True, help="the warm start both recipes train from (runs/demo/sft/hf)")
@@ -493,6 +543,9 @@ def main() -> int:
         CLIENT_KIND["sdk"] = args.client == "openai"
     if args.what == "_clients":
         return clients_main(args)
+    if args.model is not None and not Path(args.model, "config.json").is_file():
+        raise SystemExit(f"--model {args.model}: not a Hugging Face model directory (no config.json); "
+                         "leave it out for the demo's base model, built for the run")
     with tempfile.TemporaryDirectory(prefix="hybridrl-gateway-bench-") as tmp:
         if args.what == "overhead" and args.model is None:
             args.model = str(Path(tmp) / "model")
