@@ -20,6 +20,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from hybridrl.backends.megatron import upstream  # noqa: F401  (megatron-core imported first, there)
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule

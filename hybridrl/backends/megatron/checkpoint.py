@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from hybridrl.backends.megatron import upstream  # noqa: F401  (megatron-core imported first, there)
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject

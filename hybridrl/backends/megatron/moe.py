@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from hybridrl.backends.megatron import upstream  # noqa: F401  (megatron-core imported first, there)
 from megatron.core.transformer.moe import moe_utils as _moe_utils
 
 # megatron-core 0.16.1 defines `te_general_gemm` only when Transformer Engine imports, yet its router

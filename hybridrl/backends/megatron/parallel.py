@@ -6,6 +6,7 @@ import logging
 
 import torch
 import torch.distributed as dist
+from hybridrl.backends.megatron import upstream  # noqa: F401  (megatron-core imported first, there)
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 

@@ -36,6 +36,7 @@ from functools import partial
 from typing import Callable
 
 import torch
+from hybridrl.backends.megatron import upstream  # noqa: F401  (megatron-core imported first, there)
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 

@@ -18,6 +18,7 @@ from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+from hybridrl.backends.megatron import upstream  # noqa: F401  (megatron-core imported first, there)
 from megatron.core import parallel_state as ps
 
 from hybridrl.backends.megatron.adapters import DecoderAdapter, Slot, Split
