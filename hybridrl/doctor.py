@@ -88,7 +88,7 @@ def gpu_stack(sglang_version: str | None) -> dict:
 
 
 def _launch(nproc: int, run_dir: Path, *overrides: str, timeout: float = 180) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "hybridrl.torchrun", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "hybridrl.train", "--config", str(RECIPE), f"run.dir={run_dir}",
            f"distributed.nproc_per_node={nproc}", *overrides]
     started = time.perf_counter()

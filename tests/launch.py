@@ -90,7 +90,7 @@ def launch_bare(world_size: int, config: str | Path, overrides: list[str], *, ti
 
 
 def run_torchrun(args: list[str], *, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", *args]
+    cmd = [sys.executable, "-m", "hybridrl.torchrun", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env_with_repo(env), capture_output=True, text=True, timeout=timeout)
 
 

@@ -37,7 +37,7 @@ def mode_switch_main(args: argparse.Namespace) -> int:
     nproc = args.nproc or args.tp
     with tempfile.TemporaryDirectory(prefix="hybridrl-bench-") as tmp:
         tmp = args.run_dir or tmp
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        cmd = [sys.executable, "-m", "hybridrl.torchrun", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "hybridrl.train", "--config", str(recipe), f"model.path={args.model}", f"run.dir={tmp}",
                f"distributed.nproc_per_node={nproc}", f"train.tp={args.tp}", f"rollout.tp={args.rollout_tp}",
                f"rollout.engine={args.engine}", f"trainer.total_steps={args.cycles}",

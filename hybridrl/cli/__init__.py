@@ -66,7 +66,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"hybridrl: {note}", file=sys.stderr)
     nproc = args.nproc_per_node or cfg.distributed.nproc_per_node
     restarts = cfg.trainer.max_restarts if cfg.run.job == "rl" else 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "hybridrl.torchrun", "--standalone", f"--nproc-per-node={nproc}",
            *([f"--max-restarts={restarts}"] if restarts else []),
            "-m", "hybridrl.train", *(["--config", recipe] if recipe else []), *overrides]
     if args.check:

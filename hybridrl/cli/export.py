@@ -80,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
     overrides = ["run.job=hybridrl.controller.export_job:JOB", f"run.dir={out.resolve()}",
                  "placement.mode=colocated", "trainer.inject=[]", "trainer.callbacks=[]",
                  f"distributed.nproc_per_node={nproc}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "hybridrl.torchrun", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "hybridrl.train", "--config", f.name, *overrides]
     os.environ.update({FROM: str(checkpoint.resolve()), TO: str(out.resolve())})
     print(f"hybridrl: export: {checkpoint.parent} -> {out} ({nproc} rank(s))", file=sys.stderr, flush=True)

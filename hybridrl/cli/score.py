@@ -36,7 +36,7 @@ def main(args: argparse.Namespace) -> int:
     except PreflightError as err:
         print(f"hybridrl score: {err}", file=sys.stderr)
         return 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "hybridrl.torchrun", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "hybridrl.backends.megatron.score", "--model", args.model, "--input", args.input,
            "--output", args.output, "--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep),
            "--batch-size", str(args.batch_size), "--micro-batch-size", str(args.micro_batch_size),

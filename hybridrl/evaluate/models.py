@@ -117,7 +117,7 @@ def export_missing(run_dir: Path, candidates: list[Candidate]) -> None:
     plan.write_text(json.dumps([{"checkpoint": str(c.checkpoint / "model"),
                                  "out": str(run_dir / "eval" / "models" / c.label)} for c in pending]))
     nproc = int(config["train"]["tp"]) * int(config["train"]["pp"])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "hybridrl.torchrun", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "hybridrl.train", "--config", str(run_dir / "config.json"),
            "run.job=hybridrl.evaluate.export:JOB", f"distributed.nproc_per_node={nproc}", "placement.mode=colocated",
            "trainer.inject=[]"]

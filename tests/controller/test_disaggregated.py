@@ -90,7 +90,7 @@ def test_no_training_rank_left_is_refused_before_torchrun(tmp_path, model):
                           f"model.path={model}", f"run.dir={tmp_path}")
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "placement.rollout_ranks=2" in lines[0] and "torch.distributed.run" not in proc.stderr
+    assert len(lines) == 1 and "placement.rollout_ranks=2" in lines[0] and "launching" not in proc.stderr
 
 
 @pytest.mark.slow
