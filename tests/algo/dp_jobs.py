@@ -68,4 +68,6 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    from hybridrl.process_exit import run_then_leave
+
+    run_then_leave(lambda: main(sys.argv[1]))

@@ -110,6 +110,8 @@ def _progress(total: int, *, enabled: bool):
 
 
 if __name__ == "__main__":
+    from hybridrl.process_exit import run_then_leave
+
     parser = argparse.ArgumentParser(prog="python -m hybridrl.backends.megatron.score")
     add_arguments(parser)
-    run_rank(parser.parse_args())
+    run_then_leave(lambda: run_rank(parser.parse_args()))

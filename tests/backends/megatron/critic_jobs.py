@@ -58,10 +58,16 @@ def values_and_training(out: Path, model_dir: str) -> None:
 
 JOBS = {"values": values_and_training}
 
-if __name__ == "__main__":
+def _main() -> None:
     job, out_dir, *args = sys.argv[1:]
     dist.init_process_group("gloo")
     try:
         JOBS[job](Path(out_dir), *args)
     finally:
         dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    from hybridrl.process_exit import run_then_leave
+
+    run_then_leave(_main)

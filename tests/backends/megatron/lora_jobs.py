@@ -117,10 +117,16 @@ def layouts(out: Path, model_dir: str) -> None:
         (out / "layouts.json").write_text(json.dumps(records, indent=1))
 
 
-if __name__ == "__main__":
+def _main() -> None:
     dist.init_process_group("gloo")
     try:
         {"layouts": layouts}[sys.argv[1]](Path(sys.argv[2]), *sys.argv[3:])
     finally:
         destroy_model_parallel()
         dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    from hybridrl.process_exit import run_then_leave
+
+    run_then_leave(_main)
