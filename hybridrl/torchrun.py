@@ -1,12 +1,12 @@
 """`python -m hybridrl.torchrun ARGS`: torchrun's agent (`torch.distributed.run`, the same arguments),
-leaving without the interpreter's teardown once its ranks are done (`hybridrl.process_exit`: about a
-second per process that has imported torch). hybridrl's own commands start their ranks through it;
-`torchrun ARGS` does the same work, only its exit is slower.
+leaving without the interpreter's teardown once its ranks are done (`hybridrl.distributed.process_exit`:
+about a second per process that has imported torch). hybridrl's own commands start their ranks through
+it; `torchrun ARGS` does the same work, only its exit is slower.
 """
 
 from __future__ import annotations
 
-from hybridrl.process_exit import run_then_leave
+from hybridrl.distributed.process_exit import run_then_leave
 
 
 def main() -> None:

@@ -23,6 +23,10 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1200)]
 CLUSTER = ROOT / "recipes" / "slurm" / "local_cluster.sh"
 SBATCH = ROOT / "recipes" / "slurm" / "train.sbatch"
 # the tiny GRPO job of the SLURM tests (`name` and `distributed` differ between one node and two)
+# Enough steps that a run killed or cancelled once step 2's checkpoint exists is still running then:
+# the tests poll the job every 0.5 s, and a run of 6 steps (0.45 s each) ended inside that window.
+STEPS = 20
+
 RECIPE = """\
 run: {{name: {name}, job: rl, dir: {run_dir}}}
 model: {{path: {model}}}
@@ -33,10 +37,10 @@ publish: {{bucket_mb: 1}}
 agent: {{max_turns: 2, max_new_tokens_per_turn: 8, max_response_tokens: 24, temperature: 1.0}}
 task: {{name: calculator, train_size: 64, validation_size: 4}}
 algo: {{drop_all_equal_groups: false, drop_truncated: false}}   # a random model: train on every group
-trainer: {{total_steps: 6, prompts_per_step: 2, group_size: 2, validate_every: 0,
+trainer: {{total_steps: %d, prompts_per_step: 2, group_size: 2, validate_every: 0,
           checkpoint_every: 1, keep_checkpoints: 1}}
 tools: {{pool_size: 1, warm: 0}}
-"""
+""" % STEPS
 
 
 @pytest.fixture(scope="module")
@@ -94,19 +98,19 @@ def test_sbatch_runs_resumes_after_scancel_and_refuses_what_it_must(tmp_path, sl
         time.sleep(0.5)
     assert not processes_mentioning(str(recipe))
     stopped_at = [r["step"] for r in read_metrics(run_dir)][-1]
-    assert 2 <= stopped_at < 6
+    assert 2 <= stopped_at < STEPS
 
     second = sbatch(slurm_env, tmp_path, recipe)                   # the same job again
     assert wait(slurm_env, second) == ("COMPLETED", "0:0"), (tmp_path / f"hybridrl-{second}.out").read_text()[-3000:]
     log = (tmp_path / f"hybridrl-{second}.out").read_text()
-    assert "resuming from" in log and "rl: 6 steps" in log
+    assert "resuming from" in log and f"rl: {STEPS} steps" in log
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(7))               # one row per step across both jobs
-    assert rows[-1]["policy/version"] == 6                           # every step updated, none twice
+    assert [r["step"] for r in rows] == list(range(STEPS + 1))      # one row per step across both jobs
+    assert rows[-1]["policy/version"] == STEPS                       # every step updated, none twice
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
     assert (run_dir / "hf" / "model.safetensors").exists()
 
-    for overrides, words in (([], "holds a finished run (step 6 of trainer.total_steps=6)"),
+    for overrides, words in (([], f"holds a finished run (step {STEPS} of trainer.total_steps={STEPS})"),
                              (["model.path=/no/such/model"], "model.path=/no/such/model: no such directory")):
         job = sbatch(slurm_env, tmp_path, recipe, *overrides)
         assert wait(slurm_env, job, timeout=120) == ("FAILED", "2:0")

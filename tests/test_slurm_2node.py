@@ -27,7 +27,7 @@ import pytest
 
 from hybridrl.telemetry.metrics import read_metrics
 from tests.launch import ROOT, env_with_repo, free_port, processes_mentioning
-from tests.test_slurm import RECIPE, job_state, wait
+from tests.test_slurm import RECIPE, STEPS, job_state, wait
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(2400)]
 
@@ -151,8 +151,8 @@ def test_colocated_run_with_data_parallelism_across_two_nodes(reference):
     assert "rendezvous " in log and f"on {IFNAME}" in log
     assert "dp=2" in log                                             # one data-parallel group over both nodes
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(7)) and rows[-1]["policy/version"] == 6
-    assert "rl: 6 steps" in log
+    assert [r["step"] for r in rows] == list(range(STEPS + 1)) and rows[-1]["policy/version"] == STEPS
+    assert f"rl: {STEPS} steps" in log
 
 
 def test_disaggregated_run_generates_on_the_second_node(cluster, model, tmp_path):
@@ -164,7 +164,7 @@ def test_disaggregated_run_generates_on_the_second_node(cluster, model, tmp_path
     assert "hrnode1 rank 0; hrnode2 rank 1" in layout_line(log)     # rank 1, the rollout rank, on hrnode2
     assert "dp=1" in log                                             # training on rank 0 alone
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(7)) and rows[-1]["policy/version"] == 6
+    assert [r["step"] for r in rows] == list(range(STEPS + 1)) and rows[-1]["policy/version"] == STEPS
 
 
 def test_node_loss_stops_the_run_naming_the_node_then_requeue_resumes_to_the_same_weights(
@@ -190,7 +190,7 @@ def test_node_loss_stops_the_run_naming_the_node_then_requeue_resumes_to_the_sam
     assert controller_gone_after is not None and controller_gone_after <= HEARTBEAT_TIMEOUT_S + 10, \
         (controller_gone_after, log_file.read_text()[-3000:])
     stopped_at = [r["step"] for r in read_metrics(run_dir)][-1]
-    assert 2 <= stopped_at < 6
+    assert 2 <= stopped_at < STEPS
 
     log = finished(env, tmp_path, job, run_dir, timeout=1200)       # requeued by itself, resumed, done
     failure = next(line for line in log.splitlines() if line.startswith("hybridrl: run failed"))
@@ -200,8 +200,8 @@ def test_node_loss_stops_the_run_naming_the_node_then_requeue_resumes_to_the_sam
     assert f"(job {job}, restart 1)" in log and "resuming from" in log
     assert job_state(env, job)[0] == "COMPLETED"
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(7))               # one row per step across both attempts
-    assert rows[-1]["policy/version"] == 6
+    assert [r["step"] for r in rows] == list(range(STEPS + 1))      # one row per step across both attempts
+    assert rows[-1]["policy/version"] == STEPS
     ours, theirs = weights(run_dir), weights(reference[0])
     assert ours.keys() == theirs.keys()
     assert all(ours[k].equal(theirs[k]) for k in ours)               # bitwise the uninterrupted run

@@ -68,6 +68,6 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    from hybridrl.process_exit import run_then_leave
+    from hybridrl.distributed.process_exit import run_then_leave
 
     run_then_leave(lambda: main(sys.argv[1]))

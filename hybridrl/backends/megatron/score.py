@@ -110,7 +110,7 @@ def _progress(total: int, *, enabled: bool):
 
 
 if __name__ == "__main__":
-    from hybridrl.process_exit import run_then_leave
+    from hybridrl.distributed.process_exit import run_then_leave
 
     parser = argparse.ArgumentParser(prog="python -m hybridrl.backends.megatron.score")
     add_arguments(parser)

@@ -313,6 +313,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from hybridrl.process_exit import run_then_leave
+    from hybridrl.distributed.process_exit import run_then_leave
 
     run_then_leave(main)

@@ -127,6 +127,6 @@ def _main() -> None:
 
 
 if __name__ == "__main__":
-    from hybridrl.process_exit import run_then_leave
+    from hybridrl.distributed.process_exit import run_then_leave
 
     run_then_leave(_main)

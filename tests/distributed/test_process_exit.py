@@ -13,7 +13,7 @@ from tests.launch import ROOT, env_with_repo
 
 PROGRAM = textwrap.dedent("""
     import atexit, sys, threading, time
-    from hybridrl.process_exit import run_then_leave
+    from hybridrl.distributed.process_exit import run_then_leave
 
     def main():
         kind = sys.argv[1]
@@ -54,7 +54,7 @@ def test_the_interpreter_teardown_is_what_is_skipped(tmp_path):
     process ends right after the last exit handler), under a plain sys.exit it does."""
     program = textwrap.dedent("""
         import sys
-        from hybridrl.process_exit import run_then_leave
+        from hybridrl.distributed.process_exit import run_then_leave
 
         class Torn:
             def __del__(self, path=sys.argv[2], open=open):      # what teardown may have cleared, bound here
