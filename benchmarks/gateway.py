@@ -421,8 +421,7 @@ def overhead(args) -> dict:
     by_agents = {str(a): _aggregate(rows[a], args.modes) | {"turns": turns_for[a]} for a in args.agents}
     now = {a: r["added_ms"]["gateway"]["median_of_repeats"] for a, r in by_agents.items() if "gateway" in r["added_ms"]}
     return {"benchmark": "gateway overhead", "model": args.model, "engine": args.engine, "driver": args.driver,
-            "clients": args.clients,
-            "client": args.client,
+            "clients": args.clients, "client": args.client,
             "torch_threads": torch.get_num_threads(), "switch_interval_s": sys.getswitchinterval(),
             "agents": args.agents, "modes": args.modes, "max_tokens": args.max_tokens, "repeats": args.repeats,
             "cpu_count": os.cpu_count(), "target_added_ms": TARGET_ADDED_MS,

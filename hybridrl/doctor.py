@@ -19,10 +19,11 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from hybridrl.distributed.process_exit import torchrun_command
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "selfcheck.yaml"
 PACKAGES = ("torch", "megatron-core", "transformers", "tokenizers", "safetensors", "omegaconf", "numpy",
@@ -88,9 +89,8 @@ def gpu_stack(sglang_version: str | None) -> dict:
 
 
 def _launch(nproc: int, run_dir: Path, *overrides: str, timeout: float = 180) -> dict:
-    cmd = [sys.executable, "-m", "hybridrl.torchrun", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "hybridrl.train", "--config", str(RECIPE), f"run.dir={run_dir}",
-           f"distributed.nproc_per_node={nproc}", *overrides]
+    cmd = torchrun_command(nproc, "-m", "hybridrl.train", "--config", str(RECIPE), f"run.dir={run_dir}",
+                           f"distributed.nproc_per_node={nproc}", *overrides)
     started = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from hybridrl.distributed.process_exit import torchrun_command
 
 
 def add_mode_switch_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,12 +37,12 @@ def mode_switch_main(args: argparse.Namespace) -> int:
     nproc = args.nproc or args.tp
     with tempfile.TemporaryDirectory(prefix="hybridrl-bench-") as tmp:
         tmp = args.run_dir or tmp
-        cmd = [sys.executable, "-m", "hybridrl.torchrun", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "hybridrl.train", "--config", str(recipe), f"model.path={args.model}", f"run.dir={tmp}",
-               f"distributed.nproc_per_node={nproc}", f"train.tp={args.tp}", f"rollout.tp={args.rollout_tp}",
-               f"rollout.engine={args.engine}", f"trainer.total_steps={args.cycles}",
-               f"publish.verify={args.verify}", f"hybrid.spill_optimizer={str(args.spill_optimizer).lower()}",
-               f"rollout.native.kv_cache_mb={args.kv_cache_mb}", *_lora(args), *args.overrides]
+        cmd = torchrun_command(nproc, "-m", "hybridrl.train", "--config", str(recipe), f"model.path={args.model}",
+                               f"run.dir={tmp}", f"distributed.nproc_per_node={nproc}", f"train.tp={args.tp}",
+                               f"rollout.tp={args.rollout_tp}", f"rollout.engine={args.engine}",
+                               f"trainer.total_steps={args.cycles}", f"publish.verify={args.verify}",
+                               f"hybrid.spill_optimizer={str(args.spill_optimizer).lower()}",
+                               f"rollout.native.kv_cache_mb={args.kv_cache_mb}", *_lora(args), *args.overrides)
         proc = subprocess.run(cmd)
         if proc.returncode != 0:
             return proc.returncode

@@ -37,6 +37,7 @@ from typing import Sequence
 from hybridrl import __version__
 from hybridrl.config import ConfigError, load_config
 from hybridrl.config.cli import add_recipe_arguments, recipe_and_overrides
+from hybridrl.distributed.process_exit import torchrun_command
 
 EXIT_CONFIG = 2
 
@@ -66,9 +67,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"hybridrl: {note}", file=sys.stderr)
     nproc = args.nproc_per_node or cfg.distributed.nproc_per_node
     restarts = cfg.trainer.max_restarts if cfg.run.job == "rl" else 0
-    cmd = [sys.executable, "-m", "hybridrl.torchrun", "--standalone", f"--nproc-per-node={nproc}",
-           *([f"--max-restarts={restarts}"] if restarts else []),
-           "-m", "hybridrl.train", *(["--config", recipe] if recipe else []), *overrides]
+    cmd = torchrun_command(nproc, *([f"--max-restarts={restarts}"] if restarts else []),
+                           "-m", "hybridrl.train", *(["--config", recipe] if recipe else []), *overrides)
     if args.check:
         nodes = f" x {args.nnodes} nodes" if args.nnodes > 1 else ""
         print(f"hybridrl: checked {recipe or 'the defaults'}: config, model, task and run.dir are ready "

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hybridrl.distributed.process_exit import torchrun_command
+
 EXIT_CONFIG = 2
 
 
@@ -80,8 +82,7 @@ def main(args: argparse.Namespace) -> int:
     overrides = ["run.job=hybridrl.controller.export_job:JOB", f"run.dir={out.resolve()}",
                  "placement.mode=colocated", "trainer.inject=[]", "trainer.callbacks=[]",
                  f"distributed.nproc_per_node={nproc}"]
-    cmd = [sys.executable, "-m", "hybridrl.torchrun", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "hybridrl.train", "--config", f.name, *overrides]
+    cmd = torchrun_command(nproc, "-m", "hybridrl.train", "--config", f.name, *overrides)
     os.environ.update({FROM: str(checkpoint.resolve()), TO: str(out.resolve())})
     print(f"hybridrl: export: {checkpoint.parent} -> {out} ({nproc} rank(s))", file=sys.stderr, flush=True)
     try:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from hybridrl.backends.megatron.score import read_sequences
+from hybridrl.distributed.process_exit import torchrun_command
 
 def main(args: argparse.Namespace) -> int:
     """CLI handler: validate, then start the ranks with torchrun and wait."""
@@ -36,11 +37,11 @@ def main(args: argparse.Namespace) -> int:
     except PreflightError as err:
         print(f"hybridrl score: {err}", file=sys.stderr)
         return 2
-    cmd = [sys.executable, "-m", "hybridrl.torchrun", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "hybridrl.backends.megatron.score", "--model", args.model, "--input", args.input,
-           "--output", args.output, "--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep),
-           "--batch-size", str(args.batch_size), "--micro-batch-size", str(args.micro_batch_size),
-           "--temperature", str(args.temperature), "--dtype", args.dtype]
+    cmd = torchrun_command(nproc, "-m", "hybridrl.backends.megatron.score", "--model", args.model,
+                           "--input", args.input, "--output", args.output, "--tp", str(args.tp),
+                           "--pp", str(args.pp), "--ep", str(args.ep), "--batch-size", str(args.batch_size),
+                           "--micro-batch-size", str(args.micro_batch_size), "--temperature", str(args.temperature),
+                           "--dtype", args.dtype)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return subprocess.call(cmd, env=env)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 CLOCK_FILE = "clock.jsonl"
-_LAUNCHERS = ("hybridrl.torchrun", "torch.distributed.run", "torchrun", "torch/distributed/run")
+_LAUNCHERS = ("torch.distributed.run", "torchrun", "torch/distributed/run")   # "torchrun": hybridrl.torchrun too
 
 
 def _process_start(pid: int | None = None) -> float | None:

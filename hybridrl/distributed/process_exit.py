@@ -11,6 +11,9 @@ traceback, non-daemon threads are joined, every `atexit` handler runs (logging's
 the run clock's `exit` mark, the interrupt listener's detach, temporary directories' finalizers).
 Its own handler is registered before any other, so it runs after all of them; it flushes stdout
 and stderr and ends the process with `os._exit(status)`, skipping only the teardown.
+
+`torchrun_command` is the one command line hybridrl's commands start their ranks with: torchrun's
+agent as `python -m hybridrl.torchrun`, which leaves the same way.
 """
 
 from __future__ import annotations
@@ -22,13 +25,18 @@ import sys
 from typing import Any, Callable
 
 
+def torchrun_command(nproc: int, *args: str) -> list[str]:
+    """torchrun's agent for `nproc` ranks on this host (`--standalone`), then `args` (its own options, then
+    `-m MODULE ...`)."""
+    return [sys.executable, "-m", "hybridrl.torchrun", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
 def exit_status(code: Any) -> int:
-    """The status `sys.exit(code)` gives: None 0, an int itself, anything else 1 (its text printed)."""
+    """The status `sys.exit(code)` gives: None 0, an int itself, anything else 1 (Python prints it)."""
     if code is None:
         return 0
     if isinstance(code, int):
         return code & 0xFF
-    print(code, file=sys.stderr)
     return 1
 
 
@@ -48,8 +56,6 @@ def run_then_leave(main: Callable[[], Any]) -> None:
         code = main()
     except SystemExit as stop:
         status[0] = exit_status(stop.code)
-        if not isinstance(stop.code, (int, type(None))):
-            stop.code = 1            # printed above
         raise
     except KeyboardInterrupt:
         status[0] = 128 + signal.SIGINT

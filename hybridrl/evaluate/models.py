@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridrl.distributed.process_exit import torchrun_command
+
 EXPORT_PLAN_ENV = "HYBRIDRL_EXPORT_PLAN"
 
 
@@ -117,10 +119,9 @@ def export_missing(run_dir: Path, candidates: list[Candidate]) -> None:
     plan.write_text(json.dumps([{"checkpoint": str(c.checkpoint / "model"),
                                  "out": str(run_dir / "eval" / "models" / c.label)} for c in pending]))
     nproc = int(config["train"]["tp"]) * int(config["train"]["pp"])
-    cmd = [sys.executable, "-m", "hybridrl.torchrun", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "hybridrl.train", "--config", str(run_dir / "config.json"),
-           "run.job=hybridrl.evaluate.export:JOB", f"distributed.nproc_per_node={nproc}", "placement.mode=colocated",
-           "trainer.inject=[]"]
+    cmd = torchrun_command(nproc, "-m", "hybridrl.train", "--config", str(run_dir / "config.json"),
+                           "run.job=hybridrl.evaluate.export:JOB", f"distributed.nproc_per_node={nproc}",
+                           "placement.mode=colocated", "trainer.inject=[]")
     print(f"hybridrl eval: exporting {len(pending)} checkpoint(s) of {run_dir} to HF on {nproc} rank(s)",
           file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, env={**os.environ, EXPORT_PLAN_ENV: str(plan)}, stdout=subprocess.PIPE,
