@@ -27,7 +27,9 @@ setup(
     packages=[*find_packages(include=["hybridrl", "hybridrl.*"]), "hybridrl.recipes"],
     package_dir={"hybridrl.recipes": "recipes"},
     include_package_data=True,
-    package_data={"hybridrl": ["py.typed"], "hybridrl.recipes": ["*.yaml", "slurm/*"]},
+    # the native engine's C kernels are compiled on the user's machine at first use (cpu_kernels.py)
+    package_data={"hybridrl": ["py.typed"], "hybridrl.backends.native": ["*.c"],
+                  "hybridrl.recipes": ["*.yaml", "slurm/*"]},
     install_requires=[
         # CPU installs take torch==2.13.0 first (see Makefile); GPU users keep their own build.
         "torch>=2.4",

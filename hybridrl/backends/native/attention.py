@@ -1,12 +1,17 @@
-"""Paged attention in plain torch: write the step's K/V into their slots, gather each sequence's
-blocks through its block table, and run `scaled_dot_product_attention` with a position mask.
+"""Paged attention: write the step's K/V into their slots, then attend through the block tables.
+
+Decodes take one of two paths (`rollout.native.kernels`): on the CPU in float32 the C kernel
+(`cpu_kernels.py`) reads each row's keys in place, all rows in one call per layer (`DecodeBatch`);
+otherwise (plain torch: CUDA, other dtypes) each row's blocks are gathered and
+`scaled_dot_product_attention` runs with a position mask. Prefill chunks always take the torch path:
+many queries per sequence are what SDPA's blocked kernels are made for.
 
 Layout of one layer's cache: [num_blocks, block_size, 2, kv_heads, head_dim] (K and V of a
 token side by side, so one `index_copy_` writes both and one `index_select` gathers both).
-The flat token batch is ordered decodes first, then prefill chunks. Decodes are one query per
-sequence, sorted by context length and split into a few groups so that short sequences are not
-gathered to the longest one's length (`split_by_width`); prefill chunks are padded to the
-longest chunk (or used as is when there is one).
+The flat token batch is ordered decodes first, then prefill chunks. On the torch path decodes are
+one query per sequence, sorted by context length and split into a few groups so that short
+sequences are not gathered to the longest one's length (`split_by_width`); prefill chunks are
+padded to the longest chunk (or used as is when there is one).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from hybridrl.backends.native.cpu_kernels import paged_decode
 
 
 @dataclass
@@ -41,10 +48,19 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeBatch:
+    """Every decode row of the step for the C kernel: no padding is read, no mask needed."""
+
+    block_tables: torch.Tensor            # [num_decodes, blocks] int64 (rows shorter than the widest padded)
+    context_lens: torch.Tensor            # [num_decodes] int64: tokens each row's query sees (position + 1)
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor                   # [N] cache slot (block * block_size + offset) of each token
     num_decodes: int = 0
     decode_groups: list[DecodeGroup] | None = None
+    decode_batch: DecodeBatch | None = None      # set instead of decode_groups on the kernel path
     prefill: PrefillGroup | None = None
 
 
@@ -89,6 +105,9 @@ def paged_attention(q: torch.Tensor, kv_new: torch.Tensor, kv_layer: torch.Tenso
     outs = []
     d = meta.num_decodes
     kv_heads = kv_layer.shape[3]
+    if meta.decode_batch is not None:
+        outs.append(paged_decode(q[:d], kv_layer, meta.decode_batch.block_tables, meta.decode_batch.context_lens,
+                                 scale))
     for group in meta.decode_groups or ():
         rows = group.end - group.start
         k, v = gather_kv(kv_layer, group.block_tables)

@@ -13,6 +13,7 @@ from hybridrl.config.fields import ConfigValueError, check_choice, check_positiv
 IN_FLIGHT_POLICIES = ("drain", "abort")
 DRIVERS = ("auto", "loop", "thread")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KERNELS = ("auto", "c", "torch")
 
 
 @dataclass(kw_only=True)
@@ -45,6 +46,11 @@ class NativeEngineConfig:
         False, "keep the KV cache allocated while the engine sleeps (a mode switch then neither frees nor re-zeroes "
                "it: on a CPU, where it is host memory, a wake costs nothing; the cache's contents are dropped all "
                "the same). Costs its kv_cache_mb during training")
+    kernels: str = knob(
+        "auto", "c (the engine's C kernels for the CPU in float32: decode attention read in place from the paged "
+                "cache, RMSNorm, RoPE with the KV write, SiLU-and-multiply; built on first use with the machine's C "
+                "compiler and cached) | torch (torch operators only: decodes gather their blocks for "
+                "scaled_dot_product_attention) | auto (c where it applies and builds, else torch)")
     driver: str = knob(
         "auto", "where steps run: loop (a task on the caller's event loop, which regains control between "
                 "steps) | thread (a dedicated thread: the loop never waits on a forward pass) | auto (loop on "
@@ -61,6 +67,7 @@ class NativeEngineConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("on_weight_update", self.on_weight_update, IN_FLIGHT_POLICIES)
         check_choice("driver", self.driver, DRIVERS)
+        check_choice("kernels", self.kernels, KERNELS)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigValueError(
                 "max_num_batched_tokens",

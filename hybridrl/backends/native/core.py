@@ -20,6 +20,7 @@ from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.backends.native.kv_cache import BlockPool
 from hybridrl.backends.native.lora import LoraSpec, LoraWeights
 from hybridrl.backends.native.model import CausalLM, RotaryTable
+from hybridrl.backends.native import cpu_kernels
 from hybridrl.backends.native.runner import ModelRunner
 from hybridrl.backends.native.sampler import request_seed
 from hybridrl.backends.native.scheduler import Scheduler, Sequence, SeqStatus
@@ -51,6 +52,28 @@ def release_host_memory() -> None:
         pass
 
 
+def choose_kernels(choice: str, device: torch.device, dtype: torch.dtype) -> cpu_kernels.Kernels | None:
+    """The C kernels for `rollout.native.kernels` = choice on this device and dtype, or None for torch.
+    auto takes them where they apply and build (logging why not where they would have applied); c insists."""
+    if choice == "torch":
+        return None
+    if device.type != "cpu":
+        reason = f"they run on the CPU, this engine on {device}"
+    elif dtype != torch.float32:
+        reason = f"they take float32, this engine runs {dtype}"
+    else:
+        try:
+            return cpu_kernels.load()
+        except cpu_kernels.KernelUnavailable as exc:
+            reason = str(exc)
+    if choice == "c":
+        raise ValueError(f"rollout.native.kernels=c: the engine's C kernels cannot be used: {reason}. "
+                         f"Set rollout.native.kernels=auto (or torch) to run torch operators instead")
+    if device.type == "cpu" and dtype == torch.float32:
+        log.warning("the native engine runs torch operators (slower decode steps): %s", reason)
+    return None
+
+
 class EngineCore:
     """With `lora` the engine serves the base weights (loaded once, never published) plus LoRA
     adapters applied at run time, and a publication carries the adapters only: `views` (what
@@ -67,13 +90,15 @@ class EngineCore:
         self.lora = LoraWeights(spec, lora, dtype=dtype, device=device) if lora is not None else None
         self.views = self.lora.views if self.lora is not None else self.base_views
         self.num_blocks, self.max_model_len = self._size_cache(spec, cfg, dtype)
-        self.model = CausalLM(spec, self.weights, RotaryTable(spec, self.max_model_len, device), self.lora)
+        kernels = choose_kernels(cfg.kernels, device, dtype)
+        self.kernels = "c" if kernels is not None else "torch"
+        self.model = CausalLM(spec, self.weights, RotaryTable(spec, self.max_model_len, device), self.lora, kernels)
         self.pool = BlockPool(self.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    watermark_blocks=cfg.watermark_blocks)
         self.runner = ModelRunner(self.model, num_blocks=self.num_blocks, block_size=cfg.block_size, dtype=dtype,
-                                  device=device)
+                                  device=device, decode_kernel=kernels is not None)
         self.runner.allocate_kv()
         self.requests: dict[str, Sequence] = {}
         self.publication = Publication(self.views, policy_version)     # the version and what has arrived
@@ -317,6 +342,7 @@ class EngineCore:
             "kv_blocks_cached": len(self.pool.evictable),
             "kv_block_size": self.cfg.block_size,
             "kv_cache_bytes": self.runner.kv_cache_bytes,
+            "kernels": self.kernels,
             "decode_attention_groups": self.runner.num_decode_groups,
             "weight_bytes": self.weights.num_bytes(),
             "adapter_bytes": self.lora.num_bytes() if self.lora is not None else 0,

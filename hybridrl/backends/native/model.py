@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridrl.backends.native import cpu_kernels
 from hybridrl.backends.native.attention import AttentionMetadata, paged_attention, write_kv
 from hybridrl.backends.model_spec import ModelSpec
 from hybridrl.backends.native.lora import LoraWeights, add_low_rank_
@@ -107,14 +108,23 @@ def residual_linear(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias
 
 class CausalLM:
     """Inference-only Qwen2 / Llama / Qwen3 / Qwen3-MoE. `forward` returns float32 logits of the selected rows.
-    With `lora`, each targeted fused linear adds its adapters' scale * B A x (`lora.py`)."""
+    With `lora`, each targeted fused linear adds its adapters' scale * B A x (`lora.py`). With `kernels`
+    (CPU, float32), RMSNorm, RoPE with the KV write, and SiLU-and-multiply run as the C kernels of
+    `cpu_kernels.py` instead of torch operators (the same arithmetic, one pass each)."""
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, rotary: RotaryTable, lora: LoraWeights | None = None):
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, rotary: RotaryTable, lora: LoraWeights | None = None,
+                 kernels: cpu_kernels.Kernels | None = None):
         self.spec = spec
         self.weights = weights
         self.rotary = rotary
         self.lora = lora
+        self.kernels = kernels
         self.scale = spec.head_dim ** -0.5
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return cpu_kernels.rms_norm(x, weight, self.spec.rms_norm_eps, self.kernels)
+        return rms_norm(x, weight, self.spec.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_rows: torch.Tensor, routing: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,30 +132,35 @@ class CausalLM:
         logits_rows [S] (flat rows whose next-token logits are needed) -> logits [S, vocab] float32.
         routing [moe_layers, blocks * block_size, top_k] (MoE models): each token's expert ids are
         written at its KV slot."""
-        spec, w = self.spec, self.weights
+        spec, w, kernels = self.spec, self.weights, self.kernels
         n = input_ids.shape[0]
         q_size, kv_size, hd = spec.q_size, spec.kv_size, spec.head_dim
         heads = spec.num_heads + spec.num_kv_heads
-        cos, sin = self.rotary.lookup(positions, w.embed.dtype)
+        if kernels is None:
+            cos, sin = self.rotary.lookup(positions, w.embed.dtype)
         x = F.embedding(input_ids, w.embed)                                    # [N, hidden]
         moe = 0
         no_adapters: dict = {}
         for i, layer in enumerate(w.layers):
             ad = self.lora.layers[i] if self.lora is not None else no_adapters
             s = self.lora.scale if self.lora is not None else 0.0
-            h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
+            h = self.norm(x, layer.input_norm)
             qkv = add_low_rank_(F.linear(h, layer.qkv, layer.qkv_bias), h, ad.get("qkv"), s)   # [N, q + 2 kv]
             qk = qkv[:, : q_size + kv_size].view(n, heads, hd)
             if layer.q_norm is not None:                                       # Qwen3: per-head RMSNorm
                 qk[:, : spec.num_heads] = rms_norm(qk[:, : spec.num_heads], layer.q_norm, spec.rms_norm_eps)
                 qk[:, spec.num_heads:] = rms_norm(qk[:, spec.num_heads:], layer.k_norm, spec.rms_norm_eps)
-            apply_rotary_(qk, cos, sin)
             q = qkv[:, :q_size].view(n, spec.num_heads, hd)
             kv = qkv[:, q_size:].view(n, 2, spec.num_kv_heads, hd)
-            write_kv(kv_cache[i], kv, meta.slot_mapping)
+            if kernels is not None:
+                cpu_kernels.rope_store(qkv, self.rotary.table, positions, meta.slot_mapping, kv_cache[i],
+                                       spec.num_heads, spec.num_kv_heads, hd, kernels)
+            else:
+                apply_rotary_(qk, cos, sin)
+                write_kv(kv_cache[i], kv, meta.slot_mapping)
             attn = paged_attention(q, kv, kv_cache[i], meta, self.scale)          # [N, q_size]
             x = add_low_rank_(residual_linear(x, attn, layer.o, layer.o_bias), attn, ad.get("o"), s)
-            h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
+            h = self.norm(x, layer.post_norm)
             if layer.router is not None:
                 weights, ids = route(h, layer.router, spec.num_experts_per_tok, spec.norm_topk_prob)
                 if routing is not None:
@@ -154,11 +169,13 @@ class CausalLM:
                 x = x + moe_mlp(h, weights, ids, layer.w13, layer.w2)
                 continue
             gate_up = add_low_rank_(F.linear(h, layer.gate_up, layer.gate_up_bias), h, ad.get("gate_up"), s)
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            if kernels is not None:
+                act = cpu_kernels.silu_mul(gate_up, kernels)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
             x = add_low_rank_(residual_linear(x, act, layer.down, layer.down_bias), act, ad.get("down"), s)
         if logits_rows.numel() == 0:
             return x.new_empty((0, spec.vocab_size), dtype=torch.float32)
-        h = x.index_select(0, logits_rows)
-        h = rms_norm(h, w.norm, spec.rms_norm_eps)
+        h = self.norm(x.index_select(0, logits_rows), w.norm)
         return F.linear(h, w.lm_head).float()

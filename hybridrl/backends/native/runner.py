@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrl.backends.native.attention import AttentionMetadata, DecodeGroup, PrefillGroup, split_by_width
+from hybridrl.backends.native.attention import (AttentionMetadata, DecodeBatch, DecodeGroup, PrefillGroup,
+                                                 split_by_width)
 from hybridrl.backends.native.model import CausalLM
 from hybridrl.backends.native.sampler import SamplingBatch, sample
 from hybridrl.backends.native.scheduler import Sequence, StepPlan
@@ -27,9 +28,13 @@ class StepResult:
 
 
 class ModelRunner:
+    """`decode_kernel`: decodes attend through the C kernel (`cpu_kernels.py`), all rows in one call per
+    layer, instead of gathered groups and SDPA."""
+
     def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, decode_kernel: bool = False):
         self.model = model
+        self.decode_kernel = decode_kernel
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
@@ -100,7 +105,8 @@ class ModelRunner:
         logits_rows: list[int] = []
         meta = AttentionMetadata(slot_mapping=None)  # type: ignore[arg-type]
 
-        # decode rows longest context first, so that groups of similar length are contiguous
+        # decode rows longest context first: on the torch path groups of similar length are then contiguous,
+        # and the kernel's threads take the longest rows first
         decodes = sorted(plan.decodes, key=lambda seq: len(seq.blocks), reverse=True)
         if decodes:
             for seq in decodes:
@@ -109,18 +115,14 @@ class ModelRunner:
                 positions.append(p)
                 slots.append(seq.blocks[p // bs] * bs + p % bs)
             widths = [len(seq.blocks) for seq in decodes]
-            pos = torch.tensor(positions, dtype=torch.long, device=dev)
-            groups = []
-            for start, end in split_by_width(widths, self.group_penalty_blocks):
-                width = widths[start]
-                tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decodes[start:end]],
-                                      dtype=torch.long, device=dev)
-                visible = self._arange(width * bs).unsqueeze(0) <= pos[start:end].unsqueeze(1)
-                mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
-                groups.append(DecodeGroup(start, end, tables, mask[:, None, None, :]))
             meta.num_decodes = len(decodes)
-            meta.decode_groups = groups
-            self.num_decode_groups += len(groups)
+            if self.decode_kernel:
+                width = widths[0]
+                tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decodes], dtype=torch.long)
+                meta.decode_batch = DecodeBatch(tables, torch.tensor(positions, dtype=torch.long).add_(1))
+            else:
+                meta.decode_groups = self._decode_groups(decodes, widths, positions)
+                self.num_decode_groups += len(meta.decode_groups)
             sampled.extend(decodes)
             logits_rows.extend(range(len(decodes)))
 
@@ -146,6 +148,20 @@ class ModelRunner:
             logits.shape[-1], dev)
         tokens, logprobs = sample(logits, batch)
         return StepResult(sampled, tokens.tolist(), logprobs.tolist())
+
+    def _decode_groups(self, decodes: list[Sequence], widths: list[int], positions: list[int]) -> list[DecodeGroup]:
+        """The torch path's decode rows (sorted by width) cut into groups gathered to their widest row."""
+        bs, dev = self.block_size, self.device
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        groups = []
+        for start, end in split_by_width(widths, self.group_penalty_blocks):
+            width = widths[start]
+            tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decodes[start:end]],
+                                  dtype=torch.long, device=dev)
+            visible = self._arange(width * bs).unsqueeze(0) <= pos[start:end].unsqueeze(1)
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
+            groups.append(DecodeGroup(start, end, tables, mask[:, None, None, :]))
+        return groups
 
     def _prefill_group(self, prefills: list[tuple[Sequence, int]], ids: list[int], positions: list[int],
                        slots: list[int]) -> PrefillGroup:

@@ -18,11 +18,13 @@ from tests.backends.native.conftest import generate_all, hf_greedy, hf_logprobs,
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.parametrize("kernels", ["c", "torch"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_ids_and_logprobs_equal_transformers(family, family_models, make_engine):
+def test_greedy_ids_and_logprobs_equal_transformers(family, kernels, family_models, make_engine):
     path = family_models(family)
     model = load(path)
-    engine = make_engine(path, max_num_batched_tokens=16, block_size=4, max_num_seqs=8)   # chunked prefill
+    engine = make_engine(path, max_num_batched_tokens=16, block_size=4, max_num_seqs=8,   # chunked prefill
+                         kernels=kernels)
     prompts = prompts_of([3, 21, 40, 9], vocab=300, seed=1)
     outs = generate_all(engine, prompts, SamplingParams(max_new_tokens=20, temperature=0.0))
     expected = hf_greedy(model, prompts, 20, set(engine.eos_token_ids))
@@ -30,6 +32,7 @@ def test_greedy_ids_and_logprobs_equal_transformers(family, family_models, make_
         assert out.token_ids == ref
         torch.testing.assert_close(torch.tensor(out.logprobs), hf_logprobs(model, prompt, out.token_ids),
                                    atol=1e-4, rtol=0)
+    assert engine.stats()["kernels"] == kernels
     if family == "llama3":   # the scaling matters at these lengths: transformers without it is far off
         from transformers import AutoModelForCausalLM
 

@@ -14,11 +14,13 @@ pytestmark = pytest.mark.timeout(120)
 MIXED = [3, 17, 40, 1, 70, 9]
 
 
+@pytest.mark.parametrize("kernels", ["c", "torch"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("budget, block_size", [(512, 16), (16, 4)], ids=["whole-prefill", "chunked-prefill"])
-def test_greedy_equals_transformers_generate(arch, budget, block_size, tiny_models, hf_model, make_engine):
+def test_greedy_equals_transformers_generate(arch, budget, block_size, kernels, tiny_models, hf_model, make_engine):
     model_dir = tiny_models(arch, **PARITY)
-    engine = make_engine(model_dir, max_num_batched_tokens=budget, block_size=block_size, max_num_seqs=8)
+    engine = make_engine(model_dir, max_num_batched_tokens=budget, block_size=block_size, max_num_seqs=8,
+                         kernels=kernels)
     prompts = prompts_of(MIXED, seed=1)
     outs = generate_all(engine, prompts, SamplingParams(max_new_tokens=24, temperature=0.0))
     expected = hf_greedy(hf_model(model_dir), prompts, 24, set(engine.eos_token_ids))
@@ -30,11 +32,13 @@ def test_greedy_equals_transformers_generate(arch, budget, block_size, tiny_mode
         assert engine.stats()["steps"] > 24         # prompts were prefilled over several steps
 
 
+@pytest.mark.parametrize("kernels", ["c", "torch"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (0.7, 1.0), (0.7, 0.8)])
-def test_logprobs_equal_transformers_log_softmax(arch, temperature, top_p, tiny_models, hf_model, make_engine):
+def test_logprobs_equal_transformers_log_softmax(arch, temperature, top_p, kernels, tiny_models, hf_model,
+                                                 make_engine):
     model_dir = tiny_models(arch, **PARITY)
-    engine = make_engine(model_dir, max_num_batched_tokens=32, block_size=8, max_num_seqs=8)
+    engine = make_engine(model_dir, max_num_batched_tokens=32, block_size=8, max_num_seqs=8, kernels=kernels)
     prompts = prompts_of([5, 33, 12], seed=2)
     sampling = SamplingParams(max_new_tokens=20, temperature=temperature, top_p=top_p, seed=7)
     outs = generate_all(engine, prompts, sampling)
