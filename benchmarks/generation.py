@@ -1,6 +1,6 @@
 """Generation throughput: the native engine against transformers `generate` and vLLM, side by side.
 
-    python benchmarks/generation.py --json out.json [--sizes tiny,small,medium] [--batch 32]
+    python benchmarks/generation.py --json out.json [--sizes tiny,small,medium] [--batch 32] [--torch-peer]
     .venv-vllm/bin/python benchmarks/generation.py --json out.json --vllm vllm,vllm_packed   # with vLLM
 
 vLLM is a peer where it is importable (its own venv: `make vllm-venv`) and the model's head size is
@@ -19,6 +19,12 @@ shared, so the headline `ratio` is the median of the paired ratios (robust to lo
 between repeats), reported with the medians of each side's tokens/s.
 Models are seeded random Qwen2-architecture models built offline (hybridrl.assets.tiny_model),
 so their size is stated exactly (parameters in the JSON).
+
+A second, long-prompt shape runs on the headline size (`long_prompt` in the JSON; --long-prompt-len,
+--long-output-len, --long-batch; --no-long to skip): prompts longer than a step's token budget are
+prefilled in chunks while the running rows keep decoding. `--torch-peer` adds the native engine with
+`rollout.native.kernels=torch` (torch operators only, no C kernels) as a peer, so the kernels' share of
+the ratio is measured in the same run (`ratio_native_engine_torch`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -116,17 +123,20 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def bench_size(name: str, model_dir: Path, args) -> dict:
-    """Every peer on the same workload; each repeat runs them back to back, the order rotating."""
+def bench_size(name: str, model_dir: Path, args, shape: dict) -> dict:
+    """Every peer on the same workload (`shape`: batch, prompt_len, output_len); each repeat runs them back to
+    back, the order rotating."""
     from transformers import AutoModelForCausalLM
 
     from hybridrl.backends.native import NativeEngine, NativeEngineConfig
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     params = sum(p.numel() for p in hf.parameters())
-    cfg = NativeEngineConfig(kv_cache_mb=args.kv_cache_mb, max_num_seqs=max(64, args.batch),
-                             max_num_batched_tokens=args.max_num_batched_tokens)
+    cfg = NativeEngineConfig(kv_cache_mb=args.kv_cache_mb, max_num_seqs=max(64, shape["batch"]),
+                             max_num_batched_tokens=args.max_num_batched_tokens, kernels=args.kernels)
     engines = {"engine": NativeEngine.from_pretrained(model_dir, cfg, device="cpu")}
+    if args.torch_peer:
+        engines["engine_torch"] = NativeEngine.from_pretrained(model_dir, replace(cfg, kernels="torch"), device="cpu")
     eos = set(engines["engine"].eos_token_ids)
     skipped = {}
     wanted = [e for e in args.vllm.split(",") if e]
@@ -144,9 +154,9 @@ def bench_size(name: str, model_dir: Path, args) -> dict:
             # CPU loading, its GEMM weights packed for its kernels (no in-place publication possible)
             extra = {"load_format": "auto"} if variant == "vllm_packed" else {}
             engines[variant] = VLLMEngine(model_dir, VLLMConfig(
-                kv_cache_mb=args.kv_cache_mb, max_num_seqs=max(64, args.batch), threads=args.threads,
+                kv_cache_mb=args.kv_cache_mb, max_num_seqs=max(64, shape["batch"]), threads=args.threads,
                 engine_args=extra), seed=args.seed)
-    prompts, olens = make_workload(args.batch, parse_range(args.prompt_len), parse_range(args.output_len),
+    prompts, olens = make_workload(shape["batch"], parse_range(shape["prompt_len"]), parse_range(shape["output_len"]),
                                    min(engines["engine"].vocab_size, 500), args.seed)
     runners = {"hf": lambda r, lens: run_hf(hf, prompts, lens, eos, args.temperature, args.top_p, args.seed + r)}
     for key, engine in engines.items():
@@ -167,21 +177,28 @@ def bench_size(name: str, model_dir: Path, args) -> dict:
             row[f"{key}_tokens"], row[f"{key}_s"] = n, round(seconds, 3)
         row["ratio"] = round(rates["engine"][-1] / rates["hf"][-1], 3)
         rows.append(row)
-        print(f"  [{name}] repeat {r}: " + " | ".join(f"{k} {rates[k][-1]:.0f} tok/s" for k in names),
+        print(f"  [{name} {shape['name']}] repeat {r}: " + " | ".join(f"{k} {rates[k][-1]:.0f} tok/s" for k in names),
               file=sys.stderr)
     ratios = [a / b for a, b in zip(rates["engine"], rates["hf"])]
     stats = engines["engine"].stats()
     out = {
-        "size": name, "params": params, "model_spec": SIZES.get(name, {}),
+        "size": name, "shape": shape, "params": params, "model_spec": SIZES.get(name, {}),
         "engine_tokens_per_s": round(statistics.median(rates["engine"]), 1),
         "hf_tokens_per_s": round(statistics.median(rates["hf"]), 1),
         "ratio": round(statistics.median(ratios), 3),
         "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3),
         # best run of each side: the least disturbed by other jobs on a shared machine
         "ratio_of_best": round(max(rates["engine"]) / max(rates["hf"]), 3),
-        "runs": rows, "engine_driver": engines["engine"].driver,
+        "runs": rows, "engine_driver": engines["engine"].driver, "engine_kernels": stats["kernels"],
         "engine_steps": stats["steps"], "engine_preemptions": stats["preemptions"], "skipped": skipped,
     }
+    if "engine_torch" in rates:
+        paired = [a / b for a, b in zip(rates["engine"], rates["engine_torch"])]
+        out["engine_torch_tokens_per_s"] = round(statistics.median(rates["engine_torch"]), 1)
+        out["ratio_engine_torch_hf"] = round(statistics.median(
+            [a / b for a, b in zip(rates["engine_torch"], rates["hf"])]), 3)
+        out["ratio_native_engine_torch"] = round(statistics.median(paired), 3)
+        out["ratio_native_engine_torch_range"] = [round(min(paired), 3), round(max(paired), 3)]
     for key in names:
         if key.startswith("vllm"):
             paired = lambda a, b: [x / y for x, y in zip(rates[a], rates[b])]   # noqa: E731
@@ -211,6 +228,14 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both")
     parser.add_argument("--kv-cache-mb", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--kernels", default="auto", choices=["auto", "c", "torch"],
+                        help="the native engine's rollout.native.kernels")
+    parser.add_argument("--torch-peer", action="store_true",
+                        help="add the native engine with kernels=torch as a peer (the C kernels' gain, same run)")
+    parser.add_argument("--long-prompt-len", default="512:1024")
+    parser.add_argument("--long-output-len", default="16:64")
+    parser.add_argument("--long-batch", type=int, default=16)
+    parser.add_argument("--no-long", action="store_true", help="skip the long-prompt shape")
     parser.add_argument("--vllm", default="vllm" if vllm_available() else "",
                         help="vLLM peers, comma list of vllm (as hybridrl runs it: plain weights) and vllm_packed "
                              "(vLLM's own CPU weight packing); default vllm where it is importable, '' for none")
@@ -223,9 +248,16 @@ def main(argv=None) -> int:
         targets = [("model", Path(args.model))] if args.model else [
             (name, build_tiny_model(Path(tmp) / name, TinyModelSpec(arch="qwen2", init_std=0.05, **SIZES[name])))
             for name in args.sizes.split(",")]
-        for name, model_dir in targets:
+        standard = {"name": "standard", "batch": args.batch, "prompt_len": args.prompt_len,
+                    "output_len": args.output_len}
+        long = {"name": "long_prompt", "batch": args.long_batch, "prompt_len": args.long_prompt_len,
+                "output_len": args.long_output_len}
+        long_result = None
+        for i, (name, model_dir) in enumerate(targets):
             print(f"benchmarking {name} ({model_dir})", file=sys.stderr)
-            results.append(bench_size(name, model_dir, args))
+            results.append(bench_size(name, model_dir, args, standard))
+            if i == 0 and not args.no_long:
+                long_result = bench_size(name, model_dir, args, long)
     head = results[0]
     out = {
         "engine_tokens_per_s": head["engine_tokens_per_s"], "hf_tokens_per_s": head["hf_tokens_per_s"],
@@ -237,6 +269,8 @@ def main(argv=None) -> int:
         "peers": ["engine (native)", "hf (transformers generate)", *[v for v in args.vllm.split(",") if v]],
         "sizes": results,
     }
+    if long_result is not None:
+        out["long_prompt"] = long_result
     text = json.dumps(out, indent=2)
     print(text)
     if args.json:

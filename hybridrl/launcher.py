@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from hybridrl.cost.clock import process_start
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 KILL_AFTER_S = 60.0
 _FORWARD_EVERY_S = 1.0
@@ -44,7 +46,7 @@ def supervise(cmd: Sequence[str], run_dir: str | None = None) -> int:
     started = time.time()
     env = dict(os.environ, PET_SIGNALS_TO_HANDLE="SIGHUP,SIGQUIT")     # torchrun's --signals-to-handle
     # the run's clock starts when the command did, not when its agent did (hybridrl/cost/clock.py)
-    env["HYBRIDRL_LAUNCHED_AT"] = repr(psutil.Process().create_time())
+    env["HYBRIDRL_LAUNCHED_AT"] = repr(process_start())
     try:
         job = subprocess.Popen(list(cmd), env=env, preexec_fn=_ignore_signals)
         first_at, forwarded_at, killed = None, 0.0, False

@@ -41,7 +41,21 @@ CLOCK_FILE = "clock.jsonl"
 _LAUNCHERS = ("torch.distributed.run", "torchrun", "torch/distributed/run")   # "torchrun": hybridrl.torchrun too
 
 
-def _process_start(pid: int | None = None) -> float | None:
+def process_start(pid: int | None = None) -> float | None:
+    """When a process started (time.time() scale), to the kernel's clock tick.
+
+    psutil's `create_time` adds the process's start (ticks since boot) to the boot time, which Linux
+    states in whole seconds (/proc/stat btime): up to a second early, by the same amount for every
+    process of a boot. Here both ends come from one clock: now, less the time since boot now, plus
+    the start's time since boot. Elsewhere psutil's value; None when the process is gone."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()       # from field 3 (state) on: starttime is field 22
+        started_since_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started_since_boot)
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
     try:
         import psutil
 
@@ -64,10 +78,10 @@ def launched_at() -> float | None:
 
         parent = psutil.Process().parent()
         if parent is not None and any(k in " ".join(parent.cmdline()) for k in _LAUNCHERS):
-            return parent.create_time()
+            return process_start(parent.pid)
     except Exception:
         pass
-    return _process_start()
+    return process_start()
 
 
 class RunClock:
@@ -84,7 +98,7 @@ class RunClock:
         if not resumed and path.exists():
             path.unlink()           # a fresh run: an old clock (an overwritten run's) is not this run's
         clock = cls(cfg.run.dir, attempt=1 + max((m.get("attempt", 0) for m in earlier), default=0))
-        clock.mark("start", step, launched_at=launched_at(), rank_started_at=_process_start(),
+        clock.mark("start", step, launched_at=launched_at(), rank_started_at=process_start(),
                    world_size=world_size, pid=os.getpid(), resumed=resumed)
         atexit.register(clock.mark, "exit")      # after the worker group and process groups are shut down
         clock.watch_release()

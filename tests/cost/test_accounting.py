@@ -116,3 +116,25 @@ def test_money_follows_time_and_a_bad_price_table_names_its_key(tmp_path):
         load_prices(bad)
     with pytest.raises(PriceError, match="no device_hour.tpu"):
         money(books, prices, "tpu")
+
+
+def test_a_process_start_is_read_to_the_clock_tick():
+    """The books start at the command's process start. Linux states the boot time in whole seconds, so a
+    start computed from it (psutil's create_time) can be up to a second early; process_start reads both
+    ends from one clock."""
+    import subprocess
+    import sys
+    import time
+
+    from hybridrl.cost.clock import process_start
+
+    for _ in range(3):
+        before = time.time()
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])
+        after = time.time()
+        try:
+            started = process_start(child.pid)
+        finally:
+            child.kill()
+            child.wait()
+        assert before - 0.02 <= started <= after + 0.02, (started - before, after - before)

@@ -17,7 +17,9 @@ def test_generation_benchmark_writes_its_json(tmp_path):
     out = tmp_path / "gen.json"
     proc = subprocess.run(
         [sys.executable, "benchmarks/generation.py", "--json", str(out), "--sizes", "tiny", "--batch", "4",
-         "--repeats", "2", "--prompt-len", "4:12", "--output-len", "4:8", "--kv-cache-mb", "8", "--threads", "1"],
+         "--repeats", "2", "--prompt-len", "4:12", "--output-len", "4:8", "--kv-cache-mb", "8", "--threads", "1",
+         "--long-prompt-len", "80:120", "--long-output-len", "4:6", "--long-batch", "3",
+         "--max-num-batched-tokens", "64", "--torch-peer"],
         cwd=ROOT, env=env_with_repo(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -27,3 +29,8 @@ def test_generation_benchmark_writes_its_json(tmp_path):
     assert size["size"] == "tiny" and size["params"] > 0 and len(size["runs"]) == 2
     assert result["engine_tokens_per_s"] > 0 and result["hf_tokens_per_s"] > 0
     assert all(r["engine_tokens"] > 0 and r["hf_tokens"] > 0 for r in size["runs"])
+    assert size["engine_kernels"] in ("c", "torch") and size["ratio_native_engine_torch"] > 0
+    assert all(r["engine_torch_tokens"] > 0 for r in size["runs"])
+    long = result["long_prompt"]
+    assert long["shape"]["name"] == "long_prompt" and long["ratio"] > 0
+    assert long["engine_steps"] > 0 and all(r["engine_tokens"] > 0 for r in long["runs"])
