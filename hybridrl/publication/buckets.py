@@ -13,6 +13,7 @@ into it and no bucket is copied.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -47,11 +48,19 @@ class BucketPlan:
 
 
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return torch.Size(shape).numel() * dtype.itemsize
 
 
 def plan_buckets(groups: Sequence[Sequence[TensorSpec]], bucket_bytes: int) -> list[BucketPlan]:
-    """Group i of `groups` is a list of (name, shape, dtype); buckets of whole groups, in order."""
+    """Group i of `groups` is a list of (name, shape, dtype); buckets of whole groups, in order.
+    Every publication of a run has the same groups: the plans of the last call are reused (they are
+    not modified by anyone), so a switch does not re-plan its buckets."""
+    return _plans(tuple(tuple((name, tuple(shape), dtype) for name, shape, dtype in group) for group in groups),
+                  bucket_bytes)
+
+
+@functools.lru_cache(maxsize=8)
+def _plans(groups: tuple[tuple[TensorSpec, ...], ...], bucket_bytes: int) -> list[BucketPlan]:
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
     plans: list[BucketPlan] = []
@@ -63,7 +72,7 @@ def plan_buckets(groups: Sequence[Sequence[TensorSpec]], bucket_bytes: int) -> l
             plan = BucketPlan()
         plan.groups.append(index)
         for name, shape, dtype in group:
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = dtype.itemsize
             start = -(-plan.nbytes // itemsize) * itemsize          # aligned to the element size
             plan.entries.append(Entry(name, tuple(shape), dtype, start, start + nbytes(shape, dtype)))
     if plan.entries:
@@ -117,14 +126,18 @@ class Staging:
     def __init__(self, device: torch.device, slots: int = 2):
         self.device = torch.device(device)
         self._buffers: list[torch.Tensor | None] = [None] * slots
+        self._made: list[FlatBucket | None] = [None] * slots     # the last bucket of each slot (its views)
 
     def bucket(self, plan: BucketPlan, slot: int) -> FlatBucket:
         slot %= len(self._buffers)
         buf = self._buffers[slot]
         if buf is None or buf.numel() < plan.nbytes:
-            self._buffers[slot] = None
+            self._buffers[slot] = self._made[slot] = None
             buf = self._buffers[slot] = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
-        return FlatBucket(plan, buf)
+        made = self._made[slot]
+        if made is None or made.plan is not plan:
+            made = self._made[slot] = FlatBucket(plan, buf)
+        return made
 
     @property
     def nbytes(self) -> int:
@@ -136,5 +149,6 @@ class Staging:
         processes (SGLang's KV cache), so ~`slots` x bucket size would stay taken during rollout."""
         held = any(b is not None for b in self._buffers)
         self._buffers = [None] * len(self._buffers)
+        self._made = [None] * len(self._made)
         if held and self.device.type == "cuda":
             torch.cuda.empty_cache()

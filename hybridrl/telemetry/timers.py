@@ -39,6 +39,18 @@ def _reset_vm_hwm() -> bool:
         return False
 
 
+_kernel_peak: list[bool] = []      # whether this process can reset and read VmHWM (learned once)
+
+
+def _kernel_peak_reset() -> bool:
+    """Reset the kernel's peak RSS where it can be reset and read back; whether it could. Whether it can is
+    learned on the first call (a phase of a mode switch opens this region: no status read per entry)."""
+    if not _kernel_peak:
+        _kernel_peak.append(_reset_vm_hwm() and _vm_hwm() is not None)
+        return _kernel_peak[0]
+    return _kernel_peak[0] and _reset_vm_hwm()
+
+
 class PeakMemory:
     """Peak memory over a region: CUDA max_memory_allocated on GPU; on CPU the kernel's own peak
     RSS (VmHWM, reset at entry), or, where it cannot be reset, RSS sampled by a thread."""
@@ -55,7 +67,7 @@ class PeakMemory:
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return self
-        self._kernel = _reset_vm_hwm() and _vm_hwm() is not None
+        self._kernel = _kernel_peak_reset()
         if self._kernel:
             return self
         proc = psutil.Process()

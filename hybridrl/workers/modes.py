@@ -61,10 +61,18 @@ class Arrivals:
     missing. Nothing polls: each rank marks itself arrived and counts itself in; the last one sets the
     barrier's key, which every other rank waits for in the store's own blocking wait (answered the
     moment it is set), bounded by the phase's deadline. A run aborted during the wait reaches the rank
-    through its watchdog, which watches the abort flag and ends the process."""
+    through its watchdog, which watches the abort flag and ends the process.
+
+    On a switch's path a barrier costs one store round trip (the count) and, but for the last rank to
+    arrive, the wait; setting a key needs no answer. Deleting the keys of old barriers (`forget`) is a
+    round trip per key, so it runs on a background thread: a switch never waits for the bookkeeping."""
 
     def __init__(self, store, rank: int, ranks: Sequence[int], aborted: Callable[[], str | None] = lambda: None):
         self.store, self.rank, self.ranks, self.aborted = store, rank, list(ranks), aborted
+        self._stale: list[str] = []                  # keys to delete, in order
+        self._busy = False
+        self._cond = threading.Condition()
+        self._janitor: threading.Thread | None = None
 
     def wait(self, key: str, deadline: float | None) -> list[int]:
         """Mark this rank arrived at `key`; wait for the others until `deadline` (time.monotonic()).
@@ -92,15 +100,36 @@ class Arrivals:
                 return [r for r in self.ranks if not self.store.check([f"arrive/{key}/{r}"])]
 
     def forget(self, key: str) -> None:
-        """Drop this rank's keys of a barrier that no rank reads any more (the first rank drops the shared ones)."""
+        """Drop this rank's keys of a barrier that no rank reads any more (the first rank drops the shared
+        ones), on the background thread."""
         keys = [f"arrive/{key}/{self.rank}"]
         if self.ranks and self.rank == self.ranks[0]:
             keys += [f"arrive/{key}/count", f"arrive/{key}/all"]
-        for k in keys:
-            try:
-                self.store.delete_key(k)
-            except Exception:  # noqa: BLE001 - best effort
-                pass
+        with self._cond:
+            self._stale.extend(keys)
+            if self._janitor is None:
+                self._janitor = threading.Thread(target=self._sweep, name="hybridrl-arrivals-janitor", daemon=True)
+                self._janitor.start()
+            self._cond.notify()
+
+    def settle(self, timeout: float = 10.0) -> bool:
+        """Wait until every key handed to `forget` is deleted (tests, shutdown); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._stale and not self._busy, timeout)
+
+    def _sweep(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._stale))
+                keys, self._stale, self._busy = self._stale, [], True
+            for k in keys:
+                try:
+                    self.store.delete_key(k)
+                except Exception:  # noqa: BLE001 - best effort: a key left behind costs a few bytes
+                    pass
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
 
 
 class Backstop:

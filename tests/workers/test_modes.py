@@ -63,6 +63,7 @@ def test_a_switch_phase_waits_for_every_rank_until_its_deadline_and_names_who_is
         with m.phase("offload"):
             pass
         late.join()
+    assert m.arrivals.settle()                  # the old barriers' keys are deleted on a background thread
     assert store.check(["arrive/3/offload/0", "arrive/2/offload/0"]) and not store.check(["arrive/1/offload/0"])
     assert not store.check(["arrive/1/offload/all"]) and store.check(["arrive/3/offload/all"])
 
