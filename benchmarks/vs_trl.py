@@ -1,7 +1,7 @@
 """hybridrl beside TRL's GRPOTrainer on one workload, interleaved in one run.
 
     python benchmarks/vs_trl.py --model runs/demo/sft/hf --json runs/bench/vs_trl.json \\
-        [--install-trl] [--trl-venv runs/bench/trl-venv] [--pairs 3] [--steps 6]
+        [--install-trl] [--trl-venv runs/bench/trl-venv] [--pairs 3] [--steps 6] [--base OTHER_CHECKOUT]
 
 The workload (both sides): the calculator task's training questions, 16 prompts x 8 samples per
 step, one turn of at most 32 new tokens at temperature 1, lr 5e-5 constant, no KL term, group-mean
@@ -18,7 +18,9 @@ each run's median step time over the steps after the first two (warm-up) and its
 length (the sides stop a completion alike: at the end of the assistant's turn or 32 tokens; a
 model that answers longer on one side costs that side more), the medians over pairs,
 the speed-up (TRL's step time / hybridrl's) per pair and its median, and the load average around
-every run.
+every run. With `--base CHECKOUT` (another checkout of hybridrl, run with this interpreter and its own
+package first on the path) each round runs three sides, the order rotating, and reports that checkout's
+speed-up over TRL and this one's over it (`head_vs_base`), all from the same run.
 """
 
 from __future__ import annotations
@@ -74,13 +76,14 @@ def workload(model: str, steps: int) -> dict:
             "micro_batch_size": cfg.train.micro_batch_size, "trl_loss_type": "dapo"}
 
 
-def run_hybridrl(model: str, steps: int, tmp: Path, i: int) -> dict:
-    out = tmp / f"hybridrl{i}.json"
+def run_hybridrl(model: str, steps: int, tmp: Path, i: int, checkout: Path = ROOT, tag: str = "hybridrl") -> dict:
+    out = tmp / f"{tag}{i}.json"
     load = os.getloadavg()[0]
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--json", str(out), "--model", model,
-                           "--steps", str(steps), *OVERRIDES], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(checkout / "benchmarks" / "e2e.py"), "--json", str(out), "--model",
+                           model, "--steps", str(steps), *OVERRIDES], cwd=checkout, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(checkout)})
     if proc.returncode != 0:
-        raise SystemExit(f"hybridrl's run failed\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{tag}'s run ({checkout}) failed\n{proc.stderr[-3000:]}")
     r = json.loads(out.read_text())
     return {"step_s": r["step_s"], "stage_times": r["stage_times"], "switch_s": r["switch_s"],
             "completion_tokens": r["response_tokens_per_episode"], "load_avg_1m": [load, os.getloadavg()[0]]}
@@ -110,6 +113,7 @@ def main() -> int:
     ap.add_argument("--install-trl", action="store_true", help="create --trl-venv with TRL if it is missing")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--base", default=None, help="another hybridrl checkout to run beside this one (same interpreter)")
     args = ap.parse_args()
     if args.steps <= WARMUP:
         raise SystemExit(f"--steps must exceed the {WARMUP} warm-up steps")
@@ -119,15 +123,21 @@ def main() -> int:
             raise SystemExit(f"no TRL environment at {venv}: pass --install-trl to create it (pip, a few minutes), "
                              "or --trl-venv DIR for one you have")
         install_trl(venv)
-    runs: dict[str, list[dict]] = {"hybridrl": [], "trl": []}
+    sides = ["hybridrl", "trl"] + (["base"] if args.base else [])
+    base = Path(args.base).resolve() if args.base else None
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
     with tempfile.TemporaryDirectory(prefix="hybridrl-vs-trl-") as tmp:
         tmp = Path(tmp)
         work = tmp / "workload.json"
         work.write_text(json.dumps(workload(model, args.steps)))
         for i in range(args.pairs):
-            for side in (("hybridrl", "trl") if i % 2 == 0 else ("trl", "hybridrl")):
-                r = (run_hybridrl(model, args.steps, tmp, i) if side == "hybridrl"
-                     else run_trl(venv, work, args.steps, tmp, i))
+            order = sides[i % len(sides):] + sides[: i % len(sides)] if args.base else (
+                ("hybridrl", "trl") if i % 2 == 0 else ("trl", "hybridrl"))
+            for side in order:
+                if side == "trl":
+                    r = run_trl(venv, work, args.steps, tmp, i)
+                else:
+                    r = run_hybridrl(model, args.steps, tmp, i, *((base, "base") if side == "base" else ()))
                 runs[side].append(r)
                 print(f"pair {i} {side}: {r['step_s']:.3f} s/step  {r['completion_tokens']:.1f} tokens/completion  "
                       f"load {r['load_avg_1m'][0]:.1f}", flush=True)
@@ -139,10 +149,19 @@ def main() -> int:
               "hybridrl_T_sync_share": statistics.median(r["stage_times"]["T_sync"] / r["step_s"]
                                                          for r in runs["hybridrl"]),
               "runs": runs}
+    if base is not None:
+        base_speedups = [t["step_s"] / b["step_s"] for b, t in zip(runs["base"], runs["trl"])]
+        head_vs_base = [b["step_s"] / h["step_s"] for h, b in zip(runs["hybridrl"], runs["base"])]
+        result.update({"base": str(base), "base_speedup_per_pair": base_speedups,
+                       "base_speedup_median": statistics.median(base_speedups), "head_vs_base_per_pair": head_vs_base,
+                       "head_vs_base_median": statistics.median(head_vs_base),
+                       "base_T_sync_share": statistics.median(r["stage_times"]["T_sync"] / r["step_s"]
+                                                              for r in runs["base"])})
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("median_step_s", "speedup_per_pair", "speedup_median",
-                                             "hybridrl_T_sync_share")}, indent=1))
+                                             "hybridrl_T_sync_share", "base_speedup_median", "head_vs_base_median",
+                                             "base_T_sync_share") if k in result}, indent=1))
     return 0
 
 

@@ -52,6 +52,18 @@ def devices() -> dict:
     return info
 
 
+def native_kernels() -> dict:
+    """Whether the native engine's C kernels build and load here (without them a CPU decode step runs torch
+    operators: slower, the same numbers to float32 rounding)."""
+    from hybridrl.backends.native import cpu_kernels
+
+    try:
+        built = cpu_kernels.load()
+    except cpu_kernels.KernelUnavailable as exc:
+        return {"ok": False, "problem": str(exc)}
+    return {"ok": True, "path": str(built.path), "threaded": built.threaded}
+
+
 SGLANG_MIN_DRIVER = (580, 65, 6)          # CUDA 13.0 on Linux, for sglang 0.5.21's CUDA 13 stack
 
 
@@ -125,7 +137,7 @@ def selftest(nproc: int = 2) -> dict:
 
 
 def main(args) -> int:
-    report = {"versions": versions(), "devices": devices()}
+    report = {"versions": versions(), "devices": devices(), "native_kernels": native_kernels()}
     report["gpu_stack"] = gpu_stack(report["versions"]["sglang"])
     if not args.no_selftest:
         report["selftest"] = selftest(args.nproc)
@@ -139,6 +151,10 @@ def main(args) -> int:
     dev = report["devices"]
     gpus = ", ".join(f"{g['name']} ({g['memory_gib']} GiB)" for g in dev["cuda"]) or "none"
     print(f"  cpus           {dev['cpu_count']}   cuda: {gpus}")
+    kernels = report["native_kernels"]
+    print("  cpu kernels    " + (f"built: {kernels['path']}" if kernels["ok"] else
+                                  f"note: unavailable ({kernels['problem']}); the native engine runs torch "
+                                  "operators on the CPU (slower decoding)"))
     stack = report["gpu_stack"]
     print(f"  nvidia driver  {stack['nvidia_driver'] or '-'}"
           + (f"   {'PROBLEM' if not stack['ok'] else 'note'}: {stack['problem']}" if stack["problem"] else ""))

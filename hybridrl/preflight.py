@@ -74,14 +74,16 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
                      training=False)
     if getattr(cfg.train, "share_prefix", False):
         check_share_prefix(cfg.model.path)
+    kernel_notes = []
     if cfg.run.job == "rl":
         check_dtypes(cfg)
+        kernel_notes = check_native_kernels(cfg)
     train_size = check_task(cfg)
     if cfg.run.job == "rl":
         check_curriculum_and_suite(cfg)
     notes = warnings(cfg, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or
                               cfg.distributed.nproc_per_node) if world_size is None else world_size)
-    notes += check_objective(cfg, train_size)
+    notes += check_objective(cfg, train_size) + kernel_notes
     try:
         if overwrite:
             run_dir = Path(cfg.run.dir)
@@ -327,6 +329,35 @@ def check_dtypes(cfg: Any) -> None:
         raise PreflightError(f"publish.parity_tolerance={tolerance:g} cannot pass in {engine} (one {engine} rounding "
                              f"step of a logit of ~3 is 2^-6 nats): set publish.parity_tolerance="
                              f"{default_parity_tolerance(train, engine):g}, or publish.parity_prompts=0")
+
+
+def check_native_kernels(cfg: Any) -> list[str]:
+    """The native engine's C kernels (`rollout.native.kernels`) where they apply (CPU, float32): compiled here,
+    before any rank starts, so the ranks load them from the cache. `c` refuses a run they cannot serve;
+    `auto` notes that decoding will run torch operators instead."""
+    if cfg.rollout.engine != "native" or cfg.rollout.native.kernels == "torch":
+        return []
+    choice = cfg.rollout.native.kernels
+    dtype, _ = rollout_dtype(cfg)
+    device = cfg.distributed.device
+    if device == "auto":
+        device = "cuda" if _torch_sees_cuda() else "cpu"
+    if device != "cpu" or dtype != "float32":
+        if choice == "c":
+            raise PreflightError(f"rollout.native.kernels=c: the native engine's C kernels run on the CPU in float32, "
+                                 f"this run's engine runs {dtype} on {device}: set rollout.native.kernels=auto")
+        return []
+    from hybridrl.backends.native.kernel_build import KernelUnavailable, build_library
+
+    try:
+        build_library()
+    except KernelUnavailable as err:
+        if choice == "c":
+            raise PreflightError(f"rollout.native.kernels=c: {err}. Install a C compiler (gcc), or set "
+                                 f"rollout.native.kernels=auto to decode with torch operators (slower)") from None
+        return [f"the native engine's C kernels cannot be built here, so decoding runs torch operators (slower): "
+                f"{str(err).splitlines()[0][:300]} (rollout.native.kernels=torch says so and silences this)"]
+    return []
 
 
 def check_task(cfg: Any) -> int | None:

@@ -64,3 +64,21 @@ def test_hybridrl_train_stops_on_it_in_one_line(tmp_path, capsys, tiny_models):
                  "publish.verify=structure", "--check"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "rollout.sglang.dtype" in err, err
+
+
+def test_native_kernels_are_built_before_the_ranks_start_or_refused_when_insisted_on(tmp_path, monkeypatch):
+    """kernels=auto compiles the C kernels into the cache the ranks load from; a machine that cannot build
+    them gets a note (auto) or a refusal naming the cause and the fix (c); CUDA or bfloat16 cannot run them."""
+    monkeypatch.setenv("HYBRIDRL_KERNEL_CACHE", str(tmp_path / "cache"))
+    assert preflight.check_native_kernels(cfg("distributed.device=cpu")) == []
+    assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".so"]          # built, ready for the ranks
+    assert preflight.check_native_kernels(cfg("rollout.native.kernels=torch")) == []
+    with pytest.raises(preflight.PreflightError, match=r"kernels=c: .*run on the CPU in float32.*bfloat16 on cuda"):
+        preflight.check_native_kernels(cfg("distributed.device=cuda", "rollout.native.kernels=c"))
+    assert preflight.check_native_kernels(cfg("distributed.device=cuda")) == []   # auto: torch there, as designed
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    notes = preflight.check_native_kernels(cfg("distributed.device=cpu"))
+    assert len(notes) == 1 and "no-such-cc" in notes[0] and "torch operators" in notes[0]
+    with pytest.raises(preflight.PreflightError, match=r"rollout.native.kernels=c: C compiler .*no-such-cc.* "
+                                                       r"does not run.*Install a C compiler.*kernels=auto"):
+        preflight.check_native_kernels(cfg("distributed.device=cpu", "rollout.native.kernels=c"))

@@ -9,14 +9,7 @@ block table. RMSNorm (a composite of six torch operators on the CPU), RoPE with 
 and SiLU-and-multiply are one pass each. (An Inductor-compiled version of the attention loops,
 `torch.compile`, was slower than SDPA on the machine this was written on, and took 21 s to compile.)
 
-Build: `cc` (or `$CC`) with -O3, contraction into fused multiply-adds and the reassociation flags
-that let reductions vectorise (not -ffast-math: its start-up code would make the whole process flush
-denormals to zero), -march=native (-mcpu=native on Arm) where the compiler takes it, and OpenMP
-where it is available. The library lands in `$HYBRIDRL_KERNEL_CACHE` (default
-`$XDG_CACHE_HOME/hybridrl/kernels`, else `~/.cache/hybridrl/kernels`) under a name hashed from the
-source, the compiler, the flags and the CPU's feature flags, so a cache shared between machines (a
-home directory on a cluster) never hands one CPU's instructions to another. Concurrent builds
-(several ranks) each write a file of their own and rename it into place. About 0.3 s with gcc.
+How the library is compiled and cached: `kernel_build.py`.
 
 OpenMP (the attention kernel's threads): compiled with -fopenmp, the library needs libgomp.so.1,
 which torch's CPU build has already loaded, so both share one thread pool. If loading it brings a
@@ -28,28 +21,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from hybridrl.backends.native.kernel_build import KernelUnavailable, build_library
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-BASE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math",
-              "-fassociative-math", "-fno-signed-zeros")
 OPENMP_RUNTIMES = ("libgomp", "libomp", "libiomp")
 
-
-class KernelUnavailable(RuntimeError):
-    """The kernel could not be built or loaded here; the message says why."""
+__all__ = ["KernelUnavailable", "Kernels", "build", "load", "paged_decode", "rms_norm", "rope_store", "silu_mul"]
 
 
 @dataclass(frozen=True)
@@ -57,45 +41,6 @@ class Kernels:
     path: Path
     lib: ctypes.CDLL
     threaded: bool           # built with OpenMP and sharing torch's runtime
-
-
-def cache_dir() -> Path:
-    if os.environ.get("HYBRIDRL_KERNEL_CACHE"):
-        return Path(os.environ["HYBRIDRL_KERNEL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "hybridrl" / "kernels"
-
-
-def _cpu_fingerprint() -> str:
-    """The CPU's feature flags where Linux lists them, else the processor's name."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _arch_flags() -> tuple[str, ...]:
-    machine = platform.machine().lower()
-    if machine in ("x86_64", "amd64", "i686"):
-        return ("-march=native",)
-    if machine in ("aarch64", "arm64"):
-        return ("-mcpu=native",)
-    return ()
-
-
-def _compile(compiler: str, flags: tuple[str, ...], out: Path) -> str | None:
-    """Compile SOURCE into `out`; the compiler's complaint, or None when it worked."""
-    cmd = [compiler, *flags, str(SOURCE), "-o", str(out), "-lm"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"{' '.join(cmd)}: {exc}"
-    if done.returncode != 0:
-        return f"{' '.join(cmd)} exited {done.returncode}: {(done.stderr or done.stdout).strip()[-600:]}"
-    return None
 
 
 def _openmp_mapped() -> set[str]:
@@ -110,39 +55,8 @@ def _openmp_mapped() -> set[str]:
 
 def build(compiler: str | None = None, directory: Path | None = None) -> Kernels:
     """Compile (or find in the cache) and load the kernels. Raises KernelUnavailable naming the cause."""
-    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not compiler:
-        raise KernelUnavailable("no C compiler found (cc, gcc or clang on PATH, or $CC)")
-    directory = directory or cache_dir()
-    source = SOURCE.read_bytes()
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise KernelUnavailable(f"C compiler {compiler!r} does not run: {exc}") from exc
-    attempts = [BASE_FLAGS + _arch_flags() + ("-fopenmp",), BASE_FLAGS + ("-fopenmp",),
-                BASE_FLAGS + ("-fopenmp-simd",)]
-    errors = []
-    for flags in dict.fromkeys(attempts):
-        key = hashlib.sha256(b"\0".join([source, compiler.encode(), version.encode(), " ".join(flags).encode(),
-                                         platform.machine().encode(), _cpu_fingerprint().encode()])).hexdigest()[:24]
-        path = directory / f"cpu_kernels-{key}.so"
-        if not path.exists():
-            try:
-                directory.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=directory)
-                os.close(fd)
-            except OSError as exc:
-                raise KernelUnavailable(f"kernel cache {directory} is not writable: {exc} "
-                                        f"(set HYBRIDRL_KERNEL_CACHE to a writable directory)") from exc
-            error = _compile(compiler, flags, Path(tmp))
-            if error is not None:
-                Path(tmp).unlink(missing_ok=True)
-                errors.append(error)
-                continue
-            os.replace(tmp, path)
-            log.info("built the native engine's CPU kernels: %s", path)
-        return _load(path, openmp="-fopenmp" in flags)
-    raise KernelUnavailable("the C compiler could not build the kernels: " + " | ".join(errors))
+    path, openmp = build_library(compiler, directory)
+    return _load(path, openmp)
 
 
 def _load(path: Path, openmp: bool) -> Kernels:

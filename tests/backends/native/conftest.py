@@ -16,11 +16,24 @@ from hybridrl.rollout.protocol import SamplingParams
 PARITY = {"init_std": 0.1}
 
 
+def needs_kernels(choice: str) -> None:
+    """Skip a test variant that runs the C kernels on a machine where they cannot be built (no C compiler)."""
+    if choice != "c":
+        return
+    from hybridrl.backends.native import cpu_kernels
+
+    try:
+        cpu_kernels.load()
+    except cpu_kernels.KernelUnavailable as exc:
+        pytest.skip(f"the native engine's C kernels cannot be built here: {exc}")
+
+
 @pytest.fixture
 def make_engine():
     made: list[NativeEngine] = []
 
     def make(model_dir, **cfg) -> NativeEngine:
+        needs_kernels(cfg.get("kernels", "auto"))
         engine = NativeEngine.from_pretrained(model_dir, NativeEngineConfig(**{"kv_cache_mb": 8, **cfg}), device="cpu")
         made.append(engine)
         return engine

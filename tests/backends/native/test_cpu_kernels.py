@@ -170,10 +170,17 @@ def test_build_is_cached_and_failures_name_the_cause(tmp_path):
     with pytest.raises(cpu_kernels.KernelUnavailable, match="does not run"):
         cpu_kernels.build(compiler=str(tmp_path / "no-such-cc"), directory=tmp_path / "other")
     failing = tmp_path / "failing-cc"
-    failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho 'cc: out of luck' >&2\nexit 1\n")
+    calls = tmp_path / "calls"
+    failing.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho x >> {calls}\n"
+                       "echo 'cc: out of luck' >&2\nexit 1\n")
     failing.chmod(0o755)
     with pytest.raises(cpu_kernels.KernelUnavailable, match="out of luck"):
         cpu_kernels.build(compiler=str(failing), directory=tmp_path / "other")
+    tried = len(calls.read_text().splitlines())
+    assert tried >= 2                                    # with and without -march=native / OpenMP
+    with pytest.raises(cpu_kernels.KernelUnavailable, match="out of luck"):    # remembered, not retried
+        cpu_kernels.build(compiler=str(failing), directory=tmp_path / "other")
+    assert len(calls.read_text().splitlines()) == tried
 
 
 def test_choice_of_kernels(monkeypatch, caplog):
