@@ -65,10 +65,14 @@ class Arrivals:
 
     On a switch's path a barrier costs one store round trip (the count) and, but for the last rank to
     arrive, the wait; setting a key needs no answer. Deleting the keys of old barriers (`forget`) is a
-    round trip per key, so it runs on a background thread: a switch never waits for the bookkeeping."""
+    round trip per key, so it runs on a background thread, `sweep_delay_s` after the first key of a
+    batch was handed over: by then the switch that queued them is over, and its phases did not share
+    the interpreter with the deletions."""
 
-    def __init__(self, store, rank: int, ranks: Sequence[int], aborted: Callable[[], str | None] = lambda: None):
+    def __init__(self, store, rank: int, ranks: Sequence[int], aborted: Callable[[], str | None] = lambda: None,
+                 sweep_delay_s: float = 0.05):
         self.store, self.rank, self.ranks, self.aborted = store, rank, list(ranks), aborted
+        self.sweep_delay_s = sweep_delay_s
         self._stale: list[str] = []                  # keys to delete, in order
         self._busy = False
         self._cond = threading.Condition()
@@ -121,7 +125,10 @@ class Arrivals:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._stale))
-                keys, self._stale, self._busy = self._stale, [], True
+                self._busy = True
+            time.sleep(self.sweep_delay_s)           # the rest of the switch's keys join this batch
+            with self._cond:
+                keys, self._stale = self._stale, []
             for k in keys:
                 try:
                     self.store.delete_key(k)
