@@ -71,8 +71,8 @@ static inline __attribute__((always_inline)) int decode(
 
     #pragma omp parallel num_threads(num_threads)
     {
-        /* per thread: the scores of one task's query heads, then their accumulators */
-        float *scratch = malloc(sizeof(float) * group * (max_len + head_dim));
+        /* per thread: the scores of one task's query heads */
+        float *scratch = malloc(sizeof(float) * group * max_len);
         if (scratch == NULL) {
             #pragma omp atomic write
             failed = 1;
@@ -85,7 +85,6 @@ static inline __attribute__((always_inline)) int decode(
             const float *qr = q + r * q_row_stride + kh * group * head_dim;
             const int64_t *table = tables + r * table_width;
             float *scores = scratch;                          /* [group, n] */
-            float *acc = scratch + group * max_len;           /* [group, head_dim] */
 
             for (int64_t b = 0, t0 = 0; t0 < n; b++, t0 += block_size) {
                 const float *keys = kv + table[b] * block_size * token_stride + kh * head_dim;
@@ -103,46 +102,37 @@ static inline __attribute__((always_inline)) int decode(
                     }
                 }
             }
+            /* per query head: softmax over the row's keys, the values weighted by it (normalised at the end) */
             for (int64_t g = 0; g < group; g++) {
-                float *s = scores + g * n;
-                float top = s[0];
+                float *p = scores + g * n;
+                float top = p[0];
                 for (int64_t t = 1; t < n; t++)
-                    top = s[t] > top ? s[t] : top;
+                    top = p[t] > top ? p[t] : top;
                 float total = 0.0f;
                 #pragma omp simd reduction(+:total)
                 for (int64_t t = 0; t < n; t++) {
-                    s[t] = exp_nonpositive(s[t] - top);
-                    total += s[t];
+                    p[t] = exp_nonpositive(p[t] - top);
+                    total += p[t];
                 }
-                const float inv = 1.0f / total;
-                #pragma omp simd
-                for (int64_t t = 0; t < n; t++)
-                    s[t] *= inv;
+                float acc[head_dim];
                 for (int64_t d = 0; d < head_dim; d++)
-                    acc[g * head_dim + d] = 0.0f;
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float a[head_dim];
-                for (int64_t d = 0; d < head_dim; d++)
-                    a[d] = 0.0f;
-                const float *pg = scores + g * n;
+                    acc[d] = 0.0f;
                 for (int64_t b = 0, t0 = 0; t0 < n; b++, t0 += block_size) {
                     const float *values = kv + table[b] * block_size * token_stride + (kv_heads + kh) * head_dim;
                     const int64_t m = n - t0 < block_size ? n - t0 : block_size;
                     for (int64_t o = 0; o < m; o++) {
                         const float *v = values + o * token_stride;
-                        const float p = pg[t0 + o];
+                        const float w = p[t0 + o];
                         #pragma omp simd
                         for (int64_t d = 0; d < head_dim; d++)
-                            a[d] += p * v[d];
+                            acc[d] += w * v[d];
                     }
                 }
+                const float inv = 1.0f / total;
+                float *dst = out + (r * heads + kh * group + g) * head_dim;
                 for (int64_t d = 0; d < head_dim; d++)
-                    acc[g * head_dim + d] = a[d];
+                    dst[d] = acc[d] * inv;
             }
-            float *o = out + (r * heads + kh * group) * head_dim;
-            for (int64_t i = 0; i < group * head_dim; i++)
-                o[i] = acc[i];
         }
         free(scratch);
     }
