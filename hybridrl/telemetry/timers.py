@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections import defaultdict
@@ -39,16 +40,11 @@ def _reset_vm_hwm() -> bool:
         return False
 
 
-_kernel_peak: list[bool] = []      # whether this process can reset and read VmHWM (learned once)
-
-
-def _kernel_peak_reset() -> bool:
-    """Reset the kernel's peak RSS where it can be reset and read back; whether it could. Whether it can is
-    learned on the first call (a phase of a mode switch opens this region: no status read per entry)."""
-    if not _kernel_peak:
-        _kernel_peak.append(_reset_vm_hwm() and _vm_hwm() is not None)
-        return _kernel_peak[0]
-    return _kernel_peak[0] and _reset_vm_hwm()
+@functools.cache
+def _vm_hwm_resettable() -> bool:
+    """Whether this process can reset VmHWM and read it back: learned once, so that entering a region
+    (every phase of a mode switch) does not read /proc/self/status as well."""
+    return _reset_vm_hwm() and _vm_hwm() is not None
 
 
 class PeakMemory:
@@ -67,7 +63,7 @@ class PeakMemory:
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return self
-        self._kernel = _kernel_peak_reset()
+        self._kernel = _vm_hwm_resettable() and _reset_vm_hwm()
         if self._kernel:
             return self
         proc = psutil.Process()

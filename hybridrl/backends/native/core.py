@@ -98,7 +98,7 @@ class EngineCore:
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    watermark_blocks=cfg.watermark_blocks)
         self.runner = ModelRunner(self.model, num_blocks=self.num_blocks, block_size=cfg.block_size, dtype=dtype,
-                                  device=device, decode_kernel=kernels is not None)
+                                  device=device)
         self.runner.allocate_kv()
         self.requests: dict[str, Sequence] = {}
         self.publication = Publication(self.views, policy_version)     # the version and what has arrived

@@ -28,13 +28,12 @@ class StepResult:
 
 
 class ModelRunner:
-    """`decode_kernel`: decodes attend through the C kernel (`cpu_kernels.py`), all rows in one call per
-    layer, instead of gathered groups and SDPA."""
+    """A model with the C kernels (`model.kernels`) has its decodes attend through the kernel, all rows in
+    one call per layer, instead of gathered groups and SDPA."""
 
     def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, decode_kernel: bool = False):
+                 device: torch.device):
         self.model = model
-        self.decode_kernel = decode_kernel
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
@@ -116,7 +115,7 @@ class ModelRunner:
                 slots.append(seq.blocks[p // bs] * bs + p % bs)
             widths = [len(seq.blocks) for seq in decodes]
             meta.num_decodes = len(decodes)
-            if self.decode_kernel:
+            if self.model.kernels is not None:
                 width = widths[0]
                 tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decodes], dtype=torch.long)
                 meta.decode_batch = DecodeBatch(tables, torch.tensor(positions, dtype=torch.long).add_(1))
