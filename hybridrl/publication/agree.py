@@ -8,7 +8,9 @@ Decided alone, the ranks that refuse skip the collectives the others enter, and 
 deadlocks; a rank that accepted after another refused would have to undo what it took.
 
 So every rank computes its own verdict before anything moves (`refusal`), one all-reduce over
-every taking part (`agree`) tells each rank which ranks refused, and all take the same branch:
+every taking part (`agree`) tells each rank which ranks refused, and all take the same branch
+(where the reasons already travelled together, e.g. in the votes of the colocated switch's arrival
+barrier, `verdict_of` reads the same verdict from them, with no collective):
 either every rank publishes, or every rank raises `PublicationRefused` with the same message and
 every engine keeps serving what it had. Nothing was copied, so there is nothing to roll back.
 """
@@ -55,6 +57,12 @@ class Verdict:
 def local(reason: str | None) -> Verdict:
     """The verdict of a rank that publishes alone (no other rank takes part)."""
     return Verdict(reason is not None, reason)
+
+
+def verdict_of(reasons: Mapping[int, str | None]) -> Verdict:
+    """The verdict when every rank's `refusal` is known ({job rank: reason}, every rank the same mapping)."""
+    refused_by = tuple(sorted(rank for rank, reason in reasons.items() if reason is not None))
+    return Verdict(True, reasons[refused_by[0]], refused_by) if refused_by else Verdict(False)
 
 
 def agree(reason: str | None, peers: Any) -> Verdict:

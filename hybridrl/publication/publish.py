@@ -38,7 +38,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
-from hybridrl.publication.agree import agree, local, refusal
+from hybridrl.publication.agree import Verdict, agree, local, refusal
 from hybridrl.publication.buckets import FlatBucket, InPlaceBucket, Staging, TensorSpec, plan_buckets
 from hybridrl.publication.config import PublishConfig
 from hybridrl.publication.digest import checkpoint_hash
@@ -103,15 +103,24 @@ def _start(helper: ThreadPoolExecutor | None, fn, *args) -> Future:
     return done
 
 
+def published_spec(source: WeightSource) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{HF name: (shape, dtype name)} of everything a publication of `source` sends."""
+    return {name: (tuple(shape), dtype_name(dtype)) for group in source.hf_group_specs() for name, shape, dtype in group}
+
+
 async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig, version: int, step: int,
-                  hashes: dict[str, str], staging: Staging, peers: Any = None) -> tuple[PolicyRelease, PublishStats]:
+                  hashes: dict[str, str], staging: Staging, peers: Any = None,
+                  verdict: Verdict | None = None) -> tuple[PolicyRelease, PublishStats]:
     """Publish `source` as `version` into `engine`. `peers`: a `Peers` over every rank this
     publication's collectives span (all of them call `publish` with it); the structure decision is
-    then theirs together (`agree.py`). Without it this rank decides alone."""
+    then theirs together (`agree.py`). Without it this rank decides alone. `verdict`: that decision,
+    already taken together from every rank's `refusal` (the colocated switch takes it at its arrival
+    barrier): no collective here."""
     specs = source.hf_group_specs()
-    published = {name: (tuple(shape), dtype_name(dtype)) for group in specs for name, shape, dtype in group}
-    reason = refusal(published, engine, transport, cfg.verify)
-    verdict = agree(reason, peers) if peers is not None else local(reason)
+    published = published_spec(source)
+    if verdict is None:
+        reason = refusal(published, engine, transport, cfg.verify)
+        verdict = agree(reason, peers) if peers is not None else local(reason)
     if verdict.refused:
         raise PublicationRefused(verdict.message(version))
     verify = cfg.verify == "post_copy"

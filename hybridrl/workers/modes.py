@@ -9,26 +9,29 @@ A failed RESHARD returns to TRAIN (the engine keeps its previous version). Any o
 `IllegalTransition`. Each phase records wall time, bytes moved and peak memory.
 
 Every phase of a switch (offload, publish, wake, sleep, reload) has a deadline (`hybrid.*_deadline_s`).
-Inside it, the worker waits only in bounded ways: for the other ranks to arrive (`Arrivals`: a
-barrier on the control plane's store, so a rank that stops coming is named instead of waited for
-inside a collective) and for the engine (`remaining()` bounds each await). Work that cannot be
-interrupted (a collective, an offload) is covered by a backstop: past the deadline plus a grace,
-the phase is reported as this rank's error and the run is aborted, so every rank exits. Either
-way the error names the rank, the phase and what it waited for; the run resumes from its last
-checkpoint.
+A switch begins with every rank's arrival (`Phases.arrive`: a barrier on the control plane's store,
+bounded by the first phase's deadline, so a rank that stops coming is named instead of waited for
+inside a collective); the barrier also carries each rank's vote on what the switch must do. Inside a
+phase, the worker waits only in bounded ways: for the engine (`remaining()` bounds each await) or in
+work that cannot be interrupted (a collective, an offload), which a backstop covers: past the deadline
+plus a grace, the phase is reported as this rank's error and the run is aborted, so every rank exits.
+A rank stuck inside a phase is thus named by its own backstop, while the others wait in the next
+collective until the abort ends them. Either way the error names the rank, the phase and what it
+waited for; the run resumes from its last checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import json
 import statistics
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -64,7 +67,9 @@ class Arrivals:
     through its watchdog, which watches the abort flag and ends the process.
 
     On a switch's path a barrier costs one store round trip (the count) and, but for the last rank to
-    arrive, the wait; setting a key needs no answer. Deleting the keys of old barriers (`forget`) is a
+    arrive, the wait; setting a key needs no answer. A rank's arrival key holds its vote (`wait(vote=)`,
+    JSON), which `votes` reads for every rank in one more round trip: a decision every rank takes together
+    at the price of a barrier it pays anyway, not of a collective. Deleting the keys of old barriers (`forget`) is a
     round trip per key, so it runs on a background thread, `sweep_delay_s` after the first key of a
     batch was handed over: by then the switch that queued them is over, and its phases did not share
     the interpreter with the deletions."""
@@ -78,10 +83,10 @@ class Arrivals:
         self._cond = threading.Condition()
         self._janitor: threading.Thread | None = None
 
-    def wait(self, key: str, deadline: float | None) -> list[int]:
-        """Mark this rank arrived at `key`; wait for the others until `deadline` (time.monotonic()).
-        Returns the ranks still missing (empty when all arrived)."""
-        self.store.set(f"arrive/{key}/{self.rank}", b"1")
+    def wait(self, key: str, deadline: float | None, *, vote: Any = None) -> list[int]:
+        """Mark this rank arrived at `key` (with its `vote`, JSON); wait for the others until `deadline`
+        (time.monotonic()). Returns the ranks still missing (empty when all arrived)."""
+        self.store.set(f"arrive/{key}/{self.rank}", json.dumps(vote).encode())
         if self.store.add(f"arrive/{key}/count", 1) >= len(self.ranks):
             self.store.set(f"arrive/{key}/all", b"1")
             return []
@@ -102,6 +107,11 @@ class Arrivals:
                 if deadline is not None and time.monotonic() < deadline:
                     continue
                 return [r for r in self.ranks if not self.store.check([f"arrive/{key}/{r}"])]
+
+    def votes(self, key: str) -> dict[int, Any]:
+        """Every rank's vote at barrier `key`, {rank: vote} (read once all have arrived)."""
+        values = self.store.multi_get([f"arrive/{key}/{r}" for r in self.ranks])
+        return {r: json.loads(v) for r, v in zip(self.ranks, values)}
 
     def forget(self, key: str) -> None:
         """Drop this rank's keys of a barrier that no rank reads any more (the first rank drops the shared
@@ -188,7 +198,7 @@ class PhaseRecord:
     seconds: float
     bytes_moved: int
     peak_mem_bytes: int
-    arrival_s: float = 0.0          # waiting for the other ranks at the phase's barrier (before `seconds`)
+    arrival_s: float = 0.0          # waiting for the other ranks at the switch's arrival (before `seconds`)
 
 
 class Phases:
@@ -211,6 +221,7 @@ class Phases:
         self._backstop = Backstop(on_overrun) if on_overrun is not None else None
         self.switches = 0                  # mode switches begun (SPMD: the same count on every rank)
         self._current: tuple[str, float | None] | None = None     # (phase, monotonic deadline)
+        self._arrival: tuple[str, float] | None = None             # (first phase, seconds waited at `arrive`)
 
     def require(self, *modes: Mode) -> None:
         """Refuse an operation outside `modes` (a rank without a mode machine allows every operation)."""
@@ -218,14 +229,41 @@ class Phases:
             raise IllegalTransition(f"operation needs mode {' or '.join(m.value for m in modes)}; "
                                     f"the worker is in {self.mode.value}")
 
+    def arrive(self, phase: str, *, vote: Any = None) -> dict[int, Any]:
+        """The start of a switch: mark this rank arrived and wait for every rank (bounded by the deadline of
+        `phase`, the switch's first phase, whose record keeps the wait as `arrival_s`). Returns every rank's
+        `vote` (JSON; None: no vote), {rank: vote}: what the ranks decide on together, with no collective.
+        Without arrivals (one rank, or a phase without a deadline), this rank's own."""
+        limit = self.deadlines.get(phase)
+        if self.arrivals is None or not limit:
+            return {self.rank: vote}
+        deadline = time.monotonic() + limit
+        self._current = (phase, deadline)
+        try:
+            arrived = time.perf_counter()
+            key = f"{self.switches}/{phase}"
+            missing = self.arrivals.wait(key, deadline, vote=vote)
+            if missing:
+                raise PhaseTimeout(self.timeout_message(f"rank(s) {missing} to arrive"))
+            votes = self.arrivals.votes(key) if vote is not None else {}
+            self._arrival = (phase, time.perf_counter() - arrived)
+            # every rank has passed the barrier of two switches ago: its key is no longer read
+            self.arrivals.forget(f"{self.switches - 2}/{phase}")
+            return votes
+        finally:
+            self._current = None
+
     @contextlib.contextmanager
     def phase(self, name: str, *, waits_for: str = "its work"):
         """Time a phase; the body sets `rec.bytes_moved`. Yields a mutable record.
 
-        A phase with a deadline is a phase of a mode switch, which every rank runs: with arrivals it
-        starts by waiting for every rank (bounded by the deadline). Phases without one (generation,
-        a train step) are only timed: ranks may skip them (a rank that holds no engine)."""
+        A phase with a deadline is a phase of a mode switch, which every rank runs: its deadline bounds
+        the engine's awaits (`bounded`) and arms the backstop. Phases without one (generation, a train
+        step) are only timed: ranks may skip them (a rank that holds no engine). The switch's arrival
+        (`arrive`) is timed with its first phase."""
         rec = PhaseRecord(0.0, 0, 0)
+        if self._arrival is not None and self._arrival[0] == name:
+            rec.arrival_s, self._arrival = self._arrival[1], None
         limit = self.deadlines.get(name)
         deadline = time.monotonic() + limit if limit else None
         self._current = (name, deadline)
@@ -234,14 +272,6 @@ class Phases:
             backstop.arm(limit + self.overrun_grace_s,
                          self.timeout_message(waits_for) + " (stuck where it cannot be interrupted)")
         try:
-            if self.arrivals is not None and limit:       # a phase of a switch: every rank runs it
-                arrived = time.perf_counter()
-                missing = self.arrivals.wait(f"{self.switches}/{name}", deadline)
-                rec.arrival_s = time.perf_counter() - arrived
-                # every rank has passed the barrier of two switches ago: its key is no longer read
-                self.arrivals.forget(f"{self.switches - 2}/{name}")
-                if missing:
-                    raise PhaseTimeout(self.timeout_message(f"rank(s) {missing} to arrive"))
             if self.device is not None and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             with PeakMemory(self.device) as peak:

@@ -1,6 +1,8 @@
 """The training side's end of a weight publication, shared by both links between the sides (the
 colocated mode switch and the disaggregated placement's remote publication).
 
+    refusal(target, ...)     this rank's reason to refuse a publication (structure check, local state): the
+                             ranks decide on it together before anything moves
     publish(version, step)   the actor's weights (a LoRA run's adapters only, where the engine applies
                              them: `publication_source`) into the target (`publication.publish`: structure
                              check, flat buckets, verified copy, manifest) through the link's transport;
@@ -16,9 +18,10 @@ import logging
 from typing import Any, Callable
 
 from hybridrl.publication import parity
+from hybridrl.publication.agree import Verdict, refusal
 from hybridrl.publication.buckets import Staging
 from hybridrl.publication.manifest import PublicationError, PublicationRefused, model_hashes
-from hybridrl.publication.publish import publish
+from hybridrl.publication.publish import publish, published_spec
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +53,23 @@ class Publisher:
         """Whether the parity probe checks this publication (the probe on, and the schedule says so)."""
         return bool(self.probe) and self.schedule.due(version)
 
+    def refusal(self, target: Any, transport: Any) -> str | None:
+        """This rank's reason to refuse publishing into `target` through `transport` (None: it accepts),
+        from local state only (`publication/agree.py`): what the ranks decide on together."""
+        return refusal(published_spec(self.source), target, transport, self.cfg.publish.verify)
+
     def publish(self, version: int, step: int, *, target: Any, transport: Any, run: Callable[[Any, str], Any],
-                peers: Any) -> str | None:
+                peers: Any = None, verdict: Verdict | None = None) -> str | None:
         """Publish `version` into `target` (an engine, or what the sender knows of remote ones);
         `run(coro, waits_for)` awaits within the phase's deadline. `peers`: every rank the publication's
         collectives span, which decide together (`publication/agree.py`): a refusal on any of them is a
-        refusal on all, before any copy, so every engine keeps serving what it had."""
+        refusal on all, before any copy, so every engine keeps serving what it had. `verdict`: that
+        decision, already taken together (from every rank's `refusal`)."""
         try:
             self.release, self.stats = run(publish(
                 self.source, engine=target, transport=transport, cfg=self.cfg.publish, version=version, step=step,
-                hashes=self.hashes, staging=self.staging, peers=peers), "the weights to reach the rollout engine")
+                hashes=self.hashes, staging=self.staging, peers=peers, verdict=verdict),
+                "the weights to reach the rollout engine")
         except PublicationRefused as err:
             log.error("rank %d: %s", self.ctx.rank, err)
             return str(err)

@@ -92,6 +92,7 @@ class SendingEnd(RemotePublication):
         if not self._changed(self.target.policy_version, version):
             return {"published": False, "policy_version": version}
         self.phases.switches += 1
+        self.phases.arrive("publish")          # every training rank, before the publication's collectives
         refused = None
         with self.phases.phase("publish", waits_for="the weights to reach the rollout ranks") as rec:
             try:
@@ -147,6 +148,7 @@ class ReceivingEnd(RemotePublication):
         if not self._changed(self.engine.policy_version, version):
             return {}
         self.phases.switches += 1
+        self.phases.arrive("publish")          # every rollout rank, before the publication's collectives
         with self.phases.phase("publish", waits_for="the weights from training rank 0") as rec:
             got = receive_publication(self.peers, self.engine, self.rollout.run, src=0, device=self.ctx.device)
             rec.bytes_moved = got["bytes"]

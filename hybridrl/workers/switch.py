@@ -10,12 +10,13 @@ time-share the rank's device, so the rank is a state machine (`workers/modes.py`
   through the engine's own colocated transport (structure check, verification, bucketed in-place copy,
   manifest), wake the engine, run the logprob parity probe. Who publishes is decided together: every
   rank takes part in the publication's collectives, so "my engine does not serve this version" is
-  reduced over every rank first.
+  each rank's vote at the switch's arrival barrier, and one vote makes every rank publish.
 - enter_train: the engine releases its memory, optimizer state and gradients come back.
 
-Every phase has a deadline (`hybrid.*_deadline_s`) and starts with an arrival barrier, so a rank that
-stops coming is named instead of waited for inside a collective; work that cannot be interrupted is
-covered by a backstop that reports the phase as this rank's error and aborts the run.
+Every phase has a deadline (`hybrid.*_deadline_s`). Each switch starts with an arrival barrier, so a rank
+that stops coming is named instead of waited for inside a collective (entering ROLLOUT, the barrier also
+decides who publishes); work that cannot be interrupted is covered by a backstop that reports the phase
+as this rank's error and aborts the run.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 from hybridrl.distributed.collectives import Reducer
 from hybridrl.distributed.control import ErrorReport
 from hybridrl.distributed.dispatch import OneToAll
+from hybridrl.publication.agree import Verdict, verdict_of
 from hybridrl.publication.manifest import PublicationError
 from hybridrl.rollout.protocol import WEIGHTS
 from hybridrl.workers.base import Part, register
@@ -63,18 +65,25 @@ class ModeSwitch(Part):
         tags = self.engine.releasable_tags
         refused = None
         try:
+            # every rank arrives with its votes, and the ranks decide there together: who publishes (a rank
+            # whose engine forgot its weights, as SGLang releases them, and one whose engine kept them, as
+            # a validation left it serving, must both take part in the publication's collectives), and
+            # whether the publication is refused before anything moves (`publication/agree.py`)
+            votes = self.modes.arrive("offload", vote={
+                "stale": self.engine.policy_version != version,
+                "refusal": self.publisher.refusal(self.engine, self.transport)})
+            published = any(v["stale"] for v in votes.values())
             self.train.offload()
             with self.modes.phase("publish", waits_for="the weights to reach the rollout engine") as rec:
-                # decided together: a rank whose engine forgot its weights (SGLang releases them) and one
-                # whose engine kept them (a validation left it serving) must both take part
-                published = self.everyone.any(self.engine.policy_version != version)
                 if published:
-                    self._engine_call(self.engine.wake_up(tags & {WEIGHTS}), "the engine to take its weights back")
-                    refused = self._publish(version, step)
+                    if tags & {WEIGHTS}:
+                        self._engine_call(self.engine.wake_up({WEIGHTS}), "the engine to take its weights back")
+                    refused = self._publish(version, step, verdict_of({r: v["refusal"] for r, v in votes.items()}))
                     rec.bytes_moved = self.publisher.stats.bytes_copied if refused is None else 0
                     published = refused is None
             with self.modes.phase("wake", waits_for="the rollout engine to wake up"):
-                self._engine_call(self.engine.wake_up(tags - {WEIGHTS}), "the engine to take its memory back")
+                if tags - {WEIGHTS}:
+                    self._engine_call(self.engine.wake_up(tags - {WEIGHTS}), "the engine to take its memory back")
             probe, phases = {}, ["offload", "publish", "wake"]
             if published and self.publisher.probe_due(version):     # a check after the switch, timed apart
                 with self.modes.phase("probe", waits_for="the parity probe"):
@@ -99,11 +108,12 @@ class ModeSwitch(Part):
         return {**{f"switch/{k}_s": last[k]["seconds"] for k in phases},
                 arrival_key: sum(last[k]["arrival_s"] for k in phases)}
 
-    def _publish(self, version: int, step: int) -> str | None:
+    def _publish(self, version: int, step: int, verdict: Verdict) -> str | None:
         """Publish `version` into this rank's engine; returns why it was refused (None: published). Every rank
-        decides together, before any copy, so the engines still serve what they had."""
+        decided together (`verdict`, at the switch's arrival), before any copy, so the engines still serve
+        what they had."""
         refused = self.publisher.publish(version, step, target=self.engine, transport=self.transport,
-                                         run=self._engine_call, peers=self.ctx.control_peers)
+                                         run=self._engine_call, verdict=verdict)
         if refused is not None and self.engine.policy_version < 0:
             raise PublicationError(f"publication v{version} refused ({refused}) and the engine holds no "
                                    "weights to fall back on (SGLang releases them between rollouts): nothing to serve")
@@ -127,6 +137,7 @@ class ModeSwitch(Part):
         too), optimizer state and gradients return."""
         self.modes.require(Mode.ROLLOUT)
         self.modes.switches += 1
+        self.modes.arrive("sleep")
         with self.modes.phase("sleep", waits_for="the rollout engine to drain and release its memory"):
             self._engine_call(self.engine.sleep(self.engine.releasable_tags), "the engine to drain and release")
         self.train.reload()

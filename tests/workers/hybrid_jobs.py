@@ -209,6 +209,28 @@ class GroupedSwitch(StuckSwitch):
     def switch_log(self) -> list:
         return getattr(self, "_switches", [])
 
+    def _publish(self, version, step, verdict):
+        refused = super()._publish(version, step, verdict)
+        self._refusals = [*getattr(self, "_refusals", []), refused]
+        return refused
+
+    @register(dispatch=ONE_TO_ALL)
+    def refusal_log(self) -> list:
+        """What each publication of this rank returned: None (published) or why it was refused."""
+        return getattr(self, "_refusals", [])
+
+    @register(dispatch=ONE_TO_ALL)
+    def refuse_next_switch(self, rank: int, reason: str) -> None:
+        """Rank `rank`'s own structure check refuses the next switch's publication (the others accept)."""
+        if self.ctx.rank == rank:
+            real = self.publisher.refusal
+
+            def once(*args):
+                self.publisher.refusal = real
+                return reason
+
+            self.publisher.refusal = once
+
 
 def grouped_rollout(cfg, wg):
     """rollout.tp=2 with the native engine: one engine on rank 0 serves the group of 2 ranks (rank 1
@@ -243,13 +265,20 @@ def grouped_rollout(cfg, wg):
     _train_once(wg, vocab=500, seed=1)
     wg.call(ModeSwitch.enter_rollout, version=2, step=4)
     v2 = wg.call(RolloutSide.sample, prompts=PROMPTS[:1], max_new_tokens=4)
+    wg.call(ModeSwitch.enter_train)
+    # step 5: only rank 1's own check refuses version 3; every rank refuses it, and both keep serving v2
+    _train_once(wg, vocab=500, seed=2)
+    wg.call(GroupedSwitch.refuse_next_switch, rank=1, reason="a test's refusal on rank 1")
+    refused = wg.call(ModeSwitch.enter_rollout, version=3, step=5)
     switches = wg.call(GroupedSwitch.switch_log)
+    refusals = wg.call(GroupedSwitch.refusal_log)
     wg.call(ModeSwitch.enter_train)
     wg.call(StuckSwitch.stall_next_switch, rank=1, seconds=600)
-    stalled = _timed_failure(lambda: wg.call(ModeSwitch.enter_rollout, version=2, step=5))
+    stalled = _timed_failure(lambda: wg.call(ModeSwitch.enter_rollout, version=3, step=6))
     _write(cfg, {"first": first, "per_rank": per_rank, "switch": switch, "after": after, "v2": v2,
                  "versions": sorted({v for t in trajectories for v in t.versions}),
-                 "episodes": len(trajectories), "switches": switches, "stalled": stalled})
+                 "episodes": len(trajectories), "switches": switches, "stalled": stalled,
+                 "refused": refused, "refusals": refusals})
     raise RuntimeError("expected failure recorded")   # the group is aborted after a worker error
 
 

@@ -87,7 +87,8 @@ def test_rollout_phase_holds_no_optimizer_state(tmp_path, tiny_models):
 def test_rollout_tensor_parallel_group_has_one_engine_and_decides_together(tmp_path, model):
     """The layout SGLang uses (one engine per rollout TP group), exercised with the native engine: rank 1
     holds a FollowerEngine. Every rank decides the same `published` at every switch, including after a
-    validation followed by a checkpoint and after a step whose batch was empty; and a rank that stops
+    validation followed by a checkpoint and after a step whose batch was empty, and whether the
+    publication is refused (one rank's own check refuses: every rank does); and a rank that stops
     arriving at a switch ends it at the phase's deadline, named."""
     proc, r = run_job(tmp_path, "GROUPED", model, "rollout.tp=2", "trainer.prompts_per_step=2",
                       "hybrid.offload_deadline_s=3")
@@ -99,8 +100,15 @@ def test_rollout_tensor_parallel_group_has_one_engine_and_decides_together(tmp_p
     assert r["v2"][0][0]["policy_version"] == 2
     # [version asked, published, engine's version after] per switch: v0 is what the engines loaded; v1 is
     # published once, not again for the validation, after the checkpoint or after the empty batch
-    expected = [[0, False, 0], [1, True, 1], [1, False, 1], [1, False, 1], [1, False, 1], [2, True, 2]]
+    # ...and v3 is refused on every rank when only rank 1's own check refuses it: both keep serving v2
+    expected = [[0, False, 0], [1, True, 1], [1, False, 1], [1, False, 1], [1, False, 1], [2, True, 2],
+                [3, False, 2]]
     assert r["switches"][0] == r["switches"][1] == expected
+    assert r["refused"]["publish/refused"] == 1.0 and not r["refused"]["published"]
+    for log in r["refusals"]:                        # the same words on both ranks, naming the refuser
+        assert log[:2] == [None, None]
+        assert log[2] == "publication v3 refused before any copy (by rank 1): a test's refusal on rank 1"
+    assert r["refusals"][0] == r["refusals"][1]
     assert re.search(r"rank 0: phase 'offload' of a mode switch exceeded its 3s deadline "
                      r"\(hybrid.offload_deadline_s\) waiting for rank\(s\) \[1\] to arrive", r["stalled"]["failure"])
     assert r["stalled"]["seconds"] < 3 + 10           # the deadline, plus polling and the error's way back

@@ -35,10 +35,10 @@ def test_phases_are_timed_and_summarised():
     assert m.last()["offload"]["bytes"] == 300
 
 
-def test_a_switch_phase_waits_for_every_rank_until_its_deadline_and_names_who_is_missing():
-    """Two ranks' machines on one store: rank 1 never comes, so rank 0's bounded phase ends at its
-    deadline naming rank 1; a phase without a deadline (generation) waits for nobody; an arrival
-    key is deleted once no rank can still be reading it."""
+def test_a_switch_waits_for_every_rank_until_its_deadline_and_names_who_is_missing():
+    """Two ranks' machines on one store: rank 1 never comes, so rank 0's arrival at the switch ends at
+    its first phase's deadline naming rank 1; a phase alone waits for nobody; an arrival key is deleted
+    once no rank can still be reading it, and the time waited is the first phase's `arrival_s`."""
     import torch.distributed as dist
 
     from hybridrl.workers.modes import Arrivals, PhaseTimeout
@@ -48,10 +48,11 @@ def test_a_switch_phase_waits_for_every_rank_until_its_deadline_and_names_who_is
     started = time.monotonic()
     with pytest.raises(PhaseTimeout, match=r"rank 0: phase 'offload' of a mode switch exceeded its 0.3s deadline "
                                            r"\(hybrid.offload_deadline_s\) waiting for rank\(s\) \[1\] to arrive"):
-        with m.phase("offload"):
-            pass
+        m.arrive("offload")
     assert 0.3 <= time.monotonic() - started < 2.0
-    with m.phase("generate"):                   # no deadline: not a switch phase, rank 1 is not awaited
+    with m.phase("offload"):                    # the phase itself waits for no rank: the switch's arrival did
+        pass
+    with m.phase("generate"):                   # no deadline: not a switch phase
         pass
     import threading
 
@@ -60,12 +61,42 @@ def test_a_switch_phase_waits_for_every_rank_until_its_deadline_and_names_who_is
         m.switches = switch
         late = threading.Timer(0.05, other.wait, args=(f"{switch}/offload", None))
         late.start()
+        m.arrive("offload")
         with m.phase("offload"):
             pass
         late.join()
+        assert m.last()["offload"]["arrival_s"] >= 0.04
     assert m.arrivals.settle()                  # the old barriers' keys are deleted on a background thread
     assert store.check(["arrive/3/offload/0", "arrive/2/offload/0"]) and not store.check(["arrive/1/offload/0"])
     assert not store.check(["arrive/1/offload/all"]) and store.check(["arrive/3/offload/all"])
+
+
+def test_the_arrival_carries_every_ranks_vote_to_every_rank():
+    """Each rank votes at the switch's arrival (e.g. "my engine does not serve this version", its reason
+    to refuse the publication); every rank reads every rank's vote, whichever arrived last."""
+    import threading
+
+    import torch.distributed as dist
+
+    from hybridrl.workers.modes import Arrivals
+
+    store = dist.HashStore()
+    machines = [ModeMachine(rank=r, deadlines={"offload": 5.0}, arrivals=Arrivals(store, r, [0, 1])) for r in (0, 1)]
+    votes = [{"stale": False, "refusal": None}, {"stale": True, "refusal": "dtype float32, expected bfloat16"}]
+    for first in (0, 1):                        # either rank the last to arrive
+        for m in machines:
+            m.switches += 1
+        answers = {}
+        early = threading.Thread(target=lambda: answers.__setitem__(first, machines[first].arrive(
+            "offload", vote=votes[first])))
+        early.start()
+        time.sleep(0.05)
+        answers[1 - first] = machines[1 - first].arrive("offload", vote=votes[1 - first])
+        early.join()
+        assert answers[0] == answers[1] == {0: votes[0], 1: votes[1]}
+    assert machines[0].arrive("sleep") == {0: None}           # no deadline for it here: nobody awaited
+    alone = ModeMachine(rank=0, deadlines={"offload": 5.0})
+    assert alone.arrive("offload", vote={"stale": True}) == {0: {"stale": True}}
 
 
 def test_work_that_cannot_be_interrupted_is_reported_past_its_deadline_plus_grace():
