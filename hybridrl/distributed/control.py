@@ -119,13 +119,22 @@ class ControlPlane:
 
     def complete(self, seq: int, status: bytes | None = None) -> None:
         """This worker finished command `seq`; `status` (encoded) when the controller collects it.
-        The last worker to finish wakes the controller and drops the previous command's keys."""
-        if status is not None:
-            self.store.set(f"status/{seq}/{self.rank}", status)
-        if self.store.add(DONE, 1) == seq * (self.world_size - 1):
+        The last worker to finish wakes the controller and drops the previous command's keys. A job
+        with one worker needs no count: its status and the wake-up go in one request (the status
+        first, so the controller, woken, finds it)."""
+        if self.world_size == 2:
+            keys, values = [f"wake/{seq}"], [DONE.encode()]
+            if status is not None:
+                keys, values = [f"status/{seq}/{self.rank}", *keys], [status, *values]
+            self.store.multi_set(keys, values)
+        else:
+            if status is not None:
+                self.store.set(f"status/{seq}/{self.rank}", status)
+            if self.store.add(DONE, 1) != seq * (self.world_size - 1):
+                return
             self.store.set(f"wake/{seq}", DONE.encode())
-            for key in (f"cmd/{seq - 1}", f"wake/{seq - 1}"):
-                self._delete(key)
+        for key in (f"cmd/{seq - 1}", f"wake/{seq - 1}"):
+            self._delete(key)
 
     def fail(self, seq: int, status: bytes) -> None:
         """This worker failed command `seq`: its status, then the controller woken at once."""

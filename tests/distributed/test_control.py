@@ -83,6 +83,25 @@ def test_the_last_worker_ends_the_call_and_a_failing_one_ends_it_at_once(planes)
     assert box == ["fail:2"] and controller.store.get("status/3/2") == b"it failed"
 
 
+def test_one_worker_ends_a_call_with_its_status_in_one_request(planes):
+    """With one worker there is nothing to count: its status and the wake-up arrive together, the status
+    readable the moment the controller wakes; the previous call's keys are tidied."""
+    controller, worker = planes(0, 2), planes(1, 2)
+    for seq in (1, 2, 3):
+        controller.post_command(seq, b"cmd")
+        owners = [1] if seq != 2 else []                      # call 2: the worker's output is not collected
+        thread, box = waiting(lambda: (controller.wait_outcome(seq), controller.statuses(seq, owners)))
+        time.sleep(0.05)
+        worker.complete(seq, encode(Status(ok=True, output_kind="object", value={"seq": seq})) if seq != 2 else None)
+        thread.join(5)
+        if seq != 2:
+            assert box == [(DONE, [Status(ok=True, output_kind="object", value={"seq": seq})])]
+        else:
+            assert box == [(DONE, [])] and not controller.store.check(["status/2/1"])
+    assert not controller.store.check(["cmd/2", "wake/2"]) and controller.store.check(["cmd/3", "wake/3"])
+    assert not controller.store.check(["done"])               # no count was kept
+
+
 def test_the_watchdogs_wake_ends_a_wait_and_heartbeats_carry_progress(planes):
     controller, worker = planes(0, 2), planes(1, 2)
     worker.register_process("node-b", 4242)
