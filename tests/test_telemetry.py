@@ -39,3 +39,26 @@ def test_stage_timer_and_peak_rss():
         del x
     assert probe.peak_bytes - base.peak_bytes > 32 * 2**20
     assert not math.isnan(probe.peak_bytes)
+
+
+def test_peak_rss_of_a_forked_child_is_its_own():
+    """The probe keeps /proc files open per process: a child forked after the parent used them reads
+    its own peak, not the parent's (whose 256 MiB it never touched)."""
+    import os
+
+    with PeakMemory():
+        x = torch.ones(256 * 2**20 // 4)
+        del x
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                    # the child: report its own peak and leave at once
+        with PeakMemory() as child:
+            pass
+        os.write(write, str(child.peak_bytes).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child_peak = int(os.read(read, 64))
+    with open(f"/proc/{os.getpid()}/status") as f:
+        parent_hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    assert 0 < child_peak < parent_hwm - 128 * 2**20

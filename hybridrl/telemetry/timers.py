@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import time
 from collections import defaultdict
@@ -18,24 +19,35 @@ def _sync(device: torch.device | None) -> None:
         torch.cuda.synchronize(device)
 
 
+@functools.cache
+def _proc_files(pid: int) -> tuple[int, int] | None:
+    """This process's /proc/<pid>/status (read) and clear_refs (write), opened once per process: a
+    phase of a mode switch reads and resets its peak with one system call each (`pid` keys the cache,
+    so a forked child opens its own instead of reading its parent's)."""
+    try:
+        return os.open(f"/proc/{pid}/status", os.O_RDONLY), os.open(f"/proc/{pid}/clear_refs", os.O_WRONLY)
+    except OSError:
+        return None
+
+
 def _vm_hwm() -> int | None:
     """This process's peak RSS since the last reset (Linux VmHWM), in bytes."""
+    files = _proc_files(os.getpid())
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+        text = os.pread(files[0], 8192, 0) if files is not None else b""
     except OSError:
-        pass
-    return None
+        return None
+    start = text.find(b"VmHWM:")
+    if start < 0:
+        return None
+    return int(text[start + 6: text.index(b"kB", start)]) * 1024
 
 
 def _reset_vm_hwm() -> bool:
     """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to /proc/self/clear_refs)."""
+    files = _proc_files(os.getpid())
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
+        return files is not None and os.write(files[1], b"5") == 1
     except OSError:
         return False
 
