@@ -67,6 +67,7 @@ class MegatronEngine:
         self.lora = getattr(model, "lora", None)     # LoRA adapters (backends/megatron/lora.py) or None
         self._lora_full = None                        # their gathered HF factors, until the next change
         self._group_names = None                      # the HF names of each publication group
+        self._group_specs = None                      # hf_group_specs(), computed on first use
         self.passes = {"logprobs": 0, "train": 0}   # schedule runs, by kind (what a step costs, counted)
         from hybridrl.backends.megatron.model import local_layers
         from hybridrl.backends.megatron.weights import owned_params, slot_owners
@@ -477,12 +478,15 @@ class MegatronEngine:
 
     def hf_group_specs(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
         """The exported fused groups (a slot's HF tensors, e.g. q/k/v of one layer) as (name, shape,
-        dtype), in model order, known without gathering: what a publication plans its buckets from."""
+        dtype), in model order, known without gathering: what a publication plans its buckets from.
+        Computed once (the layout is the model's): every call returns the same lists, not to be modified."""
         from hybridrl.backends.megatron.model import DTYPES
         from hybridrl.backends.megatron.weights import group_specs
 
         self._policy_only("hf_group_specs")
-        return group_specs(self.adapter, DTYPES[self.cfg.dtype])
+        if self._group_specs is None:
+            self._group_specs = group_specs(self.adapter, DTYPES[self.cfg.dtype])
+        return self._group_specs
 
     def write_hf_group(self, index: int, out: dict[str, torch.Tensor]) -> None:
         """Write group `index` of `hf_group_specs()` into `out[name]` (contiguous tensors of those
