@@ -30,8 +30,13 @@ def probe_prompts(vocab_size: int, num_prompts: int, length: int = 12, seed: int
 
 
 async def engine_outputs(engine, prompts: list[list[int]], num_tokens: int, tag: str) -> list[GenerationOutput]:
+    """The engine's greedy generations of `prompts`, requested together (one batch: `num_tokens` decode
+    steps for all of them, not for each in turn)."""
+    import asyncio
+
     sampling = SamplingParams(max_new_tokens=num_tokens, temperature=0.0, ignore_eos=True)
-    return [await engine.generate(p, sampling, f"parity-{tag}-{i}") for i, p in enumerate(prompts)]
+    return list(await asyncio.gather(*(engine.generate(p, sampling, f"parity-{tag}-{i}")
+                                       for i, p in enumerate(prompts))))
 
 
 def probe_batch(prompts: list[list[int]], outputs: list[GenerationOutput]) -> Batch:
