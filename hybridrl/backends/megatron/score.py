@@ -76,14 +76,19 @@ def run_rank(args: argparse.Namespace) -> None:
     mine.sort(key=lambda i: len(records[i]["token_ids"]))          # similar lengths batch together
     scored: dict[int, list] = {}
     progress = _progress(len(mine), enabled=engine.is_output_rank and dp_rank == 0)
-    for start in range(0, len(mine), args.batch_size):
-        chunk = mine[start: start + args.batch_size]
-        rows = [records[i]["token_ids"] for i in chunk]
+    # every data-parallel rank runs as many forwards as the one with the most sequences: an expert-parallel
+    # group spans data-parallel ranks, and its collectives need every member's forward (a rank with
+    # nothing left scores a filler, a sequence of its own or the first, and drops the result)
+    steps = -(-(-(-len(records) // dp_size)) // args.batch_size)
+    for step in range(steps):
+        chunk = mine[step * args.batch_size: (step + 1) * args.batch_size]
+        filler = not chunk
+        rows = [records[i]["token_ids"] for i in (chunk or mine[-1:] or [0])]
         ids = pad_sequences(rows)
         mask = pad_sequences([[1] * len(r) for r in rows])
         out = engine.compute_logprobs(Batch({"input_ids": ids, "attention_mask": mask}),
                                       temperature=args.temperature)
-        if out is not None:
+        if out is not None and not filler:
             for row, i in enumerate(chunk):
                 n = len(records[i]["token_ids"])
                 scored[i] = [None] + out["logprobs"][row, 1:n].tolist()

@@ -184,8 +184,18 @@ def test_score_cli_equals_transformers(tmp_path, family_models, family):
     from tests.backends.megatron.reference import hf_logits, sequence_batch, token_logprobs
     from tests.launch import ROOT, env_with_repo
 
-    path = family_models(family)
-    model = load(path)
+    from transformers import PreTrainedTokenizerFast
+
+    from hybridrl.assets.tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer
+
+    model_dir = family_models(family)
+    model = load(model_dir)
+    path = tmp_path / "model"              # the family's model with a tokenizer (the command loads one)
+    path.mkdir()
+    for f in model_dir.iterdir():
+        (path / f.name).symlink_to(f)
+    PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(vocab_size=model.config.vocab_size, num_documents=500),
+                            eos_token=EOS_TOKEN, pad_token=PAD_TOKEN).save_pretrained(path)
     batch = sequence_batch(5, vocab=model.config.vocab_size, seed=11)
     lengths = batch["attention_mask"].sum(1).tolist()
     seqs = tmp_path / "seqs.jsonl"
@@ -194,7 +204,7 @@ def test_score_cli_equals_transformers(tmp_path, family_models, family):
     ref, _ = token_logprobs(hf_logits(model, batch), batch["input_ids"], batch["attention_mask"])
     for flag, size in LAYOUTS[family]:
         out = tmp_path / f"out{flag}.jsonl"
-        proc = subprocess.run([sys.executable, "-m", "hybridrl.cli", "score", "--model", str(path), flag, str(size),
+        proc = subprocess.run([sys.executable, "-m", "hybridrl", "score", "--model", str(path), flag, str(size),
                                "--nproc", "2", "--input", str(seqs), "--output", str(out), "--batch-size", "2"],
                               cwd=ROOT, env=env_with_repo(), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
