@@ -68,11 +68,11 @@ class Arrivals:
 
     On a switch's path a barrier costs one store round trip (the count) and, but for the last rank to
     arrive, the wait; setting a key needs no answer. A rank's arrival key holds its vote (`wait(vote=)`,
-    JSON), which `votes` reads for every rank in one more round trip: a decision every rank takes together
-    at the price of a barrier it pays anyway, not of a collective. Deleting the keys of old barriers (`forget`) is a
-    round trip per key, so it runs on a background thread, `sweep_delay_s` after the first key of a
-    batch was handed over: by then the switch that queued them is over, and its phases did not share
-    the interpreter with the deletions."""
+    JSON), which `votes` reads for every rank in one more round trip: a decision every rank takes
+    together at the price of a barrier it pays anyway, not of a collective. Deleting the keys of old
+    barriers (`forget`) is a round trip per key, so it runs on a background thread, `sweep_delay_s`
+    after the first key of a batch was handed over: by then the switch that queued them is over, and
+    its phases did not share the interpreter with the deletions."""
 
     def __init__(self, store, rank: int, ranks: Sequence[int], aborted: Callable[[], str | None] = lambda: None,
                  sweep_delay_s: float = 0.05):
@@ -232,11 +232,11 @@ class Phases:
     def arrive(self, phase: str, *, vote: Any = None) -> dict[int, Any]:
         """The start of a switch: mark this rank arrived and wait for every rank (bounded by the deadline of
         `phase`, the switch's first phase, whose record keeps the wait as `arrival_s`). Returns every rank's
-        `vote` (JSON; None: no vote), {rank: vote}: what the ranks decide on together, with no collective.
-        Without arrivals (one rank, or a phase without a deadline), this rank's own."""
+        `vote` (JSON), {rank: vote}: what the ranks decide on together, with no collective ({} without a
+        vote). Without arrivals (one rank, or a phase without a deadline), only this rank's own."""
         limit = self.deadlines.get(phase)
         if self.arrivals is None or not limit:
-            return {self.rank: vote}
+            return {self.rank: vote} if vote is not None else {}
         deadline = time.monotonic() + limit
         self._current = (phase, deadline)
         try:

@@ -94,7 +94,7 @@ def test_the_arrival_carries_every_ranks_vote_to_every_rank():
         answers[1 - first] = machines[1 - first].arrive("offload", vote=votes[1 - first])
         early.join()
         assert answers[0] == answers[1] == {0: votes[0], 1: votes[1]}
-    assert machines[0].arrive("sleep") == {0: None}           # no deadline for it here: nobody awaited
+    assert machines[0].arrive("sleep") == {}                  # no vote; no deadline for it here: nobody awaited
     alone = ModeMachine(rank=0, deadlines={"offload": 5.0})
     assert alone.arrive("offload", vote={"stale": True}) == {0: {"stale": True}}
 
