@@ -103,9 +103,10 @@ def _start(helper: ThreadPoolExecutor | None, fn, *args) -> Future:
     return done
 
 
-def published_spec(source: WeightSource) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{HF name: (shape, dtype name)} of everything a publication of `source` sends."""
-    return {name: (tuple(shape), dtype_name(dtype)) for group in source.hf_group_specs() for name, shape, dtype in group}
+def published_spec(specs: Sequence[Sequence[TensorSpec]]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{HF name: (shape, dtype name)} of everything a publication of a source with these group `specs`
+    (`hf_group_specs()`) sends."""
+    return {name: (tuple(shape), dtype_name(dtype)) for group in specs for name, shape, dtype in group}
 
 
 async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig, version: int, step: int,
@@ -117,7 +118,7 @@ async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig
     already taken together from every rank's `refusal` (the colocated switch takes it at its arrival
     barrier): no collective here."""
     specs = source.hf_group_specs()
-    published = published_spec(source)
+    published = published_spec(specs)
     if verdict is None:
         reason = refusal(published, engine, transport, cfg.verify)
         verdict = agree(reason, peers) if peers is not None else local(reason)

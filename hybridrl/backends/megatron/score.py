@@ -79,7 +79,8 @@ def run_rank(args: argparse.Namespace) -> None:
     # every data-parallel rank runs as many forwards as the one with the most sequences: an expert-parallel
     # group spans data-parallel ranks, and its collectives need every member's forward (a rank with
     # nothing left scores a filler, a sequence of its own or the first, and drops the result)
-    steps = -(-(-(-len(records) // dp_size)) // args.batch_size)
+    most = -(-len(records) // dp_size)                              # sequences of the busiest rank
+    steps = -(-most // args.batch_size)
     for step in range(steps):
         chunk = mine[step * args.batch_size: (step + 1) * args.batch_size]
         filler = not chunk
