@@ -104,7 +104,7 @@ class PartialCollector:
             del self.expected[group_id]
         stats.returned = len(out)
         stats.live = len(self.live)
-        stats.live_tokens = sum(ep.traj.num_policy_tokens for ep in self.gate.running.values())
+        stats.live_tokens = sum(ep.live_policy_tokens() for ep in self.gate.running.values())
         stats.waiting = sum(len(m) for m in self.members.values())
         stats.live_groups = sorted(set(self.live.values()))
         stats.seconds = time.monotonic() - started

@@ -37,6 +37,10 @@ class AgentConfig:
     on_weights_updated: str = knob(
         "continue", "a turn interrupted by new weights: continue it under the new version | abort the episode")
     abort_grace_s: float = knob(2.0, "after aborting a request, how long to wait for its partial output")
+    on_agent_error: str = knob(
+        "score", "an episode whose agent code raised (task.agent and other front ends running the user's code): "
+                 "score (a failed episode, scored by the task: no reward dodge) | drop (left out of training). "
+                 "Counted as agent_errors either way, never as infrastructure faults")
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_new_tokens_per_turn", "max_response_tokens", "max_concurrent_episodes",
@@ -50,6 +54,7 @@ class AgentConfig:
             raise ConfigValueError("top_k", f"must be -1 (off) or >= 1, got {self.top_k!r}")
         check_choice("on_weights_updated", self.on_weights_updated, ("continue", "abort"))
         check_choice("on_turn_limit", self.on_turn_limit, ("truncate", "close_turn"))
+        check_choice("on_agent_error", self.on_agent_error, ("score", "drop"))
         check_positive("abort_grace_s", self.abort_grace_s, allow_zero=True)
 
 

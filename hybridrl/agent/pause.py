@@ -37,7 +37,7 @@ class PauseGate:
         self._paused_s = 0.0                  # total time closed, before the current closure
         self.in_flight: set[str] = set()      # request ids of gated episodes now in the engine
         self.interruptions = 0                # requests aborted by a close (cumulative)
-        self.running: dict[str, Any] = {}     # trajectory id -> a gated episode not ended (agent.loop._Episode)
+        self.running: dict[str, Any] = {}     # trajectory id -> a gated episode not ended (agent.episodes.Episode)
         self.renewals = 0
         self._keeper: threading.Thread | None = None
         self._keeper_stop = threading.Event()

@@ -55,6 +55,16 @@ class ToolCallRecord:
     latency_s: float = 0.0
 
 
+def merge_routes(have: Any, new: Any) -> Any:
+    """A routing record [positions, moe_layers, top_k] extended by a later request's `new` (which covers the
+    whole context that request computed): the rule of the module doc. Every front end merges with this."""
+    if new is None:
+        return have
+    if have is None or len(have) == 0:
+        return new
+    return torch.cat([have, new[len(have):]])
+
+
 # a trajectory's per-token lists
 PER_TOKEN = ("prompt_ids", "response_ids", "response_mask", "behavior_logprobs", "policy_versions")
 
@@ -104,9 +114,7 @@ class Trajectory:
         """Append a segment: policy tokens (with logprobs, version, and for MoE engines the turn's
         routing record, `GenerationOutput.routed_experts`) or observation tokens."""
         if routed_experts is not None:
-            have = self.routed_experts
-            self.routed_experts = (routed_experts if have is None or len(have) == 0
-                                   else torch.cat([have, routed_experts[len(have):]]))
+            self.routed_experts = merge_routes(self.routed_experts, routed_experts)
         ids = list(ids)
         if policy:
             if logprobs is None or len(logprobs) != len(ids):

@@ -59,6 +59,10 @@ class TaskConfig:
     agent: str = knob("", "an agent written with the OpenAI client, 'module:function' (async def run(client, "
                           "instance) -> reward | Outcome) or 'module:Class'; its episodes run through the gateway "
                           "(gateway.*) instead of the built-in agent loop. Empty: the built-in loop")
+    front_end: str = knob("", "the door episodes come through (hybridrl/agent/episodes.py FRONT_ENDS): loop (the "
+                              "built-in agent loop) | gateway (an OpenAI-client agent, task.agent) | "
+                              "'package.module:Class' of your own (an EpisodeEngine subclass). Empty: gateway when "
+                              "task.agent is set, else loop")
     options: dict[str, Any] = knob(
         help="the task's own options (for calculator: min_digits, max_digits, min_ops, max_ops, ops, "
              "parentheses, action_format, system_prompt); checked against the task's Options dataclass",
@@ -113,6 +117,11 @@ class TaskConfig:
             self.options = registry.check_options(self.name, self.options)   # typed: "3" -> 3 for an int
         if self.agent:
             self._check_agent(registry)
+        if self.front_end and self.front_end not in ("loop", "gateway") and ":" not in self.front_end:
+            raise ConfigValueError("front_end", f"{self.front_end!r}: loop | gateway | 'package.module:Class' "
+                                                "(an hybridrl.agent.episodes.EpisodeEngine subclass)")
+        if self.front_end == "gateway" and not self.agent:
+            raise ConfigValueError("front_end", "gateway runs an OpenAI-client agent: name it with task.agent")
 
     def _check_agent(self, registry) -> None:
         """`agent` names an importable agent of the right shape, the task has no environment of its own

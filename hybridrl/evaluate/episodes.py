@@ -31,7 +31,7 @@ def run_episodes(cfg: Any, model_dir: str | Path, instances: Sequence[Any], *, t
 
     from hybridrl.agent.tools.base import ToolBox
     from hybridrl.envs.tasks import Task, get_task
-    from hybridrl.gateway.runner import agent_runner
+    from hybridrl.agent.episodes import episode_runner
 
     task = get_task(cfg.task.name, cfg.task)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -50,13 +50,12 @@ def run_episodes(cfg: Any, model_dir: str | Path, instances: Sequence[Any], *, t
 
     async def go():
         async with ToolBox.from_config(cfg.tools, names=names) as tools:
-            runner = agent_runner(cfg, engine, tokenizer, tools=tools, envs=envs)   # task.agent: the gateway's
+            runner = episode_runner(cfg, engine, tokenizer, tools=tools, envs=envs)
             attempts = [(inst, 0, f"{inst.task_id}@{group_id}") for inst in instances]
             try:
                 return await runner.run_attempts(attempts, task=task, temperature=temperature)
             finally:
-                if cfg.task.agent:
-                    await runner.close()
+                await runner.close()
 
     try:
         return asyncio.run(go())

@@ -33,6 +33,11 @@ class Outcome:
     num_answers: int | None = None       # None: 1 when there is an answer, else 0
     final_text: str | None = None        # None: the content of the last completion
     metadata: dict[str, Any] = field(default_factory=dict)   # kept in the trajectory's metadata (small values)
+    # Which completion the episode ended on, when that is not clear from the requests (the last request
+    # asked for n > 1 choices, or a side conversation ran beside the main one): the response's `id` and the
+    # choice's `index`. The trajectory trains that completion's chain; see capture.EpisodeCapture.final.
+    completion: str | None = None
+    choice: int = 0
 
 
 def is_budget_error(err: BaseException) -> bool:
@@ -50,10 +55,11 @@ def is_budget_error(err: BaseException) -> bool:
 class EpisodeTools:
     """The tools an episode may call (its instance's), through the rank's ToolBox."""
 
-    def __init__(self, box: Any, allowed: tuple[str, ...], episode_id: str, on_result: Callable[[Any], None]):
+    def __init__(self, box: Any, allowed: tuple[str, ...], episode_id: str, on_result: Callable[[Any], None], *,
+                 instance: Any = None):
         from hybridrl.agent.actions import ToolAuthorizer
 
-        self.box, self.episode_id, self.on_result = box, episode_id, on_result
+        self.box, self.episode_id, self.on_result, self.instance = box, episode_id, on_result, instance
         self.authorizer = ToolAuthorizer(box.specs, allowed)
         self.calls = 0
 
@@ -65,7 +71,8 @@ class EpisodeTools:
         if problem is not None:
             return f"error: {problem.message}"
         self.calls += 1
-        result = await self.box.call(call, context={"episode": self.episode_id, "call": f"agent.{self.calls}"})
+        result = await self.box.call(call, context={"episode": self.episode_id, "call": f"agent.{self.calls}",
+                                                    "instance": self.instance})
         self.on_result(result)
         return result.text
 

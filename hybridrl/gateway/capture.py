@@ -23,7 +23,17 @@ request is served like this:
 5. A request that extends no chain (the agent rewrote its history, or a side conversation) starts a
    new segment from its rendering (`branches`).
 
-The episode's trajectory is the chain of its last completion (`final`).
+The episode's trajectory is the chain the agent ended on (`final`): a completion no later request
+continued, delivered to the agent. Completions the agent did not continue (the other choices of an `n > 1`
+request, a side conversation) are not trained (`untrained_policy_tokens`); a completion whose client went
+away before it was delivered is never committed. When the episode ends on several such completions, the
+agent names the one it used (`Outcome(completion=response.id, choice=index)`), or the one whose text holds
+the agent's final answer is taken; otherwise nothing is trained (the episode is dropped, counted as
+`ambiguous_final`), since no chain can be said to have earned the reward.
+
+Each chain carries its routing record (mixture-of-experts models: the experts every computed position was
+routed to, merged over its requests as the built-in loop merges turns), so routing replay trains a gateway
+episode as it trains a built-in one.
 """
 
 from __future__ import annotations
@@ -73,13 +83,17 @@ class Template:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def sanitize(self, text: str, max_chars: int) -> str:
-        """Untrusted text (a tool's output) with special-token strings defused and control characters
-        removed, cut to `max_chars` (as the built-in agent loop treats observations)."""
-        text = _CONTROL.sub("", text)
+    def defuse(self, text: str) -> str:
+        """`text` with every special-token string made plain text (so it cannot forge turn structure)."""
         for token in self._specials:
             if token in text:
                 text = text.replace(token, "&lt;" + token[1:] if token.startswith("<") else token[:1] + "\u200b" + token[1:])
+        return text
+
+    def sanitize(self, text: str, max_chars: int) -> str:
+        """Untrusted text (a tool's output) with special-token strings defused and control characters
+        removed, cut to `max_chars` (as the built-in agent loop treats observations)."""
+        text = self.defuse(_CONTROL.sub("", text))
         if len(text) > max_chars:
             text = text[:max_chars] + f"... [{len(text) - max_chars} more characters cut]"
         return text
@@ -183,6 +197,11 @@ class Chain:
     segment: int
     template_drift: int = 0        # requests along this chain served with the exact ids against the template
     token_drift: int = 0           # requests along this chain whose ids differ from one tokenization
+    routes: Any = None             # MoE: the routing record of ids[:-1] (data/trajectory.py), or None
+    final_text: str = ""           # the completion's text as returned (content, or the completion's text)
+    response_id: str = ""          # the response it was returned in, and its choice index there
+    index: int = 0
+    continued: bool = False        # a later request extended it
 
     @property
     def num_policy_tokens(self) -> int:
@@ -202,6 +221,7 @@ class Prepared:
     view: list[dict[str, Any]]
     digest: str                       # of the request's messages (chat requests)
     parent: Chain | None
+    carries: list[Chain]              # earlier completions this request carries on (their returned messages)
     kind: str                         # root | extend | branch | drift_mark | drift_split
     segment: int
     template_drift: int = 0           # along the chain, this request included
@@ -227,12 +247,14 @@ class EpisodeCapture:
     on_drift: str = "mark"
     check_tokens: bool = True
     max_tool_chars: int = 1 << 20
+    specials_as_text: bool = True               # special-token strings in the agent's messages are plain text
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     policy_tokens: int = 0                                  # every completion's, trained or not
-    last: Chain | None = None
+    _committed: list[Chain] = field(default_factory=list)             # in commit order
     _chains: dict[str, Chain] = field(default_factory=dict)           # digest of messages -> chain
     _text_chains: list[Chain] = field(default_factory=list)            # /v1/completions chains
     _returned: dict[str, str] = field(default_factory=dict)            # assistant key -> the model's text
+    _returned_chain: dict[str, Chain] = field(default_factory=dict)    # assistant key -> its completion
     _segments: int = 0
 
     # ------------------------------------------------------------------ chat requests
@@ -241,6 +263,12 @@ class EpisodeCapture:
         if not messages:
             raise TemplateError("'messages' must not be empty")
         keys = [message_key(m) for m in messages]
+        carried = [self._returned_chain[k] for k in keys if k in self._returned_chain]
+        out = self._prepare_chat(messages, keys, tools, options)
+        out.carries = carried
+        return out
+
+    def _prepare_chat(self, messages: Sequence[Mapping[str, Any]], keys: list[str], tools, options) -> Prepared:
         digests = prefix_digests(keys)
         parent, matched = None, 0
         for k in range(len(messages), 0, -1):
@@ -279,10 +307,12 @@ class EpisodeCapture:
         if role == "assistant" and key in self._returned:
             return {"role": "assistant", "content": self._returned[key]}
         out = dict(message)
-        if role == "tool":
+        if role in ("tool", "ipython"):
             out["content"] = self.template.sanitize(content_text(message.get("content")), self.max_tool_chars)
         elif isinstance(out.get("content"), list):
             out["content"] = content_text(out["content"])
+        if self.specials_as_text and isinstance(out.get("content"), str):
+            out["content"] = self.template.defuse(out["content"])
         return out
 
     def _root(self, view, digest, tools, options, *, kind: str, rendered: str | None = None) -> Prepared:
@@ -290,12 +320,12 @@ class EpisodeCapture:
         ids = self.template.encode(text)
         self._segments += 1
         return Prepared(ids, [0] * len(ids), [0.0] * len(ids), [-1] * len(ids), len(ids), text, view, digest,
-                        None, kind, self._segments - 1, encoded_tokens=len(ids))
+                        None, [], kind, self._segments - 1, encoded_tokens=len(ids))
 
     def _extend(self, parent: Chain, delta: list[int], text: str, view, digest, *, kind: str) -> Prepared:
         n = len(delta)
         return Prepared(parent.ids + delta, parent.mask + [0] * n, parent.logprobs + [0.0] * n,
-                        parent.versions + [-1] * n, parent.prompt_len, text, view, digest, parent, kind,
+                        parent.versions + [-1] * n, parent.prompt_len, text, view, digest, parent, [parent], kind,
                         parent.segment, parent.template_drift, parent.token_drift, reused_tokens=len(parent.ids),
                         encoded_tokens=n)
 
@@ -325,14 +355,16 @@ class EpisodeCapture:
     def _root_ids(self, ids: list[int], text: str) -> Prepared:
         kind = "branch" if self._segments else "root"
         self._segments += 1
-        return Prepared(ids, [0] * len(ids), [0.0] * len(ids), [-1] * len(ids), len(ids), text, [], "", None, kind,
-                        self._segments - 1, encoded_tokens=len(ids))
+        return Prepared(ids, [0] * len(ids), [0.0] * len(ids), [-1] * len(ids), len(ids), text, [], "", None, [],
+                        kind, self._segments - 1, encoded_tokens=len(ids))
 
     # ------------------------------------------------------------------ completions
 
     def commit(self, prepared: Prepared, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], *,
-               returned: Mapping[str, Any] | None = None) -> Chain:
-        """Record a completion of `prepared` (`returned`: the assistant message sent back, chat requests)."""
+               returned: Mapping[str, Any] | None = None, routes: Any = None, text: str = "",
+               response_id: str = "", index: int = 0) -> Chain:
+        """Record a completion of `prepared` (`returned`: the assistant message sent back, chat requests;
+        `routes`: the engine's routing records of its requests, in order; `text`: what the agent was given)."""
         ids = [int(i) for i in ids]
         if not (len(ids) == len(logprobs) == len(versions)):
             raise ValueError(f"a completion of {len(ids)} ids needs as many logprobs and versions")
@@ -340,19 +372,26 @@ class EpisodeCapture:
             raise ValueError("every generated token needs the policy version that produced it")
         ended = bool(ids) and ids[-1] in self.template.eos_ids
         raw = self.template.decode(ids[:-1] if ended else ids)
+        merged = prepared.parent.routes if prepared.parent is not None else None
+        for record in routes or ():
+            merged = merge_routes(merged, record)
         chain = Chain(prepared.ids + ids, prepared.mask + [1] * len(ids), prepared.logprobs + [float(x) for x in logprobs],
                       prepared.versions + [int(v) for v in versions], prepared.prompt_len,
                       prepared.text + self.template.decode(ids), prepared.view + [{"role": "assistant", "content": raw}],
-                      ended, prepared.segment, prepared.template_drift, prepared.token_drift)
+                      ended, prepared.segment, prepared.template_drift, prepared.token_drift, routes=merged,
+                      final_text=text or raw, response_id=response_id, index=index)
         if returned is not None:
             key = message_key(returned)
             self._returned[key] = raw
+            self._returned_chain[key] = chain
             self._chains[_then(prepared.digest, key)] = chain
         else:
             self._text_chains.append(chain)
+        for earlier in prepared.carries:
+            earlier.continued = True
         self._count(prepared)
         self.policy_tokens += len(ids)
-        self.last = chain
+        self._committed.append(chain)
         return chain
 
     def _count(self, prepared: Prepared) -> None:
@@ -367,6 +406,41 @@ class EpisodeCapture:
         c["reused_tokens"] += prepared.reused_tokens
         c["encoded_tokens"] += prepared.encoded_tokens
 
-    def final(self) -> Chain | None:
-        """The chain of the last completion: what the episode trains on."""
-        return self.last
+    def final(self, **named: Any) -> Chain | None:
+        """The chain the episode trains on, or None (see `choose`)."""
+        return self.choose(**named)[0]
+
+    def choose(self, *, completion: str | None = None, choice: int | None = None,
+               text: str | None = None) -> tuple[Chain | None, str]:
+        """The chain the episode trains on and, when there is none, why ("no_request" or the ambiguity). See
+        the module doc: the leaf the agent named, else the only leaf, else the only leaf holding `text`."""
+        leaves = [c for c in self._committed if not c.continued]
+        if not leaves:
+            return None, "no_request"
+        if completion is not None:
+            named = [c for c in leaves if c.response_id == completion and c.index == (choice or 0)]
+            if named:
+                return named[0], ""
+            return None, (f"ambiguous_final: the agent named completion {completion!r} choice {choice or 0}, which "
+                          "is not a completion the episode ended on")
+        if len(leaves) == 1:
+            return leaves[0], ""
+        holding = [c for c in leaves if text and text in c.final_text]
+        if len(holding) == 1:
+            return holding[0], ""
+        return None, (f"ambiguous_final: the episode ended on {len(leaves)} completions no request continued (n > 1, "
+                      "or a side conversation) and the agent did not say which it used: return "
+                      "Outcome(completion=response.id, choice=index)")
+
+    @property
+    def last(self) -> Chain | None:
+        """The most recently committed chain (progress reporting; `final` decides what is trained)."""
+        return self._committed[-1] if self._committed else None
+
+
+def merge_routes(have: Any, new: Any) -> Any:
+    """A routing record extended by a later request's (`new` covers the whole context it computed): the
+    positions `have` holds keep their record, the rest come from `new` (data/trajectory.py's rule)."""
+    from hybridrl.data.trajectory import merge_routes as merge
+
+    return merge(have, new)

@@ -49,9 +49,24 @@ class GatewayConfig:
                                     "to the engine's loop (true), or on the engine's loop itself (false: measured "
                                     "faster on CPU, where the two threads take turns on the interpreter lock; "
                                     "docs/gateway.md)")
+    max_body_kb: int = knob(4096, "largest request body, KiB: a larger one is refused (413) without being read "
+                                  "past the limit")
+    max_request_chars: int = knob(1 << 20, "characters of text in one request's messages (or prompt): more is "
+                                           "refused (400, budget_exceeded) before the chat template and tokenizer run")
+    max_connections: int = knob(1024, "connections and requests the HTTP server holds at once; past it, new "
+                                      "requests get 503 (uvicorn's limit_concurrency)")
+    keep_alive_s: float = knob(30.0, "an idle keep-alive connection is closed after this long")
+    special_tokens_in_messages: str = knob(
+        "text", "special-token strings (e.g. <|im_start|>) inside the agent's messages of every role but the "
+                "assistant turns the gateway returned: text (made plain text: they cannot forge turn structure) | "
+                "special (encoded as the special tokens, for an agent that builds turn markup itself)")
 
     def __post_init__(self) -> None:
         check_choice("listen", self.listen, ("unix", "tcp"))
+        check_choice("special_tokens_in_messages", self.special_tokens_in_messages, ("text", "special"))
+        for name in ("max_body_kb", "max_request_chars", "max_connections"):
+            check_positive(name, getattr(self, name))
+        check_positive("keep_alive_s", self.keep_alive_s)
         check_choice("tool_parser", self.tool_parser, TOOL_PARSERS)
         check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         check_choice("on_drift", self.on_drift, ("mark", "split"))

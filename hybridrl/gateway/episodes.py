@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridrl.agent.episodes import Episode
 from hybridrl.data.trajectory import ToolCallRecord, Truncation
 from hybridrl.gateway.capture import EpisodeCapture
 
@@ -49,48 +50,39 @@ class Budgets:
 
 
 @dataclass(eq=False, kw_only=True)
-class GatewayEpisode:
-    """One episode's state on the gateway. The HTTP side (the server's thread) and the engine side (`loop`,
-    where the runner opened it) both touch it: `lock` orders a completion's commit against the close."""
+class GatewayEpisode(Episode):
+    """One episode's state on the gateway (the episode engine's record, plus what the gateway keeps). The
+    HTTP side (the server's thread) and the engine side (`loop`, where the runner opened it) both touch it:
+    `lock` orders a completion's commit against the close."""
 
     key: str
-    episode_id: str                  # the trajectory id
-    group_id: str
     capture: EpisodeCapture
     budgets: Budgets
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-    started: float = field(default_factory=time.monotonic)
-    pause: Any = None                # a PauseGate (partial rollouts)
-    paused_at_start: float = 0.0
-    slot: Any = None                 # its hold on the runner's concurrency limit (agent.pause.Slot)
     replica: Any = None
     turns: int = 0                   # requests served
     truncation: Truncation | None = None
     end_reason: str = ""
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=lambda: {"sampling_overridden": 0, "malformed_tool_calls": 0,
-                                                            "weight_updates_mid_turn": 0, "interruptions": 0})
-    final_text: str = ""
+                                                            "disconnected": 0})
     sampler_contract: int = 0
-    in_flight: set[str] = field(default_factory=set)
     closed: bool = False
     aborted: bool = False            # the engine ended a request (not a budget): the episode is ABORTED
     infra_error: str = ""            # the gateway failed serving it: the episode is INFRA_INVALID
-    generate_s: float = 0.0
+    outcome: Any = None              # what the agent returned
     loop: Any = None                 # the engine's event loop: generation is run there (service.on_loop)
     lock: Any = field(default_factory=threading.RLock)
 
     @property
-    def traj(self) -> Any:
-        """What a `PauseGate` reads of a running episode (its policy tokens)."""
-        return _TokenCount(self.capture.final().num_policy_tokens if self.capture.final() else 0)
+    def episode_id(self) -> str:
+        return self.traj.trajectory_id
 
-    def deadline_at(self) -> float:
-        deadline = self.started + self.budgets.max_episode_s
-        return self.pause.deadline(deadline, self.paused_at_start) if self.pause is not None else deadline
+    @property
+    def group_id(self) -> str:
+        return self.traj.group_id
+
+    def live_policy_tokens(self) -> int:
+        return self.capture.policy_tokens
 
     def truncate(self, truncation: Truncation, reason: str = "") -> None:
         with self.lock:                      # the first budget to end the episode names it, from either side
@@ -108,11 +100,6 @@ class GatewayEpisode:
             self.truncate(Truncation.MAX_TURNS, f"more than agent.max_turns={self.budgets.max_turns} requests")
             raise BudgetExceeded(Truncation.MAX_TURNS, f"the episode has used its {self.budgets.max_turns} turns "
                                                        "(agent.max_turns)")
-
-
-@dataclass
-class _TokenCount:
-    num_policy_tokens: int
 
 
 class EpisodeKeys:

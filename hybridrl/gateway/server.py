@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.gateway.episodes import EpisodeKeys, GatewayError
-from hybridrl.gateway.service import GatewayService, stream_chunks
+from hybridrl.gateway.service import ClientGone, GatewayService, stream_chunks
+from hybridrl.gateway.validate import check_request, parse_body
 
 log = logging.getLogger(__name__)
 
@@ -40,37 +41,47 @@ MISSING_STACK = ("the OpenAI-compatible gateway needs starlette and uvicorn (and
                  "pip install -e .[gateway]")
 
 
-def build_app(service: GatewayService, keys: EpisodeKeys) -> Any:
+def build_app(service: GatewayService, keys: EpisodeKeys, limits: Any = None) -> Any:
+    """The Starlette app. `limits` (the gateway config) bounds a body's bytes and a request's text."""
     try:
         from starlette.applications import Starlette
         from starlette.responses import Response, StreamingResponse
         from starlette.routing import Route
     except ImportError as err:
         raise ImportError(MISSING_STACK) from err
+    max_body = (limits.max_body_kb if limits is not None else 4096) * 1024
+    max_chars = limits.max_request_chars if limits is not None else 1 << 22
 
     def error(err: GatewayError) -> Response:
         service.counts["refused" if err.status < 500 else "errors"] += 1
         return Response(json.dumps(err.body()), status_code=err.status, media_type="application/json")
 
     async def body_of(request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            raise GatewayError(400, "the request body is not JSON") from None
-        if not isinstance(body, dict):
-            raise GatewayError(400, "the request body must be a JSON object")
-        return body
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > max_body):
+            raise GatewayError(413, f"the request body is larger than gateway.max_body_kb={max_body // 1024}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body:
+                raise GatewayError(413, f"the request body is larger than gateway.max_body_kb={max_body // 1024}")
+            chunks.append(chunk)
+        return parse_body(b"".join(chunks))
 
-    def endpoint(handler):
+    def endpoint(handler, *, chat: bool):
         async def serve(request) -> Response:
             service.counts["requests"] += 1
             try:
                 episode = keys.find(request.headers)
                 body = await body_of(request)
-                out = await handler(episode, body)
+                check_request(body, chat=chat, max_chars=max_chars)
+                out = await handler(episode, body, request.is_disconnected)
+            except ClientGone as err:
+                service.counts["client_closed"] += 1
+                return error(err)
             except GatewayError as err:
                 return error(err)
-            except Exception as err:  # noqa: BLE001 - the engine or a bug: the agent gets a 500, the episode is invalid
+            except Exception as err:  # noqa: BLE001 - the gateway's own fault: a 500, the episode is invalid
                 log.warning("gateway request failed: %s", err, exc_info=True)
                 episode = _episode_or_none(keys, request)
                 if episode is not None:
@@ -99,8 +110,8 @@ def build_app(service: GatewayService, keys: EpisodeKeys) -> Any:
                                                                 "created": 0, "owned_by": "hybridrl"}]}),
                         media_type="application/json")
 
-    return Starlette(routes=[Route("/v1/chat/completions", endpoint(service.chat), methods=["POST"]),
-                             Route("/v1/completions", endpoint(service.completions), methods=["POST"]),
+    return Starlette(routes=[Route("/v1/chat/completions", endpoint(service.chat, chat=True), methods=["POST"]),
+                             Route("/v1/completions", endpoint(service.completions, chat=False), methods=["POST"]),
                              Route("/v1/models", models, methods=["GET"])])
 
 
@@ -121,8 +132,9 @@ class HttpServer:
     thread of its own (`own_thread`) or on the loop that calls `start`."""
 
     def __init__(self, app: Any, *, listen: str = "unix", host: str = "127.0.0.1", port: int = 0,
-                 own_thread: bool = False):
+                 own_thread: bool = False, limits: Any = None):
         self.app, self.listen, self.host, self.port = app, listen, host, port
+        self.limits = limits                     # the gateway config: connection and keep-alive bounds
         self.own_thread = own_thread
         self.socket_path: Path | None = None
         self.loop: asyncio.AbstractEventLoop | None = None      # the loop uvicorn serves on
@@ -159,8 +171,12 @@ class HttpServer:
             raise
 
     async def _serve(self, uvicorn: Any) -> None:
+        limits = self.limits
         config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False,
-                                server_header=False, date_header=False, timeout_keep_alive=30)
+                                server_header=False, date_header=False,
+                                timeout_keep_alive=limits.keep_alive_s if limits is not None else 30,
+                                limit_concurrency=limits.max_connections if limits is not None else None,
+                                h11_max_incomplete_event_size=64 * 1024)
         config.load()
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)

@@ -13,6 +13,11 @@ episode is its counters and flags (single writes), and the close: a completion i
 episode's lock, and the runner closes the episode under it, so a trajectory is never built from a
 capture that is being extended.
 
+Generation is the episode engine's turn core (`agent/episodes.py` `EpisodeEngine.generate_turn`, the same
+the built-in loop uses): seeds, segments under new weights or after a pause, per-token versions and routing
+records. A client that goes away before its completion is delivered commits nothing (and its generation is
+aborted): an undelivered completion is never trained.
+
 Sampling is the run's: the trainer recomputes logprobs at `agent.temperature` (the sampler contract),
 so a request's own temperature / top_p are not applied; when they differ they are counted
 (`sampling_overridden`). Penalties, logit bias and structured output are refused (the sampler contract
@@ -26,8 +31,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
 
 from hybridrl.data.trajectory import ToolCallRecord, Truncation
 from hybridrl.gateway.capture import Prepared, TemplateError
@@ -46,6 +51,15 @@ class Generated:
     logprobs: list[float]
     versions: list[int]
     finish: str                      # stop | length | tool_calls
+    routes: list = field(default_factory=list)     # each request's routing record (MoE engines), in order
+
+
+class ClientGone(GatewayError):
+    """The client went away before its completion was delivered: nothing is committed."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the request before its completion was delivered",
+                         code="client_closed")
 
 
 async def on_loop(loop: asyncio.AbstractEventLoop | None, coro: Any) -> Any:
@@ -57,19 +71,24 @@ async def on_loop(loop: asyncio.AbstractEventLoop | None, coro: Any) -> Any:
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
 
 
+Gone = Callable[[], Awaitable[bool]]          # whether the request's client has gone away
+
+
 class GatewayService:
-    def __init__(self, template: Any, router: Router, parser: TurnParser, *, agent_cfg: Any, model_name: str,
-                 render_tools: bool = True, abort_grace_s: float = 2.0):
+    """`turns` is the episode engine that runs the gateway's episodes (`GatewayRunner`): its turn core
+    generates every completion."""
+
+    def __init__(self, template: Any, router: Router, parser: TurnParser, *, turns: Any, model_name: str,
+                 render_tools: bool = True):
         self.template, self.router, self.parser = template, router, parser
-        self.agent_cfg = agent_cfg
+        self.turns = turns
         self.render_tools = render_tools
         self.model_name = model_name
-        self.abort_grace_s = abort_grace_s
-        self.counts = {"requests": 0, "refused": 0, "errors": 0, "streamed": 0}
+        self.counts = {"requests": 0, "refused": 0, "errors": 0, "streamed": 0, "client_closed": 0}
 
     # ------------------------------------------------------------------ /v1/chat/completions
 
-    async def chat(self, episode: GatewayEpisode, body: dict[str, Any]) -> dict[str, Any]:
+    async def chat(self, episode: GatewayEpisode, body: dict[str, Any], gone: Gone | None = None) -> dict[str, Any]:
         episode.check_open()
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -90,20 +109,24 @@ class GatewayService:
                                                     options=options)
         except TemplateError as err:
             raise GatewayError(400, str(err), param="messages") from None
-        results = await self._serve(episode, prepared, body, max_tokens=_max_tokens(body))
+        results = await self._serve(episode, prepared, body, max_tokens=_max_tokens(body), gone=gone)
         _still_open(episode)
         turns = []
         for i, gen in enumerate(results):
             text = self.template.decode([t for t in gen.ids if t not in self.template.eos_ids])
             turns.append(self.parser.parse(_cut_stop(text, body.get("stop")), names,
-                                           call_prefix=f"{episode.episode_id}/t{episode.turns}/{i}"))
+                                           call_prefix=f"{episode.episode_id}/t{episode.turns}/{i}",
+                                           action_formats=episode.task.action_formats))
+        response_id = f"chatcmpl-{_rid(episode)}"
+        await _still_there(episode, gone)
         choices = []
         usage = 0
         with episode.lock:
             _still_open(episode)
             for i, (gen, turn) in enumerate(zip(results, turns)):
                 message = turn.message()
-                episode.capture.commit(prepared, gen.ids, gen.logprobs, gen.versions, returned=message)
+                episode.capture.commit(prepared, gen.ids, gen.logprobs, gen.versions, returned=message,
+                                       routes=gen.routes, text=turn.content or "", response_id=response_id, index=i)
                 self._record(episode, turn)
                 finish = "tool_calls" if turn.tool_calls and gen.finish == "stop" else gen.finish
                 entry: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
@@ -113,7 +136,7 @@ class GatewayService:
                 choices.append(entry)
                 usage += len(gen.ids)
                 episode.final_text = turn.content or ""
-        return {"id": f"chatcmpl-{_rid(episode)}", "object": "chat.completion", "created": int(time.time()),
+        return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
                 "model": body.get("model") or self.model_name, "choices": choices,
                 "usage": _usage(prepared, usage), "system_fingerprint": f"hybridrl-v{max(results[0].versions, default=-1)}"}
 
@@ -131,7 +154,8 @@ class GatewayService:
 
     # ------------------------------------------------------------------ /v1/completions
 
-    async def completions(self, episode: GatewayEpisode, body: dict[str, Any]) -> dict[str, Any]:
+    async def completions(self, episode: GatewayEpisode, body: dict[str, Any],
+                          gone: Gone | None = None) -> dict[str, Any]:
         episode.check_open()
         _refuse_unsupported(body)
         prompt = body.get("prompt")
@@ -143,14 +167,17 @@ class GatewayService:
         if body.get("echo"):
             raise GatewayError(400, "'echo' is not served", param="echo")
         prepared = episode.capture.prepare_prompt(prompt)
-        results = await self._serve(episode, prepared, body, max_tokens=_max_tokens(body, default=16))
+        results = await self._serve(episode, prepared, body, max_tokens=_max_tokens(body, default=16), gone=gone)
         texts = [_cut_stop(self.template.decode([t for t in gen.ids if t not in self.template.eos_ids]),
                            body.get("stop")) for gen in results]
+        response_id = f"cmpl-{_rid(episode)}"
+        await _still_there(episode, gone)
         choices, usage = [], 0
         with episode.lock:
             _still_open(episode)
             for i, (gen, text) in enumerate(zip(results, texts)):
-                episode.capture.commit(prepared, gen.ids, gen.logprobs, gen.versions)
+                episode.capture.commit(prepared, gen.ids, gen.logprobs, gen.versions, routes=gen.routes, text=text,
+                                       response_id=response_id, index=i)
                 entry: dict[str, Any] = {"index": i, "text": text, "finish_reason": gen.finish, "logprobs": None}
                 if body.get("logprobs") is not None:
                     entry["logprobs"] = {"tokens": [self.template.decode([t]) for t in gen.ids],
@@ -159,17 +186,18 @@ class GatewayService:
                 choices.append(entry)
                 usage += len(gen.ids)
                 episode.final_text = text
-        return {"id": f"cmpl-{_rid(episode)}", "object": "text_completion", "created": int(time.time()),
+        return {"id": response_id, "object": "text_completion", "created": int(time.time()),
                 "model": body.get("model") or self.model_name, "choices": choices, "usage": _usage(prepared, usage)}
 
     # ------------------------------------------------------------------ generation
 
     async def _serve(self, episode: GatewayEpisode, prepared: Prepared, body: dict[str, Any],
-                     max_tokens: int | None) -> list[Generated]:
-        """Budgets of this request, then `n` completions of `prepared` on the episode's replica."""
+                     max_tokens: int | None, gone: Gone | None = None) -> list[Generated]:
+        """Budgets of this request, then `n` completions of `prepared` on the episode's replica (aborted, and
+        nothing kept, when the client goes away first)."""
         budgets = episode.budgets
         n = body.get("n") or 1
-        if not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
             raise GatewayError(400, f"'n' must be an integer in [1, {MAX_CHOICES}]", param="n")
         bounds = {Truncation.MAX_RESPONSE_TOKENS: budgets.max_response_tokens - prepared.response_tokens,
                   Truncation.CONTEXT: budgets.max_model_len - len(prepared.ids),
@@ -184,7 +212,8 @@ class GatewayService:
         self._note_sampling(episode, body)
         stops = self._stop_ids(body.get("stop"))
         episode.turns += 1
-        outs = await on_loop(episode.loop, self._generate_all(episode, prepared.ids, room, stops, episode.turns - 1, n))
+        outs = await _unless_gone(on_loop(episode.loop, self._generate_all(episode, prepared.ids, room, stops,
+                                                                            episode.turns - 1, n)), gone, episode)
         outs = [self._cut_at_stop(gen, body.get("stop")) for gen in outs]
         for gen in outs:
             if gen.finish == "length" and limit is not None and episode.truncation is None:
@@ -201,83 +230,36 @@ class GatewayService:
 
     async def _generate(self, episode: GatewayEpisode, context: list[int], room: int, stops: tuple[int, ...],
                         turn: int, choice: int) -> Generated:
-        ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        segment = 0
-        while True:
-            if episode.pause is not None:
-                await episode.pause.wait(episode.slot)
-            seed = (episode.seed + 7919 * turn + 104729 * segment + 15485863 * choice) % (1 << 31)
-            sampling = SamplingParams(max_new_tokens=room - len(ids), temperature=episode.temperature,
-                                      top_p=episode.top_p, top_k=episode.top_k, seed=seed, stop_token_ids=stops)
-            rid = f"{episode.episode_id}/t{turn}" + (f".c{choice}" if choice else "") + (f".{segment}" if segment else "")
-            out, late = await self._call_engine(episode, episode.replica, context + ids, sampling, rid)
-            if out is not None and out.token_ids:
-                ids += out.token_ids
-                logprobs += out.logprobs
-                versions += [out.policy_version] * len(out.token_ids)
-                episode.sampler_contract = out.sampler_contract
-            if late:                                 # the wall clock ran out mid-request: keep what came back
-                return Generated(ids, logprobs, versions, "length")
-            finish = out.finish_reason
-            if finish == FinishReason.WEIGHTS_UPDATED and self.agent_cfg.on_weights_updated == "continue":
-                segment += 1
-                episode.counts["weight_updates_mid_turn"] += 1
-                continue
-            if finish == FinishReason.ABORT and episode.pause is not None and not episode.pause.is_open:
-                segment += 1
-                episode.counts["interruptions"] += 1
-                continue
-            if finish == FinishReason.STOP:
-                return Generated(ids, logprobs, versions, "stop")
-            if finish in (FinishReason.LENGTH, FinishReason.CONTEXT):
-                if finish == FinishReason.CONTEXT:
-                    episode.truncate(Truncation.CONTEXT, "the model's context length")
-                return Generated(ids, logprobs, versions, "length")
-            if episode.closed:
-                raise GatewayError(410, "the episode has ended", code="episode_ended")
-            episode.end_reason = f"the engine ended the request: {finish.value}"
-            episode.aborted = True
-            raise GatewayError(503, episode.end_reason, type="server_error", code="engine_aborted")
-
-    async def _call_engine(self, episode: GatewayEpisode, replica: Replica, context: list[int],
-                           sampling: SamplingParams, rid: str):
-        """(the engine's output, False), or (its partial output or None, True) when the episode's deadline
-        passes first (the episode is then TRUNCATED(wall_clock))."""
-        started = time.monotonic()
+        """One completion through the engine's turn core, as the gateway returns it."""
+        replica = episode.replica
         replica.in_flight += 1
         replica.served += 1
-        episode.in_flight.add(rid)
-        gate = episode.pause
-        if gate is not None:
-            gate.in_flight.add(rid)
-        request = asyncio.ensure_future(replica.engine.generate(context, sampling, rid))
         try:
-            while True:
-                timeout = episode.deadline_at() - time.monotonic()
-                done, _ = await asyncio.wait({request}, timeout=max(0.0, timeout))
-                if done:
-                    return request.result(), False
-                if time.monotonic() >= episode.deadline_at():
-                    break
-            episode.truncate(Truncation.WALL_CLOCK, "the episode's wall-clock budget ran out mid-request")
-            try:
-                await replica.engine.abort(rid)
-                out = await asyncio.wait_for(request, timeout=self.abort_grace_s)
-            except (asyncio.TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001 - nothing to keep
-                request.cancel()
-                return None, True
-            return out, True
-        except asyncio.CancelledError:
-            request.cancel()
-            raise
+            out = await self.turns.generate_turn(episode, replica.engine, context, room, turn=turn, choice=choice,
+                                                 stops=stops)
         finally:
             replica.in_flight -= 1
-            episode.in_flight.discard(rid)
-            if gate is not None:
-                gate.in_flight.discard(rid)
-            episode.generate_s += time.monotonic() - started
+        if out.segments:
+            episode.sampler_contract = out.segments[-1].sampler_contract
+        gen = Generated(out.ids, out.logprobs, out.versions, "length",
+                        [s.routed_experts for s in out.segments if s.routed_experts is not None])
+        if out.cut == "deadline":                 # the wall clock ran out mid-request: keep what came back
+            episode.truncate(Truncation.WALL_CLOCK, "the episode's wall-clock budget ran out mid-request")
+            return gen
+        if out.cut == "stop":
+            raise GatewayError(503, "the run is stopping", type="server_error", code="stopped")
+        if out.finish == FinishReason.STOP:
+            gen.finish = "stop"
+            return gen
+        if out.finish in (FinishReason.LENGTH, FinishReason.CONTEXT):
+            if out.finish == FinishReason.CONTEXT:
+                episode.truncate(Truncation.CONTEXT, "the model's context length")
+            return gen
+        if episode.closed:
+            raise GatewayError(410, "the episode has ended", code="episode_ended")
+        episode.end_reason = f"the engine ended the request: {out.finish.value}"
+        episode.aborted = True
+        raise GatewayError(503, episode.end_reason, type="server_error", code="engine_aborted")
 
     def _cut_at_stop(self, gen: Generated, stop: Any) -> Generated:
         """A turn that contains a stop string of several tokens ends with the token that completes it (what
@@ -287,7 +269,7 @@ class GatewayService:
             return gen
         for k in range(1, len(gen.ids) + 1):
             if any(s in self.template.decode(gen.ids[:k]) for s in multi):
-                return Generated(gen.ids[:k], gen.logprobs[:k], gen.versions[:k], "stop")
+                return Generated(gen.ids[:k], gen.logprobs[:k], gen.versions[:k], "stop", gen.routes)
         return gen
 
     def _note_sampling(self, episode: GatewayEpisode, body: dict[str, Any]) -> None:
@@ -305,6 +287,30 @@ class GatewayService:
             if len(ids) == 1:
                 out.append(ids[0])
         return tuple(out)
+
+
+async def _unless_gone(coro: Any, gone: Gone | None, episode: GatewayEpisode) -> Any:
+    """`coro`'s result, or ClientGone (the coroutine cancelled: its requests are aborted) when the client goes
+    away first."""
+    task = asyncio.ensure_future(coro)
+    if gone is None:
+        return await task
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.05)
+        if done:
+            return task.result()
+        if await gone():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            episode.counts["disconnected"] += 1
+            raise ClientGone()
+
+
+async def _still_there(episode: GatewayEpisode, gone: Gone | None) -> None:
+    """Refuse to commit a completion whose client has gone away (it was never delivered)."""
+    if gone is not None and await gone():
+        episode.counts["disconnected"] += 1
+        raise ClientGone()
 
 
 def _still_open(episode: GatewayEpisode) -> None:

@@ -63,16 +63,22 @@ class TurnParser:
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         self.action_formats = tuple(action_formats)
 
-    def parse(self, text: str, tool_names: Iterable[str] | None, *, call_prefix: str) -> ParsedTurn:
-        """`tool_names`: the request's tools (None or empty: no tool calls are parsed)."""
+    def parse(self, text: str, tool_names: Iterable[str] | None, *, call_prefix: str,
+              action_formats: Sequence[str] | None = None) -> ParsedTurn:
+        """`tool_names`: the request's tools (None or empty: no tool calls are parsed); `action_formats`: the
+        episode's task's (the `actions` parser), else the parser's own. Whatever the model wrote, this returns
+        a turn: a call that does not parse (bad JSON, nesting past the limit, text that is not valid
+        Unicode) is left in the content and counted as malformed, never an error of the gateway."""
         reasoning = None
         if self.reasoning_parser == "think":
             reasoning, text = split_reasoning(text)
         names = set(tool_names or ())
         turn = ParsedTurn(text)
         if names and self.tool_parser != "none":
-            calls, rest, malformed = {"hermes": _hermes, "llama3": _llama3, "actions": self._actions}[self.tool_parser](
-                text, names)
+            formats = tuple(action_formats) if action_formats is not None else self.action_formats
+            parse = {"hermes": _hermes, "llama3": _llama3,
+                     "actions": lambda t, n: _actions(t, n, formats)}[self.tool_parser]
+            calls, rest, malformed = parse(text, names)
             turn = ParsedTurn(rest, tool_calls=[_openai_call(name, args, f"{call_prefix}.{i}")
                                                 for i, (name, args) in enumerate(calls)], malformed=malformed)
         turn.reasoning = reasoning
@@ -80,16 +86,20 @@ class TurnParser:
             turn.content = None
         return turn
 
-    def _actions(self, text: str, names: set[str]) -> tuple[list, str, int]:
-        from hybridrl.agent.actions import ActionParser
 
-        parsed = ActionParser(self.action_formats).parse(text)
-        calls, rest = [], text
-        for call in parsed.calls:
-            if call.name in names:
-                calls.append((call.name, call.arguments))
-                rest = rest.replace(call.raw, "", 1)
-        return calls, rest.strip(), sum(e.kind == "malformed" for e in parsed.errors)
+def _actions(text: str, names: set[str], formats: Sequence[str]) -> tuple[list, str, int]:
+    from hybridrl.agent.actions import ActionParser
+
+    parsed = ActionParser(formats).parse(text)
+    calls, rest, malformed = [], text, sum(e.kind == "malformed" for e in parsed.errors)
+    for call in parsed.calls:
+        if call.name in names:
+            if not _plain(call.arguments):
+                malformed += 1
+                continue
+            calls.append((call.name, call.arguments))
+            rest = rest.replace(call.raw, "", 1)
+    return calls, rest.strip(), malformed
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
@@ -148,23 +158,36 @@ def _split_objects(body: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
-def _json_call(body: str, argument_keys: Sequence[str]) -> tuple[str, dict] | None:
-    from hybridrl.agent.actions import nesting_depth, MAX_JSON_DEPTH
+def _load(text: str) -> Any:
+    """JSON the model wrote, or None: nesting past the limit, bad JSON, or text that is not valid Unicode (a
+    lone surrogate) are all malformed calls."""
+    from hybridrl.agent.actions import MAX_JSON_DEPTH, nesting_depth
 
-    if nesting_depth(body) > MAX_JSON_DEPTH:
+    if nesting_depth(text) > MAX_JSON_DEPTH:
         return None
     try:
-        obj = json.loads(body)
+        obj = json.loads(text)
     except (ValueError, RecursionError):
         return None
+    return obj if _plain(obj) else None
+
+
+def _plain(obj: Any) -> bool:
+    """Whether `obj` encodes as UTF-8 JSON (no lone surrogates in any string, no nesting past the limit)."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, RecursionError, ValueError, TypeError):
+        return False
+    return True
+
+
+def _json_call(body: str, argument_keys: Sequence[str]) -> tuple[str, dict] | None:
+    obj = _load(body)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = next((obj[k] for k in argument_keys if k in obj), {})
     if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            return None
+        args = _load(args) if args.strip() else {}
     return (obj["name"], args) if isinstance(args, dict) else None
 
 

@@ -54,7 +54,7 @@ class RolloutSide(Part):
         from hybridrl.agent.producer import LoopThread
         from hybridrl.agent.tools.base import ToolBox
         from hybridrl.envs.tasks import get_task
-        from hybridrl.gateway.runner import agent_runner
+        from hybridrl.agent.episodes import episode_runner
 
         self.cfg, self.ctx, self.phases, self.mesh = cfg, ctx, phases, mesh
         self.threads = LoopThread() if threaded else None
@@ -77,8 +77,8 @@ class RolloutSide(Part):
         self.task = get_task(cfg.task.name, cfg.task)
         tool_names = sorted({t for inst in self.task.validation_split(8) for t in inst.tools})
         self.tools = self.run(ToolBox.from_config(cfg.tools, names=tool_names).start())
-        # the built-in agent loop, or the gateway's runner when task.agent names an OpenAI-client agent
-        self.runner = agent_runner(cfg, self.engine, self.tokenizer, tools=self.tools, envs=self._env_provider())
+        # the run's front end of the episode engine: the built-in agent loop, the gateway's runner (task.agent), ...
+        self.runner = episode_runner(cfg, self.engine, self.tokenizer, tools=self.tools, envs=self._env_provider())
         self.collector = None              # partial rollouts: episodes kept across steps (built on first use)
         self.everyone = Reducer.over_peers(ctx.control_peers)
         self.probe_counts: dict[str, float] = {}    # engine counters spent on parity probes (not episodes)
@@ -242,8 +242,7 @@ class RolloutSide(Part):
     def close(self) -> None:
         if self.collector is not None:
             self.collector.close()
-        if self.cfg.task.agent:
-            self.run(self.runner.close())          # the gateway's server and client
+        self.run(self.runner.close())              # e.g. the gateway's server and client
         self.run(self.tools.close())
         self.run_sync(self.engine.close)
         if self.threads is not None:

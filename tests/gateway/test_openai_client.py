@@ -8,6 +8,7 @@ import json
 import openai
 import pytest
 
+from hybridrl.agent.config import AgentConfig
 from hybridrl.agent.testing import ScriptedEngine, calculator_oracle, scripted_logprob
 from hybridrl.data.trajectory import TrajectoryStatus, Truncation
 from hybridrl.gateway import Outcome, call_tool, is_budget_error
@@ -281,11 +282,18 @@ async def silent(client, instance):
     return 1.0
 
 
-def test_an_agent_error_or_no_request_is_infra_invalid(tiny_tokenizer):
+def test_an_agent_error_is_a_scored_failure_and_no_request_is_dropped(tiny_tokenizer):
+    """The agent's own exception is its episode's failure (FAILED, scored by the task: no reward dodge), named
+    as an agent error, never an infrastructure fault; with on_agent_error=drop it is left out of training. An
+    agent that asks the model nothing has nothing to score: dropped, counted as an agent error."""
     engine = ScriptedEngine(tiny_tokenizer, calculator_oracle(tiny_tokenizer, calls=0))
     trajs, runner = run_agent(engine, tiny_tokenizer, crashing, n=1)
-    assert trajs[0].status == TrajectoryStatus.INFRA_INVALID and "KeyError" in trajs[0].metadata["end_reason"]
-    assert runner.counts["agent_errors"] == 1
-    trajs, _ = run_agent(engine, tiny_tokenizer, silent, n=1)
-    assert trajs[0].status == TrajectoryStatus.INFRA_INVALID and trajs[0].metadata["end_reason"] == \
-        "the agent made no request" and trajs[0].prompt_ids
+    t = trajs[0]
+    assert t.status == TrajectoryStatus.FAILED and "KeyError" in t.metadata["end_reason"]
+    assert t.metadata["end_reason"].startswith("agent error:") and t.rewards and t.reward == 0.0
+    assert t.num_policy_tokens > 0 and runner.counts["agent_errors"] == 1
+    trajs, runner = run_agent(engine, tiny_tokenizer, crashing, n=1, agent_cfg=AgentConfig(on_agent_error="drop"))
+    assert trajs[0].status == TrajectoryStatus.ABORTED and runner.counts["agent_errors"] == 1
+    trajs, runner = run_agent(engine, tiny_tokenizer, silent, n=1)
+    assert trajs[0].status == TrajectoryStatus.ABORTED and trajs[0].metadata["end_reason"] == \
+        "agent error: the agent made no request" and trajs[0].prompt_ids and runner.counts["agent_errors"] == 1
