@@ -27,6 +27,11 @@ class JobStopped(Exception):
     exits 0 and the run is not marked finished."""
 
 
+class RunFailed(Exception):
+    """The run cannot go on (e.g. every episode of several steps in a row failed): every rank exits 1 and
+    the reason is printed, without a traceback."""
+
+
 @dataclass(frozen=True)
 class Job:
     name: str

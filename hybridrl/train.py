@@ -54,7 +54,7 @@ def run(cfg) -> int:
     from hybridrl.distributed.bootstrap import init_distributed, shutdown_distributed
     from hybridrl.distributed.control import ErrorReport
     from hybridrl.distributed.watchdog import Watchdog
-    from hybridrl.jobs import JobStopped, resolve_job
+    from hybridrl.jobs import JobStopped, RunFailed, resolve_job
     from hybridrl.workers.serve import serve
 
     job = resolve_job(cfg.run.job)
@@ -84,6 +84,10 @@ def run(cfg) -> int:
             log.warning("%s", stopped)
             group.shutdown()
         except WorkerGroupError as err:
+            print(f"hybridrl: run failed: {err}", file=sys.stderr)
+            code = EXIT_FAILED
+        except RunFailed as err:            # the run's own verdict: every rank stops, the reason is the message
+            group.abort(str(err))
             print(f"hybridrl: run failed: {err}", file=sys.stderr)
             code = EXIT_FAILED
         except BaseException as err:  # the controller's own bug, or Ctrl-C

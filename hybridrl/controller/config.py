@@ -60,6 +60,8 @@ class TrainerConfig:
     stop_after_dead_steps: int = knob(0, "end the run after this many steps in a row without a learning signal (no "
                                          "admitted group whose rewards differ); the run says why after 3 such steps "
                                          "either way; 0 = never stop for it")
+    stop_after_failed_steps: int = knob(3, "the run fails (exit 1, saying why) after this many steps in a row whose "
+                                           "every episode was an agent error or an infrastructure fault; 0 = never")
     callbacks: list[str] = knob(help="observers of the run's events (start, step, validation, checkpoint, "
                                      "interrupt, end) on the controller: module:Class of yours, or wandb / mlflow "
                                      "(skipped with a note when the package is missing); see "
@@ -87,6 +89,7 @@ class TrainerConfig:
         check_positive("collect_poll_s", self.collect_poll_s)
         check_positive("max_sampling_rounds", self.max_sampling_rounds)
         check_positive("stop_after_dead_steps", self.stop_after_dead_steps, allow_zero=True)
+        check_positive("stop_after_failed_steps", self.stop_after_failed_steps, allow_zero=True)
         from hybridrl.controller.callbacks import CallbackError, resolve
 
         for spec in self.callbacks:

@@ -79,8 +79,14 @@ def explain(streak: list[dict]) -> Diagnosis:
     total = lambda key: int(sum(r.get(key) or 0 for r in streak))  # noqa: E731
     episodes = total("episodes")
     succeeded, infra, truncated = total("episodes/succeeded"), total("filter/infra_invalid"), total("filter/truncated")
+    agent_errors = total("episodes/agent_errors")
     where = f"no learning signal in step {first}" if first == last else f"no learning signal in steps {first}-{last}"
-    if infra * 2 >= episodes:
+    if agent_errors * 2 >= episodes:
+        cause, what = "agent_errors", (
+            f"{agent_errors} of {episodes} episodes ended in an agent error (the agent's own code raised, or asked "
+            "the model nothing; the first traceback is in the log above) — fix the agent, see `hybridrl inspect "
+            "RUN_DIR --failed` for each episode's error")
+    elif infra * 2 >= episodes:
         cause, what = "infra_invalid", (
             f"{infra} of {episodes} episodes were infrastructure-invalid (engine, tool or reward failures, "
             "filter/infra_invalid) — see `hybridrl inspect RUN_DIR --failed` for the reasons")
@@ -104,13 +110,24 @@ def explain(streak: list[dict]) -> Diagnosis:
     return Diagnosis(first, last, episodes, cause, f"{where}: {what}")
 
 
-class SignalWatch:
-    """A run observer (see `controller/callbacks.py`): says once why the run learns nothing, and asks
-    the run to stop after `stop_after` dead steps in a row (0: never)."""
+def all_failed(row: dict) -> bool:
+    """Every episode of the step failed for a reason outside the policy's answer: an agent error (the user's
+    agent code) or an infrastructure fault. Nothing of such a step can train."""
+    episodes = row.get("episodes") or 0
+    failed = (row.get("episodes/agent_errors") or 0) + (row.get("status/infra_invalid") or 0)
+    return episodes > 0 and failed >= episodes
 
-    def __init__(self, *, group_baseline: bool, total_steps: int, stop_after: int = 0,
+
+class SignalWatch:
+    """A run observer (see `controller/callbacks.py`): says once why the run learns nothing, asks the run
+    to stop after `stop_after` dead steps in a row (0: never), and says the run has failed (`fail_reason`:
+    it ends with a non-zero exit) after `fail_after` steps in a row whose every episode failed (0: never)."""
+
+    def __init__(self, *, group_baseline: bool, total_steps: int, stop_after: int = 0, fail_after: int = 0,
                  say: Callable[[str], None] | None = None):
-        self.group_baseline, self.stop_after = group_baseline, stop_after
+        self.group_baseline, self.stop_after, self.fail_after = group_baseline, stop_after, fail_after
+        self.failed_streak = 0
+        self.fail_reason: str | None = None
         self.warn_after = min(DEAD_STEPS, total_steps)        # a shorter run says it at its end
         self.say = say or (lambda text: print(text, file=sys.stderr, flush=True))
         self.rows: list[dict] = []
@@ -122,6 +139,11 @@ class SignalWatch:
 
     def on_step(self, step: int, metrics: dict) -> None:
         self.rows.append({"step": step, **metrics})
+        self.failed_streak = self.failed_streak + 1 if all_failed(metrics) else 0
+        if self.fail_after and self.failed_streak >= self.fail_after:
+            self.fail_reason = (f"every episode of the last {self.failed_streak} steps failed "
+                                f"(trainer.stop_after_failed_steps={self.fail_after}): "
+                                f"{explain(self.rows[-self.failed_streak:]).text}")
         streak = dead_streak(self.rows, group_baseline=self.group_baseline)
         if not streak:
             return

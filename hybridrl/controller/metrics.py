@@ -52,6 +52,7 @@ def step_metrics(trajectories: list[Trajectory], kept: FilterResult, batch: Batc
         "reward/mean": statistics.fmean(rewards), "reward/std": statistics.pstdev(rewards),
         "reward/accuracy": _accuracy(trajectories),
         "episodes": len(trajectories), "episodes/admitted": len(kept.kept),
+        "episodes/agent_errors": float(sum("agent_error" in t.metadata for t in trajectories)),
         "tokens/generated": policy_tokens, "tokens/admitted": admitted,
         "episode/turns": statistics.fmean(t.turns for t in trajectories),
         "episode/tool_calls": statistics.fmean(len(t.tool_calls) for t in trajectories),

@@ -37,7 +37,7 @@ from hybridrl.controller.diagnosis import SignalWatch, diagnose
 from hybridrl.controller.curriculum import training_stream
 from hybridrl.controller.faults import Injector
 from hybridrl.controller.progress import Progress
-from hybridrl.jobs import JobStopped
+from hybridrl.jobs import JobStopped, RunFailed
 from hybridrl.data.mixture import MixtureStream
 from hybridrl.data.stream import ShuffledStream
 from hybridrl.store import rundir
@@ -127,7 +127,7 @@ class Hooks:
         self.run: Any = None
         tc = cfg.trainer
         self.watch = SignalWatch(group_baseline=not cfg.algo.uses_critic, total_steps=tc.total_steps,
-                                 stop_after=tc.stop_after_dead_steps)
+                                 stop_after=tc.stop_after_dead_steps, fail_after=tc.stop_after_failed_steps)
         self.events = Events.from_specs(tc.callbacks, builtin=[Progress(tc.total_steps), self.watch])
 
     def at(self, step: int, moment: str) -> None:
@@ -260,6 +260,8 @@ class RunState:
         """The steps left: after the checkpoint's step up to trainer.total_steps, unless the run's hooks
         ask it to stop (checked between steps, after the last one's checkpoint)."""
         for step in range(self.step + 1, self.cfg.trainer.total_steps + 1):
+            if self.hooks.watch.fail_reason is not None:
+                raise RunFailed(self.hooks.watch.fail_reason)
             reason = self.hooks.stop_reason
             if reason is not None:
                 self.stopped = reason

@@ -55,3 +55,27 @@ def test_the_watch_says_it_once_and_asks_to_stop_when_told():
     short.on_step(1, row(1))
     short.on_step(2, row(2))
     assert said[-1].startswith("rl: no learning signal in steps 1-2") and short.stop_reason is None
+
+
+def test_agent_errors_are_named_and_a_run_whose_every_episode_fails_is_a_failed_run():
+    """An agent's own errors are called agent errors (not infrastructure faults), and N steps in a row whose
+    every episode was an agent error or an infrastructure fault make the run fail (trainer.stop_after_failed_steps)."""
+    def failing(step, agent_errors=128, infra=0):
+        return {**row(step, infra=infra), "episodes/agent_errors": agent_errors, "status/infra_invalid": infra}
+
+    named = explain([failing(s) for s in (1, 2, 3)])
+    assert named.cause == "agent_errors" and "384 of 384 episodes ended in an agent error" in named.text
+    watch = SignalWatch(group_baseline=True, total_steps=20, fail_after=3, say=lambda text: None)
+    watch.on_start({})
+    watch.on_step(1, failing(1))
+    watch.on_step(2, failing(2, agent_errors=100, infra=28))          # agent errors and faults together: all failed
+    watch.on_step(3, {**failing(3, agent_errors=127), "episodes/succeeded": 1})   # one episode trained: the streak ends
+    assert watch.fail_reason is None
+    for step in (4, 5, 6):
+        watch.on_step(step, failing(step))
+    assert watch.fail_reason.startswith("every episode of the last 3 steps failed (trainer.stop_after_failed_steps=3)")
+    assert "agent error" in watch.fail_reason
+    never = SignalWatch(group_baseline=True, total_steps=20, fail_after=0, say=lambda text: None)
+    for step in range(1, 8):
+        never.on_step(step, failing(step))
+    assert never.fail_reason is None

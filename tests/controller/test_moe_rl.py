@@ -30,3 +30,21 @@ def test_moe_run_replays_the_rollouts_routing_and_resumes_exactly(tmp_path, tiny
         assert r["mismatch/max_abs"] < 1e-4, r
 
     kill_9_then_resume(straight, tmp_path / "killed", common)
+
+
+@pytest.mark.slow
+def test_an_openai_client_agents_moe_run_replays_the_rollouts_routing(tmp_path, tiny_models):
+    """Routing replay through the gateway: the same MoE run with an agent written with the OpenAI client
+    (task.agent) records the rollout's routes for its tokens and the trainer replays them, as the built-in
+    loop's run does (the gateway's episodes come out of the same episode engine)."""
+    model = tiny_models("qwen3_moe", experts=8, experts_per_tok=2, init_std=0.05)
+    run_dir = tmp_path / "agent"
+    proc = hybridrl_train(RECIPE, f"model.path={model}", "trainer.total_steps=3", *MOE, f"run.dir={run_dir}",
+                          "task.agent=tests.gateway.rl_agent:run", "gateway.tool_parser=none",
+                          "gateway.reasoning_parser=none", "distributed.heartbeat_timeout_s=120")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [r for r in read_metrics(run_dir) if r.get("step", 0) >= 1 and "moe/recorded_fraction" in r]
+    assert len(rows) == 3
+    for r in rows:
+        assert r["moe/recorded_fraction"] >= 0.9 and r["moe/replay_agreement"] == 1.0, r
+        assert r["mismatch/max_abs"] < 1e-4, r
