@@ -273,3 +273,28 @@ def test_a_pool_raises_its_process_open_files_limit():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == "True", out.stdout
+
+
+def test_isolation_none_as_an_unprivileged_user():
+    """isolation=none as uid 65534 (boot and the tool share the uid): the tool holds only 0-2 and
+    cannot open boot's /proc/PID/fd either (boot is not dumpable: its status pipe would let the tool
+    forge how it ended), nor an AF_UNIX socket."""
+    from tests.agent.test_sandbox_attacks import USERNS_ATTACKS
+
+    python = system_python()
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or not setpriv:
+        pytest.skip("needs root (to become an unprivileged user) and setpriv")
+    site = [p for p in sys.path if p.endswith("site-packages") and ".venv" in p]
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/", "PYTHONPATH": os.pathsep.join([str(ROOT), *site])}
+    script = USERNS_ATTACKS.replace("cgroup_parent=sys.argv[2])", "cgroup_parent=sys.argv[2], isolation='none')")
+    assert script != USERNS_ATTACKS
+    proc = subprocess.run([setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups", python, "-c", script,
+                           json.dumps(["boot_fd", "unix_abstract", "egress_audit"]), ""], env=env, cwd="/",
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["mode"] == "none"
+    got = {name: v[0] for name, v in report["verdicts"].items()}
+    assert got == {"boot_fd": "PASS", "unix_abstract": "PASS", "egress_audit": "SKIP (isolation=none has no egress)"}, \
+        report["verdicts"]

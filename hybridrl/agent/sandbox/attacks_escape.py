@@ -49,6 +49,13 @@ for fd in fds:
         os.write(w, original)                         # put back what O_TRUNC emptied
     print("REOPENED_FOR_WRITE", fd, flush=True)
     os.close(w)
+# the parent's descriptors (boot's, in isolation=none; pid 1's otherwise): its status pipe would let
+# the tool forge how it ended
+try:
+    parent = [int(n) for n in os.listdir(f"/proc/{{os.getppid()}}/fd")]
+    print("PARENT_FDS", sorted(parent), flush=True)
+except OSError:
+    pass
 # where the host's filesystem is not there (namespaces), nothing may name a host path either
 views = ["/proc/self/mountinfo", "/proc/self/cmdline", "/proc/self/environ", "/proc/1/cmdline", "/proc/1/environ"]
 for secret in secrets:
@@ -201,7 +208,8 @@ def _cpu_within_share(r, ctx) -> bool:
 ESCAPE_ATTACKS: list[tuple[str, str, str, Callable, dict]] = [
     ("boot_fd", "the tool holds only descriptors 0-2: boot's program (a host file the trainer's uid may own) "
                 "cannot be reopened for writing through /proc/self/fd, and no host path is visible",
-     BOOT_FD, _absent("LEAKED_FD", "HOST_PATH", "REOPENED_FOR_WRITE", "REWROTE_BOOT", "BOOT_HIJACKED"),
+     BOOT_FD, _absent("LEAKED_FD", "HOST_PATH", "REOPENED_FOR_WRITE", "REWROTE_BOOT", "BOOT_HIJACKED",
+             "PARENT_FDS"),
      {"modes": ("root", "userns", "none"), "rounds": "slots"}),
     ("egress_audit", "the proxy reads at most 8 KiB of a request head and logs a cut target: an 11,000-byte "
                      "CONNECT target leaves the audit log whole and appendable",

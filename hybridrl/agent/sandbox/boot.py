@@ -519,6 +519,9 @@ def main():
     try:
         if mode == "none":
             _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+            # not dumpable: a tool of the same uid (an unprivileged trainer) cannot open boot's
+            # /proc/PID/fd (its status pipe) or memory; the tool's exec makes it dumpable again
+            _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
             _emit(status_fd, {"event": "ready", "mode": mode})
             if _fork_child() == 0:
                 exec_tool(spec, status_fd)
