@@ -117,10 +117,10 @@ def _sandbox_check(cfg, args) -> int:
               f"cpu limit: {limits['cpu_limit']}"
               + (f" ({limits['cgroup_problem']})" if limits["cgroup_problem"] else ""))
         for v in verdicts:
-            print(f"{v.status:4s} {v.name:14s} {v.what}")
-            if v.status != "PASS" and not v.skipped:
-                print(f"     {v.detail}")
-        print(f"{len(verdicts) - len(failed)}/{len(verdicts)} attacks contained or not promised"
+            print(f"{'SKIP' if v.skipped else v.status:4s} {v.name:14s} {v.what}")
+            if v.status != "PASS":
+                print(f"     {v.skipped or v.detail}")
+        print(f"{len(verdicts) - len(failed)}/{len(verdicts)} attacks contained, not promised or skipped"
               if not failed else f"{len(failed)} attack(s) NOT contained: {', '.join(failed)}")
     return 1 if failed else 0
 
