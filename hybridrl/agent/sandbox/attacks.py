@@ -396,7 +396,8 @@ async def _run_pools(cfg, ctx: dict, chosen: list[Attack]) -> tuple:
     audit = AuditLog(ctx["audit_path"])
     async with SandboxPool(cfg, audit=audit) as pool:
         limits = {"memory_limit": getattr(pool, "memory_limit", "rlimit"),
-                  "cpu_limit": getattr(pool, "cpu_limit", "rlimit"), "cgroup_problem": getattr(pool, "cgroup_problem", "")}
+                  "cpu_limit": getattr(pool, "cpu_limit", "rlimit"),
+                  "cgroup_problem": getattr(pool, "cgroup_problem", "")}
         verdicts = [await run_attack(pool, a, ctx) for a in chosen if not a.egress]
         mode = pool.mode
     egress = [a for a in chosen if a.egress]

@@ -26,6 +26,8 @@ exhaust the trainer's descriptors.
 from __future__ import annotations
 
 import asyncio
+import errno
+import functools
 import logging
 import socket
 import time
@@ -40,6 +42,7 @@ _HEAD_LIMIT = 8192               # bytes of a request head (and the stream reade
 TARGET_CHARS = 300               # of a logged destination
 _HEAD_TIMEOUT_S = 10.0
 _CONNECT_TIMEOUT_S = 10.0
+_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO}
 
 
 def parse_destination(entry: str) -> str:
@@ -108,9 +111,12 @@ class EgressProxy:
             while True:
                 try:
                     conn, _ = await loop.sock_accept(listener)
-                except OSError as err:            # out of descriptors or memory: later, not never
-                    log.warning("egress proxy: accept failed: %s", err)
-                    await asyncio.sleep(0.1)
+                except OSError as err:
+                    if err.errno not in _TRANSIENT:
+                        log.warning("egress proxy: accepting stopped: %s", err)
+                        return
+                    log.warning("egress proxy: accept failed (retrying): %s", err)
+                    await asyncio.sleep(0.1)      # out of descriptors or memory: later, not never
                     continue
                 if len(serving.tasks) >= self.max_connections:
                     serving.over_cap += 1
@@ -124,6 +130,8 @@ class EgressProxy:
                     continue
                 task = asyncio.ensure_future(self._handle(reader, writer, serving.call, serving))
                 serving.tasks.add(task)           # counted from now, not from when it first runs
+                # a task cancelled before it first ran never reaches its `finally`: close here too
+                task.add_done_callback(functools.partial(_close_quietly, writer))
         finally:
             listener.close()
 
@@ -178,8 +186,15 @@ class EgressProxy:
             serving.tasks.discard(task)
             self.counts["allowed" if verdict == "allowed" else "refused"] += 1
             writer.close()
-            self.record(call, destination=clip(target, TARGET_CHARS), verdict=clip(verdict, TARGET_CHARS), bytes_out=up,
-                        bytes_in=down, seconds=round(time.monotonic() - started, 4))
+            self.record(call, destination=clip(target, TARGET_CHARS), verdict=clip(verdict, TARGET_CHARS),
+                        bytes_out=up, bytes_in=down, seconds=round(time.monotonic() - started, 4))
+
+
+def _close_quietly(writer: asyncio.StreamWriter, _task: asyncio.Task | None = None) -> None:
+    try:
+        writer.close()
+    except RuntimeError:                          # the loop is closed: the transport went with it
+        pass
 
 
 async def _reply(writer: asyncio.StreamWriter, code: int, reason: str) -> None:
