@@ -80,11 +80,17 @@ class ToolsConfig:
                                   "hierarchy, e.g. a delegated /user.slice/...); empty: the cgroup v2 root, or this "
                                   "process's own cgroup in cgroup v1")
     max_open_files: int = knob(64, "open files per process (RLIMIT_NOFILE)")
+    cpu_cores: float = knob(1.0, "CPU time per wall-clock second of one sandbox, in cores, for all its processes "
+                                 "together (its cgroup's cpu.max, v1 cpu.cfs_quota_us; where no cpu controller "
+                                 "can be written, only RLIMIT_CPU per process bounds it)")
     max_file_mb: int = knob(8, "largest file a tool may write, MiB (RLIMIT_FSIZE)")
     tmpfs_mb: int = knob(32, "size of the private working directory (a tmpfs under namespaces), MiB")
     tmpfs_inodes: int = knob(8192, "files and directories the private working directory may hold (nr_inodes)")
     network: str = knob("none", "none (no network at all) | allowlist (only allowed_destinations, through the "
                                 "pool's CONNECT proxy at 127.0.0.1:3128 in the sandbox; needs namespaces)")
+    egress_max_connections: int = knob(16, "with network=allowlist: connections one sandbox may hold open "
+                                           "through the proxy at once (each costs the pool descriptors); "
+                                           "more are closed at once and counted (stats egress.over_cap)")
     allowed_destinations: list[str] = knob(
         help="with network=allowlist: host:port, [ipv6]:port or unix:/path the proxy may connect to (names "
              "matched as written); every attempt, allowed or not, goes to the audit log", factory=list)
@@ -110,10 +116,11 @@ class ToolsConfig:
 
     def __post_init__(self) -> None:
         for name in ("pool_size", "cpu_s", "memory_mb", "max_processes", "max_open_files", "max_file_mb",
-                     "tmpfs_mb", "tmpfs_inodes", "max_output_bytes", "calculator_max_chars"):
+                     "egress_max_connections", "tmpfs_mb", "tmpfs_inodes", "max_output_bytes", "calculator_max_chars"):
             check_positive(name, getattr(self, name))
         check_positive("warm", self.warm, allow_zero=True)
         check_positive("timeout_s", self.timeout_s)
+        check_range("cpu_cores", self.cpu_cores, 0.01, 4096)
         check_choice("isolation", self.isolation, ("auto", "namespaces", "none"))
         check_choice("network", self.network, ("none", "allowlist"))
         for entry in self.allowed_destinations:

@@ -113,13 +113,14 @@ def _sandbox_check(cfg, args) -> int:
                           "attacks": {v.name: {"status": v.status, "what": v.what, "detail": v.detail, **v.result}
                                       for v in verdicts}}, indent=2))
     else:
-        print(f"tool sandbox isolation: {mode}, memory limit: {limits['memory_limit']}"
+        print(f"tool sandbox isolation: {mode}, memory limit: {limits['memory_limit']}, "
+              f"cpu limit: {limits['cpu_limit']}"
               + (f" ({limits['cgroup_problem']})" if limits["cgroup_problem"] else ""))
         for v in verdicts:
-            print(f"{v.status:4s} {v.name:14s} {v.what}")
+            print(f"{'SKIP' if v.skipped else v.status:4s} {v.name:14s} {v.what}")
             if v.status != "PASS":
-                print(f"     {v.detail}")
-        print(f"{len(verdicts) - len(failed)}/{len(verdicts)} attacks contained or not promised"
+                print(f"     {v.skipped or v.detail}")
+        print(f"{len(verdicts) - len(failed)}/{len(verdicts)} attacks contained, not promised or skipped"
               if not failed else f"{len(failed)} attack(s) NOT contained: {', '.join(failed)}")
     return 1 if failed else 0
 

@@ -78,6 +78,7 @@ from hybridrl.envs.service_types import (  # noqa: F401  (the service's API, imp
     EpisodeDone,
     EpisodeKeyConflict,
     IdempotencyConflict,
+    InvalidRequest,
     Lease,
     LeaseError,
     OutOfOrder,
@@ -150,6 +151,16 @@ class _Outcome:                      # an executed step, before (or if) its reco
 
 def _hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _check_step_arguments(seq_no: Any, idempotency_key: Any) -> None:
+    """`seq_no` a positive int (not a bool, float or string: 2.0 == 2 would match the same row in
+    SQLite and in comparisons, and a step must name exactly one position), the key a string."""
+    if type(seq_no) is not int or seq_no < 1:
+        raise InvalidRequest(f"seq_no must be a positive integer (1 for the first step), got "
+                             f"{type(seq_no).__name__} {seq_no!r}: pass int(seq_no)")
+    if not isinstance(idempotency_key, str) or not idempotency_key:
+        raise InvalidRequest(f"idempotency_key must be a non-empty string, got {type(idempotency_key).__name__}")
 
 
 def _canonical(obj: Any) -> str:
@@ -275,6 +286,7 @@ class EnvService:
 
     def step(self, episode_id: str, token: str, action: dict[str, Any], *, seq_no: int,
              idempotency_key: str) -> StepReply:
+        _check_step_arguments(seq_no, idempotency_key)
         key = idempotency_key
         with self._lock:
             outcome = self._unwritten.get((episode_id, key))
@@ -552,7 +564,7 @@ class EnvService:
         self.db.execute("INSERT INTO events (time, episode_id, kind, detail) VALUES (?, ?, ?, ?)",
                         (self.clock(), episode_id, kind, detail))
         if self.audit is not None and kind in AUDITED:
-            self.audit.append(f"env_{kind}", episode=episode_id, detail=detail, service=self.owner)
+            self.audit.record(f"env_{kind}", episode=episode_id, detail=detail, service=self.owner)
 
     def _authorize(self, episode_id: str, token: str, now: float) -> sqlite3.Row:
         """Inside a transaction: the episode's current row, if `token` may use it."""

@@ -21,6 +21,10 @@ class OutOfOrder(EnvServiceError):
     """`seq_no` is not the next one (a duplicate under a new key, a gap, or a replay)."""
 
 
+class InvalidRequest(EnvServiceError, ValueError):
+    """An argument of the wrong type or form (e.g. a `seq_no` that is not an int): nothing was done."""
+
+
 class IdempotencyConflict(EnvServiceError):
     """A known idempotency key arrived with a different action or sequence number."""
 

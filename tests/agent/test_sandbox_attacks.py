@@ -24,11 +24,15 @@ from tests.launch import ROOT
 # The third report's (from nested_tmpfs on) fail on the code before it: memory held past memory_mb
 # through a nested tmpfs, memfd, nested SysV shm and three children, an inode flood, pid 1 killed by
 # a signal or by prlimit (userns mode), sockets and kernel interfaces reachable, the persistent
-# keyring kept across calls (root mode), host facts in /proc.
+# keyring kept across calls (root mode), host facts in /proc. The fourth's (from boot_fd on,
+# `attacks_escape.py`, with more in tests/agent/test_sandbox_escape.py) fail on the code before it:
+# boot's program reachable (and, in userns mode, writable) through an inherited descriptor, an egress
+# target that bricked the audit log, no cap on a sandbox's egress connections, no cpu cgroup.
 REPORTED = ["remount_rw", "umount", "host_files", "setuid", "keyring", "sysv_shm", "shm_survives", "spec_visible",
             "limit_spoof", "environment", "kill_sandbox",
             "nested_tmpfs", "memfd", "nested_shm", "children_memory", "inode_flood", "signal_pid1", "prlimit_pid1",
-            "socket_families", "kernel_surface", "persistent_keyring", "host_facts"]
+            "socket_families", "kernel_surface", "persistent_keyring", "host_facts",
+            "boot_fd", "egress_audit", "egress_fds", "unix_abstract", "cpu_share"]
 
 
 def config(**kwargs) -> ToolsConfig:
@@ -81,14 +85,14 @@ print(json.dumps({"mode": mode, **limits, "verdicts": {v.name: [v.status, v.deta
 
 
 def delegated_cgroup(uid: int) -> tuple[str, list[str]]:
-    """A cgroup v1 subtree (memory and pids) owned by `uid`, as an administrator delegates one to a
-    user: (its path inside the hierarchies, the directories to remove). ("", []) where this host
-    has no writable v1 memory and pids hierarchies."""
+    """A cgroup v1 subtree (memory, pids and cpu where there is one) owned by `uid`, as an
+    administrator delegates one to a user: (its path inside the hierarchies, the directories to
+    remove). ("", []) where this host has no writable v1 memory and pids hierarchies."""
     from hybridrl.agent.sandbox.cgroups import _mounts
 
-    points = {c: p for p, fstype, options in _mounts() if fstype == "cgroup" for c in ("memory", "pids")
+    points = {c: p for p, fstype, options in _mounts() if fstype == "cgroup" for c in ("memory", "pids", "cpu")
               if c in options}
-    if set(points) != {"memory", "pids"}:
+    if not {"memory", "pids"} <= set(points):
         return "", []
     name = f"/hybridrl-test-delegated-{os.getpid()}"
     made = []
@@ -138,6 +142,8 @@ def test_every_reported_attack_is_contained_in_userns_mode():
             "NOT CONTAINED (no memory cgroup)"
     else:
         assert report["memory_limit"] == "cgroup1"
+    if report["cpu_limit"] == "rlimit":          # no delegated cpu hierarchy: said so, not promised
+        assert failed.pop("cpu_share", ["NOT CONTAINED (no cpu cgroup)"])[0] == "NOT CONTAINED (no cpu cgroup)"
     assert failed == {}
 
 
@@ -168,10 +174,10 @@ def test_sandbox_check_prints_pass_or_fail_per_attack(capsys):
     allocation through, the memory attack is reported as FAIL and the exit status says so."""
     small = ["tools.pool_size=1", "tools.warm=0"]
     code = main(["agent", "sandbox-check", "tools.cpu_s=1", *small, "--attack", "spec_visible", "--attack", "memory",
-                 "--attack", "limit_spoof"])
+                 "--attack", "limit_spoof", "--attack", "boot_fd", "--attack", "egress_audit"])
     out = capsys.readouterr().out
     assert code == 0, out
-    for name in ("spec_visible", "memory", "limit_spoof"):
+    for name in ("spec_visible", "memory", "limit_spoof", "boot_fd", "egress_audit"):
         assert f"PASS {name}" in out
     code = main(["agent", "sandbox-check", "--json", "tools.memory_mb=20000", *small, "--attack", "memory"])
     report = json.loads(capsys.readouterr().out)

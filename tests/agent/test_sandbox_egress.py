@@ -141,7 +141,7 @@ def check(out: dict, servers: Servers, audit_path: str, port: int) -> None:
     assert len(egress) == 8 and all(r["episode"] == "ep-1" and r["call"] == "t0.0" for r in egress)
     echo = next(r for r in egress if r["destination"] == f"127.0.0.1:{port}")
     assert echo["bytes_out"] == 4 and echo["bytes_in"] == 4
-    assert out["egress"] == {"allowed": 2, "refused": 6}
+    assert out["egress"] == {"allowed": 2, "refused": 6, "over_cap": 0}
     assert verify(audit_path)[0]
 
 

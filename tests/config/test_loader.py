@@ -124,8 +124,8 @@ PINNED_KEYS = [
     "agent.max_tool_calls_per_turn", "agent.max_observation_chars", "agent.on_weights_updated", "agent.abort_grace_s",
     "tools.pool_size", "tools.warm", "tools.isolation", "tools.require_isolation", "tools.force_isolation_none",
     "tools.timeout_s", "tools.cpu_s", "tools.memory_mb", "tools.max_processes", "tools.cgroup_parent",
-    "tools.max_open_files", "tools.max_file_mb", "tools.tmpfs_mb", "tools.tmpfs_inodes", "tools.network",
-    "tools.allowed_destinations", "tools.audit_log", "tools.kill_switch",
+    "tools.max_open_files", "tools.cpu_cores", "tools.max_file_mb", "tools.tmpfs_mb", "tools.tmpfs_inodes", "tools.network",
+    "tools.egress_max_connections", "tools.allowed_destinations", "tools.audit_log", "tools.kill_switch",
     "tools.max_output_bytes", "tools.uid_base", "tools.visible_paths", "tools.hidden_paths", "tools.python", "tools.calculator_max_chars",
     "task.name", "task.seed", "task.train_size", "task.validation_size", "task.format_weight",
     "task.sft_tool_use_fraction", "task.sft_guess_correct_fraction", "task.agent",  # task.options: a free mapping

@@ -187,3 +187,20 @@ def helpers_records(path):
     from hybridrl.telemetry.audit import records
 
     return list(records(path))
+
+
+@pytest.mark.parametrize("bad", [2.0, 1.0, "1", True, None, 0])
+def test_a_seq_no_that_is_not_a_positive_int_is_refused(paths, bad):
+    """1.0 == 1 and True == 1 in Python and in SQLite: accepted, such a step named a position by a
+    value of another type (the fourth red-team round stepped with seq_no=2.0). Refused with the
+    reason, nothing executed or recorded; the same step with an int then runs."""
+    from hybridrl.envs.service import InvalidRequest
+
+    db, log = paths
+    svc = service(db)
+    lease = svc.reset("counter", counter_instance(log), seed=0, episode_key="ep")
+    with pytest.raises(InvalidRequest, match="seq_no must be a positive integer"):
+        svc.step(lease.episode_id, lease.token, {"n": 3}, seq_no=bad, idempotency_key="a")
+    assert executions(log) == [] and svc.episode(lease.episode_id)["last_seq"] == 0
+    reply = svc.step(lease.episode_id, lease.token, {"n": 3}, seq_no=1, idempotency_key="a")
+    assert reply.seq_no == 1 and executions(log) == [{"n": 3}]

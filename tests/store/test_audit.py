@@ -69,3 +69,69 @@ def test_the_audit_command_exits_1_on_a_tampered_log(tmp_path, capsys):
     (tmp_path / "audit.jsonl").write_text(text)
     assert main(["agent", "audit", str(tmp_path)]) == 1
     assert "TAMPERED: line 2 was changed" in capsys.readouterr().out
+
+
+def test_no_content_can_brick_the_log(tmp_path):
+    """The fourth red-team round: an egress target of 11,000 x 0xFF made a 66 KB line and every later
+    append raised. Now every line stays under MAX_LINE (fields cut, their length noted), and the
+    log goes on and verifies."""
+    from hybridrl.telemetry.audit import MAX_LINE
+
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    log.append("egress", destination="\xff" * 11000, verdict="refused")
+    log.append("many", **{f"field{i}": "x" * 500 for i in range(200)})        # many fields, each under the cut
+    log.append("nested", detail={"a": ["\xff" * 5000] * 40})
+    log.append("sandbox_call", episode="other", exit_code=0)
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 4 and max(len(line) for line in lines) <= MAX_LINE
+    assert verify(path) == (True, 4, "")
+    first = json.loads(lines[0])
+    assert first["destination"].startswith("\xff" * 100) and first["destination"].endswith("[11000 chars]")
+    assert json.loads(lines[1])["oversize"]["chars"] > MAX_LINE
+    assert json.loads(lines[3])["episode"] == "other"
+
+
+def test_a_log_bricked_before_still_takes_appends_and_fails_verify(tmp_path):
+    """A line over the limit already in the log (written by an earlier version): appends go on,
+    chained after it, and `verify` names it."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    log.append("probe", i=0)
+    big = json.loads(path.read_text())
+    big.update(n=2, destination="\\u00ff" * 11000)
+    with open(path, "a") as f:
+        f.write(json.dumps(big) + "\n")
+    log.append("probe", i=1)
+    intact, count, problem = verify(path)
+    assert not intact and count == 1 and "over the writers' limit" in problem, problem
+
+
+def test_verify_sees_a_cut_tail_and_writers_go_on_after_it(tmp_path):
+    """A log cut inside its last line (even by just its newline) is not intact; a writer that comes
+    after the cut starts a new line chained to the last whole record."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    for i in range(3):
+        log.append("probe", i=i)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-1])                     # only the last newline gone
+    intact, count, problem = verify(path)
+    assert not intact and count == 2 and "line 3 is cut short" in problem, problem
+    path.write_bytes(whole[:-40])                    # the last line cut in the middle
+    assert not verify(path)[0]
+    record = log.append("probe", i=3)
+    assert record["n"] == 3                          # chained after record 2, the last whole one
+    intact, count, problem = verify(path)
+    assert not intact and count == 2 and "line 3 is not JSON" in problem, problem
+    assert [r["n"] for r in records(path)] == [1, 2, 3]
+    assert head(path)[0] == 3
+
+
+def test_a_failed_write_is_counted_not_raised(tmp_path, caplog):
+    log = AuditLog(tmp_path / "audit.jsonl")
+    assert log.record("probe", i=0)
+    (tmp_path / "audit.jsonl").unlink()
+    (tmp_path / "audit.jsonl").mkdir()              # a write there fails (EISDIR), for root too
+    assert not log.record("probe", i=1)
+    assert log.failures == 1 and "could not record probe" in caplog.text

@@ -16,8 +16,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from hybridrl.agent.sandbox.attacks_escape import ESCAPE_ATTACKS
 from hybridrl.agent.sandbox.attacks_kernel import KERNEL_ATTACKS
 from hybridrl.agent.sandbox.attacks_limits import LIMIT_ATTACKS
+from hybridrl.agent.sandbox.egress import PROXY_PORT
 from hybridrl.agent.sandbox.process import SandboxResult
 
 NAMESPACE_MODES = ("root", "userns")
@@ -36,6 +38,8 @@ class Attack:
     before: str | None = None                       # a first call (e.g. leaving state behind)
     root_only: bool = False                         # needs the pool to run as root (a dedicated uid)
     needs_cgroup: bool = False                      # promised only where the pool has a memory cgroup
+    needs_cpu: bool = False                         # promised only where the pool has a cpu cgroup
+    egress: bool = False                            # run by a pool with egress (network=allowlist)
     rounds: int | str = 1                           # before + attack pairs; "slots": one per pool slot + 1
 
 
@@ -269,7 +273,7 @@ ATTACKS: list[Attack] = [
            modes=ALL_MODES),
 ]
 ATTACKS += [Attack(name, what, code, verdict, **options)
-            for name, what, code, verdict, options in LIMIT_ATTACKS + KERNEL_ATTACKS]
+            for name, what, code, verdict, options in LIMIT_ATTACKS + KERNEL_ATTACKS + ESCAPE_ATTACKS]
 
 
 @dataclass
@@ -282,9 +286,12 @@ class Verdict:
     result: dict[str, Any] = field(default_factory=dict)
 
     why_not: str = "isolation=none"      # what the pool lacks when the defence is not promised
+    skipped: str = ""                    # not run here, and why
 
     @property
     def status(self) -> str:
+        if self.skipped:
+            return f"SKIP ({self.skipped})"
         if self.contained:
             return "PASS"
         return "FAIL" if self.required else f"NOT CONTAINED ({self.why_not})"
@@ -311,15 +318,20 @@ async def run_attack(pool, attack: Attack, ctx: dict, *, timeout_s: float = 60.0
     """Run one attack through `pool` (started); the verdict says whether the sandbox contained it.
     An attack with `rounds` runs its (before, attack) pair that many times (one per pool slot: a
     state left under one slot's uid must not reach any later call) and is contained only if every
-    round is."""
+    round is. A call that raises (the pool broke) is not contained."""
     rounds = attack.rounds if isinstance(attack.rounds, int) else pool.cfg.pool_size + pool.cfg.warm + 1
     # the flooding and looping attacks stop at a limit; others must reach their end well within
     timeout = 3.0 if attack.name == "fork_bomb" else timeout_s
     contained, r = True, None
     for _ in range(rounds):
-        if attack.before is not None:
-            await pool.run(attack.before.format(**ctx), timeout_s=timeout_s)
-        r = await pool.run(attack.code.format(**ctx), timeout_s=timeout)
+        try:
+            if attack.before is not None:
+                await pool.run(attack.before.format(**ctx), timeout_s=timeout_s)
+            r = await pool.run(attack.code.format(**ctx), timeout_s=timeout)
+        except Exception as err:  # noqa: BLE001 - a broken pool is the attack's success
+            r = SandboxResult("", f"the pool raised {type(err).__name__}: {err}", None, setup_error=str(err))
+            contained = False
+            break
         try:
             contained = bool(attack.contained(r, ctx))
         except (ValueError, IndexError, KeyError):
@@ -327,10 +339,12 @@ async def run_attack(pool, attack: Attack, ctx: dict, *, timeout_s: float = 60.0
         if not contained:
             break
     has_cgroup = getattr(pool, "memory_limit", "rlimit") != "rlimit"
+    has_cpu = getattr(pool, "cpu_limit", "rlimit") != "rlimit"
     why_not = "isolation=none" if pool.mode not in attack.modes else (
-        "no memory cgroup" if attack.needs_cgroup and not has_cgroup else "not root")
+        "no memory cgroup" if attack.needs_cgroup and not has_cgroup else
+        "no cpu cgroup" if attack.needs_cpu and not has_cpu else "not root")
     required = (pool.mode in attack.modes and not (attack.root_only and not pool.uids)
-                and not (attack.needs_cgroup and not has_cgroup))
+                and not (attack.needs_cgroup and not has_cgroup) and not (attack.needs_cpu and not has_cpu))
     detail = (r.stdout.strip().splitlines() or [""])[-3:]
     return Verdict(attack.name, attack.what, contained, required, " | ".join(detail)[-300:] or r.stderr[-300:],
                    {"limit": r.limit_hit, "exit_code": r.exit_code, "stderr": r.stderr[-300:],
@@ -342,17 +356,54 @@ async def run_attacks(pool, ctx: dict, names: list[str] | None = None) -> list[V
     return [await run_attack(pool, a, ctx) for a in chosen]
 
 
+def egress_config(cfg, ctx: dict):
+    """`cfg` with egress on (for the egress attacks): its own allow-list, or the context's port."""
+    import dataclasses
+
+    if cfg.network == "allowlist":
+        return cfg
+    return dataclasses.replace(cfg, network="allowlist", allowed_destinations=[f"127.0.0.1:{ctx['port']}"])
+
+
 def run_attack_set(cfg, ctx: dict | None = None, names: list[str] | None = None, *,
                    with_limits: bool = False) -> tuple:
     """(isolation, verdicts) for a fresh pool built from `cfg` (a ToolsConfig); with `with_limits`
-    also {"memory_limit": cgroup2 | cgroup1 | rlimit, "cgroup_problem": why not a cgroup}."""
-    from hybridrl.agent.sandbox.pool import SandboxPool
+    also {"memory_limit": cgroup2 | cgroup1 | rlimit, "cpu_limit": cpu.max | cfs_quota | rlimit,
+    "cgroup_problem": why not a cgroup}. The pools write to an audit log of their own (a temporary
+    file: the check is no part of a run);
+    the egress attacks run on a second pool with egress on (skipped in isolation=none, which has
+    none); an abstract Unix socket of the host listens while they run."""
+    import socket
+    import tempfile
 
-    async def go():
-        async with SandboxPool(cfg) as pool:
-            limits = {"memory_limit": getattr(pool, "memory_limit", "rlimit"),
-                      "cgroup_problem": getattr(pool, "cgroup_problem", "")}
-            return pool.mode, await run_attacks(pool, ctx or attack_context(cfg), names), limits
-
-    mode, verdicts, limits = asyncio.run(go())
+    chosen = [a for a in ATTACKS if names is None or a.name in names]
+    with tempfile.TemporaryDirectory(prefix="hybridrl-attacks-") as tmp, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as abstract:
+        name = "hybridrl-probe-" + os.urandom(6).hex()
+        abstract.bind("\0" + name)
+        abstract.listen(8)
+        ctx = {**(ctx or attack_context(cfg)), "abstract_name": name, "cpu_cores": cfg.cpu_cores,
+               "egress_max_connections": cfg.egress_max_connections, "proxy_port": PROXY_PORT,
+               "audit_path": os.path.join(tmp, "audit.jsonl")}
+        mode, verdicts, limits = asyncio.run(_run_pools(cfg, ctx, chosen))
     return (mode, verdicts, limits) if with_limits else (mode, verdicts)
+
+
+async def _run_pools(cfg, ctx: dict, chosen: list[Attack]) -> tuple:
+    from hybridrl.agent.sandbox.pool import SandboxPool
+    from hybridrl.telemetry.audit import AuditLog
+
+    audit = AuditLog(ctx["audit_path"])
+    async with SandboxPool(cfg, audit=audit) as pool:
+        limits = {"memory_limit": getattr(pool, "memory_limit", "rlimit"),
+                  "cpu_limit": getattr(pool, "cpu_limit", "rlimit"),
+                  "cgroup_problem": getattr(pool, "cgroup_problem", "")}
+        verdicts = [await run_attack(pool, a, ctx) for a in chosen if not a.egress]
+        mode = pool.mode
+    egress = [a for a in chosen if a.egress]
+    if egress and mode == "none":
+        verdicts += [Verdict(a.name, a.what, False, False, skipped="isolation=none has no egress") for a in egress]
+    elif egress:
+        async with SandboxPool(egress_config(cfg, ctx), audit=audit) as pool:
+            verdicts += [await run_attack(pool, a, ctx) for a in egress]
+    return mode, verdicts, limits

@@ -15,7 +15,10 @@ Process tree (mode "root" or "userns"):
                 execs the runner
 
 Boot itself is started as `python -I -S /dev/fd/N`: no host path is in any command line the tool
-can read.
+can read. Boot closes N (and anything else inherited) as soon as it has read its spec, and the tool
+closes every descriptor but 0-2 right before its exec (`close_fds`): the file of boot's program,
+which the trainer's uid may own, is never reachable from the tool (reopened through
+/proc/self/fd/N it could be rewritten, and the next sandbox's boot would run the payload on the host).
 
 Mounts inside (never visible outside; `setup_mounts`): a fresh tmpfs root holding only the
 allow-listed `visible` paths and the interpreter (`expose`), read-only, nosuid, nodev; `hidden`
@@ -308,6 +311,21 @@ def install_filter(program):
              ctypes.c_void_p(ctypes.addressof(prog)))
 
 
+def close_fds(keep=()):
+    """Close every descriptor but 0-2 and `keep`: nothing boot inherited (its own program's file
+    above all, which a tool could reopen through /proc/self/fd for writing) reaches the tool."""
+    try:
+        open_fds = sorted(int(name) for name in os.listdir("/proc/self/fd"))
+    except OSError:                                  # no /proc: every number up to the limit
+        open_fds = range(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    for fd in open_fds:                              # listdir's own descriptor is closed already
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 def exec_tool(spec, status_fd, cgroup_fds=None):
     """In the tool process: cgroup, limits, identity, environment, syscall filter, exec. Never returns.
     `cgroup_fds`: the sandbox cgroups' cgroup.procs, opened by pid 1 (None: opened here, mode none)."""
@@ -330,7 +348,9 @@ def exec_tool(spec, status_fd, cgroup_fds=None):
             os.setsid()
         os.chdir(spec["workdir"])
         os.umask(0o077)
-        install_filter(bytes.fromhex(spec["seccomp_bpf"]))
+        program = bytes.fromhex(spec["seccomp_bpf"])
+        close_fds()                              # the tool holds exactly 0, 1 and 2
+        install_filter(program)
         os.execve(spec["argv"][0], spec["argv"], spec["env"])
     except BaseException as err:  # noqa: BLE001 - report anything, then die
         os.write(2, f"sandbox: cannot start the tool: {err}\n".encode())
@@ -488,6 +508,8 @@ def main():
     with os.fdopen(int(sys.argv[1]), "rb") as f:        # over a pipe: never in /proc/*/cmdline
         spec = json.loads(f.read())
     status_fd = spec["status_fd"]
+    # this program's own file (/dev/fd/N) and anything else inherited: not needed past this point
+    close_fds({status_fd, spec.get("egress_fd")})
     mode = spec["mode"]
     parent = os.getppid()
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -497,6 +519,9 @@ def main():
     try:
         if mode == "none":
             _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+            # not dumpable: a tool of the same uid (an unprivileged trainer) cannot open boot's
+            # /proc/PID/fd (its status pipe) or memory; the tool's exec makes it dumpable again
+            _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
             _emit(status_fd, {"event": "ready", "mode": mode})
             if _fork_child() == 0:
                 exec_tool(spec, status_fd)

@@ -18,6 +18,12 @@ Two layouts, probed once per pool (`probe`):
   memory.memsw.limit_in_bytes (no swap), pids.max; v1 has no oom.group, so the pool listens on the
   cgroup's OOM eventfd and kills the whole sandbox at its first OOM (`oom_events`).
 
+CPU, where a cpu controller can be written (optional: without one, only RLIMIT_CPU per process
+bounds a sandbox's CPU time): `tools.cpu_cores` of CPU per wall-clock second for the whole sandbox,
+as cgroup v2 `cpu.max` or v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us` (the cpu hierarchy's own
+directory, a third one the tool joins). Without it a tool's threads and children could take every
+core of the node while its wall-clock limit runs, and slow the trainer and the other sandboxes.
+
 Where neither can be written (an unprivileged user without a delegated subtree, a container with
 a read-only /sys/fs/cgroup) `probe` says why: the pool then runs with rlimits only, says so
 (`stats()["memory_limit"] == "rlimit"`, a warning) and refuses to start under `require_isolation`.
@@ -37,6 +43,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 PREFIX = "hybridrl-sbx-"
+CPU_PERIOD_US = 100_000
 
 
 @dataclass
@@ -135,9 +142,10 @@ class PoolCgroups:
     """The pool's cgroup directory (per hierarchy) and the sandboxes' cgroups under it."""
 
     kind: str                                  # cgroup2 | cgroup1
-    pool_dirs: list[Path]
+    pool_dirs: list[Path]                      # v1: memory, pids [, cpu]
     memory_bytes: int
     pids_max: int
+    cpu_quota_us: int | None = None            # per CPU_PERIOD_US; None: no cpu controller here
     _count: int = 0
     _live: dict[str, SandboxCgroup] = field(default_factory=dict)
 
@@ -155,16 +163,28 @@ class PoolCgroups:
                 _write(d / "memory.swap.max", 0, optional=True)
                 _write(d / "memory.oom.group", 1, optional=True)
                 _write(d / "pids.max", self.pids_max)
+                if self.cpu_quota_us is not None:
+                    (d / "cpu.max").write_text(f"{self.cpu_quota_us} {CPU_PERIOD_US}")
             else:
-                memory, pids = dirs
+                memory, pids = dirs[:2]
                 _write(memory / "memory.limit_in_bytes", self.memory_bytes)
                 _write(memory / "memory.memsw.limit_in_bytes", self.memory_bytes, optional=True)
                 _write(pids / "pids.max", self.pids_max)
+                if self.cpu_quota_us is not None:
+                    _write(dirs[2] / "cpu.cfs_period_us", CPU_PERIOD_US)
+                    _write(dirs[2] / "cpu.cfs_quota_us", self.cpu_quota_us)
         except BaseException:
             cg.remove(wait_s=0)
             raise
         self._live[name] = cg
         return cg
+
+    @property
+    def cpu_limit(self) -> str:
+        """What bounds a sandbox's CPU rate: "cpu.max" / "cfs_quota" (its cgroup) or "rlimit"."""
+        if self.cpu_quota_us is None:
+            return "rlimit"
+        return "cpu.max" if self.kind == "cgroup2" else "cfs_quota"
 
     def release(self, cg: SandboxCgroup) -> None:
         self._live.pop(cg.dirs[0].name, None)
@@ -231,8 +251,16 @@ def _sweep(parent: Path) -> None:
             pass
 
 
-def probe(parent: str, memory_bytes: int, pids_max: int) -> tuple[PoolCgroups | None, str]:
-    """The pool's cgroups, or None and why they cannot be made here."""
+def cpu_quota(cores: float) -> int:
+    """`cores` of CPU as a quota per CPU_PERIOD_US (the kernel's minimum is 1 ms)."""
+    return max(1000, round(cores * CPU_PERIOD_US))
+
+
+def probe(parent: str, memory_bytes: int, pids_max: int,
+          cpu_cores: float | None = None) -> tuple[PoolCgroups | None, str]:
+    """The pool's cgroups, or None and why they cannot be made here. With `cpu_cores`, a cpu
+    controller too where one can be written (optional: `PoolCgroups.cpu_limit` says which)."""
+    quota = cpu_quota(cpu_cores) if cpu_cores else None
     name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
     mounts = _mounts()
     problems = []
@@ -263,7 +291,8 @@ def probe(parent: str, memory_bytes: int, pids_max: int) -> tuple[PoolCgroups | 
         except OSError as err:
             problems.append(f"cgroup2 at {base}: {err.strerror or err}")
             continue
-        return PoolCgroups("cgroup2", [pool], memory_bytes, pids_max), ""
+        cpu = quota if quota is not None and "cpu" in available and _enable_cpu2(base, pool) else None
+        return PoolCgroups("cgroup2", [pool], memory_bytes, pids_max, cpu), ""
     v1 = {c: point for point, fstype, options in mounts if fstype == "cgroup"
           for c in ("memory", "pids") if c in options}
     if set(v1) == {"memory", "pids"}:
@@ -275,7 +304,10 @@ def probe(parent: str, memory_bytes: int, pids_max: int) -> tuple[PoolCgroups | 
                 pool = base / name
                 pool.mkdir(mode=0o755)
                 made.append(pool)
-            return PoolCgroups("cgroup1", made, memory_bytes, pids_max), ""
+            cpu_dir = _cpu1(mounts, parent, name) if quota is not None else None
+            if cpu_dir is not None:
+                made.append(cpu_dir)
+            return PoolCgroups("cgroup1", made, memory_bytes, pids_max, quota if cpu_dir else None), ""
         except OSError as err:
             for d in made:
                 d.rmdir()
@@ -283,3 +315,32 @@ def probe(parent: str, memory_bytes: int, pids_max: int) -> tuple[PoolCgroups | 
     elif not problems:
         problems.append("no cgroup filesystem with the memory and pids controllers is mounted")
     return None, "; ".join(problems)
+
+
+def _enable_cpu2(base: Path, pool: Path) -> bool:
+    """The cpu controller for the sandboxes under `pool` (v2); False (logged) where it cannot be."""
+    try:
+        if "cpu" not in (base / "cgroup.subtree_control").read_text().split():
+            (base / "cgroup.subtree_control").write_text("+cpu")
+        (pool / "cgroup.subtree_control").write_text("+cpu")
+        return True
+    except OSError as err:
+        log.warning("tool sandbox: no cpu controller at %s (%s): only RLIMIT_CPU bounds a sandbox's CPU", base, err)
+        return False
+
+
+def _cpu1(mounts: list[tuple[str, str, set[str]]], parent: str, name: str) -> Path | None:
+    """The pool's directory in the v1 cpu hierarchy, or None (logged) where there is none to write."""
+    points = [point for point, fstype, options in mounts if fstype == "cgroup" and "cpu" in options]
+    if not points:
+        return None
+    base = Path(points[0]) / (parent or _own("cpu")).lstrip("/")
+    try:
+        _sweep(base)
+        pool = base / name
+        pool.mkdir(mode=0o755)
+        return pool
+    except OSError as err:
+        log.warning("tool sandbox: no cpu cgroup at %s (%s): only RLIMIT_CPU bounds a sandbox's CPU", base,
+                    err.strerror or err)
+        return None

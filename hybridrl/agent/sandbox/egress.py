@@ -13,23 +13,36 @@ The proxy speaks only CONNECT: `CONNECT host:port HTTP/1.1` for a declared `host
 `CONNECT unix:/path HTTP/1.1` for a declared unix socket `unix:/path`; a name is matched as
 written (lower case), an address literally (IPv6 in brackets: `[::1]:8080`). Anything else is
 answered 403 (not declared) or 405 (not CONNECT). Every attempt is one audit record with the
-episode and tool call it came from, the destination, the verdict and the bytes each way.
+episode and tool call it came from, the destination (cut to `TARGET_CHARS`, its length noted), the
+verdict and the bytes each way.
+
+What a sandbox can cost the pool is bounded: a request head over `_HEAD_LIMIT` bytes is refused
+(431) without reading on (the stream's buffer is that limit), and one sandbox holds at most
+`max_connections` connections at once (`tools.egress_max_connections`): more are closed as soon as
+accepted and counted (`counts["over_cap"]`, one audit record per sandbox call), so a tool cannot
+exhaust the trainer's descriptors.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import functools
 import logging
 import socket
 import time
 from typing import Any
 
+from hybridrl.telemetry.audit import clip
+
 log = logging.getLogger(__name__)
 
 PROXY_PORT = 3128                # boot.py's listener inside the sandbox
-_HEAD_LIMIT = 8192
+_HEAD_LIMIT = 8192               # bytes of a request head (and the stream reader's buffer)
+TARGET_CHARS = 300               # of a logged destination
 _HEAD_TIMEOUT_S = 10.0
 _CONNECT_TIMEOUT_S = 10.0
+_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO}
 
 
 def parse_destination(entry: str) -> str:
@@ -53,30 +66,74 @@ class Serving:
     """The proxy serving one sandbox: `close()` (when the sandbox ends) stops accepting and ends
     every connection still open, each with its audit record."""
 
-    def __init__(self) -> None:
-        self.server: asyncio.AbstractServer | None = None
+    def __init__(self, proxy: "EgressProxy", call: dict[str, Any]) -> None:
+        self.proxy, self.call = proxy, call
+        self.accepter: asyncio.Task | None = None
         self.tasks: set[asyncio.Task] = set()
+        self.over_cap = 0                         # connections closed at once: the sandbox held too many
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
+        if self.accepter is not None:            # it closes the listener once its accept is withdrawn
+            self.accepter.cancel()
         for task in list(self.tasks):
             task.cancel()
+        if self.over_cap:
+            self.proxy.record(self.call, destination="?", verdict="refused: over the connection cap",
+                              connections=self.over_cap, bytes_out=0, bytes_in=0, seconds=0.0)
+            self.over_cap = 0
 
 
 class EgressProxy:
     """One per pool; `serve(listener, call)` per sandbox run (the listener came from its pid 1)."""
 
-    def __init__(self, allowed: list[str], audit: Any = None):
+    def __init__(self, allowed: list[str], audit: Any = None, *, max_connections: int = 16):
         self.allowed = {parse_destination(d) for d in allowed}
         self.audit = audit
-        self.counts = {"allowed": 0, "refused": 0}
+        self.max_connections = max_connections
+        self.counts = {"allowed": 0, "refused": 0, "over_cap": 0}
 
     async def serve(self, listener: socket.socket, call: dict[str, Any]) -> Serving:
         listener.setblocking(False)
-        serving = Serving()
-        serving.server = await asyncio.start_server(lambda r, w: self._handle(r, w, call, serving), sock=listener)
+        serving = Serving(self, call)
+        serving.accepter = asyncio.ensure_future(self._accept(listener, serving))
         return serving
+
+    def record(self, call: dict[str, Any], **fields: Any) -> None:
+        if self.audit is not None:               # never raises: a failed write is counted by the log
+            self.audit.record("egress", episode=call.get("episode"), call=call.get("call"), **fields)
+
+    async def _accept(self, listener: socket.socket, serving: Serving) -> None:
+        """Accept one connection at a time (asyncio's servers accept a whole backlog at once, each a
+        descriptor of ours until its handler runs): past the sandbox's cap, closed at once and
+        counted. The pool then holds at most `max_connections` (+1) of a sandbox's connections."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    conn, _ = await loop.sock_accept(listener)
+                except OSError as err:
+                    if err.errno not in _TRANSIENT:
+                        log.warning("egress proxy: accepting stopped: %s", err)
+                        return
+                    log.warning("egress proxy: accept failed (retrying): %s", err)
+                    await asyncio.sleep(0.1)      # out of descriptors or memory: later, not never
+                    continue
+                if len(serving.tasks) >= self.max_connections:
+                    serving.over_cap += 1
+                    self.counts["over_cap"] += 1
+                    conn.close()
+                    continue
+                try:
+                    reader, writer = await asyncio.open_connection(sock=conn, limit=_HEAD_LIMIT)
+                except OSError:
+                    conn.close()
+                    continue
+                task = asyncio.ensure_future(self._handle(reader, writer, serving.call, serving))
+                serving.tasks.add(task)           # counted from now, not from when it first runs
+                # a task cancelled before it first ran never reaches its `finally`: close here too
+                task.add_done_callback(functools.partial(_close_quietly, writer))
+        finally:
+            listener.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       call: dict[str, Any], serving: Serving) -> None:
@@ -87,7 +144,11 @@ class EgressProxy:
         try:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _HEAD_TIMEOUT_S)
-            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError):
+            except asyncio.LimitOverrunError:
+                verdict = f"refused: request head over {_HEAD_LIMIT} bytes"
+                await _reply(writer, 431, "Request Header Fields Too Large")
+                return
+            except (asyncio.IncompleteReadError, asyncio.TimeoutError):
                 verdict = "refused: no complete request head"
                 return
             request = head.split(b"\r\n", 1)[0].decode("latin-1")
@@ -125,10 +186,15 @@ class EgressProxy:
             serving.tasks.discard(task)
             self.counts["allowed" if verdict == "allowed" else "refused"] += 1
             writer.close()
-            if self.audit is not None:
-                self.audit.append("egress", episode=call.get("episode"), call=call.get("call"),
-                                  destination=target, verdict=verdict, bytes_out=up, bytes_in=down,
-                                  seconds=round(time.monotonic() - started, 4))
+            self.record(call, destination=clip(target, TARGET_CHARS), verdict=clip(verdict, TARGET_CHARS),
+                        bytes_out=up, bytes_in=down, seconds=round(time.monotonic() - started, 4))
+
+
+def _close_quietly(writer: asyncio.StreamWriter, _task: asyncio.Task | None = None) -> None:
+    try:
+        writer.close()
+    except RuntimeError:                          # the loop is closed: the transport went with it
+        pass
 
 
 async def _reply(writer: asyncio.StreamWriter, code: int, reason: str) -> None:

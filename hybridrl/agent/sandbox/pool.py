@@ -51,6 +51,28 @@ MODES = ("root", "userns", "none")
 SANDBOX_WORKDIR = "/tmp"          # the tool's private tmpfs, inside its own root (namespaces)
 
 
+def raise_nofile_limit() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (what systemd and container
+    runtimes leave low, e.g. 1024, for programs that use select()); returns (before, after). The
+    pool's process holds two descriptors per egress connection and three pipes per sandbox, and the
+    trainer's threads open files in the same process: a low soft limit would let a tool's
+    connections starve them. Nothing in hybridrl uses select(); epoll and poll have no such limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft >= hard:
+        return soft, soft
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as err:
+        log.warning("could not raise the open-files limit from %d to %d: %s", soft, target, err)
+        return soft, soft
+    if soft < target:
+        log.info("open-files limit of this process raised from %d to %d (its hard limit)", soft, target)
+    return soft, target
+
+
 class SandboxUnavailable(RuntimeError):
     """The required isolation is not available on this machine."""
 
@@ -74,7 +96,8 @@ class SandboxPool:
         self.cgroups: cgroups.PoolCgroups | None = None
         self.cgroup_problem = ""
         self._filter: bytes | None = None
-        self.proxy = EgressProxy(cfg.allowed_destinations, self.audit) if cfg.network == "allowlist" else None
+        self.proxy = EgressProxy(cfg.allowed_destinations, self.audit, max_connections=cfg.egress_max_connections) \
+            if cfg.network == "allowlist" else None
         self.killed: str | None = None
         self._none_drops_uid = os.geteuid() == 0     # isolation=none as root: still a uid per slot
         self._uids: UidLease | None = None           # leased at start when running as root
@@ -92,6 +115,8 @@ class SandboxPool:
 
     async def start(self) -> "SandboxPool":
         self._bind_loop()
+        if self.mode is None:
+            raise_nofile_limit()                   # every process that runs tools starts a pool here
         self._closed = False
         if self._uids is None and os.geteuid() == 0:
             self._uids = UidLease(self.cfg.pool_size + self.cfg.warm, self.cfg.uid_base)
@@ -103,6 +128,7 @@ class SandboxPool:
                 self._prepare()
                 self.mode = await self._probe()
                 self._check_mode()
+                self._filter = self._filter_for(self.mode)
                 fresh = True
         except BaseException:                      # refused: nothing of this pool is left behind
             self.mode = None
@@ -115,11 +141,12 @@ class SandboxPool:
             raise
         if fresh:
             if self.audit is not None:
-                self.audit.append("sandbox_pool", isolation=self.mode, memory_limit=self.memory_limit,
+                self.audit.record("sandbox_pool", isolation=self.mode, memory_limit=self.memory_limit,
                                   cgroup_problem=self.cgroup_problem or None, uids=self.uids,
                                   seccomp=seccomp.describe(self._filter), network=self.cfg.network,
                                   allowed_destinations=sorted(self.proxy.allowed) if self.proxy else [],
-                                  memory_mb=self.cfg.memory_mb, max_processes=self.cfg.max_processes)
+                                  memory_mb=self.cfg.memory_mb, max_processes=self.cfg.max_processes,
+                                  cpu_limit=self.cpu_limit, cpu_cores=self.cfg.cpu_cores)
             self._schedule_refill()
         return self
 
@@ -127,6 +154,12 @@ class SandboxPool:
     def memory_limit(self) -> str:
         """What bounds a sandbox's memory: its cgroup (cgroup2 | cgroup1), or rlimits per process."""
         return self.cgroups.kind if self.cgroups is not None else "rlimit"
+
+    @property
+    def cpu_limit(self) -> str:
+        """What bounds a sandbox's CPU rate: its cgroup (cpu.max | cfs_quota), or "rlimit" (RLIMIT_CPU
+        per process only)."""
+        return self.cgroups.cpu_limit if self.cgroups is not None else "rlimit"
 
     def _prepare(self) -> None:
         """Once per pool: the syscall filter (refused where it cannot be built) and the cgroups."""
@@ -136,7 +169,8 @@ class SandboxPool:
                 "tool sandbox: tools.isolation=none while running as root gives tools the host's filesystem with "
                 "only a dedicated uid between them and it; remove tools.isolation=none (isolation=root is what "
                 "root gets), or set tools.force_isolation_none=true to accept that")
-        self.cgroups, self.cgroup_problem = cgroups.probe(cfg.cgroup_parent, cfg.memory_mb << 20, cfg.max_processes)
+        self.cgroups, self.cgroup_problem = cgroups.probe(cfg.cgroup_parent, cfg.memory_mb << 20, cfg.max_processes,
+                                                           cfg.cpu_cores)
         try:
             self._filter = seccomp.compile_filter(inet=cfg.network == "allowlist", memfd=self.cgroups is not None)
         except seccomp.FilterUnavailable as err:
@@ -149,6 +183,14 @@ class SandboxPool:
                         "(rlimits), so the processes of one sandbox can together hold %d x tools.memory_mb; set "
                         "tools.cgroup_parent to a delegated cgroup, or run as root", self.cgroup_problem,
                         cfg.max_processes)
+
+    def _filter_for(self, mode: str) -> bytes:
+        """The syscall filter of `mode`'s sandboxes: the pool's, without AF_UNIX socket() in mode none
+        (no network namespace there: the host's Unix sockets, abstract ones included, are reachable)."""
+        if mode != "none":
+            return self._filter
+        return seccomp.compile_filter(inet=self.cfg.network == "allowlist", memfd=self.cgroups is not None,
+                                      unix=False)
 
     def _check_mode(self) -> None:
         if self.proxy is not None and self.mode == "none":
@@ -197,10 +239,12 @@ class SandboxPool:
 
     def stats(self) -> dict[str, Any]:
         runs = self._stats["runs"]
-        out = {"isolation": self.mode, "memory_limit": self.memory_limit, "network": self.cfg.network,
+        out = {"isolation": self.mode, "memory_limit": self.memory_limit, "cpu_limit": self.cpu_limit,
+               "network": self.cfg.network,
                **self._stats, "mean_wall_s": self._stats["wall_s"] / runs if runs else 0.0}
         if self.proxy is not None:
             out["egress"] = dict(self.proxy.counts)
+        out["audit_failures"] = self.audit.failures if self.audit is not None else 0
         return out
 
     # ------------------------------------------------------------------ the kill switch
@@ -220,7 +264,7 @@ class SandboxPool:
         for sbx in live:
             sbx.hard_kill(reason)
         if self.audit is not None:
-            self.audit.append("kill_switch", reason=reason, sandboxes_killed=len(live))
+            self.audit.record("kill_switch", reason=reason, sandboxes_killed=len(live))
 
     # ------------------------------------------------------------------ running code
 
@@ -250,7 +294,7 @@ class SandboxPool:
                 await self._release(sbx)
         self._account(result)
         if self.audit is not None:
-            self.audit.append("sandbox_call", episode=call.get("episode"), call=call.get("call"),
+            self.audit.record("sandbox_call", episode=call.get("episode"), call=call.get("call"),
                               isolation=result.isolation, uid=sbx.uid, exit_code=result.exit_code,
                               signal=result.signal, limit=result.limit_hit, oom_kills=result.oom_kills,
                               killed=result.killed, setup_error=result.setup_error, wall_s=round(result.wall_s, 4))
@@ -312,7 +356,7 @@ class SandboxPool:
             "stage_dir": host_dir, "workdir": spec_workdir,
             "tmpfs_bytes": c.tmpfs_mb << 20, "tmpfs_inodes": c.tmpfs_inodes,
             "cgroup_procs": cgroup.procs if cgroup is not None else [],
-            "seccomp_bpf": self._filter.hex(),
+            "seccomp_bpf": self._filter_for(mode).hex(),
             "argv": [self.python, "-I", "-S", "-c", RUNNER],
             "env": env,
         }

@@ -15,7 +15,10 @@ defences:
 - `prlimit64` on any process but the caller (pid 1 of a user-namespace sandbox shares the tool's
   uid: lowering its limits would kill it and turn the call into an infrastructure error);
 - sockets of any family but AF_UNIX (AF_INET and AF_INET6 too when the egress proxy is on:
-  `tools.network=allowlist`); AF_VSOCK is not network-namespaced;
+  `tools.network=allowlist`); AF_VSOCK is not network-namespaced. With isolation=none (no network
+  namespace, the host's filesystem) not even AF_UNIX `socket()`: a tool could otherwise connect to
+  the host's Unix sockets, abstract ones included (a filter cannot read the address). `socketpair`
+  stays, so pipes between a tool's own processes (asyncio, multiprocessing) still work;
 - `memfd_create` where the sandbox has no memory cgroup (its pages are not address space).
 
 Syscalls of another ABI (x32, or 32-bit calls on x86_64) kill the process: libseccomp's
@@ -79,9 +82,10 @@ def machine() -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def compile_filter(*, inet: bool, memfd: bool) -> bytes:
+def compile_filter(*, inet: bool, memfd: bool, unix: bool = True) -> bytes:
     """The BPF program (struct sock_filter[]) for this machine: `inet` allows AF_INET/AF_INET6
-    sockets (the egress proxy), `memfd` allows memfd_create (a memory cgroup counts it)."""
+    sockets (the egress proxy), `memfd` allows memfd_create (a memory cgroup counts it), `unix`
+    allows socket(AF_UNIX) (False for isolation=none: the host's Unix sockets are reachable there)."""
     arch = machine()
     if arch not in ARCHES:
         raise FilterUnavailable(f"the tool sandbox's syscall filter is written for {sorted(ARCHES)}, not {arch}: "
@@ -107,6 +111,8 @@ def compile_filter(*, inet: bool, memfd: bool) -> bytes:
         for family in range(max(allowed)):
             if family not in allowed:
                 f.add_rule(refuse, name, sc.Arg(0, sc.EQ, family))
+    if not unix:
+        f.add_rule(refuse, "socket", sc.Arg(0, sc.EQ, AF_UNIX))
     with tempfile.TemporaryFile() as out:
         f.export_bpf(out)
         out.seek(0)
