@@ -29,9 +29,8 @@ import torch
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+from hybridrl.backends.vllm.config import PLAIN_CPU_LOAD_FORMAT
 from hybridrl.publication.digest import tensor_digests
-
-PLAIN_CPU_LOAD_FORMAT = "hybridrl_plain_cpu"
 
 Region = tuple[str, int, int]       # (vLLM parameter name, first row, end row); rows -1, -1: the whole parameter
 
@@ -112,8 +111,9 @@ class WeightSync:
         if encoding == "cuda_ipc":
             import pickle
 
-            rebuild, args = pickle.loads(buffer)
-            flat = rebuild(*args)
+            from hybridrl.backends.vllm.ipc import open_handle
+
+            flat = open_handle(pickle.loads(buffer))       # the GPU by UUID: it is cuda:0 here, cuda:k there
         elif encoding == "raw":
             flat = torch.frombuffer(bytearray(buffer), dtype=torch.uint8)
         else:
