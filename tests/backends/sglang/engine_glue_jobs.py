@@ -66,6 +66,7 @@ def main(model_dir: str, out: str, unprotected: bool) -> None:
     tensors = [(name, torch.zeros(shape, dtype=dtype)) for name, (shape, dtype) in engine.weight_spec().items()]
     loop.run_until_complete(engine.update_weights(tensors, 1))
     r["serialized"] = list(fake_sglang.SERIALIZED)
+    loop.run_until_complete(engine.wake_up(["kv_cache"]))             # everything back: the scheduler runs again
     r["requests"] = fake.tokenizer_manager.requests
     r["policy_version"] = engine.policy_version
     with open(out, "w") as f:
