@@ -116,8 +116,8 @@ gpu-wheels: install
 gpu-check:
 	$(PYTHON) benchmarks/gpu_env.py check --wheelhouse $(WHEELHOUSE) --venv $(VENV) -- $(GPU_CHECK_ARGS)
 
-# First contact with a GPU machine (benchmarks/gpu_first_contact.py): versions and nvidia-smi, the `gpu`
-# tests, the GPU check kit with a budget, SGLang's contract tests when sglang is installed, a vLLM CUDA
+# First contact with a GPU machine (benchmarks/gpu_first_contact.py): the venv (as gpu-check makes it, from
+# the wheelhouse only), versions and nvidia-smi, the `gpu` tests, the GPU check kit with a budget, SGLang's contract tests when sglang is installed, a vLLM CUDA
 # probe when $(VLLM_VENV) holds a CUDA vLLM; every stage timed and bounded, all within 9.5 minutes;
 # the report in docs/gpu_first_contact.json. FIRST_CONTACT_ARGS="--device cpu" (or --dry-run) runs the
 # same sequence on CPU (report in runs/first_contact/).

@@ -5,11 +5,14 @@
 
 Stages, in order (each a child process in a session of its own, killed with its children past its bound;
 the bounds shrink to what is left of --budget-s, so the whole run ends within it):
+  environment the venv the other stages run in (benchmarks/gpu_env.py prepare: VENV's torch, else the
+              system's, else the wheelhouse's; what is missing from the wheelhouse only, no index)
   versions    python, torch (+ CUDA), megatron-core, transformers, sglang, vllm; `nvidia-smi` and its GPU list
   gpu_tests   the tests marked `gpu` (pytest -m gpu over the files that have them): passed / failed / skipped
               (with the skip reasons: on CPU every one skips, naming what it needs)
   gpu_check   benchmarks/gpu_check.py through benchmarks/gpu_env.py (`make gpu-check`), with a budget; its JSON
-  sglang      SGLang's contract tests (pytest -m sglang tests/backends/sglang) when sglang is importable
+  sglang      SGLang's contract tests (pytest -m sglang tests/backends/sglang) when sglang is importable,
+              with the device memory before and after each release / resume of the engine
   vllm        benchmarks/gpu_vllm_probe.py with the vLLM venv's python when that venv holds a CUDA build of vLLM
 A stage that does not apply here is recorded as skipped with the reason. The report is written after
 every stage (a killed run still leaves what it had).
@@ -32,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("torch", "megatron-core", "transformers", "sglang", "vllm", "flashinfer-python")
-BOUNDS_S = {"versions": 30, "gpu_tests": 150, "gpu_check": 240, "sglang": 120, "vllm": 150}
+BOUNDS_S = {"environment": 120, "versions": 30, "gpu_tests": 150, "gpu_check": 240, "sglang": 120, "vllm": 150}
 
 
 @dataclass
@@ -154,6 +157,8 @@ class Run:
         self.deadline = time.monotonic() + args.budget_s
         self.started = time.time()
         self.stages: list[Stage] = []
+        self.python = sys.executable          # the environment stage's venv, once it has made it
+        self.environment: Path | None = None  # its record (gpu_check.py --environment)
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         if args.device == "cpu":
             self.env["CUDA_VISIBLE_DEVICES"] = ""           # the CPU sequence sees no GPU even where there is one
@@ -206,7 +211,7 @@ def stage_versions(run: Run) -> None:
     stage = Stage("versions", bound_s=BOUNDS_S["versions"])
     started = time.monotonic()
     try:
-        stage.detail = versions(sys.executable, run.env)
+        stage.detail = versions(run.python, run.env)
         stage.status = "passed" if "error" not in stage.detail else "failed"
     except subprocess.TimeoutExpired:
         stage.status, stage.reason = "timed_out", f"stopped after its bound of {stage.bound_s:g} s"
@@ -216,18 +221,28 @@ def stage_versions(run: Run) -> None:
     run.record(stage)
 
 
-def stage_pytest(run: Run, name: str, marker: str, files: list[str]) -> None:
+def stage_pytest(run: Run, name: str, marker: str, files: list[str]) -> Stage:
     xml = run.out / f"{name}.xml"
     xml.unlink(missing_ok=True)
-    run.command(name, pytest_command(sys.executable, marker, files, xml), detail=xml)
+    return run.command(name, pytest_command(run.python, marker, files, xml), detail=xml)
+
+
+def stage_environment(run: Run) -> None:
+    record = run.out / "environment.json"
+    record.unlink(missing_ok=True)
+    command = [sys.executable, "benchmarks/gpu_env.py", "prepare", "--wheelhouse", str(run.args.wheelhouse),
+               "--venv", str(run.args.venv), "--json", str(record)]
+    if run.command("environment", command, detail=record).status == "passed":
+        run.python, run.environment = json.loads(record.read_text())["python"], record
 
 
 def stage_gpu_check(run: Run) -> None:
     out = run.out / "gpu_check"
     budget = max(10.0, run.bound("gpu_check") - 20.0)        # gpu_check's own budget inside the stage's bound
-    check_args = ["--device", run.args.device, "--out", str(out), "--budget-s", f"{budget:g}"]
-    command = [sys.executable, "benchmarks/gpu_env.py", "check", "--wheelhouse", str(run.args.wheelhouse),
-               "--venv", str(run.args.venv), "--", *check_args]
+    command = [run.python, "benchmarks/gpu_check.py", "--device", run.args.device, "--out", str(out),
+               "--budget-s", f"{budget:g}"]
+    if run.environment is not None:
+        command += ["--environment", str(run.environment)]
     run.command("gpu_check", command, detail=out / "gpu_check.json")
 
 
@@ -242,15 +257,28 @@ def stage_vllm(run: Run) -> None:
                 detail=out / "vllm_probe.json")
 
 
+def has_module(python: str, name: str) -> bool:
+    code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is None)"
+    return subprocess.run([python, "-c", code], capture_output=True, timeout=60).returncode == 0
+
+
 def stage_sglang(run: Run) -> None:
-    if importlib.util.find_spec("sglang") is None:
+    if not has_module(run.python, "sglang"):
         run.skip("sglang", "sglang is not installed (pip install -e .[sglang])")
     else:
-        stage_pytest(run, "sglang", "sglang", ["tests/backends/sglang"])
+        memory = run.out / "sglang_memory.jsonl"             # the engine's releases / resumes (device memory)
+        memory.unlink(missing_ok=True)
+        run.env["HYBRIDRL_SGLANG_MEMORY_LOG"] = str(memory)
+        stage = stage_pytest(run, "sglang", "sglang", ["tests/backends/sglang"])
+        if memory.exists():
+            stage.detail["memory"] = [json.loads(line) for line in memory.read_text().splitlines()]
+            run.write()
 
 
 def run_stage(run: Run, name: str) -> None:
-    if name == "versions":
+    if name == "environment":
+        stage_environment(run)
+    elif name == "versions":
         stage_versions(run)
     elif name == "gpu_tests":
         stage_pytest(run, "gpu_tests", "gpu", marked_files("gpu"))
@@ -270,7 +298,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="logs and stage outputs (default runs/first_contact)")
     ap.add_argument("--report", default=None, help="the JSON report (default: docs/gpu_first_contact.json on CUDA, "
                                                    "OUT/first_contact.json on CPU)")
-    ap.add_argument("--venv", default=str(ROOT / ".venv"), help="the venv gpu_check runs in (benchmarks/gpu_env.py)")
+    ap.add_argument("--venv", default=str(ROOT / ".venv"), help="the venv the stages run in (benchmarks/gpu_env.py)")
     ap.add_argument("--wheelhouse", default=str(ROOT / ".wheelhouse"))
     ap.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
     ap.add_argument("--only", default="", help="comma-separated stages to run (default: all)")

@@ -26,10 +26,17 @@ def first_contact(tmp_path, *args, timeout=300):
 
 
 def test_the_cpu_sequence_records_each_stage_with_its_time_and_why_gpu_ones_skip(tmp_path):
-    proc, report = first_contact(tmp_path, "--device", "cpu", "--only", "versions,gpu_tests,sglang,vllm")
+    wheelhouse = tmp_path / "wheelhouse"
+    wheelhouse.mkdir()
+    proc, report = first_contact(tmp_path, "--device", "cpu", "--venv", sys.prefix, "--wheelhouse", str(wheelhouse),
+                                 "--only", "environment,versions,gpu_tests,sglang,vllm")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stages = {s["name"]: s for s in report["stages"]}
-    assert list(stages) == ["versions", "gpu_tests", "sglang", "vllm"] and report["ok"] and report["device"] == "cpu"
+    assert list(stages) == ["environment", "versions", "gpu_tests", "sglang", "vllm"]
+    assert report["ok"] and report["device"] == "cpu"
+    env = stages["environment"]["detail"]
+    assert env["how"].startswith(f"reused the venv {sys.prefix}") and env["installed"] == []     # offline, nothing to add
+    assert stages["gpu_tests"]["command"][0] == env["python"]                                 # the stages run in it
     info = stages["versions"]["detail"]
     assert stages["versions"]["status"] == "passed" and info["torch"] and info["cuda_available"] is False
     assert info["gpus"] == [] and "nvidia_smi" in info
@@ -81,3 +88,4 @@ def test_the_whole_sequence_runs_on_cpu_offline(tmp_path):
     check = stages["gpu_check"]
     assert check["status"] == "passed" and check["detail"]["ok"] and check["detail"]["device"] == "cpu"
     assert check["detail"]["budget_s"] < check["bound_s"]
+    assert check["detail"]["environment"]["how"].startswith(f"reused the venv {sys.prefix}")

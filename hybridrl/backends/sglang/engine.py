@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -262,7 +263,9 @@ class SGLangEngine:
             await self._tm.pause_generation(requests.pause(io_struct))
             self._paused = True
         self._routes.clear()
+        before = device_memory_used()
         await self._tm.release_memory_occupation(requests.release(io_struct, tags), None)
+        record_memory("release", tags, before, device_memory_used())
         self._released.update(tags)
         if WEIGHTS in tags:
             self._publication.forget()
@@ -273,7 +276,9 @@ class SGLangEngine:
         await self._bind()
         tags = [t for t in check_tags(self, tags) if t in self._released]
         if tags:
+            before = device_memory_used()
             await self._tm.resume_memory_occupation(requests.resume(io_struct, tags), None)
+            record_memory("resume", tags, before, device_memory_used())
             self._released.difference_update(tags)
         if self._paused and not self._released:
             # everything is back: the scheduler runs again (its tokenizer manager holds new requests while
@@ -328,6 +333,27 @@ class SGLangEngine:
                 eos = json.loads(path.read_text()).get("eos_token_id")
                 ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
         return sorted(set(ids))
+
+
+MEMORY_LOG = "HYBRIDRL_SGLANG_MEMORY_LOG"      # a file: one JSON line per release / resume (first contact)
+
+
+def device_memory_used() -> int | None:
+    """Bytes in use on this process's GPU, by every process (SGLang's schedulers included); None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
+def record_memory(op: str, tags: Sequence[str], before: int | None, after: int | None) -> None:
+    """Log the device memory around a release / resume (and append it to $HYBRIDRL_SGLANG_MEMORY_LOG)."""
+    event = {"op": op, "tags": sorted(tags), "used_before": before, "used_after": after}
+    log.info("SGLang %s %s: device memory in use %s -> %s", op, event["tags"], before, after)
+    path = os.environ.get(MEMORY_LOG)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(event) + "\n")
 
 
 def resolved_max_model_len(requested: int | None, tokenizer_manager: Any) -> int | None:

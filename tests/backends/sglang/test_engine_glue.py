@@ -59,6 +59,9 @@ def test_one_payload_per_tp_rank_paused_while_asleep_and_the_resolved_length(glu
     assert r["requests"][:1] + r["requests"][2:] == ["pause retract", "resume ['weights']", "begin", "update 2 payloads",
                                                      "end", "flush", "resume ['kv_cache']", "continue"]
     assert r["policy_version"] == 1
+    assert [(m["op"], m["tags"]) for m in r["memory"]] == [("release", ["kv_cache", "weights"]), ("resume", ["weights"]),
+                                                          ("resume", ["kv_cache"])]
+    assert all(m["used_before"] is None and m["used_after"] is None for m in r["memory"])    # no GPU here
     assert r["max_model_len"] == 4096 - 6 and r["deterministic_kwarg"] is True
 
 
