@@ -120,7 +120,12 @@ class WeightSync:
             raise ValueError(f"unknown bucket encoding {encoding!r}")
         views = {name: flat[start:end].view(getattr(torch, dtype)).view(shape)
                  for name, shape, dtype, start, end in entries}
-        return self._hybridrl_load([(n, views[n]) for n in names], verify)
+        digests = self._hybridrl_load([(n, views[n]) for n in names], verify)
+        if encoding == "cuda_ipc":
+            # the copies are queued on this worker's stream; the sender reuses its buffer for the next bucket
+            # as soon as this call returns
+            torch.cuda.current_stream().synchronize()
+        return digests
 
     def _hybridrl_load(self, items: list[tuple[str, torch.Tensor]], verify: bool) -> dict[str, str] | None:
         self.hybridrl_copy(items)
