@@ -55,7 +55,8 @@ test-slow: install
 # the rule says so.
 GPU_TEST_FILES = $(shell grep -rl --include='test_*.py' 'mark.gpu' tests)
 test-gpu: install
-	@$(BIN)/python -c "import torch, sys; n = torch.cuda.device_count(); print(f'test-gpu: {n} CUDA GPU(s) visible to torch' + ('' if n else ': every GPU test skips (reasons below)'))"
+	@$(BIN)/python -c "import torch; n = torch.cuda.device_count(); \
+		print(f'test-gpu: {n} CUDA GPU(s) visible to torch' + ('' if n else ': every GPU test skips (reasons below)'))"
 	$(BIN)/python -m pytest -m gpu -rs $(GPU_TEST_FILES) $(PYTEST_ARGS)
 
 

@@ -192,14 +192,15 @@ class Run:
 
     def record(self, stage: Stage) -> Stage:
         self.stages.append(stage)
-        print(f"first contact {stage.name}: {stage.status} ({stage.seconds:g} s){' - ' + stage.reason if stage.reason else ''}",
-              flush=True)
+        why = f" - {stage.reason}" if stage.reason else ""
+        print(f"first contact {stage.name}: {stage.status} ({stage.seconds:g} s){why}", flush=True)
         self.write()
         return stage
 
     def write(self) -> None:
         done = [s for s in self.stages if s.status != "skipped"]
-        report = {"device": self.args.device, "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started))
+        report = {"device": self.args.device, "started_utc": started,
                   "budget_s": self.args.budget_s, "seconds": round(time.time() - self.started, 1),
                   "ok": all(s.status == "passed" for s in done) and bool(done),
                   "stages": [asdict(s) for s in self.stages]}

@@ -35,7 +35,7 @@ def test_the_cpu_sequence_records_each_stage_with_its_time_and_why_gpu_ones_skip
     assert list(stages) == ["environment", "versions", "gpu_tests", "sglang", "vllm"]
     assert report["ok"] and report["device"] == "cpu"
     env = stages["environment"]["detail"]
-    assert env["how"].startswith(f"reused the venv {sys.prefix}") and env["installed"] == []     # offline, nothing to add
+    assert env["how"].startswith(f"reused the venv {sys.prefix}") and env["installed"] == []     # offline
     assert stages["gpu_tests"]["command"][0] == env["python"]                                 # the stages run in it
     info = stages["versions"]["detail"]
     assert stages["versions"]["status"] == "passed" and info["torch"] and info["cuda_available"] is False

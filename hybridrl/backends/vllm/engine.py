@@ -268,7 +268,8 @@ class VLLMEngine:
         self._check_update(version, names, digests)
         devices = {t.device for _, t in items}
         if len(devices) > 1:
-            raise ValueError(f"update_weights: the tensors of one call are on one device, got {sorted(map(str, devices))}")
+            raise ValueError(f"update_weights: the tensors of one call are on one device, got "
+                             f"{sorted(map(str, devices))}")
         if devices and next(iter(devices)).type != "cpu":
             await self.load_bucket(pack_bucket(items), version, digests=digests)
             return

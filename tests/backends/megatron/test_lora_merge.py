@@ -23,13 +23,15 @@ class CpuProducts(TorchDispatchMode):
         self.devices: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.matmul):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_,
+                                   torch.ops.aten.matmul):
             self.devices.append(next(a.device.type for a in args if isinstance(a, torch.Tensor)))
         return func(*args, **(kwargs or {}))
 
 
 def _engine(factors):
-    return SimpleNamespace(lora=SimpleNamespace(), _lora_full=factors, cfg=SimpleNamespace(lora=SimpleNamespace(scale=SCALE)))
+    return SimpleNamespace(lora=SimpleNamespace(), _lora_full=factors,
+                           cfg=SimpleNamespace(lora=SimpleNamespace(scale=SCALE)))
 
 
 def _factors():
@@ -50,7 +52,8 @@ def test_the_merge_adds_scale_b_a_in_place_and_leaves_other_tensors():
     assert torch.equal(out["model.layers.0.self_attn.k_proj.weight"], before["model.layers.0.self_attn.k_proj.weight"])
     merge = merge_fn(engine)
     w = before["model.layers.0.mlp.down_proj.weight"]
-    torch.testing.assert_close(merge("model.layers.0.mlp.down_proj.weight", w), out["model.layers.0.mlp.down_proj.weight"])
+    down = "model.layers.0.mlp.down_proj.weight"
+    torch.testing.assert_close(merge(down, w), out[down])
     assert merge("model.layers.0.self_attn.k_proj.weight", w) is w
 
 

@@ -55,12 +55,14 @@ def test_one_payload_per_tp_rank_paused_while_asleep_and_the_resolved_length(glu
     r, _ = glue
     assert len(r["serialized"]) == 2 and len(set(r["serialized"])) == 1           # serialized once for each rank
     released = r["requests"][1]
-    assert released.startswith("release") and sorted(ast.literal_eval(released[len("release "):])) == ["kv_cache", "weights"]
-    assert r["requests"][:1] + r["requests"][2:] == ["pause retract", "resume ['weights']", "begin", "update 2 payloads",
-                                                     "end", "flush", "resume ['kv_cache']", "continue"]
+    assert released.startswith("release")
+    assert sorted(ast.literal_eval(released[len("release "):])) == ["kv_cache", "weights"]
+    assert r["requests"][:1] + r["requests"][2:] == ["pause retract", "resume ['weights']", "begin",
+                                                     "update 2 payloads", "end", "flush", "resume ['kv_cache']",
+                                                     "continue"]
     assert r["policy_version"] == 1
-    assert [(m["op"], m["tags"]) for m in r["memory"]] == [("release", ["kv_cache", "weights"]), ("resume", ["weights"]),
-                                                          ("resume", ["kv_cache"])]
+    assert [(m["op"], m["tags"]) for m in r["memory"]] == [("release", ["kv_cache", "weights"]),
+                                                          ("resume", ["weights"]), ("resume", ["kv_cache"])]
     assert all(m["used_before"] is None and m["used_after"] is None for m in r["memory"])    # no GPU here
     assert r["max_model_len"] == 4096 - 6 and r["deterministic_kwarg"] is True
 

@@ -207,8 +207,8 @@ def test_vllm_with_a_moe_model_is_refused_in_preflight_with_the_reason(tiny_mode
 
     def check(model, *overrides):
         return subprocess.run([sys.executable, "-m", "hybridrl", "train", str(ROOT / "recipes" / "calc_grpo_cpu.yaml"),
-                               "--check", f"model.path={model}", f"run.dir={tmp_path / 'run'}", "train.share_prefix=false",
-                               *overrides],
+                               "--check", f"model.path={model}", f"run.dir={tmp_path / 'run'}",
+                               "train.share_prefix=false", *overrides],
                               cwd=ROOT, env=env_with_repo(), capture_output=True, text=True, timeout=300)
 
     refused = check(moe, "rollout.engine=vllm")
