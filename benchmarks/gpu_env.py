@@ -13,6 +13,9 @@ installed from on a GPU machine where none is. Standard library only (it may run
         Install what hybridrl needs and is missing there from DIR only (pip --isolated --no-index:
         no index or pip configuration is consulted), say what was reused and what was installed,
         then run benchmarks/gpu_check.py with hybridrl from this checkout (PYTHONPATH).
+    python3 benchmarks/gpu_env.py prepare --wheelhouse DIR --venv VENV --json OUT
+        The same environment, without running the kit: what was reused and installed in OUT
+        (benchmarks/gpu_first_contact.py's first stage; the python it names runs the other stages).
 """
 
 from __future__ import annotations
@@ -207,6 +210,15 @@ def check(args: argparse.Namespace) -> int:
         os.unlink(f.name)
 
 
+def prepare_only(args: argparse.Namespace) -> int:
+    """`prepare`, its record written to --json (what benchmarks/gpu_first_contact.py runs first)."""
+    env = prepare(Path(args.venv).resolve(), Path(args.wheelhouse).resolve())
+    Path(args.json).write_text(json.dumps(env, indent=1))
+    print(f"gpu environment: {env['how']}; installed from the wheelhouse: "
+          f"{', '.join(env['installed']) or 'nothing (everything was there)'}", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -222,7 +234,13 @@ def main(argv=None) -> int:
     c.add_argument("--wheelhouse", default=str(ROOT / ".wheelhouse"))
     c.add_argument("--venv", default=str(ROOT / ".venv"))
     c.add_argument("gpu_check_args", nargs=argparse.REMAINDER, help="after --: benchmarks/gpu_check.py's arguments")
+    p = sub.add_parser("prepare", help="install from the wheelhouse only; write what was done as JSON")
+    p.add_argument("--wheelhouse", default=str(ROOT / ".wheelhouse"))
+    p.add_argument("--venv", default=str(ROOT / ".venv"))
+    p.add_argument("--json", required=True)
     args = ap.parse_args(argv)
+    if args.command == "prepare":
+        return prepare_only(args)
     if args.command == "check":
         args.gpu_check_args = [a for a in args.gpu_check_args if a != "--"]
         return check(args)

@@ -10,6 +10,7 @@
                 training ranks' number with a disaggregated placement, which must leave at least one)
     dtypes      the rollout engine's dtype is train.dtype (an RL run publishes the trained weights
                 as they are), and publish.parity_tolerance is one that dtype can pass
+    engine      the rollout engine can serve the model (vLLM: no mixture-of-experts models)
     task        importable (loading the config did that) and able to give what the run asks of
                 it: the train and validation splits at their configured sizes (data files are read
                 here, so a missing one is named with its option), SFT demonstrations, and tools that
@@ -77,6 +78,7 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
     kernel_notes = []
     if cfg.run.job == "rl":
         check_dtypes(cfg)
+        check_engine_model(cfg)
         kernel_notes = check_native_kernels(cfg)
     train_size = check_task(cfg)
     if cfg.run.job == "rl":
@@ -329,6 +331,17 @@ def check_dtypes(cfg: Any) -> None:
         raise PreflightError(f"publish.parity_tolerance={tolerance:g} cannot pass in {engine} (one {engine} rounding "
                              f"step of a logit of ~3 is 2^-6 nats): set publish.parity_tolerance="
                              f"{default_parity_tolerance(train, engine):g}, or publish.parity_prompts=0")
+
+
+def check_engine_model(cfg: Any) -> None:
+    """The rollout engine can serve model.path: vLLM refuses mixture-of-experts models (the reason in
+    `backends.vllm.config.model_problem`)."""
+    if cfg.rollout.engine == "vllm":
+        from hybridrl.backends.vllm.config import model_dir_problem
+
+        problem = model_dir_problem(cfg.model.path)
+        if problem:
+            raise PreflightError(problem)
 
 
 def check_native_kernels(cfg: Any) -> list[str]:

@@ -6,8 +6,9 @@ rank 0 holds them whole) and every rollout rank. Per delivery:
     sender     a header (the bucket's entries: name, shape, dtype, byte offsets; the names to
                apply; the sender's digests) as a broadcast object, then the flat buffer itself in
                one broadcast
-    receivers  views into the received buffer -> their engine's `update_weights(..., digests)`,
-               which copies into the engine's storage and reads it back (post_copy); then one
+    receivers  views into the received buffer -> their engine's `update_weights(..., digests)`
+               (a buffer on the GPU goes whole to an engine's `load_bucket` when it has one:
+               `delivery`), which copies into the engine's storage and reads it back (post_copy); then one
                all-reduce (MAX) of [mismatch flag per name, error flag, -policy version]
     sender     raises `WeightMismatch` for the names any receiver read back differently (the
                publisher copies them once more), `PublicationError` if a receiver could not apply
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.distributed.peers import Peers
-from hybridrl.publication.buckets import FlatBucket
+from hybridrl.publication.buckets import BucketPlan, Entry, FlatBucket
 from hybridrl.publication.manifest import PublicationError
 from hybridrl.rollout.weight_spec import WeightMismatch
 
@@ -100,14 +101,11 @@ def receive_publication(peers: Peers, engine: Any, run: Callable[[Any], Any], *,
             buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         flat = buffer[:nbytes]
         peers.broadcast(flat, src)
-        views = {name: flat[start:end].view(dtype).view(shape) for name, shape, dtype, start, end in header["entries"]}
         names = header["names"]
-        digests = header["digests"]
         answer = torch.zeros(len(names) + 2, dtype=torch.float64)
         if out["error"] is None:
             try:
-                run(engine.update_weights([(n, views[n]) for n in names], header["version"],
-                                          digests={n: digests[n] for n in names} if digests is not None else None))
+                run(delivery(engine, flat, header))
             except WeightMismatch as err:
                 bad = set(err.names)
                 for i, n in enumerate(names):
@@ -123,3 +121,18 @@ def receive_publication(peers: Peers, engine: Any, run: Callable[[Any], Any], *,
         out["buckets"] += 1
         out["bytes"] += nbytes
         out["retried"] += int(len(names) < len(header["entries"]))
+
+
+def delivery(engine: Any, flat: torch.Tensor, header: Mapping[str, Any]) -> Any:
+    """The engine coroutine that applies one received bucket. A buffer on the GPU goes whole to an engine
+    that takes flat buckets (`load_bucket`: vLLM hands it to its worker as one CUDA IPC handle, where
+    `update_weights` would have to read each tensor's bytes on the host); otherwise its views go to
+    `update_weights`."""
+    names, digests = header["names"], header["digests"]
+    digests = {n: digests[n] for n in names} if digests is not None else None
+    if flat.device.type != "cpu" and hasattr(engine, "load_bucket"):
+        plan = BucketPlan(entries=[Entry(name, tuple(shape), dtype, start, end)
+                                   for name, shape, dtype, start, end in header["entries"]])
+        return engine.load_bucket(FlatBucket(plan, flat), header["version"], names=names, digests=digests)
+    views = {name: flat[start:end].view(dtype).view(shape) for name, shape, dtype, start, end in header["entries"]}
+    return engine.update_weights([(n, views[n]) for n in names], header["version"], digests=digests)

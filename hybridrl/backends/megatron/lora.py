@@ -25,6 +25,7 @@ PEFT export or a merged publication.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any, Iterator, Mapping
 
@@ -234,16 +235,6 @@ def full_adapters(lora: LoraAdapters) -> dict[str, tuple[torch.Tensor, torch.Ten
     return {k: v for stage in stages for k, v in stage.items()}
 
 
-def merged_delta(factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]], weight_name: str,
-                 scale: float) -> torch.Tensor | None:
-    """scale * B @ A for an HF weight name (`...q_proj.weight`), None when it has no adapter."""
-    pair = factors.get(weight_name.removesuffix(".weight"))
-    if pair is None:
-        return None
-    a, b = pair
-    return (b @ a) * scale
-
-
 def gathered(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The engine's `full_adapters`, gathered once until its adapters next change (a step, a load)."""
     if engine.lora is None:
@@ -254,27 +245,51 @@ def gathered(engine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return engine._lora_full
 
 
+def device_factors(engine, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """`gathered(engine)` on `device`: moved once per change of the adapters (rank-r factors: megabytes),
+    so that a merge multiplies B A where the weights are instead of on the host."""
+    full = gathered(engine)
+    cached = getattr(engine.lora, "_merge_factors", None)
+    if cached is None or cached[0] is not full or cached[1] != device:
+        moved = {name: (a.to(device), b.to(device)) for name, (a, b) in full.items()}
+        engine.lora._merge_factors = cached = (full, device, moved)
+    return cached[2]
+
+
+def addmm_merge_(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """weight += scale * B @ A, in place, on the weight's device, in its dtype (one rounding of the sum; the
+    float32 factors rounded to a narrower weight dtype first: far below that dtype's step of the weight)."""
+    if a.dtype != weight.dtype:
+        a, b = a.to(weight.dtype), b.to(weight.dtype)
+    return weight.addmm_(b, a, alpha=scale)
+
+
 def merge_fn(engine):
     """name, tensor -> the tensor with its adapter's scale * B @ A added (a new tensor), or as it is."""
     if engine.lora is None:
         return lambda name, tensor: tensor
-    factors, scale = gathered(engine), engine.cfg.lora.scale
+    return functools.partial(_merged_copy, engine, engine.cfg.lora.scale)
 
-    def merge(name, tensor):
-        delta = merged_delta(factors, name, scale)
-        return tensor if delta is None else tensor + delta.to(device=tensor.device, dtype=tensor.dtype)
 
-    return merge
+def _merged_copy(engine, scale: float, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    module = name.removesuffix(".weight")
+    if module not in gathered(engine):
+        return tensor
+    a, b = device_factors(engine, tensor.device)[module]
+    return addmm_merge_(tensor.clone(), a, b, scale)
 
 
 def add_merged_(engine, out: Mapping[str, torch.Tensor], names) -> None:
     """Add each adapter's scale * B @ A to its base weight `out[name]` for `names` (the HF tensors just
-    written; `out` may hold a whole bucket, whose other tensors are not this call's), in place."""
-    factors, scale = gathered(engine), engine.cfg.lora.scale
+    written; `out` may hold a whole bucket, whose other tensors are not this call's), in place, on the
+    device `out` is on (`addmm_`: no full-size delta made on the host or copied to the device)."""
+    full, scale = gathered(engine), engine.cfg.lora.scale
     for name in names:
-        delta = merged_delta(factors, name, scale)
-        if delta is not None:
-            out[name].add_(delta.to(device=out[name].device, dtype=out[name].dtype))
+        module = name.removesuffix(".weight")
+        if module in full:
+            weight = out[name]
+            a, b = device_factors(engine, weight.device)[module]
+            addmm_merge_(weight, a, b, scale)
 
 
 class AdapterSource:

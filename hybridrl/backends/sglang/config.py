@@ -17,8 +17,8 @@ class SGLangConfig:
     reads_back_weights: ClassVar[bool] = False
     remote_publication: ClassVar[bool] = False
 
-    mem_fraction_static: float = knob(0.6, "fraction of TOTAL GPU memory for weights + KV cache "
-                                           "(memory the trainer still holds at start shrinks the KV pool)")
+    mem_fraction_static: float = knob(0.6, "fraction of the GPU memory free at the engine's start (the trainer "
+                                           "resident) for weights + KV cache: KV = fraction x free - weights")
     dtype: str = knob("bfloat16", "engine dtype: bfloat16 | float16 | float32")
     enable_memory_saver: bool = knob(True, "needed to release/resume weights and KV cache between modes")
     load_format: str = knob("dummy", "'dummy': start without weights, they arrive with the first publication")

@@ -74,8 +74,11 @@ def routed_experts(meta: Mapping[str, Any], *, num_positions: int, routing: Any)
 
 
 def generation_output(out: Mapping[str, Any], *, request_id: str, policy_version: int, prompt_tokens: int,
-                      max_new_tokens: int, timings: GenerationTimings, routing: Any = None) -> GenerationOutput:
-    """Build our output from SGLang's, taking ids and logprobs from the same logprob records."""
+                      max_new_tokens: int, timings: GenerationTimings, routing: Any = None,
+                      routing_start: int = 0) -> GenerationOutput:
+    """Build our output from SGLang's, taking ids and logprobs from the same logprob records. With
+    `routing_start` (the request's routed_experts_start_len) the routing rows are those of positions
+    [routing_start, prompt + output - 1) only."""
     meta = out.get("meta_info", {})
     records = meta.get("output_token_logprobs") or []
     token_ids = [int(r[1]) for r in records]
@@ -84,7 +87,7 @@ def generation_output(out: Mapping[str, Any], *, request_id: str, policy_version
     if output_ids is not None and list(output_ids) != token_ids:
         raise ValueError(f"request {request_id}: SGLang output_ids and logprob records disagree "
                          f"({len(output_ids)} vs {len(token_ids)} tokens)")
-    routed = (routed_experts(meta, num_positions=prompt_tokens + len(token_ids) - 1, routing=routing)
+    routed = (routed_experts(meta, num_positions=prompt_tokens + len(token_ids) - 1 - routing_start, routing=routing)
               if routing is not None else None)
     return GenerationOutput(
         request_id=request_id, token_ids=token_ids, logprobs=logprobs,

@@ -11,7 +11,9 @@ arrived, then `flush_cache`), one payload serialized for each TP rank (each rank
 own copy, so the CUDA IPC reference counts drop cleanly after every load: sglang's own
 `Engine._serialize_tensors_per_rank`, entrypoints/engine.py:1656-1672). Mixture-of-experts models:
 the server records routing (`enable_return_routed_experts`) and every request returns it
-(`return_routed_experts`), as `GenerationOutput.routed_experts` (routing replay).
+(`return_routed_experts`), as `GenerationOutput.routed_experts` (routing replay); a later turn of an
+episode asks only for the rows after what an earlier turn returned (`routed_experts_start_len`,
+`routing.RoutingMemory`) and still returns the whole record.
 
 Starting the engine changes the trainer's process (environment, signal handlers, start method):
 `launch.py` isolates and restores them; the tokenizer manager's signal handlers come off our event
@@ -36,6 +38,8 @@ still running: past `drain_timeout_s` it raises instead.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import os
 import time
@@ -44,7 +48,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from hybridrl.backends.sglang import convert, launch, requests
+from hybridrl.backends.sglang import convert, launch, requests, routing
 from hybridrl.backends.sglang.config import SGLangConfig
 from hybridrl.publication.manifest import PublicationError
 from hybridrl.rollout.protocol import (
@@ -88,6 +92,7 @@ class SGLangEngine:
         self.tp_size = tp_size
         spec = ModelSpec.from_dir(model_path)
         self._routing = spec if spec.is_moe else None      # MoE: record and return each token's experts
+        self._routes = routing.RoutingMemory()             # MoE: what was returned, so each turn gets new rows only
         self.dtype = getattr(torch, cfg.dtype)
         self.drain_timeout_s = drain_timeout_s
         self.releasable_tags = cfg.releasable_tags()
@@ -105,6 +110,7 @@ class SGLangEngine:
         self._released: set[str] = set()
         self._in_flight: set[str] = set()
         self._session = False            # a weight-update session is open in the scheduler
+        self._paused = False             # the scheduler's loop is paused (sleep), until everything is awake
         self.eos_token_ids = tuple(self._eos_ids(model_path))
         self.max_model_len = resolved_max_model_len(max_model_len, self._tm)
 
@@ -143,7 +149,7 @@ class SGLangEngine:
     async def generate(self, token_ids: Sequence[int], sampling: SamplingParams, request_id: str) -> GenerationOutput:
         if self.policy_version < 0:
             raise RuntimeError("SGLang engine has no weights yet: publish a policy before generating")
-        if self._released & {KV_CACHE, WEIGHTS}:
+        if self._released or self._paused:
             raise RuntimeError("SGLang engine is asleep: call wake_up() before generating")
         await self._bind()
         if sampling.seed is not None and not self._seed_warned:
@@ -151,21 +157,30 @@ class SGLangEngine:
             log.warning("SGLang ignores per-request sampling seeds without deterministic inference: set "
                         "rollout.sglang.deterministic_inference=true for reproducible rollouts")
         version = self.policy_version
+        prompt = list(token_ids)
+        start, known, entry = self._routes.lookup(prompt) if self._routing is not None else (0, None, None)
         started = time.perf_counter()
         self._in_flight.add(request_id)
         try:
             out = await self._engine.async_generate(
-                input_ids=list(token_ids), sampling_params=convert.sampling_params(sampling, self.eos_token_ids),
+                input_ids=prompt, sampling_params=convert.sampling_params(sampling, self.eos_token_ids),
                 return_logprob=True, rid=request_id,
-                **({"return_routed_experts": True} if self._routing is not None else {}))
+                **({"return_routed_experts": True, "routed_experts_start_len": start}
+                   if self._routing is not None else {}))
         finally:
             self._in_flight.discard(request_id)
         total = time.perf_counter() - started
         if self.policy_version != version:
             raise RuntimeError(f"request {request_id} spans a weight update (v{version} -> v{self.policy_version})")
-        return convert.generation_output(out, request_id=request_id, policy_version=version,
-                                         prompt_tokens=len(token_ids), max_new_tokens=sampling.max_new_tokens,
-                                         timings=GenerationTimings(total_s=total), routing=self._routing)
+        result = convert.generation_output(out, request_id=request_id, policy_version=version,
+                                           prompt_tokens=len(prompt), max_new_tokens=sampling.max_new_tokens,
+                                           timings=GenerationTimings(total_s=total), routing=self._routing,
+                                           routing_start=start)
+        if self._routing is None:
+            return result
+        whole = routing.joined(known, result.routed_experts)
+        self._routes.remember(prompt + result.token_ids, whole, replaces=entry)
+        return dataclasses.replace(result, routed_experts=whole)
 
     async def abort(self, request_id: str) -> bool:
         if request_id not in self._in_flight:
@@ -222,8 +237,9 @@ class SGLangEngine:
     async def sleep(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
         """Abort the requests in flight (they end with FinishReason.ABORT), wait until they have ended
         (at most `drain_timeout_s`: SGLang's scheduler asserts it is idle when memory is released, so
-        it never releases under a running request; past the timeout this raises), then release the
-        tagged memory. Released weights are gone: the version becomes -1."""
+        it never releases under a running request; past the timeout this raises), pause the scheduler
+        (retract), then release the tagged memory. Released weights are gone: the version becomes -1.
+        The scheduler runs again once `wake_up` has taken every tag back."""
         await self._bind()
         tags = [t for t in check_tags(self, tags) if t not in self._released]
         if not tags:
@@ -239,7 +255,17 @@ class SGLangEngine:
                                "since SGLang's scheduler asserts it is idle when it releases")
         from sglang.srt.managers import io_struct
 
+        if not self._paused:
+            # Our requests have returned, but with the overlap scheduler the scheduler may still hold its last
+            # batch for one iteration; retract pauses its loop after processing that batch and moves whatever
+            # still runs back to the waiting queue, which the release's idle check then ignores (sglang 0.5.21
+            # managers/scheduler.py:5589-5618, managers/scheduler_components/weight_updater.py:318-322).
+            await self._tm.pause_generation(requests.pause(io_struct))
+            self._paused = True
+        self._routes.clear()
+        before = device_memory_used()
         await self._tm.release_memory_occupation(requests.release(io_struct, tags), None)
+        record_memory("release", tags, before, device_memory_used())
         self._released.update(tags)
         if WEIGHTS in tags:
             self._publication.forget()
@@ -250,8 +276,15 @@ class SGLangEngine:
         await self._bind()
         tags = [t for t in check_tags(self, tags) if t in self._released]
         if tags:
+            before = device_memory_used()
             await self._tm.resume_memory_occupation(requests.resume(io_struct, tags), None)
+            record_memory("resume", tags, before, device_memory_used())
             self._released.difference_update(tags)
+        if self._paused and not self._released:
+            # everything is back: the scheduler runs again (its tokenizer manager holds new requests while
+            # paused, managers/tokenizer_manager.py:895, 2155-2159)
+            await self._tm.continue_generation(requests.resume_generation(io_struct))
+            self._paused = False
 
     def stats(self) -> dict[str, Any]:
         return {"policy_version": self.policy_version, "released": sorted(self._released),
@@ -300,6 +333,27 @@ class SGLangEngine:
                 eos = json.loads(path.read_text()).get("eos_token_id")
                 ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
         return sorted(set(ids))
+
+
+MEMORY_LOG = "HYBRIDRL_SGLANG_MEMORY_LOG"      # a file: one JSON line per release / resume (first contact)
+
+
+def device_memory_used() -> int | None:
+    """Bytes in use on this process's GPU, by every process (SGLang's schedulers included); None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
+def record_memory(op: str, tags: Sequence[str], before: int | None, after: int | None) -> None:
+    """Log the device memory around a release / resume (and append it to $HYBRIDRL_SGLANG_MEMORY_LOG)."""
+    event = {"op": op, "tags": sorted(tags), "used_before": before, "used_after": after}
+    log.info("SGLang %s %s: device memory in use %s -> %s", op, event["tags"], before, after)
+    path = os.environ.get(MEMORY_LOG)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(event) + "\n")
 
 
 def resolved_max_model_len(requested: int | None, tokenizer_manager: Any) -> int | None:

@@ -44,6 +44,15 @@ def resume(io: Any, tags: Sequence[str]) -> Any:
     return io.ResumeMemoryOccupationReqInput(tags=list(tags))
 
 
+def pause(io: Any) -> Any:
+    """Pause the scheduler's loop, retracting what still runs to the waiting queue (before a release)."""
+    return io.PauseGenerationReqInput(mode="retract")
+
+
+def resume_generation(io: Any) -> Any:
+    return io.ContinueGenerationReqInput()
+
+
 def bucket_payload(bucket: FlatBucket, metadata_cls: Any) -> dict[str, Any]:
     """A flat bucket as SGLang's flattened-bucket load format reads it: the uint8 buffer and, per
     tensor, its byte range (sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata)."""

@@ -5,12 +5,16 @@ Import-light on purpose (no torch, no vllm): the config schema imports it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, knob
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")     # HF config keys of a MoE model
+PLAIN_CPU_LOAD_FORMAT = "hybridrl_plain_cpu"      # the worker's CPU model loader (worker.PlainWeightsLoader)
 
 
 @dataclass(kw_only=True)
@@ -23,12 +27,16 @@ class VLLMConfig:
 
     dtype: str = knob("auto", "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | "
                               "float16")
-    kv_cache_mb: int = knob(64, "KV-cache budget in MiB (vLLM's kv_cache_memory_bytes), allocated at start")
+    kv_cache_mb: int = knob(0, "KV-cache budget in MiB (vLLM's kv_cache_memory_bytes), allocated at start; 0 = 64 "
+                               "on CPU, and on CUDA vLLM's own sizing from gpu_memory_utilization (a fixed budget "
+                               "there overrides it, and a context longer than it holds refuses to start)")
     max_num_seqs: int = knob(64, "most sequences in the running batch")
     max_num_batched_tokens: int = knob(0, "tokens computed per step; 0 = vLLM's default (on CPU at least the longest context: prompts are never prefilled in chunks there, as vLLM's CPU sampler cannot rewind a seeded request's generator)")
     max_model_len: int = knob(0, "longest sequence (prompt + output); 0 = the model's")
     enable_prefix_caching: bool = knob(True, "vLLM's prefix cache (reset whenever a new policy version arrives)")
-    enforce_eager: bool = knob(True, "no torch.compile / CUDA graphs (start-up in seconds; the CPU default)")
+    enforce_eager: bool = knob(False, "CUDA: no torch.compile / CUDA graphs (start-up in seconds, slower decoding; "
+                                      "graphs are safe: publications copy in place). vLLM always runs eager on CPU "
+                                      "here (compiling takes minutes)")
     threads: int = knob(0, "OpenMP threads of vLLM's worker process; 0 = this process's torch thread count (1 per "
                            "rank under torchrun, so two ranks on two cores share them sanely)")
     gpu_memory_utilization: float = knob(0.5, "CUDA only: fraction of the GPU for weights + KV cache (the trainer "
@@ -41,7 +49,7 @@ class VLLMConfig:
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
-        check_positive("kv_cache_mb", self.kv_cache_mb)
+        check_positive("kv_cache_mb", self.kv_cache_mb, allow_zero=True)
         check_positive("max_num_seqs", self.max_num_seqs)
         check_positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_zero=True)
         check_positive("max_model_len", self.max_model_len, allow_zero=True)
@@ -57,3 +65,28 @@ class VLLMConfig:
         if on_cuda and self.enable_sleep_mode:
             return frozenset({"weights", "kv_cache"})
         return frozenset()
+
+
+def model_problem(hf_config: dict[str, Any], model_dir: str | Path = "") -> str | None:
+    """Why this backend cannot serve the model, or None. Mixture-of-experts models are refused: vLLM keeps
+    a layer's experts fused in one [experts, ...] parameter (FusedMoE `w13_weight` / `w2_weight`, vllm 0.32
+    model_executor/layers/fused_moe/unquantized_fused_moe_method.py:87-96, replaced after loading at :188),
+    where the worker's map of whole or row-packed parameters places no expert, so a publication could not
+    be read back; and routing replay would need vLLM's routing records (`enable_return_routed_experts`,
+    `CompletionOutput.routed_experts`, vllm/outputs.py:84), which this backend does not request."""
+    experts = max((int(hf_config.get(k) or 0) for k in EXPERT_KEYS), default=0)
+    if experts <= 0:
+        return None
+    where = f" {model_dir}" if model_dir else ""
+    return (f"rollout.engine=vllm cannot serve the mixture-of-experts model{where} ({experts} experts): its "
+            "publication has no map for vLLM's fused expert parameters and it returns no routing records for "
+            "routing replay; use rollout.engine=sglang (GPU) or rollout.engine=native")
+
+
+def model_dir_problem(model_dir: str | Path) -> str | None:
+    """`model_problem` of an HF directory (its config.json; None when there is none to read)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        return model_problem(json.loads(path.read_text()), model_dir)
+    except (OSError, ValueError):
+        return None

@@ -36,6 +36,11 @@ Memory tags: on CPU nothing is releasable (vLLM has no sleep mode there); on CUD
 `enable_sleep_mode`, "weights" is sleep level 2 (discarded: published again before serving) and
 "kv_cache" alone is vLLM's release_kv_cache_memory; wake_up maps the tags onto vLLM's. The CUDA paths
 (sleep levels, IPC buckets) are written against vLLM's source and have not run on a GPU yet.
+
+CUDA: each rank's engine processes see the rank's GPU alone (CUDA_VISIBLE_DEVICES, `engine_env`), bucket
+handles name the GPU by UUID (`ipc`), the KV cache is sized by vLLM from `gpu_memory_utilization` unless
+`kv_cache_mb` is set, and CUDA graphs are on unless `enforce_eager` (`engine_args`). Mixture-of-experts
+models are refused (`config.model_problem`): the worker's read-back map has no place for fused experts.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from hybridrl.backends.vllm.config import VLLMConfig
+from hybridrl.backends.vllm.config import PLAIN_CPU_LOAD_FORMAT, VLLMConfig, model_problem
 from hybridrl.distributed.reaper import Reaper, descendants
 from hybridrl.rollout.protocol import (
     KV_CACHE,
@@ -143,7 +148,11 @@ class VLLMEngine:
             raise ValueError("rollout.vllm.enable_sleep_mode: vLLM has no sleep mode on CPU ('Sleep mode is not "
                              "supported on current platform'); leave it false")
         self.releasable_tags = cfg.releasable_tags(on_cuda)
+        self._kv_bytes = kv_cache_bytes(cfg, on_cuda)        # None on CUDA: vLLM's own sizing
         hf = checkpoint_config(self.model_path)
+        problem = model_problem(hf, self.model_path)
+        if problem:
+            raise ValueError(problem)
         self.vocab_size = int(hf["vocab_size"])
         self.eos_token_ids = tuple(eos_ids(self.model_path))
         dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
@@ -179,39 +188,11 @@ class VLLMEngine:
         except ImportError as err:
             raise ImportError(f"{MISSING_VLLM} ({err})") from err
 
-        cfg = self.cfg
-        kwargs: dict[str, Any] = dict(
-            model=self.model_path, dtype=dtype, seed=self.seed, enforce_eager=cfg.enforce_eager,
-            skip_tokenizer_init=True, generation_config="vllm", logprobs_mode="processed_logprobs",
-            max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching,
-            kv_cache_memory_bytes=cfg.kv_cache_mb << 20, worker_extension_cls=WORKER_EXTENSION,
-            disable_log_stats=True, tensor_parallel_size=1)
         if not on_cuda:
-            from hybridrl.backends.vllm.worker import PLAIN_CPU_LOAD_FORMAT
+            import hybridrl.backends.vllm.worker  # noqa: F401 - registers the CPU loader (PLAIN_CPU_LOAD_FORMAT)
 
-            kwargs["load_format"] = PLAIN_CPU_LOAD_FORMAT
-        else:
-            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.enable_sleep_mode)
-        if cfg.max_num_batched_tokens:
-            kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-        if not on_cuda:
-            # Every request here is seeded (a generator of its own); a prompt prefilled in chunks has the
-            # token sampled after a partial chunk thrown away, and vLLM then rewinds that generator's
-            # offset, which a CPU generator does not have ("CPU Generator does not use offset": the
-            # engine core dies). So on CPU prompts are never chunked: the step's token budget holds a
-            # whole context, and a request that does not fit waits for the next step.
-            longest = cfg.max_model_len or int(checkpoint_config(self.model_path).get("max_position_embeddings", 0))
-            kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(cfg.max_num_batched_tokens, longest, 2048)
-        if cfg.max_model_len:
-            kwargs["max_model_len"] = cfg.max_model_len
-        kwargs.update(cfg.engine_args)
-        threads = cfg.threads or torch.get_num_threads()
-        env = {"VLLM_LOGGING_LEVEL": cfg.log_level, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        if not on_cuda:
-            env.update(VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-                       OMP_NUM_THREADS=str(threads))
+        kwargs = engine_args(self.cfg, self.model_path, dtype=dtype, on_cuda=on_cuda, seed=self.seed)
+        env = engine_env(self.cfg, on_cuda=on_cuda, device_index=_device_index(self.device) if on_cuda else None)
         restore = torch.set_num_threads
 
         async def build():
@@ -278,28 +259,38 @@ class VLLMEngine:
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
                              digests: Mapping[str, str] | None = None) -> None:
-        """Copy HF-named tensors into the live weights in place (see the module doc); validated whole first."""
+        """Copy HF-named tensors into the live weights in place (see the module doc); validated whole first.
+        CPU tensors travel as bytes; tensors on the GPU (a disaggregated rollout rank receives into one) are
+        packed into one flat bucket there and travel as its CUDA IPC handle (`load_bucket`)."""
         items = list(named_tensors)
         validate_named_tensors(items, self._spec)
         names = [n for n, _ in items]
         self._check_update(version, names, digests)
+        devices = {t.device for _, t in items}
+        if len(devices) > 1:
+            raise ValueError(f"update_weights: the tensors of one call are on one device, got "
+                             f"{sorted(map(str, devices))}")
+        if devices and next(iter(devices)).type != "cpu":
+            await self.load_bucket(pack_bucket(items), version, digests=digests)
+            return
         wire = [(n, list(t.shape), _dtype_name(t.dtype), _raw_bytes(t)) for n, t in items]
         await self._on_engine_loop(self._apply("hybridrl_load", (wire,), names, version, digests))
 
     async def load_bucket(self, bucket: Any, version: int, *, names: Sequence[str] | None = None,
                           digests: Mapping[str, str] | None = None) -> None:
-        """One flat bucket (`publication.buckets.FlatBucket`) in one RPC: its buffer and layout; `names` of it
-        are loaded (all by default)."""
+        """One flat bucket (`publication.buckets.FlatBucket`) in one RPC: its buffer (bytes from the CPU, a
+        CUDA IPC handle from the GPU, `bucket_wire`) and layout; `names` of it are loaded (all by default)."""
         names = list(names) if names is not None else list(bucket.views)
         validate_named_tensors(bucket.named(names), self._spec)
         self._check_update(version, names, digests)
         entries = [(e.name, list(e.shape), _dtype_name(e.dtype), e.start, e.end) for e in bucket.plan.entries]
-        if bucket.buffer.device.type == "cpu":
-            encoding, buffer = "raw", _raw_bytes(bucket.buffer)
-        else:
-            encoding, buffer = "cuda_ipc", _cuda_handle(bucket.buffer)
-        await self._on_engine_loop(self._apply("hybridrl_load_bucket", (encoding, buffer, entries, names), names,
-                                               version, digests))
+        encoding, buffer = bucket_wire(bucket.buffer)
+        try:
+            await self._on_engine_loop(self._apply("hybridrl_load_bucket", (encoding, buffer, entries, names), names,
+                                                   version, digests))
+        finally:
+            if encoding == "cuda_ipc":
+                torch.cuda.ipc_collect()      # the worker has dropped its view: free what IPC still holds
 
     async def sleep(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
         """Abort the requests in flight (FinishReason.ABORT), then release the tagged memory (see the module doc;
@@ -316,7 +307,7 @@ class VLLMEngine:
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "policy_version": self.policy_version, "pending_version": self._publication.pending,
                 "requests_in_flight": len(self._requests), "released": sorted(self._released),
-                "kv_cache_bytes": self.cfg.kv_cache_mb << 20, "max_model_len": self.max_model_len}
+                "kv_cache_bytes": self._kv_bytes, "max_model_len": self.max_model_len}
 
     def call_worker(self, method: Any, *args: Any) -> Any:
         """collective_rpc(method, args) on vLLM's worker (a method name of `worker.WeightSync` or of vLLM's
@@ -492,6 +483,82 @@ class VLLMEngine:
         return self._call(self._llm.collective_rpc(method, args=args))[0]
 
 
+CPU_KV_CACHE_MB = 64        # rollout.vllm.kv_cache_mb=0 on CPU (vLLM has no memory profile to size it from there)
+
+
+def kv_cache_bytes(cfg: VLLMConfig, on_cuda: bool) -> int | None:
+    """vLLM's kv_cache_memory_bytes: `kv_cache_mb` when set; else 64 MiB on CPU and, on CUDA, None: vLLM then
+    sizes the cache from `gpu_memory_utilization` (a fixed budget there overrides it, vllm 0.32
+    v1/worker/gpu_worker.py:649-672, and a context longer than the budget holds refuses to start,
+    v1/core/kv_cache_utils.py:1021-1040)."""
+    if cfg.kv_cache_mb:
+        return cfg.kv_cache_mb << 20
+    return None if on_cuda else CPU_KV_CACHE_MB << 20
+
+
+def engine_args(cfg: VLLMConfig, model_path: str, *, dtype: str, on_cuda: bool, seed: int) -> dict[str, Any]:
+    """`AsyncEngineArgs(**kwargs)` for one engine (tensor parallel 1: one engine per rank).
+
+    CPU: our plain-weights loader, never chunked prefill (see below), eager (compiling takes minutes).
+    CUDA: `gpu_memory_utilization`, sleep mode when asked, CUDA graphs unless `enforce_eager`: a
+    publication copies into the live parameters in place (the model's weight loaders write into the
+    existing storage), so the addresses the graphs captured stay valid across versions; sleep level 2
+    discards and re-allocates the weights through vLLM's own allocator, which keeps their addresses."""
+    kwargs: dict[str, Any] = dict(
+        model=model_path, dtype=dtype, seed=seed, enforce_eager=cfg.enforce_eager or not on_cuda,
+        skip_tokenizer_init=True, generation_config="vllm", logprobs_mode="processed_logprobs",
+        max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching,
+        worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True, tensor_parallel_size=1)
+    kv_bytes = kv_cache_bytes(cfg, on_cuda)
+    if kv_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_bytes
+    if cfg.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    if on_cuda:
+        kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.enable_sleep_mode)
+    else:
+        # Every request here is seeded (a generator of its own); a prompt prefilled in chunks has the
+        # token sampled after a partial chunk thrown away, and vLLM then rewinds that generator's
+        # offset, which a CPU generator does not have ("CPU Generator does not use offset": the
+        # engine core dies). So on CPU prompts are never chunked: the step's token budget holds a
+        # whole context, and a request that does not fit waits for the next step.
+        longest = cfg.max_model_len or int(checkpoint_config(model_path).get("max_position_embeddings", 0))
+        kwargs.update(load_format=PLAIN_CPU_LOAD_FORMAT, enable_chunked_prefill=False,
+                      max_num_batched_tokens=max(cfg.max_num_batched_tokens, longest, 2048))
+    if cfg.max_model_len:
+        kwargs["max_model_len"] = cfg.max_model_len
+    kwargs.update(cfg.engine_args)
+    return kwargs
+
+
+def engine_env(cfg: VLLMConfig, *, on_cuda: bool, device_index: int | None,
+               environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment vLLM's processes start with (spawned children inherit it; ours is put back after).
+
+    CUDA: CUDA_VISIBLE_DEVICES names this rank's GPU alone (`ipc.visible_device`), so the engine core,
+    which takes its first visible GPU, runs on the rank's and not on GPU 0 with every other engine of
+    the node; spawn, as vLLM would force anyway once CUDA is initialised here
+    (vllm/utils/system_utils.py `_maybe_force_spawn`). CPU: the worker's OpenMP threads, unbound."""
+    from hybridrl.backends.vllm.ipc import visible_device
+
+    environ = os.environ if environ is None else environ
+    env = {"VLLM_LOGGING_LEVEL": cfg.log_level, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if on_cuda:
+        if device_index is None:
+            raise ValueError("a vLLM engine on CUDA needs the rank's device index")
+        env.update(CUDA_VISIBLE_DEVICES=visible_device(device_index, environ), VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    else:
+        threads = cfg.threads or torch.get_num_threads()
+        env.update(VLLM_CPU_OMP_THREADS_BIND=environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+                   OMP_NUM_THREADS=str(threads))
+    return env
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _check_spans(spans: Any, version: int, request_id: str) -> None:
     """vLLM's own record of the weights every output token came from must be this request's version alone."""
     labels = {span.version for span in spans or ()}
@@ -512,13 +579,34 @@ def _raw_bytes(tensor: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
-def _cuda_handle(buffer: torch.Tensor) -> bytes:
-    """A CUDA IPC handle of the bucket's buffer, pickled (vLLM's RPC encoder takes bytes, not CUDA tensors)."""
+def bucket_wire(buffer: torch.Tensor) -> tuple[str, Any]:
+    """How a flat bucket's buffer crosses vLLM's RPC: ("raw", its bytes) from the CPU, ("cuda_ipc", a pickled
+    IPC handle naming the GPU by UUID, `ipc.share`) from a GPU; a buffer anywhere else is refused (`.numpy()`
+    of a device tensor would fail later, inside the RPC)."""
     import pickle
 
-    from torch.multiprocessing.reductions import reduce_tensor
+    from hybridrl.backends.vllm import ipc
 
-    return pickle.dumps(reduce_tensor(buffer))
+    if buffer.device.type == "cpu":
+        return "raw", _raw_bytes(buffer)
+    if buffer.device.type == "cuda":
+        return "cuda_ipc", pickle.dumps(ipc.share(buffer))
+    raise ValueError(f"a vLLM publication comes from the CPU or a CUDA GPU, not from {buffer.device}")
+
+
+def pack_bucket(items: Sequence[tuple[str, torch.Tensor]]) -> Any:
+    """(name, tensor) pairs copied into one flat bucket on their device (element-aligned offsets)."""
+    from hybridrl.publication.buckets import FlatBucket, plan_buckets
+
+    if not items:
+        raise ValueError("pack_bucket: no tensors")
+    specs = [(n, tuple(t.shape), t.dtype) for n, t in items]
+    total = sum(t.numel() * t.element_size() for _, t in items) + 16 * len(items)
+    plan, = plan_buckets([specs], total)
+    bucket = FlatBucket(plan, torch.empty(plan.nbytes, dtype=torch.uint8, device=items[0][1].device))
+    for name, tensor in items:
+        bucket.views[name].copy_(tensor)
+    return bucket
 
 
 async def _shutdown(llm: Any) -> None:

@@ -29,9 +29,8 @@ import torch
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+from hybridrl.backends.vllm.config import PLAIN_CPU_LOAD_FORMAT
 from hybridrl.publication.digest import tensor_digests
-
-PLAIN_CPU_LOAD_FORMAT = "hybridrl_plain_cpu"
 
 Region = tuple[str, int, int]       # (vLLM parameter name, first row, end row); rows -1, -1: the whole parameter
 
@@ -112,15 +111,21 @@ class WeightSync:
         if encoding == "cuda_ipc":
             import pickle
 
-            rebuild, args = pickle.loads(buffer)
-            flat = rebuild(*args)
+            from hybridrl.backends.vllm.ipc import open_handle
+
+            flat = open_handle(pickle.loads(buffer))       # the GPU by UUID: it is cuda:0 here, cuda:k there
         elif encoding == "raw":
             flat = torch.frombuffer(bytearray(buffer), dtype=torch.uint8)
         else:
             raise ValueError(f"unknown bucket encoding {encoding!r}")
         views = {name: flat[start:end].view(getattr(torch, dtype)).view(shape)
                  for name, shape, dtype, start, end in entries}
-        return self._hybridrl_load([(n, views[n]) for n in names], verify)
+        digests = self._hybridrl_load([(n, views[n]) for n in names], verify)
+        if encoding == "cuda_ipc":
+            # the copies are queued on this worker's stream; the sender reuses its buffer for the next bucket
+            # as soon as this call returns
+            torch.cuda.current_stream().synchronize()
+        return digests
 
     def _hybridrl_load(self, items: list[tuple[str, torch.Tensor]], verify: bool) -> dict[str, str] | None:
         self.hybridrl_copy(items)

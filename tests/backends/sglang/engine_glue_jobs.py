@@ -45,6 +45,8 @@ def main(model_dir: str, out: str, unprotected: bool) -> None:
         engine_mod.launch.launch_scope = contextlib.contextmanager(lambda: (yield {}))
         SGLangEngine._bind = _bind_without_release
 
+    memory_log = out + ".memory.jsonl"
+    os.environ[engine_mod.MEMORY_LOG] = memory_log
     cfg = SGLangConfig(load_format="auto", cuda_graph=False, deterministic_inference=True)
     engine = SGLangEngine(model_dir, cfg, tp_size=2)
     fake = fake_sglang.ENGINES[-1]
@@ -66,7 +68,10 @@ def main(model_dir: str, out: str, unprotected: bool) -> None:
     tensors = [(name, torch.zeros(shape, dtype=dtype)) for name, (shape, dtype) in engine.weight_spec().items()]
     loop.run_until_complete(engine.update_weights(tensors, 1))
     r["serialized"] = list(fake_sglang.SERIALIZED)
+    loop.run_until_complete(engine.wake_up(["kv_cache"]))             # everything back: the scheduler runs again
     r["requests"] = fake.tokenizer_manager.requests
+    with open(memory_log) as f:
+        r["memory"] = [json.loads(line) for line in f]
     r["policy_version"] = engine.policy_version
     with open(out, "w") as f:
         json.dump(r, f)

@@ -10,6 +10,7 @@ real engine has on the calling process (so the glue can be tested on CPU, in a s
   coroutines call it first, as sglang's do; it reports a resolved context length, reserved tokens
   and the scheduler's longest input (tokenizer_manager.py:550, engine.py:1273-1317).
 - `MultiprocessingSerializer.serialize` counts its calls (utils/common.py).
+- `pause_generation` / `continue_generation` are recorded with the other control requests.
 
 `install()` puts these modules in `sys.modules` under sglang's names.
 """
@@ -72,6 +73,12 @@ class TokenizerManager:
     async def flush_cache(self):
         return await self._answer("flush")
 
+    async def pause_generation(self, obj):
+        return await self._answer(f"pause {obj.mode}")
+
+    async def continue_generation(self, obj):
+        return await self._answer("continue")
+
 
 class Engine:
     def __init__(self, **kwargs):
@@ -120,5 +127,6 @@ def install() -> None:
     module("sglang.srt.managers")
     io = module("sglang.srt.managers.io_struct")
     for name in ("BeginWeightUpdateReqInput", "EndWeightUpdateReqInput", "UpdateWeightsFromTensorReqInput",
-                 "ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput"):
+                 "ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput", "PauseGenerationReqInput",
+                 "ContinueGenerationReqInput"):
         setattr(io, name, lambda **kw: SimpleNamespace(**kw))

@@ -4,6 +4,7 @@ children inherit, what the trainer keeps, signal handlers, one payload per TP ra
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -50,10 +51,19 @@ def test_the_trainers_signal_handlers_survive_the_engine(glue):
     assert not unprotected["sigterm_is_ours"] and not unprotected["sigterm_received"]   # queued on the loop
 
 
-def test_one_payload_per_tp_rank_and_the_resolved_length(glue):
+def test_one_payload_per_tp_rank_paused_while_asleep_and_the_resolved_length(glue):
     r, _ = glue
     assert len(r["serialized"]) == 2 and len(set(r["serialized"])) == 1           # serialized once for each rank
-    assert r["requests"][-4:] == ["begin", "update 2 payloads", "end", "flush"] and r["policy_version"] == 1
+    released = r["requests"][1]
+    assert released.startswith("release")
+    assert sorted(ast.literal_eval(released[len("release "):])) == ["kv_cache", "weights"]
+    assert r["requests"][:1] + r["requests"][2:] == ["pause retract", "resume ['weights']", "begin",
+                                                     "update 2 payloads", "end", "flush", "resume ['kv_cache']",
+                                                     "continue"]
+    assert r["policy_version"] == 1
+    assert [(m["op"], m["tags"]) for m in r["memory"]] == [("release", ["kv_cache", "weights"]),
+                                                          ("resume", ["weights"]), ("resume", ["kv_cache"])]
+    assert all(m["used_before"] is None and m["used_after"] is None for m in r["memory"])    # no GPU here
     assert r["max_model_len"] == 4096 - 6 and r["deterministic_kwarg"] is True
 
 

@@ -38,10 +38,11 @@ SCRIPT = textwrap.dedent('''
         pass
     # every request round-trips through sglang's own wire encoding (what reaches the scheduler)
     for r in (req, requests.begin_update(io), requests.end_update(io), requests.release(io, ["weights", "kv_cache"]),
-              requests.resume(io, ["cuda_graph"])):
+              requests.resume(io, ["cuda_graph"]), requests.pause(io), requests.resume_generation(io)):
         back = io._msgpack_decoder.decode(io._msgpack_encoder.encode(r)) if hasattr(io, "_msgpack_decoder") else r
         assert type(back) is type(r) and msgspec.structs.asdict(back) == msgspec.structs.asdict(r), r
     assert requests.release(io, ["kv_cache"]).tags == ["kv_cache"]
+    assert type(requests.pause(io)) is io.PauseGenerationReqInput and requests.pause(io).mode == "retract"
     assert requests.result_ok((False, "outside a session")) == (False, "outside a session")
     assert requests.result_ok(io.EndWeightUpdateReqOutput(success=True, message="ok")) == (True, "ok")
 
