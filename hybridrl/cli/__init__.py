@@ -24,7 +24,7 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl demo [--dir D] [key=value | sft:key=value | grpo:key=value ...]   base model -> SFT -> GRPO
     hybridrl cost RUN_DIR [RUN_DIR ...] [--json]   device-seconds by stage, what never trained, money
     hybridrl plan RUN_DIR [--measure] [--target-tokens-per-s X | --ranks N] [--what-if k=v]   capacity plan
-    hybridrl export RUN --step N --out DIR     a run's checkpoint as an HF directory (starts torchrun)
+    hybridrl export RUN [--step N] [--peft] --out DIR   a checkpoint as an HF (or PEFT) directory (torchrun)
 """
 
 from __future__ import annotations
