@@ -117,11 +117,13 @@ def _cmd_init_recipe(args: argparse.Namespace) -> int:
             print(name)
         return 0
     try:
-        target = shipped.copy_recipe(args.name, Path(args.out), force=args.force)
+        target, notes = shipped.copy_recipe(args.name, Path(args.out), force=args.force)
     except (FileNotFoundError, FileExistsError) as err:
         print(f"hybridrl init recipe: {err}", file=sys.stderr)
         return EXIT_CONFIG
     print(f"wrote {target} (from the shipped recipe {args.name}); run it with: hybridrl train {target}")
+    for note in notes:
+        print(f"hybridrl init recipe: note: {note}", file=sys.stderr)
     return 0
 
 
