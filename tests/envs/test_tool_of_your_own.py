@@ -1,8 +1,9 @@
 """The README's "a tool of your own" walk-through, replayed: `examples/dates.py` and its recipe
-`examples/dates.yaml` copied into a directory (as a user does), its demonstrations through the real CLI, and its episodes through the real agent loop
-(a scripted engine writes the tool call and the answer): the tool registered by the task module is
-built, authorized, checked and called; its result reaches the model; a bad argument is the model's
-error, a tool the instance does not name is refused."""
+`examples/dates.yaml` copied into a directory (as a user does), its demonstrations through the real
+CLI, and its episodes through the real agent loop (a scripted engine writes the tool call and the
+answer): the tool registered by the task module is built, authorized, checked and called; its result
+reaches the model; a bad argument is the model's error, a tool the instance does not name is refused.
+Every `examples/` file the README cites exists."""
 
 from __future__ import annotations
 
