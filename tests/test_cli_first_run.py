@@ -169,6 +169,22 @@ def test_a_copied_recipe_finds_its_inputs_in_the_checkout_it_came_from(tmp_path)
     assert "train_path: data/train.jsonl" in out and len(notes) == 1 and notes[0].startswith("task.options.train_path")
 
 
+def test_export_peft_refuses_a_run_without_adapters_in_one_line(tmp_path, capsys):
+    """Checked before torchrun starts: a full fine-tune has no adapters; a LoRA run without checkpoints is
+    pointed at the adapters its end wrote (hf_peft/)."""
+    from hybridrl.cli import main
+
+    full, lora = tmp_path / "full", tmp_path / "lora"
+    for run, rank in ((full, 0), (lora, 4)):
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"train": {"lora": {"rank": rank}}}))
+    assert main(["export", str(full), "--peft", "--out", str(tmp_path / "a")]) == 2
+    assert "trained the full model (train.lora.rank is 0)" in capsys.readouterr().err
+    assert main(["export", str(lora), "--peft", "--out", str(tmp_path / "a")]) == 2
+    assert f"the final policy is {lora / 'hf_peft'}" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+
+
 @pytest.mark.slow
 def test_a_wheel_carries_the_recipes(tmp_path):
     """What a pip-installed user gets: the shipped recipes inside the package."""

@@ -357,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare_arguments(p)
     p.set_defaults(func=_cmd_compare)
 
-    p = sub.add_parser("export", help="a run's checkpoint (an intermediate step) as an HF directory (starts torchrun)")
+    p = sub.add_parser("export", help="a run's checkpoint as an HF directory, or a LoRA run's adapters as a PEFT "
+                                      "directory (--peft); starts torchrun")
     from hybridrl.cli.export import add_arguments as add_export_arguments
 
     add_export_arguments(p)
