@@ -31,9 +31,24 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def config_diff(a: Path, b: Path) -> list[tuple[str, Any, Any]]:
+    """The keys whose values differ; a path under each run's own run.dir (the audit log, the kill switch,
+    the environments' database: `${run.dir}/...` by default) differs only when its place in the run does;
+    run.dir itself only when it is not the directory compared (the header names those)."""
     ca, cb = (flatten(json.loads((d / "config.json").read_text())) for d in (a, b))
+    ra, rb = _relative_to_run(ca), _relative_to_run(cb)
+    if all(Path(str(c.get("run.dir", ""))).resolve() == d.resolve() for c, d in ((ca, a), (cb, b))):
+        ra, rb = {**ra, "run.dir": "(the directory compared)"}, {**rb, "run.dir": "(the directory compared)"}
     return [(k, ca.get(k, "(absent)"), cb.get(k, "(absent)")) for k in sorted(set(ca) | set(cb))
-            if ca.get(k, "(absent)") != cb.get(k, "(absent)")]
+            if ra.get(k, "(absent)") != rb.get(k, "(absent)")]
+
+
+def _relative_to_run(flat: dict[str, Any]) -> dict[str, Any]:
+    """`flat` with every other value under run.dir written as `${run.dir}/REST` (run.dir itself kept)."""
+    root = str(flat.get("run.dir") or "").rstrip("/")
+    if not root:
+        return flat
+    return {k: ("${run.dir}" + v[len(root):] if k != "run.dir" and isinstance(v, str)
+                and (v == root or v.startswith(root + "/")) else v) for k, v in flat.items()}
 
 
 def metric_table(a: Path, b: Path) -> list[tuple[str, str, str]]:

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -129,15 +130,59 @@ def test_config_show_diff_and_section():
 def test_init_recipe_copies_a_shipped_recipe_that_loads(tmp_path):
     listed = hybridrl("init", "recipe", "--list", cwd=tmp_path)
     assert "calc_grpo_cpu" in listed.stdout.split() and "calc_sft_cpu" in listed.stdout.split()
-    made = hybridrl("init", "recipe", "calc_grpo_cpu", cwd=tmp_path)
-    assert made.returncode == 0, made.stderr
-    assert (tmp_path / "calc_grpo_cpu.yaml").read_text() == (ROOT / "recipes" / "calc_grpo_cpu.yaml").read_text()
-    shown = hybridrl("config", "show", "calc_grpo_cpu.yaml", "--section", "run.job", cwd=tmp_path)
-    assert shown.returncode == 0 and yaml.safe_load(shown.stdout) == {"run": {"job": "rl"}}
+    bare = hybridrl("init", "recipe", "calc_grpo_cpu", cwd=tmp_path)      # no demo here: the copy says so
+    assert bare.returncode == 0 and "model.path: runs/demo/sft/hf does not exist here yet" in bare.stderr
+    (tmp_path / "runs" / "demo" / "sft" / "hf").mkdir(parents=True)          # as `hybridrl demo` leaves it
+    made = hybridrl("init", "recipe", "calc_grpo_cpu", "--force", cwd=tmp_path)
+    assert made.returncode == 0 and "note" not in made.stderr, made.stderr
+    copied = yaml.safe_load((tmp_path / "calc_grpo_cpu.yaml").read_text())
+    shipped = yaml.safe_load((ROOT / "recipes" / "calc_grpo_cpu.yaml").read_text())
+    # the input path is absolute (the recipe works from any directory), the output run.dir stays where it runs
+    assert copied["model"]["path"] == str(tmp_path.resolve() / "runs" / "demo" / "sft" / "hf")
+    assert copied["run"]["dir"] == "runs/demo/grpo" and {**copied, "model": shipped["model"]} == shipped
+    assert "#   hybridrl train calc_grpo_cpu.yaml" in (tmp_path / "calc_grpo_cpu.yaml").read_text()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shown = hybridrl("config", "show", "../calc_grpo_cpu.yaml", "--section", "run.job", "--section", "model.path",
+                     cwd=elsewhere)
+    assert shown.returncode == 0 and yaml.safe_load(shown.stdout) == {"run": {"job": "rl"},
+                                                                      "model": {"path": copied["model"]["path"]}}
     again = hybridrl("init", "recipe", "calc_grpo_cpu", cwd=tmp_path)
     assert again.returncode == 2 and "exists (--force replaces it)" in again.stderr
     typo = hybridrl("init", "recipe", "calc_grpo", cwd=tmp_path)
     assert typo.returncode == 2 and "did you mean calc_grpo_cpu?" in typo.stderr
+
+
+def test_a_copied_recipe_finds_its_inputs_in_the_checkout_it_came_from(tmp_path):
+    """A path that is not under the working directory but under the checkout the recipe came from (where the
+    demo ran) is written as that absolute path; one in neither place is left and named."""
+    from hybridrl.shipped import portable
+
+    here, checkout = tmp_path / "here", tmp_path / "checkout"
+    (checkout / "runs" / "demo" / "sft" / "hf").mkdir(parents=True)
+    here.mkdir()
+    text = ("# see recipes/x.yaml and recipes/y.yaml\nrun:\n  dir: runs/demo/sft\nmodel:\n  path: runs/demo/sft/hf   # warm\n"
+            "task:\n  options:\n    train_path: data/train.jsonl\n")
+    out, notes = portable(text, here, checkout, "x", Path("x.yaml"))
+    assert out.splitlines()[0] == "# see x.yaml and y.yaml (hybridrl init recipe y)"
+    assert f"  path: {checkout.resolve()}/runs/demo/sft/hf   # warm" in out and "  dir: runs/demo/sft\n" in out
+    assert "train_path: data/train.jsonl" in out and len(notes) == 1 and notes[0].startswith("task.options.train_path")
+
+
+def test_export_peft_refuses_a_run_without_adapters_in_one_line(tmp_path, capsys):
+    """Checked before torchrun starts: a full fine-tune has no adapters; a LoRA run without checkpoints is
+    pointed at the adapters its end wrote (hf_peft/)."""
+    from hybridrl.cli import main
+
+    full, lora = tmp_path / "full", tmp_path / "lora"
+    for run, rank in ((full, 0), (lora, 4)):
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"train": {"lora": {"rank": rank}}}))
+    assert main(["export", str(full), "--peft", "--out", str(tmp_path / "a")]) == 2
+    assert "trained the full model (train.lora.rank is 0)" in capsys.readouterr().err
+    assert main(["export", str(lora), "--peft", "--out", str(tmp_path / "a")]) == 2
+    assert f"the final policy is {lora / 'hf_peft'}" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ def hybridrl(*args) -> subprocess.CompletedProcess:
 
 def make_run(path, overrides, *, lift: float):
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps(to_dict(load_config(GRPO, overrides))))
+    (path / "config.json").write_text(json.dumps(to_dict(load_config(GRPO, [f"run.dir={path}", *overrides]))))
     logger = MetricsLogger(path, tensorboard=False)
     for step in range(0, 11):
         row = {"time/T_rollout": 1.0 + 0.1 * step, "time/T_train": 0.5, "time/T_sync": 0.2, "time/step_s": 1.8}
@@ -77,7 +77,8 @@ def test_compare_shows_the_config_diff_and_a_metric_table(runs):
     proc = hybridrl("compare", *runs)
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
-    assert "config: 2 key(s) differ:" in text
+    # the keys a run derives from its own run.dir (audit log, kill switch, environments' database) are no difference
+    assert "config: 2 key(s) differ:" in text and "audit_log" not in text and "run.dir" not in text
     assert "train.lr" in text and "A 5e-05  B 0.0001" in text
     assert "trainer.group_size" in text and "A 8  B 4" in text
     line = next(x for x in text.splitlines() if x.strip().startswith("val/accuracy"))

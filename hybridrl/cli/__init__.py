@@ -24,7 +24,7 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl demo [--dir D] [key=value | sft:key=value | grpo:key=value ...]   base model -> SFT -> GRPO
     hybridrl cost RUN_DIR [RUN_DIR ...] [--json]   device-seconds by stage, what never trained, money
     hybridrl plan RUN_DIR [--measure] [--target-tokens-per-s X | --ranks N] [--what-if k=v]   capacity plan
-    hybridrl export RUN --step N --out DIR     a run's checkpoint as an HF directory (starts torchrun)
+    hybridrl export RUN [--step N] [--peft] --out DIR   a checkpoint as an HF (or PEFT) directory (torchrun)
 """
 
 from __future__ import annotations
@@ -117,11 +117,13 @@ def _cmd_init_recipe(args: argparse.Namespace) -> int:
             print(name)
         return 0
     try:
-        target = shipped.copy_recipe(args.name, Path(args.out), force=args.force)
+        target, notes = shipped.copy_recipe(args.name, Path(args.out), force=args.force)
     except (FileNotFoundError, FileExistsError) as err:
         print(f"hybridrl init recipe: {err}", file=sys.stderr)
         return EXIT_CONFIG
     print(f"wrote {target} (from the shipped recipe {args.name}); run it with: hybridrl train {target}")
+    for note in notes:
+        print(f"hybridrl init recipe: note: {note}", file=sys.stderr)
     return 0
 
 
@@ -355,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare_arguments(p)
     p.set_defaults(func=_cmd_compare)
 
-    p = sub.add_parser("export", help="a run's checkpoint (an intermediate step) as an HF directory (starts torchrun)")
+    p = sub.add_parser("export", help="a run's checkpoint as an HF directory, or a LoRA run's adapters as a PEFT "
+                                      "directory (--peft); starts torchrun")
     from hybridrl.cli.export import add_arguments as add_export_arguments
 
     add_export_arguments(p)

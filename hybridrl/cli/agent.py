@@ -208,6 +208,17 @@ def _rollout_temperature(cfg, args) -> tuple[float, str]:
     return cfg.agent.temperature, "agent.temperature"
 
 
+def _agent_recipe_refusal(cfg, args) -> str:
+    """What to run instead for a task.agent recipe: `hybridrl eval` with the same recipe runs its episodes."""
+    import shlex
+
+    given = ([args.config] if args.config else []) + list(args.recipe_args)
+    command = shlex.join(["hybridrl", "eval", *given, "-n", str(args.n)])
+    return (f"hybridrl: agent rollout runs the built-in agent loop, and this recipe's episodes are an OpenAI-client "
+            f"agent's (task.agent={cfg.task.agent}); `hybridrl eval` runs them through the gateway (greedy and "
+            f"sampled accuracy on the validation split):\n    {command}")
+
+
 def _rollout(cfg, args) -> int:
     import asyncio
     import time
@@ -220,8 +231,7 @@ def _rollout(cfg, args) -> int:
     from hybridrl.envs.tasks import Task, get_task
 
     if cfg.task.agent:       # the gateway's runner sits above this package (hybridrl/gateway/runner.py)
-        print(f"hybridrl: agent rollout runs the built-in agent loop, not task.agent={cfg.task.agent}; its "
-              "episodes run in training and in SFT's validation (hybridrl train / hybridrl sft)", file=sys.stderr)
+        print(_agent_recipe_refusal(cfg, args), file=sys.stderr)
         return 2
     task = get_task(cfg.task.name, cfg.task)
     instances = (task.validation_split if args.split == "validation" else task.train_split)(args.n)

@@ -1,6 +1,7 @@
 """The ranks of `hybridrl export` (`hybridrl/cli/export.py`): each builds the run's actor, loads
-the checkpoint named in $HYBRIDRL_EXPORT_CHECKPOINT into it and takes part in writing the HF directory
-$HYBRIDRL_EXPORT_OUT (rank 0 writes)."""
+the checkpoint named in $HYBRIDRL_EXPORT_CHECKPOINT into it and takes part in writing
+$HYBRIDRL_EXPORT_OUT (rank 0 writes): the HF directory, or with $HYBRIDRL_EXPORT_FORMAT=peft the
+LoRA adapters alone as a PEFT directory (`TrainEngine.export_peft`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hybridrl.jobs import Job
 from hybridrl.workers.base import Worker, register
 
 FROM, TO = "HYBRIDRL_EXPORT_CHECKPOINT", "HYBRIDRL_EXPORT_OUT"     # what the job's ranks read
+FORMAT = "HYBRIDRL_EXPORT_FORMAT"                                  # "hf" (the default) or "peft"
 
 
 class ExportWorker(Worker):
@@ -26,14 +28,18 @@ class ExportWorker(Worker):
         return {**super().meshes(), "train": self.actor.mesh}
 
     @register(dispatch=ONE_TO_ALL)
-    def export(self, checkpoint: str, out_dir: str) -> dict:
+    def export(self, checkpoint: str, out_dir: str, form: str = "hf") -> dict:
         extra = self.actor.load_checkpoint(checkpoint)
-        self.actor.export_hf(out_dir)
+        if form == "peft":
+            self.actor.export_peft(out_dir)
+        else:
+            self.actor.export_hf(out_dir)
         return {"step": extra.get("step"), "policy_version": extra.get("policy_version")}
 
 
 def run_export(cfg, wg) -> dict:
-    return wg.call(ExportWorker.export, checkpoint=os.environ[FROM], out_dir=os.environ[TO])[0]
+    return wg.call(ExportWorker.export, checkpoint=os.environ[FROM], out_dir=os.environ[TO],
+                   form=os.environ.get(FORMAT, "hf"))[0]
 
 
 JOB = Job("export", ExportWorker, run_export)

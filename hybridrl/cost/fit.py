@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from hybridrl.cost.records import RunRecords
 from hybridrl.cost.workload import (EngineModel, EpisodeShape, MeasuredConfig, Overheads, TrainerModel, Workload,
-                                    fit_engine, fit_trainer, median, shape_of)
+                                    fit_engine, fit_trainer, median, shape_from_counts, shape_of)
 
 WARMUP = 2
 
@@ -101,12 +101,10 @@ def workload_from_run(rec: RunRecords, *, calibrate: bool = True) -> Workload:
                          "needs the episode distribution; use --measure")
     mc = measured_config(rec.config, rec.world_size)
     disagg = mc.placement == "disaggregated"
-    groups: dict[str, list[EpisodeShape]] = defaultdict(list)
-    for e in rec.episodes:
-        if e.step <= 0:
-            continue
-        groups[e.group_id].append(shape_of(e.turn_events, e.prompt_tokens, e.timings, e.reward, e.status, e.task_id,
-                                           e.status == "truncated"))
+    groups, untraced = _groups(rec)
+    if not any(e.policy_tokens for g in groups.values() for e in g):
+        raise ValueError(f"{rec.run_dir}: the ledger's training episodes hold no policy tokens (every episode failed "
+                         "before the model answered? see `hybridrl inspect RUN_DIR`): there is no workload to plan")
     rows = rec.step_rows()
     native = rec.config.get("rollout", {}).get("native", {})
     engine = fit_engine(rows, ranks=mc.rollout_ranks, max_batch=int(native.get("max_num_seqs", 64)))
@@ -120,12 +118,36 @@ def workload_from_run(rec: RunRecords, *, calibrate: bool = True) -> Workload:
     except ValueError as err:
         w.notes.append(f"no measured throughput: {err}")
         w.measured_rollout_s = median(rows, "time/T_rollout")
+    if untraced:
+        w.notes.append(f"{untraced} episode(s) have no per-turn trace (task.agent: the gateway's episodes): their "
+                       "turns come from the ledger's counts, policy tokens split evenly, the seconds outside "
+                       "generation and the verifier taken as the waits between turns")
     if rec.pruned_steps:
         w.notes.append(f"{len(rec.pruned_steps)} step(s) of the ledger were deleted by retention: their episodes "
                        "are not in the distribution")
     if calibrate and not disagg:
         calibrate_rollout(w, steps=len(rows), target=_mean_of(rows, "time/T_rollout"), rows=rows)
     return w
+
+
+def _groups(rec: RunRecords) -> tuple[dict[str, list[EpisodeShape]], int]:
+    """The training episodes' shapes by group, and how many had no per-turn trace (shaped from counts)."""
+    groups: dict[str, list[EpisodeShape]] = defaultdict(list)
+    untraced = 0
+    for e in rec.episodes:
+        if e.step <= 0:
+            continue
+        if e.turn_events or not e.policy_tokens:
+            shape = shape_of(e.turn_events, e.prompt_tokens, e.timings, e.reward, e.status, e.task_id,
+                             e.status == "truncated")
+        else:
+            untraced += 1
+            shape = shape_from_counts(prompt_tokens=e.prompt_tokens, policy_tokens=e.policy_tokens,
+                                      response_tokens=e.response_tokens, turns=e.turns, timings=e.timings,
+                                      reward=e.reward, status=e.status, task_id=e.task_id,
+                                      truncated=e.status == "truncated")
+        groups[e.group_id].append(shape)
+    return groups, untraced
 
 
 def workload_from_episodes(groups: list[list[EpisodeShape]], rows: list[dict], mc: MeasuredConfig, *,

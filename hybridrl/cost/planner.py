@@ -141,8 +141,16 @@ def capacities(w: Workload, cfg: Config) -> dict[str, dict]:
     out["reward"] = {"tokens_per_s": (cfg.rollout_ranks * tokens_per_ep * admitted / reward_s if reward_s > 0
                                       else math.inf), "how": (
         f"{cfg.rollout_ranks} rank(s) each verifying one episode at a time, {reward_s * 1e3:.2f} ms per episode, "
-        f"{tokens_per_ep:.1f} policy tokens per episode x admitted share {admitted:.2f}")}
+        f"{tokens_per_ep:.1f} policy tokens per episode x admitted share {admitted:.2f}" if reward_s > 0 else
+        "the verifier's seconds are 0 in the ledger (not timed, or too short to count): no bound")}
     return out
+
+
+def _inverse(rate: float) -> float:
+    """Seconds per token of a stage capacity: 0 for an unbounded stage, inf for one that admits nothing."""
+    if not math.isfinite(rate):
+        return 0.0
+    return 1 / rate if rate > 0 else math.inf
 
 
 def _admitted_share(w: Workload, cfg: Config) -> float:
@@ -168,17 +176,45 @@ def bound(w: Workload, cfg: Config, caps: dict[str, dict]) -> dict[str, Any]:
     tokens_step = cfg.prompts_per_step * cfg.group_size * (sum(e.policy_tokens for e in eps) / max(len(eps), 1)) \
         * _admitted_share(w, cfg)
     c = {k: v["tokens_per_s"] for k, v in caps.items()}
-    if cfg.placement == "colocated":
-        per_token = 1 / c["rollout"] + 1 / c["train"] + (1 / c["reward"] if math.isfinite(c["reward"]) else 0.0)
-        value = 1 / (per_token + overhead / max(tokens_step, 1e-9))
+    per_step = overhead / max(tokens_step, 1e-9)
+    if cfg.placement == "colocated":     # a stage that admits nothing (C = 0) makes the bound 0
+        per_token = _inverse(c["rollout"]) + _inverse(c["train"]) + _inverse(c["reward"])
+        value = 1 / (per_token + per_step) if per_token + per_step > 0 else math.inf
         how = ("colocated: 1 / (1/C_rollout + 1/C_train + 1/C_reward + per-step overhead "
                f"{overhead:.3f}s / {tokens_step:.0f} tokens)")
     else:
-        value = min(c["rollout"], c["reward"], 1 / (1 / c["train"] + overhead / max(tokens_step, 1e-9)))
+        trainer = _inverse(c["train"]) + per_step
+        value = min(c["rollout"], c["reward"], 1 / trainer if trainer > 0 else math.inf)
         how = f"disaggregated: min(C_rollout, C_reward, the trainer with {overhead:.3f}s of per-step overhead)"
     finite = {k: v for k, v in c.items() if math.isfinite(v)}
     neck = min(finite, key=finite.get) if finite else "none"
     return {"tokens_per_s": value, "bottleneck": neck, "how": how}
+
+
+# ---------------------------------------------------------------------------- how far to trust it
+
+MIN_R2 = 0.5              # an engine fit below this explains too little of the rows' busy time to predict others
+MAX_TRAIN_ERROR = 0.25    # a trainer fit whose residual exceeds this share of the mean T_train
+FIRM_UP = ("run more steps (trainer.total_steps=10 or more, at several batch sizes), or measure the stages with "
+           "`hybridrl plan RUN_DIR --measure`")
+
+
+def reliability(w: Workload) -> list[dict[str, Any]]:
+    """The fitted stage models too poor to predict from, each with why: every throughput the plan
+    gives rests on them, so a poor fit makes the recommendation a guess, said as such."""
+    out = []
+    e, t = w.engine, w.trainer
+    if e.r2 is not None and e.r2 < MIN_R2:
+        out.append({"model": "engine", "r2": e.r2, "rows": e.rows, "why": (
+            f"the engine fit explains {100 * max(e.r2, 0.0):.0f}% of the variation of the engine's busy time over "
+            f"{e.rows} step rows (R^2 {e.r2:.2f} < {MIN_R2}): those seconds do not follow the batch and token counts "
+            "(too few rows, batches too alike, or a shared host's noise), so C_rollout and every candidate's rollout "
+            "time are rough")})
+    if t.rel_error is not None and t.rel_error > MAX_TRAIN_ERROR:
+        out.append({"model": "trainer", "rel_error": t.rel_error, "rows": t.rows, "why": (
+            f"the trainer fit misses the measured T_train by {100 * t.rel_error:.0f}% (RMS, over {t.rows} step rows; "
+            f"> {100 * MAX_TRAIN_ERROR:.0f}%): C_train and every candidate's update time are rough")})
+    return out
 
 
 # ---------------------------------------------------------------------------- candidates
@@ -251,7 +287,7 @@ def plan(w: Workload, *, ranks: int | None = None, target: float | None = None, 
     from hybridrl.cost.fit import measured_as_config
 
     measured_cfg = measured_as_config(w)
-    out: dict[str, Any] = {"workload": w.describe(), "cannot_know": CANNOT_KNOW}
+    out: dict[str, Any] = {"workload": w.describe(), "cannot_know": CANNOT_KNOW, "unreliable": reliability(w)}
     caps = capacities(w, measured_cfg)
     out["measured"] = {"config": dataclasses.asdict(measured_cfg), "label": measured_cfg.label(),
                        "capacities": caps, "bound": bound(w, measured_cfg, caps),
@@ -364,6 +400,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(mean tool / environment wait), tool_scale=F")
     p.add_argument("--placements", default="colocated,disaggregated")
     p.add_argument("--steps", type=int, default=30, help="simulated steps per candidate")
+    p.add_argument("--all", action="store_true", help="list every candidate simulated (default: the fastest "
+                                                      f"{SHOWN}, the default, measured and recommended ones)")
     p.add_argument("--json", action="store_true")
 
 
@@ -408,7 +446,7 @@ def main(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"hybridrl plan: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(out, indent=1, default=_json_default) if args.json else format_plan(out))
+    print(json.dumps(out, indent=1, default=_json_default) if args.json else format_plan(out, args.all))
     return 0
 
 
@@ -425,13 +463,39 @@ def _rate(x: float) -> str:
     return "unbounded" if not math.isfinite(x) else f"{x:,.0f}"
 
 
-def format_plan(out: dict) -> str:
-    m, rec, wl = out["measured"], out["recommended"], out["workload"]
+SHOWN = 3      # candidates listed by default: the fastest few, and the default, measured and recommended ones
+
+
+def shown_candidates(out: dict, all_rows: bool = False) -> list[dict]:
+    """The candidate rows that matter (the table is sorted by admitted tokens/s): the SHOWN fastest and
+    the default, measured and recommended configurations; every row with `all_rows`."""
+    keep = {out["recommended"]["label"], out["default"]["label"], out["measured"]["label"]}
+    return [c for i, c in enumerate(out["candidates"]) if all_rows or i < SHOWN or c["label"] in keep]
+
+
+def format_plan(out: dict, all_rows: bool = False) -> str:
+    lines = _format_measured(out) + _format_candidates(out, all_rows) + _format_recommended(out)
+    wl = out["workload"]
+    lines += ["", "derivations:", f"  engine: {wl['engine']['how']}", f"  trainer: {wl['trainer']['how']}"]
+    lines += [f"  {k}: {v}" for k, v in wl["overheads"]["how"].items()]
+    lines += [f"  note: {n}" for n in wl["notes"]]
+    lines += ["", "what the planner cannot know:"] + [f"  - {c}" for c in out["cannot_know"]]
+    return "\n".join(lines)
+
+
+def _format_measured(out: dict) -> list[str]:
+    m, wl = out["measured"], out["workload"]
     lines = [f"workload {wl['name']}: {wl['groups']} groups, {wl['episodes']} episodes, policy tokens per episode "
              f"mean {wl['policy_tokens']['mean']:.1f} (p90 {wl['policy_tokens']['p90']}), turns "
              f"{wl['turns']['mean']:.2f}, tool/env wait {wl['wait_s_per_episode']['mean']:.3f}s per episode",
              f"measured as {m['label']}: {m['admitted_tokens_per_s']:,.0f} admitted tokens/s, {m['step_s']:.3f}s "
-             "per step", "", "stage capacities at the measured configuration (admitted tokens/s):"]
+             "per step", ""]
+    for u in out.get("unreliable", []):
+        lines.append(f"UNRELIABLE {u['model']} fit: {u['why']}")
+    if out.get("unreliable"):
+        lines += [f"  the figures below rest on {'these fits' if len(out['unreliable']) > 1 else 'it'}: read them as "
+                  f"rough; to firm them up, {FIRM_UP}", ""]
+    lines.append("stage capacities at the measured configuration (admitted tokens/s):")
     for stage, c in m["capacities"].items():
         lines.append(f"  C_{stage:<8} {_rate(c['tokens_per_s']):>10}   {c['how']}")
     b = m["bound"]
@@ -440,26 +504,38 @@ def format_plan(out: dict) -> str:
         t = out["target"]
         lines += [f"target {t['target_tokens_per_s']:,.0f} tokens/s: {t['ranks']} ranks, {t['prompts_per_step']} "
                   f"prompts per step ({t['how']})", ""]
-    lines.append(f"{'candidate':<52}{'tokens/s':>10}{'step s':>9}{'util roll/train':>17}{'queue':>7}"
-                 f"{'length shift':>14}")
-    for c in out["candidates"]:
+    return lines
+
+
+def _format_candidates(out: dict, all_rows: bool) -> list[str]:
+    rows = shown_candidates(out, all_rows)
+    tags = [("recommended", out["recommended"]["label"]), ("default", out["default"]["label"]),
+            ("measured", out["measured"]["label"])]
+    lines = [f"{'candidate':<52}{'tokens/s':>10}{'step s':>9}{'util roll/train':>17}{'queue':>7}{'length shift':>14}"]
+    for c in rows:
         u = c["utilisation"]
+        tag = ", ".join(name for name, label in tags if label == c["label"])
         lines.append(f"  {c['label']:<50}{c['admitted_tokens_per_s']:>10,.0f}{c['step_s']:>9.3f}"
                      f"{u['rollout']:>9.2f}/{u['train']:.2f}{c['queue_depth']:>7.1f}"
-                     f"{100 * c['admitted_length_shift']:>12.1f}%" + ("" if c["eligible"] else " (biased)"))
+                     f"{100 * c['admitted_length_shift']:>12.1f}%" + ("" if c["eligible"] else " (biased)")
+                     + (f"  <- {tag}" if tag else ""))
+    hidden = len(out["candidates"]) - len(rows)
+    if hidden:
+        lines.append(f"  ({hidden} more candidate(s) simulated: --all lists them, --json gives every figure)")
+    return lines
+
+
+def _format_recommended(out: dict) -> list[str]:
+    rec = out["recommended"]
     p = rec["predicted"]
-    lines += ["", f"recommended: {rec['label']}" + (" (the default)" if rec["is_default"] else
-                                                    f" ({rec['speedup_over_default']:.2f}x the default, "
-                                                    f"{out['default']['label']})"),
-              f"  run with: {' '.join(rec['overrides'])}",
-              f"  predicted {p['admitted_tokens_per_s']:,.0f} admitted tokens/s, {p['step_s']:.3f}s per step; "
-              f"utilisation rollout {p['utilisation']['rollout']:.2f}, train {p['utilisation']['train']:.2f}; "
-              f"lag {p['lag_histogram']}",
-              f"  queue: " + ", ".join(f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k} {v}"
-                                       for k, v in rec["queue_bounds"].items() if k != "how"),
-              f"  ({rec['queue_bounds']['how']})", f"  how: {rec['how']}", "", "derivations:"]
-    lines += [f"  engine: {wl['engine']['how']}", f"  trainer: {wl['trainer']['how']}"]
-    lines += [f"  {k}: {v}" for k, v in wl["overheads"]["how"].items()]
-    lines += [f"  note: {n}" for n in wl["notes"]]
-    lines += ["", "what the planner cannot know:"] + [f"  - {c}" for c in out["cannot_know"]]
-    return "\n".join(lines)
+    shaky = " (from an unreliable fit: see above)" if out.get("unreliable") else ""
+    return ["", f"recommended: {rec['label']}" + (" (the default)" if rec["is_default"] else
+                                                  f" ({rec['speedup_over_default']:.2f}x the default, "
+                                                  f"{out['default']['label']})") + shaky,
+            f"  run with: {' '.join(rec['overrides'])}",
+            f"  predicted {p['admitted_tokens_per_s']:,.0f} admitted tokens/s, {p['step_s']:.3f}s per step; "
+            f"utilisation rollout {p['utilisation']['rollout']:.2f}, train {p['utilisation']['train']:.2f}; "
+            f"lag {p['lag_histogram']}",
+            "  queue: " + ", ".join(f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k} {v}"
+                                    for k, v in rec["queue_bounds"].items() if k != "how"),
+            f"  ({rec['queue_bounds']['how']})", f"  how: {rec['how']}"]

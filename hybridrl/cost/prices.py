@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.cost.accounting import Books
+from hybridrl.cost.records import MALFORMED
 
 DEFAULT_PRICES = Path(__file__).resolve().parents[2] / "configs" / "prices.yaml"
 
@@ -79,7 +80,7 @@ def money(books: Books, prices: Prices, kind: str) -> dict[str, Any]:
     by_stage = {stage: s / 3600 * rate for stage, s in books.stage_totals().items()}
     env = books.environment or {}
     cpu = (env.get("tool_s", 0.0) + env.get("env_s", 0.0)) / 3600 * prices.cpu_hour
-    tools = sum(n * prices.tool_rate(name) for name, n in (env.get("tool_calls") or {}).items())
+    tools = sum(n * prices.tool_rate(name) for name, n in (env.get("tool_calls") or {}).items() if name != MALFORMED)
     storage = sum(books.stored_bytes.values()) / 1e9 * prices.gb_stored
     device = sum(by_stage.values())
     total = device + cpu + tools + storage

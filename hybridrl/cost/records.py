@@ -18,6 +18,15 @@ from typing import Any
 
 from hybridrl.cost.clock import read_clock
 
+# a tool call that named no tool (its text did not parse as a call): the agent loop and the gateway record it
+# as "?"; the books count it under this name, and it runs (and costs) nothing
+MALFORMED = "malformed tool calls"
+
+
+def tool_name(call: dict) -> str:
+    name = call.get("name")
+    return MALFORMED if name in (None, "", "?") else str(name)
+
 
 @dataclass
 class EpisodeRecord:
@@ -111,7 +120,7 @@ def _episodes(run_dir: Path) -> tuple[list[EpisodeRecord], list[int]]:
             reward=float(r["reward"]), success=_success(rewards, float(r["reward"])),
             prompt_tokens=int(r["prompt_tokens"] or 0), policy_tokens=int(r["policy_tokens"] or 0),
             response_tokens=int(r["response_tokens"] or 0), turns=int(r["turns"] or 0), lag=int(r["lag"] or 0),
-            tool_calls=[c.get("name") or "(unnamed)" for c in d.get("tool_calls", [])],
+            tool_calls=[tool_name(c) for c in d.get("tool_calls", [])],
             timings={k: float(v) for k, v in d.get("timings", {}).items() if isinstance(v, (int, float))},
             turn_events=turn_events,
             prefill_s=sum(float(g.get("prefill_s", 0.0)) for g in generates),

@@ -53,6 +53,8 @@ class EngineModel:
     per_prefill_token_s: float
     max_batch: int
     how: str = ""
+    r2: float | None = None   # of the fitted model over the step rows it came from (None: not fitted to rows)
+    rows: int = 0
 
     def step_s(self, batch: int, prefill_tokens: int = 0) -> float:
         return self.base_s + self.per_seq_s * batch + self.per_prefill_token_s * prefill_tokens
@@ -67,6 +69,8 @@ class TrainerModel:
     base_s: float
     per_token_s: float        # seconds per admitted token on ONE training rank
     how: str = ""
+    rel_error: float | None = None   # RMS residual / mean T_train over the rows it came from (None: not fitted)
+    rows: int = 0
 
     def seconds(self, tokens: float, ranks: int) -> float:
         return self.base_s + self.per_token_s * tokens / max(ranks, 1)
@@ -167,6 +171,27 @@ def shape_of(turn_events: Sequence[dict], prompt_tokens: int, timings: dict, rew
                         truncated=truncated, status=status, task_id=task_id)
 
 
+def shape_from_counts(*, prompt_tokens: int, policy_tokens: int, response_tokens: int, turns: int, timings: dict,
+                      reward: float, status: str, task_id: str, truncated: bool) -> EpisodeShape:
+    """An episode's shape from its ledger counts alone, for an episode whose trace has no turn events (a
+    `task.agent` episode, run through the gateway): its policy tokens split evenly over its turns; the
+    first turn computes the prompt, each later one its share of the response's other tokens (tool
+    results, the template's); the seconds outside generation, the verifier and the queue (the agent's own
+    work and its tools) are the waits between turns."""
+    n = max(int(turns), 1) if policy_tokens > 0 else 0
+    if n == 0:
+        return EpisodeShape(turns=[], reward_s=float(timings.get("reward_s", 0.0)), reward=reward,
+                            truncated=truncated, status=status, task_id=task_id)
+    per, extra = divmod(int(policy_tokens), n)
+    between = max(0, int(response_tokens) - int(policy_tokens)) / max(n - 1, 1)
+    outside = sum(float(timings.get(k, 0.0)) for k in ("generate_s", "reward_s", "queue_s"))
+    wait = max(0.0, float(timings.get("total_s", 0.0)) - outside) / max(n - 1, 1)
+    shape = [Turn(prompt_tokens=int(prompt_tokens) if i == 0 else round(between),
+                  generated=per + (1 if i < extra else 0), wait_s=wait if i < n - 1 else 0.0) for i in range(n)]
+    return EpisodeShape(turns=shape, reward_s=float(timings.get("reward_s", 0.0)), reward=reward,
+                        truncated=truncated, status=status, task_id=task_id)
+
+
 # ---------------------------------------------------------------------------- fits
 
 
@@ -216,9 +241,9 @@ def fit_engine(rows: Sequence[dict], *, ranks: int, max_batch: int) -> EngineMod
                          "them, or its engine does not report them; use `hybridrl plan --measure`")
     batches = [d[1] / d[0] for d in data]
     spread = (max(batches) - min(batches)) / max(statistics.fmean(batches), 1e-9)
-    base, per_seq, per_pre = nnls([[d[0], d[1], d[2]] for d in data], [d[3] for d in data])
-    r2 = r_squared([[d[0], d[1], d[2]] for d in data], [d[3] for d in data], [base, per_seq, per_pre])
-    how = (f"(R^2 {r2:.2f}) NNLS over {len(data)} step rows of busy = base x steps + per_seq x decode tokens + per_prefill x "
+    xs, ys = [[d[0], d[1], d[2]] for d in data], [d[3] for d in data]
+    base, per_seq, per_pre = nnls(xs, ys)
+    how = (f"NNLS over {len(data)} step rows of busy = base x steps + per_seq x decode tokens + per_prefill x "
            f"prefill tokens (engine counters summed over {ranks} rank(s)); mean batch {statistics.fmean(batches):.1f}"
            f" (spread {100 * spread:.0f}%)")
     if spread < 0.15 or base <= 0:
@@ -227,7 +252,9 @@ def fit_engine(rows: Sequence[dict], *, ranks: int, max_batch: int) -> EngineMod
         base = (sum(d[3] for d in data) - pre * sum(d[2] for d in data)) / total_steps
         per_seq = 0.0
         how += "; batch spread too small to separate base and per_seq: base = mean step time, per_seq = 0"
-    return EngineModel(base_s=base, per_seq_s=per_seq, per_prefill_token_s=per_pre, max_batch=max_batch, how=how)
+    r2 = r_squared(xs, ys, [base, per_seq, per_pre])         # of the model kept, over the rows it came from
+    return EngineModel(base_s=base, per_seq_s=per_seq, per_prefill_token_s=per_pre, max_batch=max_batch,
+                       how=f"(R^2 {r2:.2f}) " + how, r2=r2, rows=len(data))
 
 
 def fit_trainer(rows: Sequence[dict], *, ranks: int, key: str = "time/T_train",
@@ -267,9 +294,11 @@ def fit_trainer(rows: Sequence[dict], *, ranks: int, key: str = "time/T_train",
     elif name == "constant" and fits["proportional"][2] - fits["constant"][2] < 2:
         name, why = "proportional", "constant and proportional fit alike (BIC within 2): proportional kept; BIC"
     base, per_token, _ = fits[name]
+    rms = math.sqrt(sum((y - base - per_token * x) ** 2 for x, y in zip(xs, ys)) / n)
+    rel = rms / statistics.fmean(ys)
     how = (f"{name} fit of {key} = base + per_token x {tokens_key} / {ranks} rank(s) over {n} step rows ({why} "
-           + ", ".join(f"{k} {v[2]:.1f}" for k, v in fits.items()) + ")")
-    return TrainerModel(base_s=base, per_token_s=per_token, how=how)
+           + ", ".join(f"{k} {v[2]:.1f}" for k, v in fits.items()) + f"); residual {100 * rel:.0f}% of the mean")
+    return TrainerModel(base_s=base, per_token_s=per_token, how=how, rel_error=rel, rows=n)
 
 
 def median(rows: Sequence[dict], key: str) -> float:

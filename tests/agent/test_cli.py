@@ -41,3 +41,25 @@ def test_bad_override_is_a_config_error(capsys):
     assert "task.options.max_digits" in capsys.readouterr().err
 
 
+
+
+def test_rollout_of_an_agent_recipe_names_the_eval_command_that_runs_it(tmp_path, tiny_models, capsys):
+    """task.agent episodes run through the gateway, which `agent rollout` does not start: it refuses, naming
+    `hybridrl eval` with the same recipe and overrides, which takes the recipe form and runs them."""
+    import shlex
+
+    from hybridrl.cli import build_parser
+
+    given = ["recipes/calculator.yaml", "task.agent=hybridrl.gateway.examples.calculator_agent:run",
+             f"model.path={tiny_models('qwen2')}", f"run.dir={tmp_path}"]
+    assert main(["agent", "rollout", *given, "-n", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "task.agent=hybridrl.gateway.examples.calculator_agent:run" in err and "`hybridrl eval` runs them" in err
+    command = shlex.split(err.strip().splitlines()[-1])
+    assert command == ["hybridrl", "eval", *given, "-n", "3"]
+    args = build_parser().parse_args(command[1:])
+    assert args.recipe_args == given and args.n == 3
+
+    from hybridrl.evaluate.suite import is_suite
+
+    assert not is_suite(given[0])                  # the recipe form, which runs task.agent episodes

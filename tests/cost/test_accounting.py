@@ -118,6 +118,28 @@ def test_money_follows_time_and_a_bad_price_table_names_its_key(tmp_path):
         money(books, prices, "tpu")
 
 
+def test_malformed_tool_calls_are_named_and_cost_nothing_and_a_cpu_run_reads_in_device_hours(tmp_path):
+    """A call that named no tool (recorded as "?") is counted as a malformed tool call, priced at nothing (it
+    ran nothing); a CPU run's fractions of a cent are not printed as figures: its device-hours come first."""
+    from hybridrl.cost.records import MALFORMED, tool_name
+    from hybridrl.cost.report import format_run, run_report
+
+    assert tool_name({"name": "?", "ok": False}) == tool_name({}) == MALFORMED
+    assert tool_name({"name": "search"}) == "search"
+    marks = [mark("start", T0 + 1, 0, launched_at=T0, rank_started_at=T0, world_size=2), mark("end", T0 + 30)]
+    books = account(write_run(tmp_path, [{"step": 0}], marks))
+    books.environment["tool_calls"] = {"search": 3, MALFORMED: 2}
+    table = tmp_path / "prices.yaml"
+    table.write_text("device_hour: {cpu: 0.05}\ntool_call: {default: 1.0}\n")
+    assert money(books, load_prices(table), "cpu")["tool_calls"] == pytest.approx(3 * 1.0)
+    text = format_run(run_report(books, load_prices()))
+    assert "malformed tool calls 2 (their text named no tool: nothing ran)" in text and "?" not in text
+    totals = next(line for line in text.splitlines() if "device-hours" in line and "per million" in line)
+    assert totals.strip().startswith(f"device-hours {2 * 30 / 3600:.3g}")
+    assert "e-0" not in text and "<0.01 USD" in text                # no micro-dollar figures
+    assert "money" not in text.split("stage", 1)[1].splitlines()[0]  # no money column of fractions of a cent
+
+
 def test_a_process_start_is_read_to_the_clock_tick():
     """The books start at the command's process start. Linux states the boot time in whole seconds, so a
     start computed from it (psutil's create_time) can be up to a second early; process_start reads both

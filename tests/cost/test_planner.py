@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
-from hybridrl.cost.planner import capacities, default_config, plan, what_if
+from hybridrl.cost.fit import workload_from_run
+from hybridrl.cost.planner import SHOWN, bound, capacities, default_config, format_plan, plan, reliability, what_if
+from hybridrl.cost.records import EpisodeRecord, RunRecords
 from hybridrl.cost.simulate import Config, Simulation, simulate
 from hybridrl.cost.workload import (EngineModel, EpisodeShape, MeasuredConfig, Overheads, TrainerModel, Turn, Workload,
                                     fit_engine, fit_trainer)
@@ -81,6 +84,9 @@ def test_fits_recover_known_engine_and_trainer_costs():
                      "engine/step_time_s": busy})
     e = fit_engine(rows, ranks=1, max_batch=64)
     assert (e.base_s, e.per_seq_s, e.per_prefill_token_s) == pytest.approx((0.003, 0.0002, 0.00005), rel=1e-6)
+    assert e.r2 == pytest.approx(1.0)
+    noisy = [dict(r, **{"engine/step_time_s": r["engine/step_time_s"] * f}) for r, f in zip(rows, (4.0, 1.0, 0.25, 1.0))]
+    assert fit_engine(noisy, ranks=1, max_batch=64).r2 < 0.5
     # a constant update (a fixed cost) over widely varying tokens is found constant ...
     const = fit_trainer([{"tokens/admitted": t, "time/T_train": 0.3 + 0.001 * (i % 2)}
                          for i, t in enumerate((1000, 4000, 2000, 7000, 1500, 5000))], ranks=1)
@@ -153,3 +159,51 @@ def test_measure_runs_the_engine_at_each_batch_and_prompt_and_times_the_tools(ti
     assert "--measure" in model.how
     tools = measure_tools(calls=2, sandbox_runs=1)
     assert tools["calculator_call_s"] > 0 and "sandbox" in tools
+
+
+def agent_run() -> RunRecords:
+    """The ledger and metrics of a 4-step `task.agent` run (tests/cost/agent_run.json, read back from a real
+    run: tests/gateway/rl_agent.py through the gateway): its episodes carry counts, no per-turn trace."""
+    data = json.loads((Path(__file__).parent / "agent_run.json").read_text())
+    episodes = [EpisodeRecord(**e, filter_reason=None, success=e["reward"] >= 1.0, lag=0) for e in data["episodes"]]
+    return RunRecords(run_dir=Path("agent-run"), config=data["config"], rows=data["rows"],
+                      marks=[{"mark": "start", "world_size": data["world_size"]}], episodes=episodes, has_ledger=True,
+                      pruned_steps=[])
+
+
+def test_a_task_agent_run_plans_and_its_poor_fits_are_flagged():
+    rec = agent_run()
+    assert not any(e.turn_events for e in rec.episodes)
+    w = workload_from_run(rec)
+    shapes = {id(s): s for g in w.groups for s in g}.values()
+    assert sum(s.policy_tokens for s in shapes) == sum(e.policy_tokens for e in rec.episodes if e.step > 0)
+    assert sorted(len(s.turns) for s in shapes) == sorted(e.turns for e in rec.episodes if e.step > 0)
+    assert any("no per-turn trace" in n for n in w.notes)
+    out = plan(w, steps=8)
+    assert out["measured"]["bound"]["tokens_per_s"] > 0 and out["recommended"]["predicted"]["admitted_tokens_per_s"] > 0
+    flagged = {u["model"]: u for u in out["unreliable"]}
+    assert flagged["engine"]["r2"] < 0.5 and "R^2 0.32" in flagged["engine"]["why"]
+    text = format_plan(out)
+    assert "UNRELIABLE engine fit" in text and "(from an unreliable fit: see above)" in text
+    table = text.split("candidate ", 1)[1].split("\n\nrecommended", 1)[0].splitlines()[1:]
+    listed = [line for line in table if "<-" in line or line.startswith("  colocated") or line.startswith("  disagg")]
+    assert len(listed) <= SHOWN + 2 < len(out["candidates"])
+    assert f"{len(out['candidates']) - len(listed)} more candidate(s)" in text
+    assert any("<- recommended" in line for line in listed) and any("default" in line for line in listed)
+    assert all(c["label"] in format_plan(out, all_rows=True) for c in out["candidates"])
+
+
+def test_a_stage_that_admits_nothing_bounds_the_throughput_at_zero():
+    """Every group all-equal and dropped: no stage admits a token; the bound says 0, it does not divide by it
+    (the verifier timed, C_reward is 0 too; untimed, it is no bound, and says why)."""
+    timed = dataclasses.replace(episode(20, reward=1.0), reward_s=0.001)
+    for ep, reward in ((timed, 0.0), (episode(20, reward=1.0), float("inf"))):
+        w = workload([[ep, ep]] * 4, per_token_s=0.001)
+        cfg = dataclasses.replace(default_config(w, 1), drop_all_equal_groups=True)
+        caps = capacities(w, cfg)
+        assert (caps["rollout"]["tokens_per_s"], caps["train"]["tokens_per_s"]) == (0, 0)
+        assert caps["reward"]["tokens_per_s"] == reward
+        for placement in ("colocated", "disaggregated"):
+            assert bound(w, dataclasses.replace(cfg, placement=placement), caps)["tokens_per_s"] == 0
+    assert "not timed" in caps["reward"]["how"]
+    assert reliability(w) == []                           # hand-made models: nothing fitted to judge

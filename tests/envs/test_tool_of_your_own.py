@@ -1,8 +1,9 @@
-"""The README's "a tool of your own" walk-through, replayed: `examples/dates.py` copied next to a recipe
-(as a user does), its demonstrations through the real CLI, and its episodes through the real agent loop
-(a scripted engine writes the tool call and the answer): the tool registered by the task module is
-built, authorized, checked and called; its result reaches the model; a bad argument is the model's
-error, a tool the instance does not name is refused."""
+"""The README's "a tool of your own" walk-through, replayed: `examples/dates.py` and its recipe
+`examples/dates.yaml` copied into a directory (as a user does), its demonstrations through the real
+CLI, and its episodes through the real agent loop (a scripted engine writes the tool call and the
+answer): the tool registered by the task module is built, authorized, checked and called; its result
+reaches the model; a bad argument is the model's error, a tool the instance does not name is refused.
+Every `examples/` file the README cites exists."""
 
 from __future__ import annotations
 
@@ -17,22 +18,19 @@ import pytest
 
 from tests.launch import ROOT, env_with_repo
 
-RECIPE = """\
-task:
-  name: dates:DatesTask
-  train_size: 64
-  validation_size: 8
-  sft_tool_use_fraction: 1.0
-model:
-  path: {model}
-"""
-
 
 @pytest.fixture
-def user_dir(tmp_path, tiny_models):
-    shutil.copy(ROOT / "examples" / "dates.py", tmp_path / "dates.py")
-    (tmp_path / "dates.yaml").write_text(RECIPE.format(model=tiny_models("qwen2")))
+def user_dir(tmp_path):
+    """The README's `cp examples/dates.py examples/dates.yaml .`"""
+    for name in ("dates.py", "dates.yaml"):
+        shutil.copy(ROOT / "examples" / name, tmp_path / name)
     return tmp_path
+
+
+def test_the_readme_cites_example_files_that_exist():
+    cited = set(re.findall(r"(?<![\w/])examples/[\w./-]*\w", (ROOT / "README.md").read_text()))
+    assert {"examples/dates.py", "examples/dates.yaml"} <= cited
+    assert [c for c in sorted(cited) if not (ROOT / c).exists()] == []
 
 
 def test_the_demonstrations_call_the_tool_through_the_cli(user_dir):

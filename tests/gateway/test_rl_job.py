@@ -80,3 +80,23 @@ def test_each_trajectory_is_one_rendering_of_the_agents_conversation(run):
             if not meta["token_drift"]:
                 assert tokenizer.encode(rendered, add_special_tokens=False)[:len(t["prompt_ids"])] == t["prompt_ids"]
     assert clean >= 16, clean                        # the comparison above ran on most trajectories
+
+
+
+def test_plan_and_cost_read_the_agent_run(run):
+    """`hybridrl plan` and `hybridrl cost` on a task.agent run (its episodes have no per-turn trace): a plan, not a
+    traceback."""
+    import subprocess
+    import sys
+
+    from tests.launch import ROOT, env_with_repo
+
+    run_dir, _ = run
+    out = {}
+    for cmd in (["plan", str(run_dir), "--steps", "6"], ["cost", str(run_dir)]):
+        proc = subprocess.run([sys.executable, "-m", "hybridrl", *cmd], cwd=ROOT, env=env_with_repo(),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        out[cmd[0]] = proc.stdout
+    assert "recommended:" in out["plan"] and "no per-turn trace" in out["plan"]
+    assert "device-hours" in out["cost"]

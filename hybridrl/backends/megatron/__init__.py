@@ -25,6 +25,11 @@ warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=
 warnings.filterwarnings("ignore", message=r"TypedStorage is deprecated", category=UserWarning)
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf", category=UserWarning)
+# megatron-core's torch checkpoint strategy loads through torch's deprecated `load_state_dict` and
+# ShardedTensor (every checkpoint load: a resume, `hybridrl export`): the same, not ours to fix.
+warnings.filterwarnings("ignore", message=r"`load_state_dict` is deprecated", category=FutureWarning)
+warnings.filterwarnings("ignore", message=r"Please use DTensor instead and we are deprecating ShardedTensor",
+                        category=FutureWarning)
 
 if TYPE_CHECKING:
     from hybridrl.backends.megatron.engine import MegatronEngine
