@@ -3,7 +3,8 @@
 Per step (`collect`), on the rank that owns an engine:
 
     launch the step's new groups (whole groups: a group never spans engines)
-    open the gate; run the event loop in slices of `poll_s`
+    open the gate; run the event loop in slices: until an episode ends or `POLL_STEPS` engine
+    steps have run (the native engine's loop driver; other engines: `poll_s` seconds)
         after each slice every rank adds up its complete groups (all-reduce; ranks without an
         engine add 0): stop when `quorum` groups are complete, the deadline has passed, or no
         episode is still running anywhere
@@ -14,6 +15,14 @@ A group is returned only when all its members have ended, so a group baseline ne
 subset chosen by completion time. Members that ended wait here for the rest of their group.
 The returned trajectories carry, per token, the version that produced it and its behaviour
 logprob; a continued episode therefore holds segments of several versions, never relabelled.
+
+Determinism: which groups a step returns and where the others are interrupted must not depend on
+timing. A slice measured in seconds made both depend on the machine's load (how many tokens fit in
+50 ms), so with the native engine's loop driver a slice is measured in engine steps: the engine, the
+agent loop and in-process tools run on one event loop in an order the events fix, each rank's slices
+hold the same steps in every run, and the quorum is counted at the same points. What still follows
+the clock: `deadline_s`, tools and environments that wait on other processes, engines whose steps run
+in a thread of their own (CUDA) or another process (SGLang, vLLM).
 """
 
 from __future__ import annotations
@@ -27,6 +36,9 @@ from typing import Any, Callable, Sequence
 from hybridrl.agent.pause import PauseGate
 from hybridrl.algo.filters import informative_groups
 from hybridrl.data.trajectory import Trajectory
+
+POLL_STEPS = 8            # engine steps per slice: the quorum is counted this often (the loop driver)
+IDLE_SPINS = 64           # loop passes with an idle engine before a slice waits on the clock instead
 
 
 @dataclass
@@ -82,8 +94,7 @@ class PartialCollector:
         self.gate.open()
         while True:
             if self.live:
-                self.loop.run_until_complete(asyncio.wait(list(self.live), timeout=poll_s,
-                                                          return_when=asyncio.FIRST_COMPLETED))
+                self.loop.run_until_complete(self._slice(poll_s))
             else:
                 time.sleep(min(poll_s, 0.01))
             self._harvest()
@@ -96,7 +107,10 @@ class PartialCollector:
                 stats.stopped_by = "quorum" if complete >= quorum else "deadline" if deadline > 0 else "drained"
                 break
         self.gate.close()
-        stats.interrupted = self.loop.run_until_complete(self.gate.quiesce())
+        # with a step clock, the aborts are retried pass by pass (a pause of 5 ms would let the engine run a
+        # number of steps that depends on the machine for a request that reached it between two aborts)
+        poll = 0.0 if step_clock(self.runner.engine) is not None else 0.005
+        stats.interrupted = self.loop.run_until_complete(self.gate.quiesce(poll_s=poll))
         self._harvest()
         out = []
         for group_id in self._complete_groups():
@@ -109,6 +123,23 @@ class PartialCollector:
         stats.live_groups = sorted(set(self.live.values()))
         stats.seconds = time.monotonic() - started
         return out, stats
+
+    async def _slice(self, poll_s: float) -> None:
+        """Run the held episodes until one ends or `POLL_STEPS` engine steps have run. Without a step
+        clock (see `step_clock`), or while every episode waits outside the engine (a tool in another
+        process), until one ends or `poll_s` seconds have passed."""
+        tasks = list(self.live)
+        clock = step_clock(self.runner.engine)
+        if clock is None:
+            await asyncio.wait(tasks, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
+            return
+        target, idle = clock() + POLL_STEPS, 0
+        while clock() < target and not any(t.done() for t in tasks):
+            idle = idle + 1 if not self.runner.engine.core.has_work() else 0
+            if idle > IDLE_SPINS:
+                await asyncio.wait(tasks, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
+                return
+            await asyncio.sleep(0)
 
     def _harvest(self) -> None:
         for task in [t for t in self.live if t.done()]:
@@ -134,3 +165,13 @@ class PartialCollector:
         if self.live:
             self.loop.run_until_complete(asyncio.gather(*self.live, return_exceptions=True))
         self.live.clear()
+
+
+def step_clock(engine: Any) -> Callable[[], int] | None:
+    """The engine's step counter when its steps run on the caller's event loop (the native engine's
+    loop driver), so that a number of steps is a point every run reaches alike; else None."""
+    core = getattr(engine, "core", None)
+    counters = getattr(core, "counters", None)
+    if getattr(engine, "driver", None) != "loop" or not isinstance(counters, dict) or "steps" not in counters:
+        return None
+    return lambda: counters["steps"]

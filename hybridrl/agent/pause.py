@@ -121,7 +121,7 @@ class PauseGate:
             raise RuntimeError("quiesce() needs a closed gate: close() first")
         aborted = 0
         while self.in_flight:
-            for rid in list(self.in_flight):
+            for rid in sorted(self.in_flight):      # a set's order follows the process's string hash seed
                 if await self.engine.abort(rid):
                     aborted += 1
             await asyncio.sleep(poll_s)

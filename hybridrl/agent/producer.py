@@ -8,12 +8,19 @@ grants of new groups, takes of complete ones, weight publications.
                            their `floor`: the oldest policy version their tokens may come from
     the launcher           starts the waiting groups in order, each once the engine serves a version
                            >= its floor (with a lag bound of 0 a group waits for the next update;
-                           with 1 it starts on the version being trained on)
+                           with 1 it starts on the version being trained on), at a grant, a take or
+                           a quiesce
+    quiesce()              waits until no group runs (before a publication and a read of counters)
     take(group_ids)        blocks until those groups are complete and hands them over
 
-Episodes run to their end: a weight publication arriving in the middle of one lets the requests
-in flight finish on their version (the engine's `drain`), and the later turns run on the new one,
-so a trajectory may hold tokens of two versions, each token labelled with its own.
+Determinism: what a group generates must not depend on timing, so every change of what runs
+happens at a point the controller's sequential program fixes, never at a time. `grant` and
+`lower_floor` return once the loop has applied them (the groups they admit start then, on the
+version served then), and nothing starts on its own when a new version arrives: a waiting group
+starts at the next `grant` or `take`. Before a publication (`quiesce`) every group that can run on
+the version served now runs to its end, so a group's tokens all come from the version it started
+on and no publication lands in the middle of a batch. Within that, the engine's loop driver, the
+agent loop and in-process tools run on one event loop in an order fixed by the events themselves.
 
 What the producer counts: `idle_s` (the engine had no episode of this producer to run),
 `floor_waits` (groups that waited for a newer version before starting), `policy_tokens` of the
@@ -84,6 +91,7 @@ class Producer:
         self._running: dict[str, int] = {}                        # group -> episodes still running
         self._complete: dict[str, list[Trajectory]] = {}          # guarded by _cond
         self._cond = threading.Condition()
+        self._busy = 0                                            # groups running (guarded by _cond)
         self._error: BaseException | None = None
         self.started = time.monotonic()
         self._idle_since: float | None = self.started
@@ -93,17 +101,42 @@ class Producer:
     # ------------------------------------------------------------------ from the controller's thread
 
     def grant(self, groups: Sequence[Sequence[tuple[Any, int, str]]], floor: int) -> None:
-        """Each item: one group's attempts (instance, attempt, group id)."""
+        """Each item: one group's attempts (instance, attempt, group id). Returns once the loop has
+        queued them and started those the served version admits."""
         items = [_Group(g[0][2], list(g), floor) for g in groups if g]
-        self.loop.call_soon_threadsafe(self._add, items)
+        self._on_loop(self._add, items)
 
     def lower_floor(self, floor: int) -> None:
-        """No waiting group needs a version newer than `floor` (the controller's admission bound now)."""
-        self.loop.call_soon_threadsafe(self._lower, floor)
+        """No waiting group needs a version newer than `floor` (the controller's admission bound now);
+        returns once the groups this admits have started."""
+        self._on_loop(self._lower, floor)
 
     def poke(self) -> None:
-        """The engine may serve a new version: start what waited for it."""
-        self.loop.call_soon_threadsafe(self._launch)
+        """Start what the served version admits now (returns once started)."""
+        self._on_loop(self._launch)
+
+    def quiesce(self, *, poll_s: float = 0.5, aborted: Callable[[], str | None] = lambda: None) -> None:
+        """Start what the served version admits, then wait until no group runs: before a publication
+        (every token of a group comes from the version it started on) and before counters are read."""
+        self.poke()
+        with self._cond:
+            while self._busy:
+                self._raise_if_failed(aborted, "running groups to end")
+                self._cond.wait(poll_s)
+            self._raise_if_failed(aborted, "running groups to end")
+
+    def _on_loop(self, fn: Callable, *args: Any) -> None:
+        async def go():
+            fn(*args)
+        asyncio.run_coroutine_threadsafe(go(), self.loop).result()
+
+    def _raise_if_failed(self, aborted: Callable[[], str | None], what: str) -> None:
+        """(holding _cond)"""
+        if self._error is not None:
+            raise RuntimeError(f"the rollout producer failed: {self._error!r}") from self._error
+        reason = aborted()
+        if reason is not None:
+            raise RuntimeError(f"the run was aborted while waiting for {what}: {reason}")
 
     def take(self, group_ids: Sequence[str], *, poll_s: float = 0.5,
              aborted: Callable[[], str | None] = lambda: None) -> list[Trajectory]:
@@ -111,13 +144,9 @@ class Producer:
         wanted = list(dict.fromkeys(group_ids))
         with self._cond:
             while True:
-                if self._error is not None:
-                    raise RuntimeError(f"the rollout producer failed: {self._error!r}") from self._error
+                self._raise_if_failed(aborted, "groups")
                 if all(g in self._complete for g in wanted):
                     return [t for g in wanted for t in self._complete.pop(g)]
-                reason = aborted()
-                if reason is not None:
-                    raise RuntimeError(f"the run was aborted while waiting for groups: {reason}")
                 self._cond.wait(poll_s)
 
     def stats(self) -> dict[str, float]:
@@ -165,6 +194,8 @@ class Producer:
             self._counts["idle_s"] += time.monotonic() - self._idle_since
             self._idle_since = None
         self._running[group.group_id] = len(group.attempts)
+        with self._cond:
+            self._busy += 1
         self._counts["launched_groups"] += 1
         self._counts["launched_episodes"] += len(group.attempts)
         for inst, attempt, group_id in group.attempts:
@@ -192,4 +223,5 @@ class Producer:
             self._idle_since = time.monotonic()
         with self._cond:
             self._complete[group] = members
+            self._busy -= 1
             self._cond.notify_all()

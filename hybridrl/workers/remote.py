@@ -5,8 +5,9 @@ rollout rank), while the rollout ranks keep generating; and the rollout ranks' c
     SendingEnd     (training ranks) every training rank writes the flat buckets (the TP gathers and
                    PP broadcasts are collective); training rank 0 holds them whole and broadcasts
                    them (`publication/transport_remote.py`); then the parity probe, rescored here
-    ReceivingEnd   (rollout ranks) applies each bucket to its engine and reads it back; requests in
-                   flight finish on their version (the engine's `drain`), later turns run on the new one
+    ReceivingEnd   (rollout ranks) first lets every group that runs on the version served now end
+                   (`Producer.quiesce`: a group's tokens all come from the version it started on,
+                   whatever the timing), then applies each bucket to its engine and reads it back
     StreamProducer (rollout ranks) `grant` whole groups with the oldest policy version they may use,
                    `take` the complete ones (`agent/producer.py`)
 
@@ -144,7 +145,9 @@ class ReceivingEnd(RemotePublication):
 
     @register(dispatch=OneToAll("rank0"))
     def publish(self, *, version: int, step: int) -> dict:
-        """Receive `version` from training rank 0 while the episodes go on (see the module doc)."""
+        """Receive `version` from training rank 0 once the running groups have ended (see the module doc)."""
+        with self.phases.phase("quiesce", waits_for="the running groups to end on their version"):
+            self.producer.producer.quiesce(aborted=self.ctx.control.aborted)
         if not self._changed(self.engine.policy_version, version):
             return {}
         self.phases.switches += 1
@@ -152,7 +155,6 @@ class ReceivingEnd(RemotePublication):
         with self.phases.phase("publish", waits_for="the weights from training rank 0") as rec:
             got = receive_publication(self.peers, self.engine, self.rollout.run, src=0, device=self.ctx.device)
             rec.bytes_moved = got["bytes"]
-        self.producer.producer.poke()
         if got["error"] is not None:
             raise got["error"]
         if self.engine.policy_version == version and self.probe and self.schedule.due(version):
@@ -172,6 +174,7 @@ class StreamProducer(Part):
 
         self.ctx, self.rollout = ctx, rollout
         self.producer = Producer(rollout.runner, rollout.task, rollout.loop)
+        rollout.settle = lambda: self.producer.quiesce(aborted=ctx.control.aborted)   # before counters are read
         self._last: dict[str, float] | None = None       # the counters at the last take
 
     def _mine(self, groups: list) -> list:

@@ -82,6 +82,9 @@ class RolloutSide(Part):
         self.collector = None              # partial rollouts: episodes kept across steps (built on first use)
         self.everyone = Reducer.over_peers(ctx.control_peers)
         self.probe_counts: dict[str, float] = {}    # engine counters spent on parity probes (not episodes)
+        # what must end before counters are read: the disaggregated producer's running groups (their
+        # progress at an arbitrary moment is timing), set by `StreamProducer`
+        self.settle: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------ construction
 
@@ -219,7 +222,8 @@ class RolloutSide(Part):
 
     @register(dispatch=ON_ROLLOUT_RANKS)
     def rollout_stats(self) -> dict:
-        """Engine and agent-loop counters of this rank (cumulative)."""
+        """Engine and agent-loop counters of this rank (cumulative), read once nothing runs (`settle`)."""
+        self.settle()
         pool = self.tools.pool
         engine = self.run_sync(lambda: dict(self.engine.stats()))
         engine.update({k: engine[k] - v for k, v in self.probe_counts.items() if k in engine})

@@ -2,8 +2,9 @@
 event it hears, as one JSON line in <run.dir>/events.jsonl.
 
 With RECORDER_HOLD_AT_CHECKPOINT=N in its environment it also holds the run once it has heard of
-checkpoint N: it writes <run.dir>/held and sleeps (up to two minutes), so that a test's signal lands
-at a known moment (after step N, checkpoint N the newest) however fast the machine runs the steps."""
+checkpoint N: it writes <run.dir>/held and sleeps (up to two minutes, or until <run.dir>/release
+exists), so that a test's signal or kill lands at a known moment (after step N, checkpoint N the
+newest) however fast the machine runs the steps."""
 
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ class Recorder:
         self._write("checkpoint", step=step, path=path)
         if os.environ.get("RECORDER_HOLD_AT_CHECKPOINT") == str(step):
             (self.path.parent / "held").write_text(str(step))
-            time.sleep(_HOLD_S)                         # the signal's handler ends the process in here
+            release = self.path.parent / "release"     # written by a test that lets the run go on
+            deadline = time.monotonic() + _HOLD_S
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)                        # a signal's handler ends the process in here
 
     def on_interrupt(self, info: dict) -> None:
         self._write("interrupt", **info)
