@@ -142,3 +142,23 @@ def test_distillation_discount_zero_is_the_per_token_kl_as_documented():
     got, sequence, first = _two_token_distillation_gradient(0.0)
     torch.testing.assert_close(got, first, rtol=0, atol=1e-6)
     assert (got - sequence).abs().max() > 0.02
+
+
+# ------------------------------------------------------------------ item 5: no entropy bonus on rejected tokens
+
+@pytest.mark.parametrize("correction", [dict(mis="token"), dict(tis_cap=2.0, tis_mode="mask")])
+def test_a_rejected_token_gets_no_entropy_bonus(correction):
+    """Before: MIS / IcePop / decoupled-PPO rejected a token's policy gradient but still gave it the entropy
+    bonus, so the tokens judged too far off-policy kept being pushed."""
+    from hybridrl.algo.objective import make_loss_fn
+    from hybridrl.data.batch import Batch
+
+    old = torch.tensor([[-1.0, -1.0, -1.0]])
+    behaviour = torch.tensor([[-1.0, -3.0, -1.2]])             # ratio e^0 = 1, e^2 = 7.4 (rejected), e^0.2
+    entropy = torch.tensor([[0.5, 0.5, 0.5]], requires_grad=True)
+    mb = Batch({"old_logprobs": old, "advantages": torch.zeros(1, 3), "behavior_logprobs": behaviour,
+                "loss_mask": torch.ones(1, 3)})
+    cfg = AlgoConfig(entropy_coef=0.1, **{"tis_cap": 0.0, **correction})
+    token_loss, metrics = make_loss_fn(cfg)(old.clone().requires_grad_(), entropy, mb)
+    token_loss.sum().backward()
+    assert entropy.grad[0].tolist() == pytest.approx([-0.1, 0.0, -0.1])
