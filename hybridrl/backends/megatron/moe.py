@@ -174,6 +174,25 @@ def set_mode(model, mode: str) -> None:
         hook.mode = mode
 
 
+@contextlib.contextmanager
+def own_routing(model):
+    """Routing replay off for the duration, restored after: a reference forward routes on its own.
+
+    The KL reference is a fixed policy; replaying the rollout's routes (chosen by the current policy)
+    in it would make the KL's target move with the policy. A separate reference model has no replay
+    installed; the LoRA actor's base (`lora.BaseModel`, adapters off) shares the actor's routers, so
+    it turns their replay off here: the reference routes itself whether LoRA is on or not."""
+    hooks = replays(model)
+    saved = [hook.mode for hook in hooks]
+    for hook in hooks:
+        hook.mode = "off"
+    try:
+        yield
+    finally:
+        for hook, mode in zip(hooks, saved):
+            hook.mode = mode
+
+
 def set_micro_batch(model, mb) -> None:
     """Before a micro-batch's forward: each sparse layer's recorded experts and real-token mask, in
     the router's token order ([s, b] flattened; packed: the pack's tokens)."""
