@@ -27,7 +27,8 @@ Every step reports, after admission (`after_admission`, called by the trainer on
 trajectories), `share/<task>` (its trained groups' fraction of the step) and `share/outside_tolerance`
 (1 when a task's cumulative share of trained groups is further from its weight than
 `task.share_tolerance` of it).
-A synchronous step runs all the groups it drew, so its shares are the draws' (the weights).
+A synchronous step runs all the groups it drew (the weights); its shares of trained groups differ
+from those by what admission drops (a task whose prompts are always or never solved trains less).
 Held groups go into the stream's checkpoint state as instances: a resumed run launches them again,
 first.
 """
