@@ -7,13 +7,25 @@ student before the update (pi, the trainer's old log-probs) and of the teacher (
 
     d_t = log pi(y_t | y_<t) - log q(y_t | y_<t)         an unbiased one-sample estimate of the
                                                          per-token reverse KL(pi || q) under y ~ pi
-    A_t = reward_weight * A_task_t - kl_coef * d_t       the token's advantage
+    G_t = sum_{t' >= t} discount^(k(t') - k(t)) d_t'     the teacher term's return (k: the index of a
+                                                         policy token; observation tokens skipped)
+    A_t = reward_weight * A_task_t - kl_coef * G_t       the token's advantage
 
 `A_task` is the configured estimator's (`algo.advantage`) advantage of the task's reward;
-`reward_weight=0` is pure distillation. The teacher term carries no discount: each token is pushed
-towards what the teacher would have said at that point of the student's own trajectory, so the
-policy gradient of the term is that of the reverse KL (`kl.GRADIENTS[('reward', 'k1')]`). d_t is
-clamped to +-10 nats in the advantage as the KL penalty is (`kl.kl`); the logged mean
+`reward_weight=0` is pure distillation. What the teacher term's policy gradient is depends on
+`distill.discount` (exact on a 2-token categorical in tests/algo/test_integrity_round3.py):
+
+    discount=0 (default)  G_t = d_t: sum_t E_{y<t}[grad KL(pi(.|y<t) || q(.|y<t))] with the prefix
+                          distribution held fixed: each token is pushed towards what the teacher would
+                          have said at that point of the student's own trajectory (Agarwal et al.'s
+                          per-token divergence; low variance). It is the gradient of the sequence
+                          reverse KL for a one-token response only: it ignores that an early token
+                          changes which later prefixes occur
+    discount=1            G_t = the sum of d from t to the end: the policy gradient of the sequence-level
+                          reverse KL(pi(y) || q(y)) (`kl.GRADIENTS[('reward', 'k1')]` with the teacher in
+                          the reference's place; MiniLLM's objective), more variance
+
+d_t is clamped to +-10 nats in the advantage as the KL penalty is (`kl.kl`); the logged mean
 (`distill/reverse_kl`) is not clamped.
 
 Teacher and student must share a tokenizer (the teacher reads the student's token ids):
@@ -29,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridrl.config.fields import ConfigValueError, check_positive, knob
+from hybridrl.config.fields import ConfigValueError, check_positive, check_range, knob
 
 if TYPE_CHECKING:
     import torch
@@ -49,10 +61,14 @@ class DistillConfig:
                                "per-token reverse KL)")
     reward_weight: float = knob(1.0, "weight of the task reward's advantage (algo.advantage) in the sum; 0 = pure "
                                      "distillation (the reward is logged, not trained on)")
+    discount: float = knob(0.0, "the teacher term's return over the later policy tokens: 0 = each token's own "
+                                "reverse KL (per-token divergence, prefixes held fixed); 1 = the sum to the end "
+                                "(the gradient of the sequence-level reverse KL); see hybridrl/algo/distill.py")
 
     def __post_init__(self) -> None:
         check_positive("kl_coef", self.kl_coef, allow_zero=True)
         check_positive("reward_weight", self.reward_weight, allow_zero=True)
+        check_range("discount", self.discount, 0.0, 1.0)
         if self.teacher and self.kl_coef == 0:
             raise ConfigValueError("kl_coef", "0 with distill.teacher set: the teacher would score every step and "
                                               "train nothing; set distill.kl_coef > 0 (e.g. 1.0) or unset distill.teacher")
@@ -77,11 +93,32 @@ def reverse_kl(logprobs: "torch.Tensor", teacher_logprobs: "torch.Tensor", mask:
 
 def token_advantages(cfg: DistillConfig, task_advantages: "torch.Tensor", logprobs: "torch.Tensor",
                      teacher_logprobs: "torch.Tensor", mask: "torch.Tensor") -> "torch.Tensor":
-    """A [N, T] = reward_weight * task_advantages - kl_coef * clamp(d, +-10), 0 off the policy tokens."""
+    """A [N, T] = reward_weight * task_advantages - kl_coef * G, G the discounted return of clamp(d, +-10)
+    over the policy tokens (`discount`), 0 off the policy tokens."""
     from hybridrl.algo import kl
 
-    d = kl.kl(logprobs.float(), teacher_logprobs.float(), "k1")          # log pi - log q, clamped
-    return ((cfg.reward_weight * task_advantages.float() - cfg.kl_coef * d) * mask).to(task_advantages.dtype)
+    d = kl.kl(logprobs.float(), teacher_logprobs.float(), "k1") * mask   # log pi - log q, clamped
+    g = discounted_returns(d, mask, getattr(cfg, "discount", 0.0))
+    return ((cfg.reward_weight * task_advantages.float() - cfg.kl_coef * g) * mask).to(task_advantages.dtype)
+
+
+def discounted_returns(rewards: "torch.Tensor", mask: "torch.Tensor", discount: float) -> "torch.Tensor":
+    """[N, T]: sum over the row's policy tokens from t on of discount^(steps) x rewards, where a step is one
+    policy token (observation tokens are skipped); 0 off the policy tokens."""
+    import torch
+
+    m = mask.to(rewards.dtype)
+    if discount == 0.0:
+        return rewards * m
+    if discount == 1.0:
+        return torch.flip(torch.cumsum(torch.flip(rewards * m, [-1]), -1), [-1]) * m
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        on = m[:, t] > 0
+        running = torch.where(on, rewards[:, t] + discount * running, running)
+        out[:, t] = running * m[:, t]
+    return out
 
 
 def reverse_kl_sums(logprobs: "torch.Tensor", teacher_logprobs: "torch.Tensor",

@@ -88,6 +88,12 @@ def findings(cfg: Any, *, train_size: int | None = None) -> list[Finding]:
         if (algo.kl_in, option) not in kl.FORWARD:
             warn("algo.kl_estimator", f"{option} in the {algo.kl_in} gives {gradient}; "
                                       f"algo.kl_estimator=auto gives grad KL(pi || ref)")
+    lora = getattr(getattr(cfg, "train", None), "lora", None)
+    if lora is not None and lora.enabled and lora.dropout > 0:
+        refuse("train.lora.dropout", f"{lora.dropout} in an RL run: the training forward draws dropout masks while "
+                                     "the rollout engine and the old-logprob and reference forwards run without, so "
+                                     "the first PPO ratio is not 1 and the clip and the behaviour weights compare two "
+                                     "different functions; set train.lora.dropout=0 for RL (dropout is for SFT)")
     if distill.enabled(cfg) and algo.drop_all_equal_groups:
         warn("algo.drop_all_equal_groups", "the teacher scores every token, so a group of equal rewards still carries "
                                            "its signal, and such groups are dropped; set it false to distil on them")
@@ -112,32 +118,25 @@ def findings(cfg: Any, *, train_size: int | None = None) -> list[Finding]:
 
 
 def describe(cfg: Any) -> list[str]:
-    """The objective `cfg` trains, one line per part."""
+    """The objective `cfg` trains, one line per part: every transformation between the configured
+    objective and the one optimised (where the KL goes and its effective scale, what the prompt sampler
+    reweights, what is dropped and why)."""
     algo, agent = cfg.algo, cfg.agent
     adv, loss = estimator(algo.advantage), policy_loss(algo.policy_loss)
     lines = [f"advantage      {algo.advantage}: {adv.summary}",
-             f"policy loss    {algo.policy_loss}: {loss.summary}"]
-    if algo.uses_reference:
-        option = algo.kl_option
-        weight = " x sg(pi / pi_behaviour) (the samples' importance weight)" if algo.kl_in == "loss" else ""
-        lines.append(f"KL penalty     {algo.kl_coef} x {option} in the {algo.kl_in}{weight}: "
-                     f"{kl.GRADIENTS[(algo.kl_in, option)]}")
-    else:
-        lines.append("KL penalty     off (algo.kl_coef=0): no reference model")
+             f"policy loss    {algo.policy_loss}: {loss.summary}",
+             _kl_line(algo)]
     if distill.enabled(cfg):
         d = cfg.distill
+        target = ("its own position's reverse KL (prefixes held fixed: not the sequence KL's gradient)"
+                  if d.discount == 0 else "the sequence reverse KL's gradient" if d.discount == 1 else
+                  f"the reverse KL's return discounted by {d.discount} per policy token")
         lines.append(f"distillation   teacher {d.teacher}: per token A = {d.reward_weight} x the advantage above - "
-                     f"{d.kl_coef} x (log pi - log teacher) of the sampled token; {kl.GRADIENTS[('reward', 'k1')]} "
-                     "with the teacher in the reference's place")
-    lines.append(f"entropy bonus  {algo.entropy_coef}" if algo.entropy_coef > 0 else "entropy bonus  off")
-    if algo.tis_cap > 0:
-        how = "truncated (TIS)" if algo.tis_mode == "truncate" else "masked above it (decoupled PPO)"
-        behaviour = f"w = pi_old / pi_behaviour per token, {how} at {algo.tis_cap}"
-    else:
-        behaviour = "none (w = 1)"
-    if algo.mis != "off":
-        behaviour += f"; MIS at {algo.mis} level drops ratios outside [{algo.mis_low}, {algo.mis_high}]"
-    lines.append(f"behaviour      {behaviour}")
+                     f"{d.kl_coef} x the return of (log pi - log teacher) over the later policy tokens "
+                     f"(distill.discount={d.discount}): {target}")
+    lines.append(f"entropy bonus  {algo.entropy_coef} x H per policy token, not on tokens the behaviour correction "
+                 "rejects (w = 0)" if algo.entropy_coef > 0 else "entropy bonus  off")
+    lines.append(f"behaviour      {_behaviour(algo)}")
     if stale_tokens_possible(cfg):
         bound = f"at most {algo.max_policy_lag} versions old" if algo.max_policy_lag >= 0 else "of any age"
         lines.append(f"stale tokens   trained tokens may be {bound} ({algo.partial_policy} for multi-version "
@@ -151,8 +150,69 @@ def describe(cfg: Any) -> list[str]:
         truncated += (f"; overlong penalty up to {algo.overlong_penalty} over the last {algo.overlong_buffer} of "
                       f"{agent.max_response_tokens} response tokens")
     lines.append(f"truncated      {truncated}")
-    lines.append("all-equal      " + ("groups dropped (no signal)" if algo.drop_all_equal_groups else "groups kept"))
-    return lines
+    return lines + _dropped_lines(algo) + [_prompts_line(cfg)]
+
+
+def _behaviour(algo: Any) -> str:
+    if algo.tis_cap > 0:
+        how = "truncated (TIS)" if algo.tis_mode == "truncate" else "masked above it (decoupled PPO)"
+        behaviour = f"w = pi_old / pi_behaviour per token, {how} at {algo.tis_cap}"
+    else:
+        behaviour = "none (w = 1)"
+    if algo.mis != "off":
+        behaviour += f"; MIS at {algo.mis} level drops ratios outside [{algo.mis_low}, {algo.mis_high}]"
+    return behaviour
+
+
+def _kl_line(algo: Any) -> str:
+    """Where the KL penalty goes and the coefficient it trains with."""
+    if not algo.uses_reference:
+        return "KL penalty     off (algo.kl_coef=0): no reference model"
+    option, coef = algo.kl_option, algo.kl_coef
+    gradient = kl.GRADIENTS[(algo.kl_in, option)]
+    if algo.kl_in == "loss":
+        return (f"KL penalty     {coef} x {option} in the loss, per policy token x sg(pi / pi_behaviour) (the "
+                f"samples' importance weight), aggregated as the policy loss is; effective coefficient {coef}: "
+                f"{gradient}")
+    where = {"grpo": "added outside the group normalisation (not divided by the group's std)",
+             "rloo": "added outside the group baseline",
+             "reinforce_pp": "in the per-token returns, whitened together with the task reward over the batch "
+                             "(relative to the task reward its scale stays",
+             "gae": "in GAE's token rewards" + (", whitened with the advantages over the batch (relative to the "
+                                                "task reward its scale stays" if algo.gae_whiten else "")}
+    placed = where.get(algo.advantage, "passed to the estimator as token rewards (its own treatment)")
+    if placed.endswith("stays"):
+        placed += f" {coef})"
+    return (f"KL penalty     -{coef} x {option} per policy token as a reward: each token's advantage gets the sum "
+            f"of those from it to the end of the response, {placed}; effective coefficient {coef}: {gradient}")
+
+
+def _dropped_lines(algo: Any) -> list[str]:
+    """What never reaches the gradient, and why."""
+    kl_note = " and their KL penalty with them" if algo.uses_reference else ""
+    equal = (f"groups of equal task reward dropped (no signal for the group baseline){kl_note}"
+             if algo.drop_all_equal_groups else "groups kept")
+    lag = f", tokens older than {algo.max_policy_lag} versions ({algo.stale})" if algo.max_policy_lag >= 0 else ""
+    return [f"all-equal      {equal}",
+            "dropped        infra-invalid and aborted episodes (not the policy's doing: never trained, never in a "
+            f"group's statistics, never a sampler's failure){lag}; tokens with w = 0 keep their place in the loss's "
+            "denominators but carry no gradient"]
+
+
+def _prompts_line(cfg: Any) -> str:
+    """Which prompts the expectation is over: uniform, or reweighted by the task mixture's sampler."""
+    task = getattr(cfg, "task", None)
+    if task is None or not getattr(task, "mixture", None):
+        return "prompts        the train split, uniformly (each prompt once per epoch)"
+    weights = ", ".join(f"{m.name} {m.weight:g}" for m in task.mixture)
+    line = f"prompts        tasks by weight ({weights}; shares count trained groups, task.share_policy={task.share_policy})"
+    if task.sampler == "difficulty":
+        line += (f"; within a task the difficulty sampler reweights the objective, uncorrected: prompt i weighs "
+                 f"{task.sampler_floor:g} + {1 - task.sampler_floor:g} x N w_i / sum_j w_j times its uniform weight "
+                 f"(w_i = 4 s_i (1 - s_i), s_i its success rate over its last {task.sampler_window} scored episodes)")
+    else:
+        line += "; within a task, uniformly"
+    return line
 
 
 def explain(cfg: Any, *, train_size: int | None = None) -> tuple[str, list[Finding]]:

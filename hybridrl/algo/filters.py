@@ -7,7 +7,11 @@ Applied in this order, so every rejected trajectory has exactly one reason:
   policy_lag        a policy token older than `current_version - max_policy_lag` (`over_lag`)
   all_equal_group   every admitted member of the group got the same reward (no signal for a
                     group baseline; "dynamic sampling"), when `drop_all_equal_groups`
-                    (`informative_groups`)
+                    (`informative_groups`). It reads the task reward, which is exactly what the
+                    estimators' group statistics read: a KL penalty in the reward (algo.kl_in=reward)
+                    is added per token outside them (`groups.token_returns`), so a dropped group
+                    loses its KL term too, as it would with the KL in the loss (`config show
+                    --explain` says so)
 
 Truncated trajectories: a budget ran out because of what the policy did (it called tools until
 max_turns, wrote until max_response_tokens, ran until max_episode_s). By default they stay in

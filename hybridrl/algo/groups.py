@@ -71,8 +71,17 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float, reduce: Redu
     return ((v - mean) / (var.sqrt() + eps) * m).to(torch.float32)
 
 
-def fold_token_rewards(rewards: torch.Tensor, mask: torch.Tensor, token_rewards: torch.Tensor | None) -> torch.Tensor:
-    """Outcome-only estimators: per-token rewards (e.g. -kl_coef * KL) summed into the row's outcome."""
+def token_returns(token_rewards: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    """[N, T] float32: each policy token's return of the per-token rewards (e.g. -kl_coef * KL), the sum
+    of those on it and on the row's later policy tokens (gamma = 1), 0 off the policy tokens; zeros
+    without token rewards.
+
+    The group-baseline estimators add it to the group-normalised outcome advantage, outside the group
+    statistics, so the per-token reward trains with exactly the coefficient it was configured with (inside
+    the std division its scale would be kl_coef / std_g, a different one per group) and it reaches the
+    tokens that caused it (a token's advantage holds only the rewards from it on)."""
+    m = mask.to(torch.float32)
     if token_rewards is None:
-        return rewards
-    return rewards + (token_rewards * mask).sum(dim=-1)
+        return torch.zeros_like(m)
+    r = token_rewards.to(torch.float32) * m
+    return torch.flip(torch.cumsum(torch.flip(r, [-1]), -1), [-1]) * m

@@ -25,6 +25,11 @@ The samples come from the behaviour policy mu (the rollout engine, possibly some
 not from pi: in the loss, each token's KL term is weighted by sg(pi / mu) = sg(ratio to the
 proximal policy) x the behaviour weight of `algo/correction.py`, so that E_mu[weight grad k] is
 the gradient above (exact when that weight is not truncated or masked).
+
+The log-ratio is clamped to +-10 nats, straight through: the value uses the clamped log_r, the
+gradient passes as if the clamp were the identity (d clamp / d log_r = 1). So where the policy has
+drifted furthest from the reference, k2's gradient is 10 x grad log pi (bounded), never 0 (a plain
+clamp would zero it exactly there); within +-10 nothing changes.
 """
 
 from __future__ import annotations
@@ -56,12 +61,13 @@ def resolve(estimator: str, kl_in: str) -> str:
 
 def kl(logprobs: "torch.Tensor", ref_logprobs: "torch.Tensor", estimator: str = "k2",
        clamp: float | None = 10.0) -> "torch.Tensor":
-    """The estimator's per-token value [N, T] (log_r clamped to +-clamp)."""
+    """The estimator's per-token value [N, T] (log_r clamped to +-clamp, straight through: the clamp
+    bounds the value and leaves the gradient of log_r, see the module doc)."""
     import torch
 
     log_r = ref_logprobs - logprobs
     if clamp is not None:
-        log_r = log_r.clamp(-clamp, clamp)
+        log_r = log_r + (log_r.clamp(-clamp, clamp) - log_r).detach()
     if estimator == "k1":
         return -log_r
     if estimator == "k2":

@@ -6,13 +6,15 @@ engine aggregates:
 
     token_loss = w * pg_loss
                + kl_coef * sg(pi / pi_old) * w * KL      (when kl_in == 'loss')
-               - entropy_coef * H
+               - entropy_coef * [w > 0] * H
 
 pg_loss is the configured policy loss (its ratio to the proximal policy pi_old), w the behaviour
 weight pi_old / pi_behaviour as `algo/correction.py` defines it (TIS / decoupled-PPO weight and
 MIS masks; 1 with no correction), sg() a detached factor; the KL options and the gradient each
 gives are in `algo/kl.py`. sg(pi / pi_old) * w is the importance weight of the KL term's samples:
-they come from the behaviour policy, not from pi.
+they come from the behaviour policy, not from pi. A token the correction rejects (w = 0: MIS out
+of its band, or decoupled PPO's mask above the cap) leaves the update whole: it gets no entropy
+bonus either (the bonus would otherwise keep pushing the very tokens judged too far off-policy).
 
 The micro-batch must carry `old_logprobs`, `advantages`, `loss_mask`, and as configured
 `ref_logprobs` (KL in the loss) and `behavior_logprobs` (a behaviour weight), all [b, T]
@@ -107,7 +109,8 @@ def make_loss_fn(cfg: AlgoConfig, *, old_from_forward: bool = False) -> LossFn:
         if entropy is not None:
             metrics["entropy"] = entropy.detach()
             if cfg.entropy_coef > 0:
-                token_loss = token_loss - cfg.entropy_coef * entropy
+                bonus = entropy if weight is None else entropy * (weight > 0).to(entropy.dtype)   # not on rejected tokens
+                token_loss = token_loss - cfg.entropy_coef * bonus
         return token_loss, metrics
 
     return loss_fn

@@ -5,9 +5,12 @@ train split, or, with `task.name=mixture`, a `MixtureStream` (`hybridrl/data/mix
 task's split with the configured sampler.
 
 `after_rollout(collection, step, trajectories, metrics)`, at the end of every collection's
-rollout, feeds the stream what happened (prompt success rates for the difficulty sampler, per-task
-statistics: `task/<name>/*`) and, in partial rollouts, keeps each task's share of the groups the step
-trains on (`task.share_policy`):
+rollout, feeds the stream what happened (prompt success rates of the scored episodes for the
+difficulty sampler, per-task statistics of what was collected: `task/<name>/*`) and, in partial
+rollouts, keeps each task's share of the groups the step trains on (`task.share_policy`). A quota
+counts the groups the update will admit (`algo.filters.admit`: not the infra-invalid, aborted, too
+stale or all-equal ones); a group the update will drop passes through uncounted (its reason is
+counted in `filter/*`), so a share is of trained groups, not of collected ones:
 
     wait     the step takes each task's share of `quorum` groups (by weight, largest remainders). A
              task with more complete groups than its share has the extra ones held for the next step
@@ -20,9 +23,12 @@ trains on (`task.share_policy`):
     none     the step trains what completed (with environments of different speeds, the fast task's
              groups come first): only counted.
 
-Every step reports `share/<task>` (its groups' fraction of the step) and `share/outside_tolerance`
-(1 when a task's cumulative share is further from its weight than `task.share_tolerance` of it).
-A synchronous step runs all the groups it drew, so its shares are the draws' (the weights).
+Every step reports, after admission (`after_admission`, called by the trainer on the admitted
+trajectories), `share/<task>` (its trained groups' fraction of the step) and `share/outside_tolerance`
+(1 when a task's cumulative share of trained groups is further from its weight than
+`task.share_tolerance` of it).
+A synchronous step runs all the groups it drew (the weights); its shares of trained groups differ
+from those by what admission drops (a task whose prompts are always or never solved trains less).
 Held groups go into the stream's checkpoint state as instances: a resumed run launches them again,
 first.
 """
@@ -33,6 +39,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from hybridrl.algo.filters import admit
 from hybridrl.data.mixture import MixtureStream
 from hybridrl.data.stream import ShuffledStream
 from hybridrl.envs.tasks.mixture import shares
@@ -59,8 +66,22 @@ def after_rollout(collection: Any, step: int, trajectories: list, metrics: dict,
         metrics.update(counts)
     stream.observe(trajectories, step)
     metrics.update(stream.step_metrics(trajectories))
-    metrics.update(share_metrics(stream, trajectories, collection.cfg.task.share_tolerance))
     return trajectories, metrics
+
+
+def after_admission(cfg: Any, stream: Any, kept: list) -> dict[str, float]:
+    """The step's shares of trained groups (`share_metrics` over the admitted trajectories `kept`);
+    {} for a run without a mixture."""
+    if not isinstance(stream, MixtureStream):
+        return {}
+    return share_metrics(stream, kept, cfg.task.share_tolerance)
+
+
+def trains(cfg: Any, members: list, version: int) -> bool:
+    """Whether the update at `version` would admit any member of a group (the trainer's admission)."""
+    agent = getattr(cfg, "agent", None)
+    return bool(admit(members, cfg.algo, current_version=version,
+                      max_response_tokens=getattr(agent, "max_response_tokens", 0)).kept)
 
 
 def _by_group(trajectories: list) -> dict[str, list]:
@@ -84,9 +105,10 @@ def keep_shares(collection: Any, step: int, trajectories: list) -> tuple[list, d
         _set_pipeline(collection, stream, [])
         return [t for _, m in pool for t in m], counts
     quota = shares(stream.weights, collection.cfg.trainer.quorum_groups)
+    version = collection.run.version
     started, rounds = time.perf_counter(), 0
     while policy == "wait":
-        have = Counter(stream.task_of[m[0].task_id] for _, m in pool)
+        have = Counter(stream.task_of[m[0].task_id] for _, m in pool if trains(collection.cfg, m, version))
         short = {k: q - have[k] for k, q in quota.items() if have[k] < q}
         if not short or rounds >= collection.cfg.task.share_max_wait_rounds:
             break
@@ -108,7 +130,9 @@ def keep_shares(collection: Any, step: int, trajectories: list) -> tuple[list, d
     taken, held, took = [], [], Counter()
     for instance, members in pool:
         name = stream.task_of[members[0].task_id]
-        if took[name] < quota[name]:
+        if not trains(collection.cfg, members, version):
+            taken += members                      # dropped at admission, counted there: no share, not held
+        elif took[name] < quota[name]:
             took[name] += 1
             taken += members
         else:

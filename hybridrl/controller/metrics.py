@@ -90,11 +90,17 @@ def step_metrics(trajectories: list[Trajectory], kept: FilterResult, batch: Batc
 
 
 def validation_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    return {"val/accuracy": _accuracy(trajectories),
-            "val/reward": statistics.fmean(t.reward for t in trajectories),
-            "val/episodes": len(trajectories),
-            "val/response_tokens": statistics.fmean(len(t.response_ids) for t in trajectories),
-            "val/tool_calls": statistics.fmean(len(t.tool_calls) for t in trajectories)}
+    """Over the scored episodes: INFRA_INVALID and ABORTED ones are not the policy's failures (counted as
+    `val/status/<status>`, and `val/scored` is how many the means are over)."""
+    judged = [t for t in trajectories if t.status.value not in ("infra_invalid", "aborted")]
+    out = {"val/accuracy": _accuracy(judged),
+           "val/reward": statistics.fmean(t.reward for t in judged) if judged else 0.0,
+           "val/episodes": len(trajectories), "val/scored": float(len(judged)),
+           "val/response_tokens": statistics.fmean(len(t.response_ids) for t in judged) if judged else 0.0,
+           "val/tool_calls": statistics.fmean(len(t.tool_calls) for t in judged) if judged else 0.0}
+    for status in sorted({t.status.value for t in trajectories}):
+        out[f"val/status/{status}"] = float(sum(t.status.value == status for t in trajectories))
+    return out
 
 
 def engine_metrics(per_rank: list[dict], run) -> dict[str, float]:

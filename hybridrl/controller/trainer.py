@@ -23,6 +23,7 @@ from hybridrl.algo import partial
 from hybridrl.algo.groups import group_index_of
 from hybridrl.algo.minibatches import lay_out, plan
 from hybridrl.controller import critic as C
+from hybridrl.controller import curriculum
 from hybridrl.controller import metrics as M
 from hybridrl.controller.collection import admitted
 from hybridrl.controller.evaluation import evaluate_in_loop
@@ -64,6 +65,7 @@ def train(cfg, wg) -> dict:
 
         with timer("prep"):
             kept = admitted(cfg, trajectories, run.version)
+            collected.update(curriculum.after_admission(cfg, run.stream, kept.kept))   # shares of trained groups
             # the trajectories stay here: the batch needs no records to rebuild them from
             batch = to_batch(kept.kept, pad_id=run.pad_id, records=False) if kept.kept else None
             if batch is not None:

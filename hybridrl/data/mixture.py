@@ -18,10 +18,17 @@ epoch); `sampler=difficulty`, prompt i drawn with probability
 
     p_i = floor / N + (1 - floor) * w_i / sum_j w_j,   w_i = 4 s_i (1 - s_i), or 1 if never seen
 
-where s_i is its success rate over its last `window` episodes (`observe`). A prompt every sample
+where s_i is its success rate over its last `window` scored episodes (`observe`; INFRA_INVALID and
+ABORTED ones are not the policy's and are left out). A prompt every sample
 solves (s = 1), or none does (s = 0), carries no group signal and is drawn less; no prompt's
 probability falls below floor / N (its task's N prompts). The prompts of one call are distinct
 (drawn one after another without replacement, each from `p` over those left).
+
+The difficulty sampler reweights the objective: the expected gradient of a step is sum_i p_i x (prompt
+i's gradient), not the uniform mean over the split, and no importance weight corrects it (a curriculum
+by design: the prompts that carry a group signal get the updates). Prompt i weighs N p_i = floor +
+(1 - floor) N w_i / sum_j w_j times what it weighs under uniform draws; `config show --explain` states
+it. `sampler=uniform` optimises the split's uniform mean.
 
 Per-task statistics (`observe`): attempts, successes, response tokens and episode seconds, groups;
 `step_metrics` reports them as `task/<name>/*`. Everything is a stateful part of the run's
@@ -42,6 +49,13 @@ from hybridrl.data.stream import ShuffledStream
 
 def success(trajectory: Any) -> float:
     return 1.0 if trajectory.rewards.get("correct", trajectory.reward) > 0 else 0.0
+
+
+def scored(trajectory: Any) -> bool:
+    """Whether an episode says anything about the policy: INFRA_INVALID (a tool, engine or reward failure)
+    and ABORTED (cancelled) episodes do not, and never count as a prompt's failures."""
+    status = getattr(getattr(trajectory, "status", None), "value", getattr(trajectory, "status", None))
+    return status not in ("infra_invalid", "aborted")
 
 
 def deficit_order(weights: dict[str, float], counts: dict[str, float]) -> str:
@@ -143,10 +157,14 @@ class MixtureStream:
     # ------------------------------------------------------------------ what happened
 
     def observe(self, trajectories: Iterable[Any], step: int | None = None) -> None:
-        """The step's trajectories: prompt success rates, per-task totals, and (with a step) latencies."""
+        """The step's trajectories: prompt success rates and per-task totals of the scored ones (`scored`),
+        and (with a step) latencies."""
         for t in trajectories:
             name = self.task_of.get(t.task_id)
             if name is None:
+                continue
+            if not scored(t):
+                self.totals[name]["not_scored"] += 1
                 continue
             recent = self.recent.setdefault(t.task_id, [])
             recent.append(success(t))
@@ -169,7 +187,8 @@ class MixtureStream:
         self.capacity = capacity
 
     def step_metrics(self, trajectories: Sequence[Any]) -> dict[str, float]:
-        """`task/<name>/*` of this step's trajectories, and each task's share of them (groups)."""
+        """`task/<name>/*` of this step's collected trajectories, and each task's share of them (groups
+        collected; `share/<name>` is the share of the groups trained, `controller/curriculum.py`)."""
         out: dict[str, float] = {}
         by_task: dict[str, list] = defaultdict(list)
         for t in trajectories:
@@ -182,8 +201,10 @@ class MixtureStream:
             out[f"task/{name}/share"] = groups.get(name, 0) / total_groups if total_groups else 0.0
             out[f"task/{name}/attempts"] = float(len(ts))
             out[f"task/{name}/drawn_total"] = float(self.drawn[name])
+            judged = [t for t in ts if scored(t)]
+            if judged:
+                out[f"task/{name}/success_rate"] = sum(map(success, judged)) / len(judged)
             if ts:
-                out[f"task/{name}/success_rate"] = sum(map(success, ts)) / len(ts)
                 out[f"task/{name}/mean_length"] = sum(len(t.response_ids) for t in ts) / len(ts)
                 out[f"task/{name}/latency_s"] = sum(float(t.timings.get("total_s", 0.0)) for t in ts) / len(ts)
             if name in self.latency:

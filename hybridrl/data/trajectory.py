@@ -13,8 +13,13 @@ policy-sampled token.
 Mixture-of-experts policies: `routed_experts` [positions, moe_layers, top_k] (int8, int16 above 128
 experts) holds the experts the rollout engine routed each token x[t] to, for the tokens it computed
 (all but the last), merged over the turns of an episode: a turn's record covers its whole context,
-and positions already recorded by an earlier turn keep that earlier record (the routing the earlier
-tokens were sampled with). `to_batch` adds it as `routed_experts` [B, T, moe_layers, top_k], -1
+and the latest record of a position wins. A later turn that recomputed the context (a new policy
+version after a weight update, or a prefix-cache miss) routed it anew, and its own tokens were
+sampled on those routes; the trainer runs the whole sequence once, at the latest version, so the
+latest routes are the ones that condition the most recent tokens under the weights nearest the
+trainer's. Earlier turns' tokens then replay routes that may differ from those they were sampled
+with: their behaviour logprobs still come from the engine, so the behaviour weight
+(`algo/correction.py`) sees and corrects that difference. `to_batch` adds it as `routed_experts` [B, T, moe_layers, top_k], -1
 where nothing was recorded; the trainer replays it (routing replay) or compares with it.
 """
 
@@ -56,13 +61,14 @@ class ToolCallRecord:
 
 
 def merge_routes(have: Any, new: Any) -> Any:
-    """A routing record [positions, moe_layers, top_k] extended by a later request's `new` (which covers the
-    whole context that request computed): the rule of the module doc. Every front end merges with this."""
+    """A routing record [positions, moe_layers, top_k] merged with a later request's `new` (which covers the
+    whole context that request computed): the later record of a position wins (the module doc). Every front
+    end merges with this."""
     if new is None:
         return have
-    if have is None or len(have) == 0:
+    if have is None or len(have) <= len(new):
         return new
-    return torch.cat([have, new[len(have):]])
+    return torch.cat([new, have[len(new):]])
 
 
 # a trajectory's per-token lists
@@ -113,7 +119,7 @@ class Trajectory:
                version: int = -1, routed_experts: Any = None) -> None:
         """Append a segment: policy tokens (with logprobs, version, and for MoE engines the turn's
         routing record, `GenerationOutput.routed_experts`) or observation tokens."""
-        if routed_experts is not None:
+        if routed_experts is not None:            # the latest record of a position wins (see the module doc)
             self.routed_experts = merge_routes(self.routed_experts, routed_experts)
         ids = list(ids)
         if policy:

@@ -9,7 +9,12 @@
     tool_calls   mean tool calls per episode, and `tool_call_rate`: episodes with at least one
     length       mean response tokens per episode (policy and observation tokens after the prompt)
 
-An episode succeeds when its `correct` value is > 0 (the tasks' verifiers score 0 or 1).
+An episode succeeds when its `correct` value is > 0 (the tasks' verifiers score 0 or 1). Episodes
+that say nothing about the policy, INFRA_INVALID (an engine, tool or reward failure) and ABORTED
+(cancelled), are left out of accuracy, pass@k, reward, tool calls and length, as training leaves
+them out of its groups: they are counted as `status/<status>` (logged), and `scored` is the number
+of episodes the metrics are over. pass@k is over the instances with at least k scored samples
+(`pass@k_instances` says how many, when some have fewer).
 """
 
 from __future__ import annotations
@@ -32,6 +37,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+UNSCORED = ("infra_invalid", "aborted")
+
+
+def scored(records: Iterable[dict]) -> list[dict]:
+    """The episodes that score the policy (not INFRA_INVALID or ABORTED)."""
+    return [r for r in records if r.get("status") not in UNSCORED]
+
+
 def successes(records: Iterable[dict]) -> dict[str, tuple[int, int]]:
     """instance id -> (samples n, successes c)."""
     out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -49,22 +62,38 @@ def sampling_metrics(records: Sequence[dict], *, pass_k: Sequence[int], metrics:
         return {}
     out: dict[str, float] = {"episodes": float(len(records)),
                              "instances": float(len({r["task_id"] for r in records}))}
-    if "accuracy" in metrics:
-        out["accuracy"] = statistics.fmean(r["correct"] for r in records)
-    if "pass@k" in metrics:
-        per_instance = successes(records).values()
-        for k in pass_k:
-            if 1 < samples and k <= samples and all(n >= k for n, _ in per_instance):
-                out[f"pass@{k}"] = statistics.fmean(pass_at_k(n, c, k) for n, c in per_instance)
-    if "reward" in metrics:
-        out["reward"] = statistics.fmean(r["reward"] for r in records)
-    if "tool_calls" in metrics:
-        out["tool_calls"] = statistics.fmean(r["tool_calls"] for r in records)
-        out["tool_call_rate"] = statistics.fmean(float(r["tool_calls"] > 0) for r in records)
-    if "length" in metrics:
-        out["length"] = statistics.fmean(r["response_tokens"] for r in records)
     for status in sorted({r["status"] for r in records}):
         out[f"status/{status}"] = float(sum(r["status"] == status for r in records))
+    judged = scored(records)
+    out["scored"] = float(len(judged))
+    if not judged:
+        return out
+    if "accuracy" in metrics:
+        out["accuracy"] = statistics.fmean(r["correct"] for r in judged)
+    if "pass@k" in metrics:
+        out.update(_pass_at(judged, pass_k, samples))
+    if "reward" in metrics:
+        out["reward"] = statistics.fmean(r["reward"] for r in judged)
+    if "tool_calls" in metrics:
+        out["tool_calls"] = statistics.fmean(r["tool_calls"] for r in judged)
+        out["tool_call_rate"] = statistics.fmean(float(r["tool_calls"] > 0) for r in judged)
+    if "length" in metrics:
+        out["length"] = statistics.fmean(r["response_tokens"] for r in judged)
+    return out
+
+
+def _pass_at(judged: Sequence[dict], pass_k: Sequence[int], samples: int) -> dict[str, float]:
+    """pass@k over the instances with at least k scored samples (and how many, when not all have)."""
+    out: dict[str, float] = {}
+    per_instance = list(successes(judged).values())
+    for k in pass_k:
+        if not 1 < samples or k > samples:
+            continue
+        eligible = [(n, c) for n, c in per_instance if n >= k]
+        if eligible:
+            out[f"pass@{k}"] = statistics.fmean(pass_at_k(n, c, k) for n, c in eligible)
+        if len(eligible) < len(per_instance):
+            out[f"pass@{k}_instances"] = float(len(eligible))
     return out
 
 
@@ -90,9 +119,8 @@ def flat(result_metrics: dict[str, Any], prefix: str) -> dict[str, float]:
     """`{prefix}/{sampling}/{metric}` scalars (what metrics.jsonl and TensorBoard take)."""
     out = {}
     for sampling, values in result_metrics["sampling"].items():
-        for key, value in values.items():
-            if not key.startswith("status/"):
-                out[f"{prefix}/{sampling}/{key}"] = float(value)
+        for key, value in values.items():        # status/<status> counts included
+            out[f"{prefix}/{sampling}/{key}"] = float(value)
     for task, samplings in result_metrics.get("per_task", {}).items():
         for sampling, values in samplings.items():
             for key in ("accuracy", "reward"):

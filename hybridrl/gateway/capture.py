@@ -439,8 +439,8 @@ class EpisodeCapture:
 
 
 def merge_routes(have: Any, new: Any) -> Any:
-    """A routing record extended by a later request's (`new` covers the whole context it computed): the
-    positions `have` holds keep their record, the rest come from `new` (data/trajectory.py's rule)."""
+    """A routing record merged with a later request's (`new` covers the whole context it computed): the
+    later record of a position wins (data/trajectory.py's rule, the same for every front end)."""
     from hybridrl.data.trajectory import merge_routes as merge
 
     return merge(have, new)

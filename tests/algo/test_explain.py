@@ -85,3 +85,37 @@ def test_config_show_explain_and_train_refuse_with_exit_2(capsys, tiny_models):
     err = capsys.readouterr().err
     assert code == 2 and "trainer.group_size: grpo compares each sample with its group" in err
     assert len([line for line in err.splitlines() if line.startswith("hybridrl:")]) == 1
+
+
+def test_explain_states_where_the_kl_goes_and_its_effective_scale():
+    """Before: '0.05 x k1 in the reward' and nothing else, while GRPO divided it by each group's std."""
+    text, _ = explain(load_config(GRPO, ["model.path=unused", "algo.kl_coef=0.05", "algo.kl_in=reward"]))
+    kl_line = next(line for line in text.splitlines() if "KL penalty" in line)
+    assert "outside the group normalisation" in kl_line and "effective coefficient 0.05" in kl_line
+    assert "their KL penalty with them" in text                    # all-equal groups take their KL term along
+    assert "infra-invalid and aborted episodes" in text            # what is dropped, and why
+    text, _ = explain(load_config(GRPO, ["model.path=unused", "algo.kl_coef=0.05", "algo.advantage=reinforce_pp"]))
+    assert "effective coefficient 0.05" in text and "x sg(pi / pi_behaviour)" in text
+
+
+def test_explain_states_the_difficulty_samplers_reweighting():
+    """Before: the difficulty sampler reweighted the objective with no word in `explain`."""
+    from types import SimpleNamespace
+
+    from hybridrl.algo.explain import describe
+
+    cfg = load_config(GRPO, ["model.path=unused"])
+    task = SimpleNamespace(mixture=[SimpleNamespace(name="calculator", weight=1.0),
+                                    SimpleNamespace(name="guess_number", weight=2.0)],
+                           share_policy="wait", sampler="difficulty", sampler_floor=0.25, sampler_window=8)
+    lines = describe(SimpleNamespace(algo=cfg.algo, agent=cfg.agent, run=cfg.run, placement=cfg.placement,
+                                     trainer=cfg.trainer, task=task))
+    prompts = next(line for line in lines if line.startswith("prompts"))
+    assert "reweights the objective, uncorrected" in prompts and "0.25 + 0.75 x N w_i / sum_j w_j" in prompts
+    assert "calculator 1, guess_number 2" in prompts
+
+
+def test_lora_dropout_is_refused_for_rl():
+    """Before: train.lora.dropout > 0 ran RL with dropout in the training forward only (the first ratio != 1)."""
+    assert found("train.lora.rank=8", "train.lora.dropout=0.1").get("train.lora.dropout") == REFUSE
+    assert "train.lora.dropout" not in found("train.lora.rank=8")

@@ -85,8 +85,9 @@ def test_compute_advantages_dispatch_and_kl_in_reward():
     mask = torch.ones(2, 2)
     adv = compute_advantages(cfg, torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask,
                              token_rewards=torch.tensor([[-0.5, 0.0], [0.0, 0.0]]))
-    # outcome-only estimator folds token rewards into the outcome: [0.5, 0] -> +0.5 / -0.5
-    assert adv.tolist() == [[0.5, 0.5], [-0.5, -0.5]]
+    # token rewards stay outside the group baseline: outcome [1, 0] -> +1 / -1, plus each token's return
+    # of the token rewards from it on ([-0.5, 0] on row 0)
+    assert adv.tolist() == [[0.5, 1.0], [-1.0, -1.0]]
 
 
 def test_config_validation():

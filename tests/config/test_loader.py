@@ -161,7 +161,7 @@ PINNED_KEYS = [
     "critic.path", "critic.lr", "critic.min_lr", "critic.lr_warmup_steps", "critic.lr_decay_steps",
     "critic.lr_schedule", "critic.weight_decay", "critic.clip_grad", "critic.value_clip", "critic.warmup_steps",
     "critic.offload",
-    "distill.teacher", "distill.kl_coef", "distill.reward_weight",
+    "distill.teacher", "distill.kl_coef", "distill.reward_weight", "distill.discount",
     "reward_model.path", "reward_model.component", "reward_model.weight", "reward_model.batch_size",
     "reward_model.offload",
     "algo.policy_loss", "algo.clip_low", "algo.clip_high", "algo.dual_clip", "algo.kl_estimator", "algo.kl_coef",

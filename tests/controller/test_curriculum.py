@@ -86,9 +86,9 @@ def _run(tokenizer, tmp_path, *, policy: str | None):
     from hybridrl.agent.testing import ScriptedEngine
     from hybridrl.agent.tools.base import ToolBox
     from hybridrl.algo.config import AlgoConfig
-    from hybridrl.controller.collection import PartialCollection
+    from hybridrl.controller.collection import PartialCollection, admitted
     from hybridrl.controller.config import TrainerConfig
-    from hybridrl.controller.curriculum import training_stream
+    from hybridrl.controller.curriculum import after_admission, training_stream
     from hybridrl.data.stream import ShuffledStream
     from hybridrl.envs.config import TaskConfig
     from hybridrl.envs.tasks import get_task
@@ -98,7 +98,8 @@ def _run(tokenizer, tmp_path, *, policy: str | None):
     mixture = get_task("mixture", task_cfg)
     cfg = SimpleNamespace(trainer=TrainerConfig(rollout_mode="partial", prompts_per_step=4, group_size=2,
                                                 oversample=OVERSAMPLE, collect_poll_s=0.01),
-                          algo=AlgoConfig(), run=SimpleNamespace(dir=str(tmp_path), seed=0), task=task_cfg)
+                          algo=AlgoConfig(drop_all_equal_groups=False),    # every episode scores 1.0
+                          agent=SimpleNamespace(max_response_tokens=240), run=SimpleNamespace(dir=str(tmp_path), seed=0), task=task_cfg)
     if policy is None:
         stream = ShuffledStream(mixture.train_split(), seed=0)
     else:
@@ -115,6 +116,7 @@ def _run(tokenizer, tmp_path, *, policy: str | None):
     try:
         for step in range(1, STEPS + 1):
             trajectories, metrics = collection.rollout(step)
+            metrics.update(after_admission(cfg, stream, admitted(cfg, trajectories, 0).kept))   # as the trainer
             assert all(t.status.value == "completed" and t.reward == 1.0 for t in trajectories)
             per_step.append(Counter(task_of[g.split("@")[0]] for g in {t.group_id for t in trajectories}))
             rows.append(metrics)

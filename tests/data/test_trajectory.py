@@ -63,3 +63,23 @@ def test_from_batch_inverts_to_batch():
     assert len(back) == 2
     for orig, got in zip([a, b], back):
         assert got.to_dict() == orig.to_dict()
+
+
+def test_routing_replay_keeps_the_latest_record_of_a_recomputed_position():
+    """R3 over several turns. Before: positions recorded by an earlier turn kept that record even when a later
+    turn (a newer policy version) recomputed the context with other routes; now the latest record wins, and
+    positions only the earlier turn computed keep its record."""
+    import torch
+
+    from hybridrl.data.trajectory import Trajectory
+
+    t = Trajectory(run_id="r", task_id="x", group_id="x@0", attempt=0, prompt_ids=[1, 2, 3])
+    first = torch.zeros(4, 2, 1, dtype=torch.int8)                   # turn 1: prompt + 1 token, version 0
+    t.append([7, 8], policy=True, logprobs=[-0.1, -0.2], version=0, routed_experts=first)
+    t.append([9], policy=False)
+    second = torch.ones(6, 2, 1, dtype=torch.int8)                   # turn 2 recomputed it all at version 1
+    t.append([10], policy=True, logprobs=[-0.3], version=1, routed_experts=second)
+    assert t.routed_experts.shape == (6, 2, 1) and bool((t.routed_experts == 1).all())
+    shorter = torch.full((3, 2, 1), 2, dtype=torch.int8)             # a record of a prefix only: the rest stays
+    t.append([11], policy=True, logprobs=[-0.4], version=2, routed_experts=shorter)
+    assert t.routed_experts[:, 0, 0].tolist() == [2, 2, 2, 1, 1, 1]

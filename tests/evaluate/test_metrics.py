@@ -91,3 +91,33 @@ def test_a_bad_suite_is_refused_in_one_line_naming_the_file_and_key(tmp_path, ed
     assert message in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(SuiteError, match="no suite 'mix_tin'"):
         load_suite("mix_tin")
+
+
+def test_infra_invalid_and_aborted_episodes_are_not_failures_and_their_counts_are_logged():
+    """Before: an engine or tool failure in an evaluation counted as a wrong answer (accuracy 0.5 here instead
+    of 1.0), and the status counts were dropped from what `flat` logs."""
+    from hybridrl.evaluate.metrics import flat
+
+    records = _records({"a": [1, 1], "b": [1, 1]})
+    records[1]["status"], records[1]["correct"] = "infra_invalid", 0.0
+    records[3]["status"], records[3]["correct"] = "aborted", 0.0
+    m = sampling_metrics(records, pass_k=[1, 2], metrics=["accuracy", "pass@k", "reward"], samples=2)
+    assert m["accuracy"] == 1.0 and m["reward"] == 1.0 and m["pass@1"] == 1.0
+    assert "pass@2" not in m and m["pass@2_instances"] == 0.0       # no instance has 2 scored samples
+    assert m["scored"] == 2.0 and m["episodes"] == 4.0
+    logged = flat({"sampling": {"sampled": m}}, "eval")
+    assert logged["eval/sampled/status/infra_invalid"] == 1.0 and logged["eval/sampled/status/aborted"] == 1.0
+
+
+def test_validation_leaves_infra_invalid_episodes_out_of_accuracy():
+    from hybridrl.controller.metrics import validation_metrics
+    from hybridrl.data.trajectory import Trajectory, TrajectoryStatus
+
+    def episode(i, correct, status=TrajectoryStatus.COMPLETED):
+        return Trajectory(run_id="r", task_id=f"t{i}", group_id=f"t{i}@0", attempt=0, prompt_ids=[1],
+                          response_ids=[2], response_mask=[1], behavior_logprobs=[0.0], policy_versions=[0],
+                          reward=correct, rewards={"correct": correct}, status=status)
+
+    out = validation_metrics([episode(0, 1.0), episode(1, 0.0, TrajectoryStatus.INFRA_INVALID), episode(2, 1.0)])
+    assert out["val/accuracy"] == 1.0 and out["val/scored"] == 2.0 and out["val/episodes"] == 3
+    assert out["val/status/infra_invalid"] == 1.0 and out["val/status/completed"] == 2.0

@@ -4,7 +4,13 @@
 
 The same scalar is broadcast to every policy token of the sample. A group of one sample has no
 baseline to compare with: its advantage is 0. The std is the unbiased sample std (as in the
-paper's reference code and veRL). Per-token rewards (KL in the reward) are summed into the outcome.
+paper's reference code and veRL).
+
+Per-token rewards (the KL penalty with algo.kl_in=reward) stay outside the group statistics: each
+policy token's advantage is the one above plus the return of the token rewards from that token on
+(`groups.token_returns`), so -kl_coef * KL trains with the coefficient configured, in every group.
+Summed into the outcome before the std division, its scale would be kl_coef / std_g (about 1000x in
+a group of equal task rewards, where std_g is the KL's own spread).
 """
 
 from __future__ import annotations
@@ -37,10 +43,11 @@ def advantages(rewards: "torch.Tensor", group_index: "torch.Tensor", mask: "torc
 
 
 def _compute(cfg, x: AdvantageInputs):
-    from hybridrl.algo.groups import fold_token_rewards
+    from hybridrl.algo.groups import token_returns
 
-    return advantages(fold_token_rewards(x.rewards, x.mask, x.token_rewards), x.group_index, x.mask,
-                      norm_by_std=cfg.norm_adv_by_std, num_groups=x.num_groups, reduce=x.reduce), None
+    outcome = advantages(x.rewards, x.group_index, x.mask, norm_by_std=cfg.norm_adv_by_std,
+                         num_groups=x.num_groups, reduce=x.reduce)
+    return outcome + token_returns(x.token_rewards, x.mask), None
 
 
 ESTIMATOR = Estimator(
@@ -49,5 +56,6 @@ ESTIMATOR = Estimator(
             "on every policy token",
     compute=_compute,
     formula=lambda cfg: ("(r - mean) / (std + 1e-6)" if cfg.norm_adv_by_std else "r - mean")
-                        + " over the admitted members of the group; 0 for a group of one or of equal rewards",
+                        + " over the admitted members of the group (0 for a group of one or of equal rewards)"
+                        + " + the token rewards' return from the token on (KL in the reward)",
 )

@@ -4,7 +4,8 @@
     A_i = r_i - (sum_g r - r_i) / (n_g - 1) = n_g / (n_g - 1) * (r_i - mean_g(r))
 
 A group of one sample has no other member: its advantage is 0. Per-token rewards (KL in the
-reward) are summed into the outcome.
+reward) are added outside the group baseline, as GRPO does (`groups.token_returns`): each policy
+token gets the return of the token rewards from it on, with the configured coefficient.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ def advantages(rewards: "torch.Tensor", group_index: "torch.Tensor", mask: "torc
 
 
 def _compute(cfg, x: AdvantageInputs):
-    from hybridrl.algo.groups import fold_token_rewards
+    from hybridrl.algo.groups import token_returns
 
-    return advantages(fold_token_rewards(x.rewards, x.mask, x.token_rewards), x.group_index, x.mask,
-                      num_groups=x.num_groups, reduce=x.reduce), None
+    outcome = advantages(x.rewards, x.group_index, x.mask, num_groups=x.num_groups, reduce=x.reduce)
+    return outcome + token_returns(x.token_rewards, x.mask), None
 
 
 def _row(cfg, group_rewards: list, i: int) -> dict:
@@ -49,6 +50,6 @@ ESTIMATOR = Estimator(
     name="rloo",
     summary="the sample's reward minus the mean reward of the other members of its group, on every policy token",
     compute=_compute,
-    formula=lambda cfg: "r - mean(rewards of the other members)",
+    formula=lambda cfg: "r - mean(rewards of the other members) + the token rewards' return from the token on",
     explain_row=_row,
 )

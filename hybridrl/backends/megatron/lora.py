@@ -360,7 +360,8 @@ def trainable_numel(model) -> tuple[int, int]:
 
 class BaseModel:
     """The actor's frozen base (adapters off) as a frozen engine: its `compute_logprobs` is the
-    reference's, on the actor's own weights. Counts its own passes; everything else is the actor's."""
+    reference's, on the actor's own weights, routing on its own as a separate reference does (MoE:
+    `moe.own_routing`, the rollout's routes are not replayed in it). Counts its own passes; everything else is the actor's."""
 
     training = False
 
@@ -372,15 +373,19 @@ class BaseModel:
         return getattr(self.actor, name)
 
     def compute_logprobs(self, batch, **kwargs):
+        from hybridrl.backends.megatron import moe
+
         before = dict(self.actor.passes)
-        with disabled(self.actor.model):
+        with disabled(self.actor.model), moe.own_routing(self.actor.model):    # a reference routes itself
             out = self.actor.compute_logprobs(batch, **kwargs)
         self.passes["logprobs"] += self.actor.passes["logprobs"] - before["logprobs"]
         self.actor.passes.update(before)
         return out
 
     def compute_logits(self, batch):
-        with disabled(self.actor.model):
+        from hybridrl.backends.megatron import moe
+
+        with disabled(self.actor.model), moe.own_routing(self.actor.model):
             return self.actor.compute_logits(batch)
 
 

@@ -87,6 +87,9 @@ class RoutingReplay:
         self.valid: torch.Tensor | None = None           # [tokens] bool: real (not padding)
         self.queue: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         self.stats: torch.Tensor | None = None
+        self.filler = False                              # the micro-batch set is an expert-parallel filler
+        self.fillers: list[bool] = []                    # `filler` of each forward a recomputation will rerun
+        self.silent = False                              # this router forward adds no aux / z loss
 
     # -- installing and driving ---------------------------------------------------------------
 
@@ -97,10 +100,36 @@ class RoutingReplay:
             moe = spec.moe_index(index)
             if moe is not None:
                 router = layer.mlp.router
-                router.router_replay = RoutingReplay(router, moe, spec.num_experts, not spec.norm_topk_prob)
-                hooks.append(router.router_replay)
+                hook = RoutingReplay(router, moe, spec.num_experts, not spec.norm_topk_prob)
+                router.router_replay = hook
+                router.register_forward_pre_hook(hook.enter)
+                router.is_aux_loss_enabled = hook.aux_loss_enabled           # (instance attributes: this router)
+                router.apply_z_loss = hook.apply_z_loss
+                hooks.append(hook)
         model.routing_replays = hooks
         return hooks
+
+    # -- no auxiliary losses on filler micro-batches -------------------------------------------
+
+    def enter(self, router, args) -> None:
+        """Before each router forward: whether it belongs to a filler (its first forward reads `filler`;
+        the backward pass's recomputation of a forward takes what that forward used, in order)."""
+        recompute = router.training and router.config.recompute_granularity == "full"
+        if recompute and torch.is_grad_enabled():       # as `get_replay_topk` tells the two passes apart
+            self.silent = self.fillers.pop(0) if self.fillers else self.filler
+            return
+        self.silent = self.filler
+        if recompute:
+            self.fillers.append(self.filler)
+
+    def aux_loss_enabled(self) -> bool:
+        """The router's own answer, except on a filler: its padding token adds no load-balancing loss."""
+        return not self.silent and type(self.router).is_aux_loss_enabled(self.router)
+
+    def apply_z_loss(self, logits, padding_mask=None):
+        if self.silent:
+            return logits
+        return type(self.router).apply_z_loss(self.router, logits, padding_mask=padding_mask)
 
     def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups=None, group_topk=None,
                         default_compute_topk: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,6 +189,8 @@ class RoutingReplay:
     def reset(self) -> None:
         self.stats = None
         self.queue.clear()
+        self.fillers.clear()
+        self.filler = self.silent = False
 
 
 def replays(model) -> list[RoutingReplay]:
@@ -172,6 +203,25 @@ def set_mode(model, mode: str) -> None:
         raise ValueError(f"router replay mode {mode!r}: one of {REPLAY_MODES}")
     for hook in replays(model):
         hook.mode = mode
+
+
+@contextlib.contextmanager
+def own_routing(model):
+    """Routing replay off for the duration, restored after: a reference forward routes on its own.
+
+    The KL reference is a fixed policy; replaying the rollout's routes (chosen by the current policy)
+    in it would make the KL's target move with the policy. A separate reference model has no replay
+    installed; the LoRA actor's base (`lora.BaseModel`, adapters off) shares the actor's routers, so
+    it turns their replay off here: the reference routes itself whether LoRA is on or not."""
+    hooks = replays(model)
+    saved = [hook.mode for hook in hooks]
+    for hook in hooks:
+        hook.mode = "off"
+    try:
+        yield
+    finally:
+        for hook, mode in zip(hooks, saved):
+            hook.mode = mode
 
 
 def set_micro_batch(model, mb) -> None:
@@ -189,9 +239,10 @@ def set_micro_batch(model, mb) -> None:
         valid = mask.transpose(0, 1).reshape(-1)                          # [s * b]
         target = (routed.to(mask.device).transpose(0, 1).reshape(-1, *routed.shape[2:]).long()
                   if routed is not None else None)
-    if mb.filler:                                                         # not counted in the metrics
+    if mb.filler:                                # not counted in the metrics, no auxiliary losses
         valid = torch.zeros_like(valid)
     for hook in hooks:
+        hook.filler = bool(mb.filler)
         hook.valid = valid
         hook.target = None if target is None else target[:, hook.moe_index]
 

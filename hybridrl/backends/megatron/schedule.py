@@ -25,7 +25,10 @@ losses; a training run scales those losses to the global batch's real-token coun
 parallelism every forward exchanges tokens with the other expert-parallel ranks, so they must run
 as many micro-batches: packing can give ranks different counts, and a rank with fewer appends
 fillers (its first row's first token, nothing trained: the values they produce are those of
-position 0, which every per-token output leaves at 0 or recomputes identically).
+position 0, which every per-token output leaves at 0 or recomputes identically). A filler's token
+adds nothing to the routers' load-balancing and z losses (`moe.RoutingReplay.aux_loss_enabled`:
+off for a filler's forward and for its recomputation), so the auxiliary terms are over real
+tokens only.
 """
 
 from __future__ import annotations
