@@ -43,6 +43,7 @@ from hybridrl.envs.tasks.registry import register_task
 from hybridrl.reward import RewardResult
 
 ROLES = ("system", "user", "assistant", "tool")
+ANSWER = ("<answer>", "</answer>")     # the agent loop's answer tags
 
 
 # ------------------------------------------------------------------ reading rows
@@ -193,13 +194,11 @@ def reward_of(value: Any, evaluator: str) -> RewardResult:
 
 def exact_answer(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
     """The default score: 1 when the final <answer>...</answer> equals the ground truth (both stripped)."""
-    from hybridrl.agent.actions import ANSWER_TAGS
-
-    start = solution_str.rfind(ANSWER_TAGS[0])
-    end = solution_str.find(ANSWER_TAGS[1], start)
+    start = solution_str.rfind(ANSWER[0])
+    end = solution_str.find(ANSWER[1], start)
     if start < 0 or end < 0:
         return 0.0
-    return float(solution_str[start + len(ANSWER_TAGS[0]): end].strip() == str(ground_truth).strip())
+    return float(solution_str[start + len(ANSWER[0]): end].strip() == str(ground_truth).strip())
 
 
 # ------------------------------------------------------------------ the task
