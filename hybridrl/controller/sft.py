@@ -93,7 +93,11 @@ def demonstration_chats(cfg) -> list[list[dict[str, str]]]:
     if cfg.sft.data:
         return demonstrations(cfg.sft.data, held_out_fraction(cfg), key="sft.data")
     task = get_task(cfg.task.name, cfg.task)
-    return task.sft_demonstrations(cfg.sft.num_demonstrations)   # task.seed, task.sft_tool_use_fraction
+    chats = task.sft_demonstrations(cfg.sft.num_demonstrations)   # task.seed, task.sft_tool_use_fraction
+    if not chats:
+        raise ValueError(f"task {cfg.task.name} gave no demonstrations to train on (a data file without assistant "
+                         "messages?): give SFT a file of solved chats, sft.data=FILE")
+    return chats
 
 
 def held_out_fraction(cfg) -> float:

@@ -182,3 +182,16 @@ def test_a_row_without_ground_truth_names_the_row(files):
     (files / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl row 0: no ground truth"):
         get_task("data", load_config(None, ["task.name=data", "task.options.path=bad.jsonl"]).task).train_split(1)
+
+
+def test_a_file_of_prompts_and_answers_passes_the_preflight_for_rl_not_for_sft(files, tiny_models):
+    from hybridrl.controller.sft import demonstration_chats
+    from hybridrl.preflight import check_task
+
+    (files / "prompts.jsonl").write_text("".join(
+        json.dumps({"prompt": [{"role": "user", "content": f"Say {i}."}], "answer": str(i)}) + "\n" for i in range(30)))
+    cfg = load_config(None, ["task.name=data", "task.options.path=prompts.jsonl", "run.job=rl",
+                             f"model.path={tiny_models('qwen2')}"])
+    assert check_task(cfg) == len(get_task("data", cfg.task).train_split())
+    with pytest.raises(ValueError, match="no demonstrations to train on .* sft.data=FILE"):
+        demonstration_chats(cfg)

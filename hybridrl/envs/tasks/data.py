@@ -282,12 +282,12 @@ class DataTask(Task):
         return rows[: min(n, len(rows))]
 
     def sft_demonstrations(self, n: int, seed: int | None = None, **_: Any) -> list[list[dict[str, str]]]:
-        """The train rows that have assistant turns, as they are in the file (`n` of them, cycled)."""
+        """The train rows that have assistant turns, as they are in the file (`n` of them, cycled); none
+        when no row has one (a file of prompts and answers is for RL only: `hybridrl sft` says so)."""
         rows = [i for i in self.make_instances(len(self.rows("train")), random.Random(f"data/sft/{seed}"), "train")
                 if i.metadata["demonstration"]]
-        if not rows:
-            raise ValueError(f"task data: no train row of {self.options.path} has an assistant message to train on")
-        return [self.demonstration(rows[k % len(rows)], None, use_tool=True, guess_correct=True) for k in range(n)]
+        return [self.demonstration(rows[k % len(rows)], None, use_tool=True, guess_correct=True)
+                for k in range(n if rows else 0)]
 
     def demonstration(self, instance, rng, *, use_tool, guess_correct):
         return [dict(m) for m in instance.messages] + [dict(m) for m in instance.metadata["demonstration"]]
