@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 
 import pytest
 
@@ -136,6 +137,13 @@ def test_a_saved_datasets_dataset(files):
     right = EpisodeOutcome(answer=inst.reference, num_answers=1, final_text=f"<answer>{inst.reference}</answer>",
                            completed=True)
     assert task.score(inst, right).rewards == {"correct": 1.0}     # no score function: exact <answer>
+
+
+def test_a_saved_dataset_without_the_package_is_refused_at_load_with_the_pip_command(files, monkeypatch):
+    (files / "saved").mkdir()
+    monkeypatch.setitem(sys.modules, "datasets", None)            # what `import datasets` sees uninstalled
+    with pytest.raises(ConfigError, match=r"task.options.path': .*pip install -e \.\[data\]"):
+        load_config(None, ["task.name=data", "task.options.path=saved"])
 
 
 def test_sft_from_the_same_file_trains_on_assistant_tokens_only(files, tokenizer, tiny_models):

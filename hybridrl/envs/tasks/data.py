@@ -72,11 +72,19 @@ def read_rows(path: str, *, key: str = "path") -> list[dict]:
     return rows
 
 
-def _read_saved_dataset(p: Path, key: str) -> list[dict]:
-    if importlib.util.find_spec("datasets") is None:
+def datasets_package(p: Path, key: str):
+    """The `datasets` module, or a ConfigValueError saying how to install it."""
+    try:
+        import datasets
+    except ImportError:
         raise ConfigValueError(key, f"{p} is a directory: reading a dataset saved with `datasets` needs that "
-                                    "package (pip install datasets), or give a JSONL / Parquet file")
-    import datasets
+                                    "package: pip install -e .[data] (or pip install datasets), or give a JSONL / "
+                                    "Parquet file") from None
+    return datasets
+
+
+def _read_saved_dataset(p: Path, key: str) -> list[dict]:
+    datasets = datasets_package(p, key)
 
     loaded = datasets.load_from_disk(str(p))
     if isinstance(loaded, datasets.DatasetDict):
@@ -222,6 +230,8 @@ class DataOptions:
             if getattr(self, key) and not Path(getattr(self, key)).exists():
                 raise ConfigValueError(key, f"no such file or directory: {getattr(self, key)!r} (relative paths "
                                             f"are from the working directory, {Path.cwd()})")
+            if getattr(self, key) and Path(getattr(self, key)).is_dir():
+                datasets_package(Path(getattr(self, key)), key)
         if not self.validation_path and self.validation_fraction == 0:
             raise ConfigValueError("validation_fraction", "no validation: set validation_path, or hold out a "
                                                           "fraction of path (validation_fraction > 0)")
