@@ -130,3 +130,37 @@ def test_without_the_package_a_recipe_is_refused_with_the_pip_command(monkeypatc
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)          # what `import reasoning_gym` sees uninstalled
     with pytest.raises(ConfigError, match=r"needs the reasoning-gym package .*pip install -e \.\[reasoning-gym\]"):
         load_config(recipe_path("rg_chain_sum_grpo_cpu"), ["model.path=/nowhere"])
+
+
+def test_a_generator_that_is_not_deterministic_is_never_scored_against_another_item():
+    """An entry is generated again to be scored; a generator that ignores its seed would score the answer
+    against another question: the evaluator refuses (the episode becomes infrastructure-invalid)."""
+    import random as global_random
+    from dataclasses import dataclass as dc
+
+    from reasoning_gym.dataset import ProceduralDataset
+    from reasoning_gym.factory import DATASETS, register_dataset
+
+    @dc
+    class UnseededConfig:
+        seed: int | None = None
+        size: int = 500
+
+    class Unseeded(ProceduralDataset):
+        def __init__(self, config):
+            super().__init__(config=config, seed=config.seed, size=config.size)
+
+        def __getitem__(self, idx):
+            a, b = global_random.randint(0, 10**9), global_random.randint(0, 10**9)
+            return {"question": f"{a} + {b} =", "answer": str(a + b), "metadata": {}}
+
+    if "hybridrl_unseeded" not in DATASETS:
+        register_dataset("hybridrl_unseeded", Unseeded, UnseededConfig)
+    task = get_task("reasoning_gym", task_cfg({"name": "hybridrl_unseeded"}, tools=(), validation_size=2))
+    from hybridrl.data.episode import EpisodeOutcome
+
+    inst = task.validation_split()[0]
+    outcome = EpisodeOutcome(answer=inst.reference, num_answers=1, final_text=f"<answer>{inst.reference}</answer>",
+                             completed=True)
+    with pytest.raises(ValueError, match="not deterministic"):
+        task.score(inst, outcome)

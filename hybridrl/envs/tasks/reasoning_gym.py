@@ -234,6 +234,9 @@ class ReasoningGymTask(Task):
         from reasoning_gym.utils import extract_answer
 
         dataset, item = self.entry(instance)
+        if item["question"] != instance.messages[-1]["content"]:      # scored against another entry: refuse
+            raise ValueError(f"reasoning-gym dataset {instance.metadata['dataset']!r} gave another item for the same "
+                             "seed and index: its generator is not deterministic, so its answers cannot be scored")
         value = dataset.score_answer(extract_answer(outcome.final_text), item)
         result = RewardResult()
         result.add("correct", float(value),
