@@ -107,7 +107,7 @@ def check_entry(i: int, item: Any) -> DatasetEntry:
         raise ConfigValueError(f"{key}.config", "seed and size are the task's (task.seed, task.train_size / "
                                                 "validation_size): leave them out")
     try:
-        make_dataset(entry.name, _frozen(entry.config), 0, 1)
+        make_dataset(entry.name, _frozen(entry.config), 0, CHUNK)     # (validation's first chunk at task.seed 0)
     except Exception as err:  # noqa: BLE001 - the generator's config class / validate() says what is wrong
         raise ConfigValueError(f"{key}.config", f"reasoning-gym refused it: {type(err).__name__}: {err}") from None
     return entry
