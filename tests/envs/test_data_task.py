@@ -203,3 +203,12 @@ def test_a_file_of_prompts_and_answers_passes_the_preflight_for_rl_not_for_sft(f
     assert check_task(cfg) == len(get_task("data", cfg.task).train_split())
     with pytest.raises(ValueError, match="no demonstrations to train on .* sft.data=FILE"):
         demonstration_chats(cfg)
+
+
+@pytest.mark.parametrize("value, match", [(float("nan"), "must be finite"), ({"score": float("inf")}, "must be finite"),
+                                          ("high", "not a number"), ({"acc": 1.0}, "without 'score'")])
+def test_a_score_that_is_not_a_finite_number_is_an_evaluator_error(value, match):
+    from hybridrl.envs.tasks.data import reward_of
+
+    with pytest.raises(ValueError, match=match):
+        reward_of(value, "f@1")

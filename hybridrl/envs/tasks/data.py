@@ -31,6 +31,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,19 +186,30 @@ def call_score(fn: Callable[..., Any], solution: str, ground_truth: Any, info: d
 
 
 def reward_of(value: Any, evaluator: str) -> RewardResult:
-    """A score function's return value as reward components (see the module doc)."""
+    """A score function's return value as reward components (see the module doc). A value that is not a
+    finite number raises: the agent loop makes that an evaluator error (never trained on)."""
     result = RewardResult()
     if isinstance(value, dict):
         if "score" not in value:
             raise ValueError(f"the score function returned a dict without 'score': {sorted(value)}")
-        result.add("score", float(value["score"]), evaluator)
+        result.add("score", finite("score", value["score"]), evaluator)
         correct = value.get("correct", value.get("acc", value["score"]))
-        result.add("correct", float(correct), evaluator, weight=0.0)
+        result.add("correct", finite("correct", correct), evaluator, weight=0.0)
         for k, v in value.items():
             if k not in ("score", "correct") and isinstance(v, (int, float)):
-                result.add(k, float(v), evaluator, weight=0.0)
+                result.add(k, finite(k, v), evaluator, weight=0.0)
         return result
-    return result.add("correct", float(value), evaluator)
+    return result.add("correct", finite("score", value), evaluator)
+
+
+def finite(name: str, value: Any) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"the score function's {name} is {value!r}, not a number") from None
+    if not math.isfinite(out):
+        raise ValueError(f"the score function's {name} is {out}: a reward must be finite")
+    return out
 
 
 def exact_answer(solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
