@@ -115,7 +115,7 @@ def test_verl_layout_in_parquet_and_a_module_score(files, monkeypatch):
     (files / "verl_score.py").write_text(VERL_SCORE)
     monkeypatch.syspath_prepend(str(files))
     cfg = load_config(None, ["task.name=data", "task.options.path=toy.parquet", "task.options.score=verl_score:"
-                             "compute_score", "task.options.data_source=toy"]).task
+                             "compute_score"]).task                  # data_source: the row's
     task = get_task("data", cfg)
     inst = task.train_split(1)[0]
     from hybridrl.data.episode import EpisodeOutcome

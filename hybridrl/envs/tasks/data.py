@@ -8,10 +8,11 @@
         validation_fraction: 0.1           # held out of `path` (or validation_path: a second file)
 
 A row: the chat (`messages`, or veRL's `prompt`) and the ground truth (`answer`, or veRL's
-`reward_model.ground_truth`), optionally extra info (`info`, or veRL's `extra_info`) handed to the
-score function. The prompt is the chat up to its first assistant message; the assistant turns (and
-tool turns between them), when a row has them, are its demonstration: `hybridrl sft` trains on
-them (`sft.data`, or with no `sft.data` this task's demonstrations), on the assistant tokens only.
+`reward_model.ground_truth`), optionally extra info (`info`, or veRL's `extra_info`) and veRL's
+`data_source`, handed to the score function. The prompt is the chat up to its first assistant
+message; the assistant turns (and tool turns between them), when a row has them, are its
+demonstration: `hybridrl sft` trains on them (`sft.data`, or with no `sft.data` this task's
+demonstrations), on the assistant tokens only.
 
 The score function has veRL's signature, `compute_score(solution_str, ground_truth, extra_info)`
 (by keyword when it names those parameters, `data_source` too; else positionally), called with the
@@ -231,7 +232,7 @@ class DataOptions:
     validation_path: str = ""         # a second file for validation; empty: held out of `path`
     validation_fraction: float = 0.1  # of `path`'s prompts held out (a fixed hash partition)
     tools: list[str] = field(default_factory=list)   # tools the instances may call
-    data_source: str = ""             # handed to a score function that takes data_source; empty: the file name
+    data_source: str = ""             # for a score function taking data_source, where a row has none; empty: the file name
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -296,7 +297,8 @@ class DataTask(Task):
         return TaskInstance(task=self.name, task_id="data-" + hashlib.sha1(key.encode()).hexdigest()[:12],
                             messages=tuple(prompt), reference=answer if isinstance(answer, str) else json.dumps(answer),
                             tools=tuple(self.options.tools),
-                            metadata={"ground_truth": answer, "info": info, "demonstration": messages[len(prompt):]})
+                            metadata={"ground_truth": answer, "info": info, "demonstration": messages[len(prompt):],
+                                      "data_source": row.get("data_source") or self.data_source})
 
     def make_instances(self, n: int, rng: random.Random, split: str) -> list[TaskInstance]:
         rows = list(self.rows(split))
@@ -316,7 +318,7 @@ class DataTask(Task):
 
     def score(self, instance: TaskInstance, outcome: EpisodeOutcome) -> RewardResult:
         value = call_score(self.fn, outcome.final_text, instance.metadata["ground_truth"],
-                           dict(instance.metadata["info"]), self.data_source)
+                           dict(instance.metadata["info"]), instance.metadata["data_source"])
         return reward_of(value, self.evaluator)
 
 
