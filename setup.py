@@ -14,6 +14,11 @@ def read_version() -> str:
     raise RuntimeError("hybridrl/__init__.py has no __version__")
 
 
+# Tested with reasoning-gym 0.1.25 (its generators and score_answer) and datasets 5.2.
+REASONING_GYM = ["reasoning-gym>=0.1.19,<0.2"]
+DATA = ["datasets>=2.14"]
+ENVS = [*REASONING_GYM, *DATA]
+
 setup(
     name="hybridrl",
     version=read_version(),
@@ -29,7 +34,7 @@ setup(
     include_package_data=True,
     # the native engine's C kernels are compiled on the user's machine at first use (cpu_kernels.py)
     package_data={"hybridrl": ["py.typed"], "hybridrl.backends.native": ["*.c"],
-                  "hybridrl.recipes": ["*.yaml", "slurm/*"]},
+                  "hybridrl.recipes": ["*.yaml", "slurm/*", "data/*"]},
     install_requires=[
         # CPU installs take torch==2.13.0 first (see Makefile); GPU users keep their own build.
         "torch>=2.4",
@@ -50,7 +55,11 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.8", "pyseccomp>=0.1.2", "peft>=0.17",
-                 "openai>=1.40", "starlette>=0.37", "uvicorn>=0.30"],
+                 "openai>=1.40", "starlette>=0.37", "uvicorn>=0.30", *ENVS],
+        # environments users already have (README "Environments you already have"): each a task source
+        "reasoning-gym": REASONING_GYM,      # task.name: reasoning_gym
+        "data": DATA,                        # task.name: data / sft.data reading a `datasets` dataset saved to disk
+        "envs": ENVS,                        # all of them
         # LoRA adapters loaded onto an HF model from a PEFT directory (`export_peft` writes one)
         "lora": ["peft>=0.17"],
         # task.agent: agents written with the OpenAI client, through the gateway (hybridrl/gateway/; the task

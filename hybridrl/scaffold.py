@@ -1,9 +1,15 @@
-"""`hybridrl init task NAME [--dir D]`: a runnable task of your own, and its SFT and GRPO recipes.
+"""`hybridrl init task NAME [--dir D] [--from data]`: a runnable task of your own, and its SFT and GRPO recipes.
 
     D/NAME.py           the task: options (typed, checked at load), instances that may call the
                         calculator, demonstrations with the tool turn, a verifier
     D/NAME_sft.yaml     supervised warm start from a base model (run.dir runs/NAME/sft)
     D/NAME_grpo.yaml    GRPO with the tool from the SFT model (run.dir runs/NAME/grpo)
+
+With `--from data`, the task is `task.name: data` (hybridrl/envs/tasks/data.py) and its files are data:
+
+    D/NAME.jsonl        two rows (a chat with its solution, the ground truth, extra info): add yours
+    D/NAME_score.py     compute_score(solution_str, ground_truth, extra_info), veRL's signature
+    D/NAME_sft.yaml     SFT on the file's assistant turns (sft.data), D/NAME_grpo.yaml GRPO on its prompts
 
 The template is a working task (feet and inches to inches, with the calculator) that a ~2M-
 parameter model learns on a CPU in minutes; replace its questions, demonstrations and verifier
@@ -171,6 +177,86 @@ trainer:
   keep_checkpoints: 1
 '''
 
+DATA_ROWS = [
+    {"messages": [{"role": "user", "content": "How many minutes are 2 h 15 min?"},
+                  {"role": "assistant", "content": "<calc>2 * 60 + 15</calc>"},
+                  {"role": "tool", "content": "135"},
+                  {"role": "assistant", "content": "<answer>135</answer>"}],
+     "answer": "135", "info": {"hours": 2, "minutes": 15}},
+    {"messages": [{"role": "user", "content": "How many minutes are 3 h 15 min?"},
+                  {"role": "assistant", "content": "<calc>3 * 60 + 15</calc>"},
+                  {"role": "tool", "content": "195"},
+                  {"role": "assistant", "content": "<answer>195</answer>"}],
+     "answer": "195", "info": {"hours": 3, "minutes": 15}},
+]
+
+SCORE = '''\
+"""The score function of the {name} task (made by `hybridrl init task {name} --from data`): veRL's
+signature, called with the text of the episode's final assistant turn, the row's `answer` and its `info`.
+
+Return a float (the reward), or a dict with `score` (the reward) and other numbers, each recorded in
+the run ledger as a reward component (`correct` is what validation accuracy averages).
+"""
+
+import re
+
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def compute_score(solution_str, ground_truth, extra_info=None):
+    answers = ANSWER.findall(solution_str)
+    correct = float(bool(answers) and answers[-1].strip() == str(ground_truth).strip())
+    return {{"score": correct, "correct": correct, "format": float(len(answers) == 1)}}
+'''
+
+DATA_HEADER = '''\
+# {what}: the {name} data task (made by `hybridrl init task {name} --from data`), 2 CPU ranks.
+#   hybridrl {command} {recipe_dir}{name}_{stage}.yaml
+# {data} holds two rows: add yours (a chat with its solution, `answer`, optional `info`), then
+# drop validation_path (the same two rows) to hold a fixed 10% of the prompts out for validation.
+run:
+  name: {name}-{stage}
+  job: {job}
+  dir: runs/{name}/{stage}
+model:
+  path: {model}
+distributed:
+  nproc_per_node: 2
+  device: cpu
+task:
+  name: data
+  validation_size: 128
+  options:
+    path: {data}
+    score: {score}:compute_score
+    validation_path: {data}   # the same rows (two are too few to hold any out)
+    tools: [calculator]
+'''
+
+DATA_SFT = '''\
+sft:
+  data: {data}              # the chats' assistant turns (the loss covers nothing else)
+  steps: 300
+  batch_size: 64
+train:
+  micro_batch_size: 32
+  lr: 1.0e-3
+  min_lr: 1.0e-4
+  lr_warmup_steps: 30
+  lr_decay_steps: ${{sft.steps}}
+  lr_schedule: cosine
+  weight_decay: 0.0
+'''
+
+DATA_STAGES = {   # stage: (what, command, job, model.path, body)
+    "sft": ("Supervised warm start on the file's solutions", "sft", "sft",
+            "runs/{name}/base        # an HF model directory (a tiny one: hybridrl assets tiny-model --out DIR)",
+            DATA_SFT),
+    "grpo": ("GRPO on the file's prompts, scored by the function", "train", "rl", "runs/{name}/sft/hf",
+             "train:" + GRPO.split("train:", 1)[1].replace(
+                 "prompts_per_step: 16", "prompts_per_step: 2       # at most the train rows: 16 once you have many"))
+}
+
 STAGES = {   # stage: (what, command, job, model.path, body)
     "sft": ("Supervised warm start", "sft", "sft",
             "runs/{name}/base        # an HF model directory (a tiny one: hybridrl assets tiny-model --out DIR)",
@@ -220,18 +306,54 @@ def write(name: str, directory: Path, *, force: bool = False) -> dict[str, Path]
     return files
 
 
+def write_data(name: str, directory: Path, *, force: bool = False) -> dict[str, Path]:
+    """`--from data`: the data file, the score module and the two recipes; returns {what: path}."""
+    import json
+
+    if not NAME.fullmatch(name):
+        raise ValueError(f"task name {name!r}: use lowercase letters, digits and _ (a file name)")
+    recipe_dir = "" if directory.resolve() == Path.cwd().resolve() else f"{directory}/"
+    files = {"data": directory / f"{name}.jsonl", "score": directory / f"{name}_score.py",
+             "sft": directory / f"{name}_sft.yaml", "grpo": directory / f"{name}_grpo.yaml"}
+    existing = [str(p) for p in files.values() if p.exists()]
+    if existing and not force:
+        raise FileExistsError(f"{existing[0]} exists (--force overwrites)")
+    directory.mkdir(parents=True, exist_ok=True)
+    files["data"].write_text("".join(json.dumps(row) + "\n" for row in DATA_ROWS))
+    files["score"].write_text(SCORE.format(name=name))
+    fields = {"name": name, "recipe_dir": recipe_dir, "data": f"{recipe_dir}{name}.jsonl",
+              "score": f"{recipe_dir}{name}_score.py"}
+    for stage, (what, command, job, model, body) in DATA_STAGES.items():
+        files[stage].write_text((DATA_HEADER + body).format(**fields, stage=stage, what=what, command=command,
+                                                              job=job, model=model.format(**fields)))
+    return files
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", help="the task's name (a Python module name: lowercase, digits, _)")
     parser.add_argument("--dir", default=".", help="where to write NAME.py and its recipes (default: here)")
     parser.add_argument("--force", action="store_true", help="overwrite files that exist")
+    parser.add_argument("--from", dest="source", choices=("data",), default=None,
+                        help="data: a task from a data file and a score function (task.name: data): NAME.jsonl, "
+                             "NAME_score.py and its recipes, instead of a Task subclass")
 
 
 def main(args: argparse.Namespace) -> int:
+    source = getattr(args, "source", None)
     try:
-        files = write(args.name, Path(args.dir), force=args.force)
+        files = (write_data if source == "data" else write)(args.name, Path(args.dir), force=args.force)
     except (ValueError, FileExistsError) as err:
         print(f"hybridrl init task: {err}", file=sys.stderr)
         return 2
+    if source == "data":
+        print(f"wrote {files['data']} (two rows: add yours), {files['score']} (the score function), "
+              f"{files['sft']} and {files['grpo']}\n"
+              f"next, from this directory:\n"
+              f"  hybridrl agent tasks {files['grpo']} -n 2                   # the prompts as the model sees them\n"
+              f"  hybridrl assets tiny-model {BASE_MODEL} --out runs/{args.name}/base   # or model.path=DIR\n"
+              f"  hybridrl sft {files['sft']}\n"
+              f"  hybridrl train {files['grpo']}")
+        return 0
     env = f"PYTHONPATH={files['pythonpath']} " if "pythonpath" in files else ""
     print(f"wrote {files['task']} (task {args.name}), {files['sft']} and {files['grpo']}\n"
           f"next, from this directory:\n"

@@ -160,3 +160,33 @@ def test_the_walkthrough_as_written_gains_25_validation_points_within_15_minutes
     print(json.dumps({"validation": vals, "improvement_points": improvement, "seconds": seconds, "total_s": total}))
     assert improvement >= 25, vals
     assert total < 15 * 60, seconds
+
+
+def test_init_task_from_data_scaffolds_a_data_task_that_runs(tmp_path, monkeypatch, capsys):
+    """`--from data`: two rows, a score function and two recipes; the task reads the rows, scores with
+    the function, and a miniature SFT (on the file) + GRPO run with real ranks."""
+    from hybridrl.envs.tasks.data import load_score
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["init", "task", "mins", "--from", "data"]) == 0
+    assert "hybridrl train mins_grpo.yaml" in capsys.readouterr().out
+    assert main(["init", "task", "mins", "--from", "data"]) == 2               # never overwrites without --force
+    cfg = load_config("mins_grpo.yaml")
+    assert cfg.task.name == "data" and cfg.task.options["score"] == "mins_score.py:compute_score"
+    task = get_task("data", cfg.task)
+    train, val = task.train_split(), task.validation_split()
+    assert sorted(i.reference for i in train) == sorted(i.reference for i in val) == ["135", "195"]
+    val = [i for i in val if i.reference == "195"]
+    score = load_score("mins_score.py:compute_score")
+    for text, want in (("<calc>3*60+15</calc>", 0.0), ("<answer>195</answer>", 1.0), ("<answer>194</answer>", 0.0)):
+        got = task.score(val[0], EpisodeOutcome(answer=None, num_answers=0, final_text=text, completed=True))
+        assert got.total == score(text, "195")["score"] == want and set(got.rewards) == {"score", "correct", "format"}
+
+    assert main(["assets", "tiny-model", *MINIATURE["assets"], "--out", "runs/mins/base"]) == 0
+    for argv in (["sft", "mins_sft.yaml", *MINIATURE["sft"]],
+                 ["train", "mins_grpo.yaml", *MINIATURE["train"]]):
+        proc = hybridrl(*argv, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert json.loads((tmp_path / "runs" / "mins" / "sft" / "run.json").read_text())["status"] == "finished"
+    rows = read_metrics(tmp_path / "runs" / "mins" / "grpo")
+    assert [r["step"] for r in rows] == [0, 1] and rows[1]["val/episodes"] == 2

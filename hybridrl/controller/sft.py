@@ -79,13 +79,39 @@ class SFTWorker(Worker):
 
 
 def demonstration_rows(cfg, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(ids, loss mask) of every SFT chat: the file's (`sft.data`) or the task's demonstrations."""
     from hybridrl.agent.chat import ChatFormat
-    from hybridrl.envs.tasks import get_task
 
+    chat = ChatFormat(tokenizer)
+    return [chat.conversation_ids(c) for c in demonstration_chats(cfg)]
+
+
+def demonstration_chats(cfg) -> list[list[dict[str, str]]]:
+    from hybridrl.envs.tasks import get_task
+    from hybridrl.envs.tasks.data import demonstrations
+
+    if cfg.sft.data:
+        return demonstrations(cfg.sft.data, held_out_fraction(cfg), key="sft.data")
     task = get_task(cfg.task.name, cfg.task)
     chats = task.sft_demonstrations(cfg.sft.num_demonstrations)   # task.seed, task.sft_tool_use_fraction
-    chat = ChatFormat(tokenizer)
-    return [chat.conversation_ids(c) for c in chats]
+    if not chats:
+        raise ValueError(f"task {cfg.task.name} gave no demonstrations to train on (a data file without assistant "
+                         "messages?): give SFT a file of solved chats, sft.data=FILE")
+    return chats
+
+
+def held_out_fraction(cfg) -> float:
+    """The share of `sft.data`'s prompts that the run's task holds out for validation: the data task's
+    `validation_fraction` when it reads the same file (and has no validation_path of its own), else 0."""
+    from pathlib import Path
+
+    from hybridrl.envs.tasks.registry import task_options
+
+    if cfg.task.name != "data":
+        return 0.0
+    options = task_options("data", cfg.task.options)
+    same = Path(options.path).resolve() == Path(cfg.sft.data).resolve()
+    return options.validation_fraction if same and not options.validation_path else 0.0
 
 
 def to_training_batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> Batch:

@@ -12,7 +12,11 @@ class SFTConfig:
     """Supervised fine-tuning on the task's SFT demonstrations (loss on policy tokens only); which share of
     them use the tool is `task.sft_tool_use_fraction`."""
 
-    num_demonstrations: int = knob(2048, "demonstrations generated from the task's train split")
+    data: str = knob("", "train on the chats of this file instead of the task's demonstrations: JSONL / Parquet rows "
+                         "of `messages` (or veRL's `prompt`), or a saved `datasets` dataset; the loss covers the "
+                         "assistant turns only; rows without one are skipped; with task.name=data on the same file, "
+                         "its held-out validation rows are left out")
+    num_demonstrations: int = knob(2048, "demonstrations generated from the task's train split (unused with data)")
     steps: int = knob(300, "optimizer steps")
     batch_size: int = knob(64, "sequences per step (global, over data-parallel ranks)")
     output_dir: str = knob("", "where the trained HF model goes; empty = <run.dir>/hf")
@@ -24,6 +28,12 @@ class SFTConfig:
     def __post_init__(self) -> None:
         for name in ("num_demonstrations", "steps", "batch_size", "log_every"):
             check_positive(name, getattr(self, name))
+        if self.data:
+            from pathlib import Path
+
+            if not Path(self.data).exists():
+                raise ConfigValueError("data", f"no such file or directory: {self.data!r} (relative paths are from "
+                                               f"the working directory, {Path.cwd()})")
         if self.validate_every < -1:
             raise ConfigValueError("validate_every", f"must be -1 (never), 0 (after the last step) or k > 0, got "
                                                      f"{self.validate_every}")
