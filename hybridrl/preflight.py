@@ -43,9 +43,10 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
     """Check what `cfg.run.job` needs; returns notes for the user (e.g. what happens to run.dir).
     `overwrite`: the earlier run's outputs will be removed, so run.dir is not inspected.
     `world_size`: ranks the run will have (default: $WORLD_SIZE, else distributed.nproc_per_node)."""
+    from hybridrl.jobs import owns_run_dir
     from hybridrl.store import rundir
 
-    if cfg.run.job not in rundir.JOBS:
+    if not owns_run_dir(cfg.run.job):
         return []
     check_interface(cfg.distributed.socket_ifname)
     check_model(cfg.model.path)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.backends.sglang.config import SGLangConfig
 from hybridrl.backends.vllm.config import VLLMConfig
-from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, knob, section
-from hybridrl.rollout.registry import ENGINES
+from hybridrl.config.fields import ConfigValueError, check_positive, knob, section
+from hybridrl.rollout.registry import ENGINES, RolloutEngineSpec
 
 
 @dataclass(kw_only=True)
@@ -25,15 +25,14 @@ class RolloutConfig:
     vllm: VLLMConfig = section(VLLMConfig, "the vLLM engine: KV cache, batching, threads, sleep mode (CUDA)")
 
     def __post_init__(self) -> None:
-        check_choice("engine", self.engine, sorted(ENGINES))
+        ENGINES.check("engine", self.engine)
         check_positive("tp", self.tp)
         if self.engine == "vllm" and self.tp != 1:
             raise ConfigValueError("tp", "the vLLM backend runs one engine per rollout rank (tensor-parallel size 1, "
                                          "so it can read every published tensor back): set rollout.tp=1")
 
     @property
-    def engine_config(self):
-        """The selected engine's own section (`rollout.<engine>`): its knobs, and what the config checks need
-        to know of it (`reads_back_weights`, `remote_publication`)."""
-        return getattr(self, self.engine)
+    def engine_row(self) -> RolloutEngineSpec:
+        """The selected engine's row: its classes and what the rest of the run needs to know of it."""
+        return ENGINES.get(self.engine)
 

@@ -43,6 +43,7 @@ EXIT_CONFIG = 2
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from hybridrl.jobs import owns_run_dir
     from hybridrl.store import rundir
     from hybridrl.preflight import PreflightError, preflight
 
@@ -56,7 +57,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                               "or with recipes/slurm/train.sbatch")
         notes = preflight(cfg, overwrite=args.overwrite,
                           world_size=args.nnodes * (args.nproc_per_node or cfg.distributed.nproc_per_node))
-        if args.overwrite and not args.check and cfg.run.job in rundir.JOBS:
+        if args.overwrite and not args.check and owns_run_dir(cfg.run.job):
             removed = rundir.remove_outputs(cfg.run.dir)
             notes = [n for n in notes if n.startswith("warning:")]
             notes += [f"--overwrite: removed {', '.join(removed)} from {cfg.run.dir}"] if removed else []
@@ -78,7 +79,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     sys.stderr.flush()
     from hybridrl.launcher import supervise
 
-    return supervise(cmd, run_dir=cfg.run.dir if cfg.run.job in rundir.JOBS else None)   # Ctrl-C: see launcher.py
+    return supervise(cmd, run_dir=cfg.run.dir if owns_run_dir(cfg.run.job) else None)   # Ctrl-C: see launcher.py
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:

@@ -1,0 +1,15 @@
+"""The vllm rollout engine as a registered row (`rollout.registry.ENGINES`). Import-light: the config
+checks read it; the engine loads when a rank builds it."""
+
+from hybridrl.backends.vllm.config import VLLMConfig
+from hybridrl.registry import Lazy
+from hybridrl.rollout.registry import RolloutEngineSpec
+
+_ENGINE = "hybridrl.backends.vllm.engine:VLLMEngine"
+
+ENGINE = RolloutEngineSpec(
+    "vllm", engine=Lazy(_ENGINE), config=VLLMConfig,
+    colocated_transport=Lazy(f"{_ENGINE}.colocated_transport"),
+    releasable_tags=Lazy(f"{_ENGINE}.releasable_tags_for"),
+    serves_before_publication=True, reads_back_weights=True, remote_publication=True,
+)
