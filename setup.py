@@ -50,7 +50,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.8", "pyseccomp>=0.1.2", "peft>=0.17",
-                 "openai>=1.40", "starlette>=0.37", "uvicorn>=0.30"],
+                 "openai>=1.40", "starlette>=0.37", "uvicorn>=0.30",
+                 # the dead-name check of `make test` (tests/test_dead_code.py)
+                 "vulture>=2.14"],
         # LoRA adapters loaded onto an HF model from a PEFT directory (`export_peft` writes one)
         "lora": ["peft>=0.17"],
         # task.agent: agents written with the OpenAI client, through the gateway (hybridrl/gateway/; the task
