@@ -9,6 +9,8 @@ from vulture.whitelist_utils import Whitelist
 _ = Whitelist()
 
 # -- reached by name: registry rows, Lazy targets, config sections, shipped modules and PEP 562 exports
+add_cost_arguments  # unused function (hybridrl/cost/cli.py:10): cli's command table
+add_plan_arguments  # unused function (hybridrl/cost/cli.py:35): cli's command table
 __getattr__  # unused function (hybridrl/agent/__init__.py:25)
 make_calculator  # unused function (hybridrl/agent/tools/calculator.py:35)
 make_python  # unused function (hybridrl/agent/tools/python.py:48)

@@ -38,7 +38,9 @@ class RolloutEngineSpec:
     remote_publication: bool           # a rollout rank of a placement with the roles apart can run it
     # a publication of this run (cfg) carries the LoRA adapters only: the engine applies them itself
     adapter_publication: Callable[[Any], bool] = never
-    summary: str = ""
+    summary: str = ""                  # what `rollout.engine`'s help says of it
+    section_help: str = ""             # the help of its sub-section
+    single_rank: str = ""              # why it needs rollout.tp=1 (empty: any tensor-parallel size)
 
 
 ENGINES: Registry[RolloutEngineSpec] = Registry("rollout engine", key="engine", row=RolloutEngineSpec, shipped={

@@ -13,4 +13,6 @@ ENGINE = RolloutEngineSpec(
     releasable_tags=Lazy(f"{_ENGINE}.releasable_tags_for"),
     serves_before_publication=True, reads_back_weights=True, remote_publication=True,
     adapter_publication=Lazy(f"{_ENGINE}.adapter_publication"),
+    summary="pure torch, CPU or GPU; the CPU default",
+    section_help="the native engine: KV cache, batching, prefix reuse",
 )

@@ -12,4 +12,5 @@ ENGINE = RolloutEngineSpec(
     colocated_transport=Lazy(f"{_ENGINE}.colocated_transport"),
     releasable_tags=Lazy(f"{_ENGINE}.releasable_tags_for"),
     serves_before_publication=False, reads_back_weights=False, remote_publication=False,
+    summary="GPU extra", section_help="the SGLang engine (GPU extra)",
 )
