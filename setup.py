@@ -55,7 +55,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.8", "pyseccomp>=0.1.2", "peft>=0.17",
-                 "openai>=1.40", "starlette>=0.37", "uvicorn>=0.30", *ENVS],
+                 "openai>=1.40", "starlette>=0.37", "uvicorn>=0.30", *ENVS,
+                 # the dead-name check of `make test` (tests/test_dead_code.py)
+                 "vulture>=2.14"],
         # environments users already have (README "Environments you already have"): each a task source
         "reasoning-gym": REASONING_GYM,      # task.name: reasoning_gym
         "data": DATA,                        # task.name: data / sft.data reading a `datasets` dataset saved to disk

@@ -1,25 +1,23 @@
-"""Jobs: what every rank runs under `hybridrl.train` (a worker class + the controller's loop).
+"""Jobs: what every rank runs under `hybridrl.train` (a worker class + the controller's loop), and the
+`run` section that names one.
 
-`run.job` names a shipped job or any "package.module:ATTR" that is a `Job`, so experiments
-live in their own modules and the core never branches on them.
+`run.job` names a shipped job (the rows below: their code is imported when the job runs) or any
+"package.module:ATTR" that is a `Job`, so experiments live in their own modules and the core never
+branches on them.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
+
+from hybridrl.config.fields import ConfigError, ConfigValueError, check_choice, knob
+from hybridrl.registry import Lazy, Registry
 
 if TYPE_CHECKING:
     from hybridrl.controller.worker_group import WorkerGroup
     from hybridrl.distributed.bootstrap import DistContext
     from hybridrl.workers.base import Worker
-
-SHIPPED = {
-    "selfcheck": "hybridrl.workers.selfcheck:JOB",
-    "rl": "hybridrl.controller.trainer:JOB",
-    "sft": "hybridrl.controller.sft:JOB",
-}
 
 
 class JobStopped(Exception):
@@ -37,14 +35,49 @@ class Job:
     name: str
     make_worker: Callable[[Any, "DistContext"], "Worker"]     # (config, ctx) -> worker, on every rank
     controller: Callable[[Any, "WorkerGroup"], Any]           # (config, group) -> result, on rank 0
+    owns_run_dir: bool = False     # keeps run.json, checkpoints and resumes in run.dir (store/rundir.py)
+    needs_model: bool = False      # refused without model.path
+
+
+JOBS: Registry[Job] = Registry("job", key="run.job", row=Job)
+for _row in (
+    Job("selfcheck", Lazy("hybridrl.workers.selfcheck:SelfCheckWorker"), Lazy("hybridrl.workers.selfcheck:run_selfcheck")),
+    Job("rl", Lazy("hybridrl.controller.placements:make_worker"), Lazy("hybridrl.controller.trainer:train"),
+        owns_run_dir=True, needs_model=True),
+    Job("sft", Lazy("hybridrl.controller.sft:SFTWorker"), Lazy("hybridrl.controller.sft:run_sft"),
+        owns_run_dir=True, needs_model=True),
+):
+    JOBS.register(_row)
 
 
 def resolve_job(name: str) -> Job:
-    target = SHIPPED.get(name, name)
-    module_name, _, attr = target.partition(":")
-    if not attr:
-        raise ValueError(f"run.job={name!r}: not a shipped job ({sorted(SHIPPED)}) nor 'module:ATTR'")
-    job = getattr(importlib.import_module(module_name), attr)
-    if not isinstance(job, Job):
-        raise TypeError(f"run.job={name!r} resolves to a {type(job).__name__}, not a hybridrl.jobs.Job")
-    return job
+    return JOBS.get(name)
+
+
+def owns_run_dir(name: str) -> bool:
+    """Whether `run.job` keeps its run directory (a job of your own is imported to tell: a ConfigError
+    naming `run.job` when that fails)."""
+    try:
+        return JOBS.get(name).owns_run_dir
+    except ConfigValueError as err:
+        raise ConfigError(str(err), key=err.field) from None
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """What this run is and where it writes."""
+
+    name: str = knob("run", "run name; also the default run directory's leaf")
+    dir: str = knob("runs/${run.name}", "run directory: logs, metrics.jsonl, checkpoints")
+    job: str = knob("selfcheck", f"what the ranks run: one of {JOBS.names()} or 'package.module:JOB'")
+    seed: int = knob(0, "global seed: data order, sampling, init")
+    log_level: str = knob("info", "debug | info | warning | error")
+
+    def __post_init__(self) -> None:
+        JOBS.check("job", self.job, load=False)
+        check_choice("log_level", self.log_level, ("debug", "info", "warning", "error"))
+
+    @property
+    def needs_model(self) -> bool:
+        """A shipped job that trains a model (a job of your own is not imported to tell)."""
+        return JOBS.known(self.job) and JOBS.get(self.job).needs_model

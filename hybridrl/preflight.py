@@ -44,24 +44,25 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
     """Check what `cfg.run.job` needs; returns notes for the user (e.g. what happens to run.dir).
     `overwrite`: the earlier run's outputs will be removed, so run.dir is not inspected.
     `world_size`: ranks the run will have (default: $WORLD_SIZE, else distributed.nproc_per_node)."""
+    from hybridrl.jobs import owns_run_dir
     from hybridrl.store import rundir
 
-    if cfg.run.job not in rundir.JOBS:
+    if not owns_run_dir(cfg.run.job):
         return []
     check_interface(cfg.distributed.socket_ifname)
     check_model(cfg.model.path)
-    critic, reward_model = getattr(cfg, "critic", None), getattr(cfg, "reward_model", None)
-    if critic is not None and cfg.algo.uses_critic and critic.path:
+    critic, reward_model = cfg.critic, cfg.reward_model
+    if cfg.algo.uses_critic and critic.path:
         check_model(critic.path, key="critic.path")
-    if reward_model is not None and reward_model.path:
+    if reward_model.path:
         check_model(reward_model.path, key="reward_model.path", supported=False)
         check_scalar_head(reward_model.path)
     teacher = check_teacher(cfg) if cfg.run.job == "rl" else None
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE") or cfg.distributed.nproc_per_node)
     world_key = "world size (distributed.nproc_per_node)"
-    placement = getattr(cfg, "placement", None)
-    if placement is not None and placement.disaggregated and cfg.run.job == "rl":
+    placement = cfg.placement
+    if placement.disaggregated and cfg.run.job == "rl":
         from hybridrl.distributed.placement import placement_problem
 
         problem = placement_problem(placement, world_size, world_key=world_key)
@@ -73,7 +74,7 @@ def preflight(cfg: Any, *, overwrite: bool = False, world_size: int | None = Non
     if teacher:                            # the teacher runs in the actor's layout
         check_layout(teacher, cfg.train.tp, cfg.train.pp, world_size, world_key=world_key, ep=cfg.train.ep,
                      training=False)
-    if getattr(cfg.train, "share_prefix", False):
+    if cfg.train.share_prefix:
         check_share_prefix(cfg.model.path)
     kernel_notes = []
     if cfg.run.job == "rl":

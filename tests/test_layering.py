@@ -52,7 +52,7 @@ def package_graph() -> dict[str, set[str]]:
 # its own layer or below. Top-level modules not named here are entry points (the CLI, the torchrun entry,
 # the demo, ...), which may import anything.
 LAYERS = (
-    ("foundations", {"config", "data", "telemetry"}),
+    ("foundations", {"config", "data", "telemetry", "registry"}),
     ("algorithms and protocols", {"algo", "reward", "distributed", "training", "rollout"}),
     ("components", {"envs", "store", "publication", "agent", "gateway", "backends", "assets"}),
     ("assembly", {"workers", "jobs", "host_memory", "shipped"}),
@@ -134,7 +134,7 @@ def test_loading_a_config_imports_only_the_named_task():
 
 
 def test_shipped_task_modules_are_named_after_their_task():
-    from hybridrl.envs.tasks.registry import _shipped, task_class
+    from hybridrl.envs.tasks.registry import TASKS, task_class
 
-    for name in _shipped():
+    for name in TASKS.shipped():
         assert task_class(name).name == name

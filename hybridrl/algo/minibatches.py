@@ -31,10 +31,6 @@ class MiniBatchLayout:
     dp: int
 
     @property
-    def num_mini_batches(self) -> int:
-        return len(self.rows_per_rank)
-
-    @property
     def real_positions(self) -> list[int]:
         return [i for i, src in enumerate(self.order) if src != FILLER]
 

@@ -13,20 +13,15 @@ shipped modules import torch inside their functions, so reading an entry's facts
 
 from __future__ import annotations
 
-import difflib
-import importlib
-import pkgutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Generic, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from hybridrl.config.fields import ConfigValueError
+from hybridrl.registry import Registry
 
 if TYPE_CHECKING:
     import torch
 
     from hybridrl.algo.groups import Reduce
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -73,69 +68,10 @@ class PolicyLoss:
     compute: Callable[..., tuple["torch.Tensor", dict]]
 
 
-class Registry(Generic[T]):
-    """Entries of one kind: the modules of a package of this project, plus `register()`ed ones and
-    `module:ATTR` names."""
-
-    def __init__(self, kind: str, package: str, attr: str, cls: type):
-        self.kind, self.package, self.attr, self.cls = kind, package, attr, cls
-        self._entries: dict[str, T] = {}           # by name: shipped (once imported) and register()ed
-        self._imported: dict[str, T] = {}          # by 'module:ATTR'
-
-    def register(self, entry: T) -> T:
-        other = self._entries.get(entry.name)  # type: ignore[attr-defined]
-        if other is not None and other is not entry:
-            raise ValueError(f"{self.kind} {entry.name!r} is already registered")  # type: ignore[attr-defined]
-        self._entries[entry.name] = entry  # type: ignore[attr-defined]
-        return entry
-
-    def shipped(self) -> list[str]:
-        package = importlib.import_module(self.package)
-        return sorted(info.name for info in pkgutil.iter_modules(package.__path__) if not info.name.startswith("_"))
-
-    def names(self) -> list[str]:
-        return sorted(set(self.shipped()) | set(self._entries))
-
-    def get(self, name: str, *, key: str = "") -> T:
-        """The entry called `name` (imports its module); ConfigValueError naming `key` when unknown."""
-        key = key or self.kind
-        if name in self._entries:
-            return self._entries[name]
-        if name in self._imported:
-            return self._imported[name]
-        if ":" in name:
-            return self._import(name, key)
-        if name in self.shipped():
-            entry = getattr(importlib.import_module(f"{self.package}.{name}"), self.attr)
-            return self.register(entry)
-        hint = difflib.get_close_matches(name, self.names(), n=1)
-        raise ConfigValueError(key, f"unknown {self.kind} {name!r}: {f'did you mean {hint[0]!r}? ' if hint else ''}"
-                                    f"known: {self.names()}; one of your own is named 'module:ATTR' (an "
-                                    f"hybridrl.algo.registry.{self.cls.__name__} in module.py on PYTHONPATH)")
-
-    def check(self, key: str, name: str) -> None:
-        """Config validation: a shipped or registered name passes without an import."""
-        if name in self._entries or name in self._imported or (":" not in name and name in self.shipped()):
-            return
-        self.get(name, key=key)
-
-    def _import(self, name: str, key: str) -> T:
-        module_name, _, attr = name.partition(":")
-        if not module_name or not attr:
-            raise ConfigValueError(key, f"{name!r} is not of the form 'module:ATTR'")
-        try:
-            entry = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ConfigValueError(key, f"cannot load {self.kind} {name!r}: {type(err).__name__}: {err}") from None
-        if not isinstance(entry, self.cls):
-            raise ConfigValueError(key, f"{name!r} is a {type(entry).__name__}, not an "
-                                        f"hybridrl.algo.registry.{self.cls.__name__}")
-        self._imported[name] = entry
-        return entry
-
-
-ESTIMATORS: Registry[Estimator] = Registry("advantage estimator", "hybridrl.algo.advantages", "ESTIMATOR", Estimator)
-POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "hybridrl.algo.losses", "POLICY_LOSS", PolicyLoss)
+ESTIMATORS: Registry[Estimator] = Registry("advantage estimator", key="advantage", row=Estimator,
+                                           package="hybridrl.algo.advantages", attr="ESTIMATOR")
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", key="policy_loss", row=PolicyLoss,
+                                               package="hybridrl.algo.losses", attr="POLICY_LOSS")
 
 
 def estimator(name: str) -> Estimator:

@@ -32,17 +32,19 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from hybridrl import __version__
 from hybridrl.config import ConfigError, load_config
 from hybridrl.config.cli import add_recipe_arguments, recipe_and_overrides
 from hybridrl.distributed.process_exit import torchrun_command
+from hybridrl.registry import Lazy
 
 EXIT_CONFIG = 2
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from hybridrl.jobs import owns_run_dir
     from hybridrl.store import rundir
     from hybridrl.preflight import PreflightError, preflight
 
@@ -56,7 +58,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                               "or with recipes/slurm/train.sbatch")
         notes = preflight(cfg, overwrite=args.overwrite,
                           world_size=args.nnodes * (args.nproc_per_node or cfg.distributed.nproc_per_node))
-        if args.overwrite and not args.check and cfg.run.job in rundir.JOBS:
+        if args.overwrite and not args.check and owns_run_dir(cfg.run.job):
             removed = rundir.remove_outputs(cfg.run.dir)
             notes = [n for n in notes if n.startswith("warning:")]
             notes += [f"--overwrite: removed {', '.join(removed)} from {cfg.run.dir}"] if removed else []
@@ -78,7 +80,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     sys.stderr.flush()
     from hybridrl.launcher import supervise
 
-    return supervise(cmd, run_dir=cfg.run.dir if cfg.run.job in rundir.JOBS else None)   # Ctrl-C: see launcher.py
+    return supervise(cmd, run_dir=cfg.run.dir if owns_run_dir(cfg.run.job) else None)   # Ctrl-C: see launcher.py
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
@@ -245,12 +247,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return plan_main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybridrl", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"hybridrl {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _train_parsers(sub: Any) -> None:
     for name, job, help_text in (("train", [], "run a recipe on this node (checks its inputs, starts torchrun)"),
                                  ("sft", ["run.job=sft"], "supervised warm start on a task's demonstrations "
                                                           "(train with run.job=sft)")):
@@ -270,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "during the step's rollout; disk_full at its checkpoint (hybridrl/controller/faults.py)")
         p.set_defaults(func=_cmd_train, job_overrides=job)
 
+
+def _config_parser(sub: Any) -> None:
     p = sub.add_parser("config", help="inspect configuration")
     csub = p.add_subparsers(dest="config_command", required=True)
     c = csub.add_parser("show", help="print the resolved config")
@@ -284,102 +283,34 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--write", default=None, metavar="DIR")
     c.set_defaults(func=_cmd_config_defaults)
 
-    p = sub.add_parser("assets", help="make local assets (nothing is downloaded)")
-    asub = p.add_subparsers(dest="assets_command", required=True)
-    a = asub.add_parser("tiny-model", help="a tiny HF model directory (config, weights, tokenizer)")
-    from hybridrl.assets.tiny_model import add_arguments
 
-    add_arguments(a)
-    a.set_defaults(func=_cmd_assets_tiny_model)
-    a = asub.add_parser("tiny-classifier", help="a tiny reward model (1-label classifier) with a known scoring rule")
-    from hybridrl.assets.tiny_classifier import add_arguments as add_classifier_arguments
+def _nested(sub: Any, name: str, help_text: str, dest: str, commands: Sequence[tuple]) -> None:
+    """A command with sub-commands, each (name, help, "module:add_arguments", handler)."""
+    nested = sub.add_parser(name, help=help_text).add_subparsers(dest=dest, required=True)
+    for command in commands:
+        _delegated(nested, *command)
 
-    add_classifier_arguments(a)
-    a.set_defaults(func=_cmd_assets_tiny_classifier)
 
+def _delegated(sub: Any, name: str, help_text: str, add_arguments: str, handler: Any) -> None:
+    """A command whose own module adds its arguments (`add_arguments`: 'module:function(parser)')."""
+    p = sub.add_parser(name, help=help_text)
+    Lazy(add_arguments)(p)
+    p.set_defaults(func=handler)
+
+
+def _doctor_parser(sub: Any) -> None:
     p = sub.add_parser("doctor", help="versions, devices and a 2-rank self-test")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--no-selftest", action="store_true")
     p.set_defaults(func=_cmd_doctor)
 
-    p = sub.add_parser("agent", help="agent layer: sandbox check, task data, episodes")
-    from hybridrl.cli.agent import add_arguments as add_agent_arguments
 
-    add_agent_arguments(p)
-    p.set_defaults(func=_cmd_agent)
-    p = sub.add_parser("score", help="per-token logprobs of given token ids (starts torchrun)")
-    from hybridrl.backends.megatron.score import add_arguments as add_score_arguments
-
-    add_score_arguments(p)
-    p.set_defaults(func=_cmd_score)
-    p = sub.add_parser("generate", help="sample from an HF model with a rollout engine (token ids or text in, JSONL)")
-    from hybridrl.cli.generate import add_arguments as add_generate_arguments
-
-    add_generate_arguments(p)
-    p.set_defaults(func=_cmd_generate)
-    p = sub.add_parser("bench", help="benchmarks (each writes JSON)")
-    bsub = p.add_subparsers(dest="bench_command", required=True)
-    b = bsub.add_parser("mode-switch", help="TRAIN -> ROLLOUT -> TRAIN cycles against the copy floor")
-    from hybridrl.bench.cli import add_mode_switch_arguments
-
-    add_mode_switch_arguments(b)
-    b.set_defaults(func=_cmd_bench_mode_switch)
-
-
-    p = sub.add_parser("inspect", help="the run ledger of an RL run: trajectories, lineage, trace questions, HTML")
-    from hybridrl.inspect.cli import add_arguments as add_inspect_arguments
-
-    add_inspect_arguments(p)
-    p.set_defaults(func=_cmd_inspect)
-
-    p = sub.add_parser("eval", help="a suite (configs/eval/) on a model or a run's checkpoints; or, given a recipe, "
-                                    "greedy and sampled accuracy on a task's validation split and whether RL has a signal")
-    from hybridrl.cli.eval import add_arguments as add_eval_arguments
-
-    add_eval_arguments(p)
-    p.set_defaults(func=_cmd_eval)
-
-    p = sub.add_parser("chat", help="talk to a model: text in, text out, its chat template applied")
-    from hybridrl.chat import add_arguments as add_chat_arguments
-
-    add_chat_arguments(p)
-    p.set_defaults(func=_cmd_chat)
-    p = sub.add_parser("plot", help="a run's curves as a PNG (reward, accuracy, KL, entropy, loss, stage times); "
-                                    "several runs overlaid")
-    from hybridrl.telemetry.plot import add_arguments as add_plot_arguments
-
-    add_plot_arguments(p)
-    p.set_defaults(func=_cmd_plot)
-    p = sub.add_parser("compare", help="two runs side by side: config differences and a metric table")
-    from hybridrl.compare import add_arguments as add_compare_arguments
-
-    add_compare_arguments(p)
-    p.set_defaults(func=_cmd_compare)
-
-    p = sub.add_parser("export", help="a run's checkpoint as an HF directory, or a LoRA run's adapters as a PEFT "
-                                      "directory (--peft); starts torchrun")
-    from hybridrl.cli.export import add_arguments as add_export_arguments
-
-    add_export_arguments(p)
-    p.set_defaults(func=_cmd_export)
-
-    p = sub.add_parser("cost", help="what a run cost: device-seconds by stage, never-trained work, money")
-    from hybridrl.cost.cli import add_cost_arguments, add_plan_arguments
-
-    add_cost_arguments(p)
-    p.set_defaults(func=_cmd_cost)
-    p = sub.add_parser("plan", help="capacity plan: stage capacities, the bottleneck, placement, ranks, lag")
-    add_plan_arguments(p)
-    p.set_defaults(func=_cmd_plan)
-
-    p = sub.add_parser("init", help="start something of your own from a template")
-    isub = p.add_subparsers(dest="init_command", required=True)
-    i = isub.add_parser("task", help="a runnable task module with its SFT and GRPO recipes")
-    from hybridrl.scaffold import add_arguments as add_scaffold_arguments
-
-    add_scaffold_arguments(i)
-    i.set_defaults(func=_cmd_init_task)
+def _init_parser(sub: Any) -> None:
+    isub = sub.add_parser("init", help="start something of your own from a template").add_subparsers(
+        dest="init_command", required=True)
+    _delegated(isub, "task", "a runnable task module with its SFT and GRPO recipes",
+               "hybridrl.scaffold:add_arguments", _cmd_init_task)
     i = isub.add_parser("recipe", help="copy a recipe that ships with hybridrl here (--list: their names)")
     i.add_argument("name", nargs="?", default=None, help="e.g. calc_grpo_cpu (see --list)")
     i.add_argument("--out", default=".", help="a file, or a directory to write NAME.yaml in (default: here)")
@@ -387,12 +318,57 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--list", action="store_true", help="list the shipped recipes")
     i.set_defaults(func=_cmd_init_recipe)
 
-    p = sub.add_parser("demo", help="the CPU demo: tiny base model -> SFT -> GRPO with a calculator, accuracy "
-                                    "before and after")
-    from hybridrl.demo import add_arguments as add_demo_arguments
 
-    add_demo_arguments(p)
-    p.set_defaults(func=_cmd_demo)
+# the commands whose own module adds their arguments, in the order of `hybridrl --help` after `doctor`
+_COMMANDS = (
+    ("agent", "agent layer: sandbox check, task data, episodes", "hybridrl.cli.agent:add_arguments", _cmd_agent),
+    ("score", "per-token logprobs of given token ids (starts torchrun)", "hybridrl.backends.megatron.score:add_arguments",
+     _cmd_score),
+    ("generate", "sample from an HF model with a rollout engine (token ids or text in, JSONL)",
+     "hybridrl.cli.generate:add_arguments", _cmd_generate),
+    ("inspect", "the run ledger of an RL run: trajectories, lineage, trace questions, HTML",
+     "hybridrl.inspect.cli:add_arguments", _cmd_inspect),
+    ("eval", "a suite (configs/eval/) on a model or a run's checkpoints; or, given a recipe, greedy and sampled "
+             "accuracy on a task's validation split and whether RL has a signal", "hybridrl.cli.eval:add_arguments",
+     _cmd_eval),
+    ("chat", "talk to a model: text in, text out, its chat template applied", "hybridrl.chat:add_arguments", _cmd_chat),
+    ("plot", "a run's curves as a PNG (reward, accuracy, KL, entropy, loss, stage times); several runs overlaid",
+     "hybridrl.telemetry.plot:add_arguments", _cmd_plot),
+    ("compare", "two runs side by side: config differences and a metric table", "hybridrl.compare:add_arguments",
+     _cmd_compare),
+    ("export", "a run's checkpoint as an HF directory, or a LoRA run's adapters as a PEFT directory (--peft); "
+               "starts torchrun",
+     "hybridrl.cli.export:add_arguments", _cmd_export),
+    ("cost", "what a run cost: device-seconds by stage, never-trained work, money",
+     "hybridrl.cost.cli:add_cost_arguments", _cmd_cost),
+    ("plan", "capacity plan: stage capacities, the bottleneck, placement, ranks, lag",
+     "hybridrl.cost.cli:add_plan_arguments", _cmd_plan),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridrl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"hybridrl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parsers(sub)
+    _config_parser(sub)
+    _nested(sub, "assets", "make local assets (nothing is downloaded)", "assets_command", (
+        ("tiny-model", "a tiny HF model directory (config, weights, tokenizer)",
+         "hybridrl.assets.tiny_model:add_arguments", _cmd_assets_tiny_model),
+        ("tiny-classifier", "a tiny reward model (1-label classifier) with a known scoring rule",
+         "hybridrl.assets.tiny_classifier:add_arguments", _cmd_assets_tiny_classifier)))
+    _doctor_parser(sub)
+    for command in _COMMANDS[:3]:
+        _delegated(sub, *command)
+    _nested(sub, "bench", "benchmarks (each writes JSON)", "bench_command", (
+        ("mode-switch", "TRAIN -> ROLLOUT -> TRAIN cycles against the copy floor",
+         "hybridrl.bench.cli:add_mode_switch_arguments", _cmd_bench_mode_switch),))
+    for command in _COMMANDS[3:]:
+        _delegated(sub, *command)
+    _init_parser(sub)
+    _delegated(sub, "demo", "the CPU demo: tiny base model -> SFT -> GRPO with a calculator, accuracy before and "
+                            "after", "hybridrl.demo:add_arguments", _cmd_demo)
     return parser
 
 

@@ -16,27 +16,7 @@ import functools
 import importlib
 from dataclasses import dataclass
 
-from hybridrl.config.fields import ConfigValueError, check_choice, knob, section
-
-# Jobs shipped with hybridrl; `run.job` may also name any "package.module:JOB" attribute.
-JOBS = ("selfcheck", "rl", "sft")
-
-
-@dataclass(kw_only=True)
-class RunConfig:
-    """What this run is and where it writes."""
-
-    name: str = knob("run", "run name; also the default run directory's leaf")
-    dir: str = knob("runs/${run.name}", "run directory: logs, metrics.jsonl, checkpoints")
-    job: str = knob("selfcheck", f"what the ranks run: one of {list(JOBS)} or 'package.module:JOB'")
-    seed: int = knob(0, "global seed: data order, sampling, init")
-    log_level: str = knob("info", "debug | info | warning | error")
-
-    def __post_init__(self) -> None:
-        if ":" not in self.job:
-            check_choice("job", self.job, JOBS)
-        check_choice("log_level", self.log_level, ("debug", "info", "warning", "error"))
-
+from hybridrl.config.fields import ConfigValueError, knob, section
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -60,13 +40,13 @@ class SelfCheckConfig:
 
 # section -> (its class, "module:Class"; what it configures). The order is the order of `config show`.
 SECTIONS: tuple[tuple[str, str, str], ...] = (
-    ("run", "hybridrl.config.schema:RunConfig", "the run: name, directory, job, seed"),
+    ("run", "hybridrl.jobs:RunConfig", "the run: name, directory, job, seed"),
     ("distributed", "hybridrl.distributed.config:DistributedConfig", "processes, devices, control plane"),
     ("placement", "hybridrl.distributed.placement:PlacementConfig",
      "which ranks train and which generate: colocated or disaggregated"),
     ("model", "hybridrl.config.schema:ModelConfig", "the policy model"),
-    ("train", "hybridrl.backends.megatron.config:MegatronConfig",
-     "the Megatron-core training backend (actor and reference)"),
+    ("train", "hybridrl.training.registry:train_section",
+     "the training engine (actor, reference, critic): train.engine's section"),
     ("rollout", "hybridrl.backends.rollout_config:RolloutConfig", "the rollout engine: native, sglang or vllm, layout, knobs"),
     ("publish", "hybridrl.publication.config:PublishConfig", "weight publication: buckets, verification, parity probe"),
     ("hybrid", "hybridrl.workers.config:HybridConfig", "the colocated worker's mode switches"),
@@ -88,8 +68,12 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
 
 
 def _class(target: str) -> type:
+    """A section's class: the class `target` names, or what the function it names returns (`train`: the
+    training engine's row's). Not a plug-in point (the table is ours), so no registry: the config package
+    imports nothing outside itself."""
     module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    found = vars(importlib.import_module(module))[attr]
+    return found if isinstance(found, type) else found()
 
 
 @functools.cache
@@ -105,37 +89,11 @@ def root() -> type:
 
 def check_across(self) -> None:
     """What one section needs of others, each refusal naming its key."""
-    if self.run.job in ("rl", "sft") and not self.model.path:
+    if self.run.needs_model and not self.model.path:
         raise ConfigValueError("model.path", f"run.job={self.run.job} needs an HF model directory: set "
                                              "model.path in the recipe or pass model.path=DIR")
-    if self.placement.disaggregated:
-        _check_disaggregated(self)
-    if not self.rollout.engine_config.reads_back_weights and self.publish.verify == "post_copy":
+    self.placement.resolve().validate(self)
+    if not self.rollout.engine_row.reads_back_weights and self.publish.verify == "post_copy":
         raise ConfigValueError("publish.verify", "post_copy needs an engine that reads its weights back after "
                                                  f"the copy; rollout.engine={self.rollout.engine} cannot: set "
                                                  "publish.verify=structure")
-
-
-def _check_disaggregated(self) -> None:
-    """What the disaggregated placement needs of the other sections, each refusal naming its key."""
-    if self.run.job in ("sft", "selfcheck"):
-        raise ConfigValueError("placement.mode", f"run.job={self.run.job} runs colocated: the disaggregated "
-                                                 "placement is for RL (run.job=rl)")
-    if self.algo.max_policy_lag < 0:
-        raise ConfigValueError("algo.max_policy_lag", "placement.mode=disaggregated needs a lag bound: 1 lets the "
-                                                      "rollout ranks generate the next step while this one "
-                                                      "trains, 0 makes them wait for every update")
-    refusals = (
-        ("rollout.engine", not self.rollout.engine_config.remote_publication,
-         f"the disaggregated placement publishes to engines on their own ranks; rollout.engine={self.rollout.engine} "
-         "takes weights from a colocated trainer only: use another rollout.engine or placement.mode=colocated"),
-        ("rollout.tp", self.rollout.tp != 1, "each rollout rank serves its own engine: set rollout.tp=1"),
-        ("trainer.rollout_mode", self.trainer.rollout_mode != "sync",
-         "the disaggregated placement collects continuously on its own: leave trainer.rollout_mode=sync (partial "
-         "rollouts are for the colocated placement)"),
-        ("trainer.dynamic_sampling", self.trainer.dynamic_sampling,
-         "not available with the disaggregated placement yet: use placement.mode=colocated"),
-    )
-    for key, refused, why in refusals:
-        if refused:
-            raise ConfigValueError(key, why)

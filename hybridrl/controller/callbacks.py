@@ -21,9 +21,10 @@ skipped with a one-line note when their package is not installed.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from typing import Any, Iterable, Sequence
+
+from hybridrl.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -48,25 +49,16 @@ class Callback:
     def on_end(self, summary: dict) -> None: ...
 
 
-class CallbackError(ValueError):
-    """A `trainer.callbacks` entry that names nothing usable; one line."""
+def _a_class(entry: Any) -> str | None:
+    return None if isinstance(entry, type) else f"{entry!r} is not a class"
+
+
+CALLBACKS: Registry[type] = Registry("callback", key="callbacks", shipped=SHIPPED, accept=_a_class, own="Class")
 
 
 def resolve(spec: str) -> type:
-    """`module:Class` (or a shipped name) -> the class; raises `CallbackError` naming the entry."""
-    target = SHIPPED.get(spec, spec)
-    module_name, _, attr = target.partition(":")
-    if not module_name or not attr:
-        raise CallbackError(f"{spec!r}: expected module:Class (a class of yours, importable from the working "
-                            f"directory or PYTHONPATH) or one of {sorted(SHIPPED)}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise CallbackError(f"{spec!r}: cannot import {module_name} ({err})") from None
-    cls = getattr(module, attr, None)
-    if not isinstance(cls, type):
-        raise CallbackError(f"{spec!r}: {module_name} has no class {attr}")
-    return cls
+    """`module:Class` (or a shipped name) -> the class; ConfigValueError naming `callbacks`."""
+    return CALLBACKS.get(spec)
 
 
 class Events:
@@ -81,7 +73,7 @@ class Events:
         observers = list(builtin)
         for spec in specs:
             observer = resolve(spec)()
-            if getattr(observer, "available", True):     # a shipped integration whose package is missing
+            if spec not in SHIPPED or observer.available:     # a shipped integration whose package is missing
                 observers.append(observer)
         return cls(observers)
 

@@ -45,6 +45,7 @@ from typing import Any
 from hybridrl.algo.filters import admit, informative_groups, stale_groups
 from hybridrl.controller import curriculum
 from hybridrl.controller import metrics as M
+from hybridrl.controller.link import Link
 from hybridrl.data.queue import GroupQueue
 from hybridrl.data.trajectory import Trajectory, from_batch
 from hybridrl.store.checkpoints import Blob
@@ -74,7 +75,7 @@ def lag_histogram(trajectories: list[Trajectory], version: int) -> dict[str, flo
     return out
 
 
-class ModeSwitchLink:
+class ModeSwitchLink(Link):
     """The colocated placement's link, as the controller drives it: the mode switch."""
 
     def __init__(self, wg: Any):
@@ -95,7 +96,7 @@ class ModeSwitchLink:
             self.to_train()
 
 
-class RemoteLink:
+class RemoteLink(Link):
     """The disaggregated placement's link: publication to the rollout ranks, which never stop."""
 
     def __init__(self, wg: Any):

@@ -90,13 +90,10 @@ class TrainerConfig:
         check_positive("max_sampling_rounds", self.max_sampling_rounds)
         check_positive("stop_after_dead_steps", self.stop_after_dead_steps, allow_zero=True)
         check_positive("stop_after_failed_steps", self.stop_after_failed_steps, allow_zero=True)
-        from hybridrl.controller.callbacks import CallbackError, resolve
+        from hybridrl.controller.callbacks import CALLBACKS
 
         for spec in self.callbacks:
-            try:
-                resolve(spec)
-            except CallbackError as err:
-                raise ConfigValueError("callbacks", str(err)) from None
+            CALLBACKS.check("callbacks", spec)
         check_positive("max_groups_per_step", self.max_groups_per_step, allow_zero=True)
         check_positive("queue_max_groups", self.queue_max_groups)
         check_positive("queue_max_tokens", self.queue_max_tokens, allow_zero=True)

@@ -99,8 +99,4 @@ def _release_hash(run: Any, switch: dict | None) -> str | None:
     release = (switch or {}).get("release")
     if release:
         return release.get("checkpoint_hash")
-    db = getattr(run.ledger, "db", None)
-    if db is None:
-        return None
-    row = db.execute("SELECT checkpoint_hash FROM releases WHERE version = ?", (run.version,)).fetchone()
-    return row[0] if row else None
+    return run.ledger.release_hash(run.version)

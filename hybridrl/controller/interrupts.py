@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from hybridrl.jobs import owns_run_dir
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 KEY, ACK = "interrupt", "interrupt_ack/"
 LOG = "interrupted.log"
@@ -167,7 +169,7 @@ def _stop_the_run(st: _Rank, signum: int) -> None:
     from hybridrl.store import rundir
 
     name = signal.Signals(signum).name
-    if st.cfg.run.job in rundir.JOBS:            # a run that owns its run directory says where it stopped
+    if owns_run_dir(st.cfg.run.job):            # a run that owns its run directory says where it stopped
         info = {**(st.describe() if st.describe is not None else _from_run_dir(st.cfg)),
                 "signal": name, "exit_code": 128 + signum, "command": resume_command(st.cfg)}
         line = message(st.cfg, info)
@@ -201,9 +203,7 @@ def _listen(control: Any) -> None:
             if st.stop_listening.wait(_POLL_S):
                 return
         name = control.store.get(KEY).decode()
-        from hybridrl.store.rundir import JOBS
-
-        if st.cfg.run.job in JOBS:
+        if owns_run_dir(st.cfg.run.job):
             _note_stacks(st.cfg, f"rank {st.rank}: stopping, rank 0 was interrupted by {name}")
         _end_children()
         control.store.set(f"{ACK}{st.rank}", b"1")

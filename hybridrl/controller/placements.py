@@ -1,5 +1,5 @@
-"""The shipped placements, as rows of data: which parts each rank holds, which link joins the
-training and rollout sides, which collection strategy the controller runs.
+"""What the shipped placements' rows (`distributed/placement.py: PLACEMENTS`) build: which parts each
+rank holds, which link joins the training and rollout sides, which collection strategy the controller runs.
 
     placement       ranks hold                              link                 collection
     colocated       TrainSide + RolloutSide (every rank)    ModeSwitch           sync | partial
@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 from hybridrl.distributed.mesh import Mesh, train_mesh
-from hybridrl.distributed.placement import Placement
 from hybridrl.workers.faults import Faults
 from hybridrl.workers.modes import Arrivals, ModeMachine, Phases
 from hybridrl.workers.rank import RankWorker
@@ -84,23 +83,17 @@ def build_disaggregated(cfg: Any, ctx: Any) -> RankWorker:
     return RankWorker(ctx, parts, meshes, phases)
 
 
-def _colocated_collection(cfg: Any, wg: Any, run: Any):
+def colocated_collection(cfg: Any, wg: Any, run: Any):
     from hybridrl.controller.collection import ModeSwitchLink, PartialCollection, SyncCollection
 
     kind = PartialCollection if cfg.trainer.rollout_mode == "partial" else SyncCollection
     return kind(cfg, wg, run, ModeSwitchLink(wg))
 
 
-def _stream_collection(cfg: Any, wg: Any, run: Any):
+def stream_collection(cfg: Any, wg: Any, run: Any):
     from hybridrl.controller.collection import RemoteLink, StreamCollection
 
     return StreamCollection(cfg, wg, run, RemoteLink(wg))
-
-
-COLOCATED = Placement("colocated", split_roles=False, build=build_colocated, collection=_colocated_collection,
-                      summary="every rank trains and generates in turn (the hybrid engine)")
-DISAGGREGATED = Placement("disaggregated", split_roles=True, build=build_disaggregated, collection=_stream_collection,
-                          summary="training ranks and rollout ranks apart; rollout generates without pause")
 
 
 def make_worker(cfg: Any, ctx: Any) -> RankWorker:

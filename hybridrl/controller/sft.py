@@ -28,7 +28,6 @@ from hybridrl.store import rundir
 from hybridrl.distributed.dispatch import ONE_TO_ALL, DPSplit
 from hybridrl.data.batch import Batch, pad_sequences
 from hybridrl.data.stream import ShuffledStream
-from hybridrl.jobs import Job
 from hybridrl.telemetry.metrics import MetricsLogger
 from hybridrl.telemetry.progress import LineProgress
 from hybridrl.workers.base import Worker, register
@@ -44,10 +43,10 @@ def nll(logprobs: torch.Tensor, entropy, micro_batch: Batch):
 class SFTWorker(Worker):
     def __init__(self, cfg, ctx):
         super().__init__(ctx)
-        from hybridrl.backends.megatron import MegatronEngine
+        from hybridrl.training.registry import ACTOR, build
 
         self.cfg = cfg
-        self.actor = MegatronEngine.from_hf(cfg.model.path, cfg.train, training=True, device=ctx.device)
+        self.actor = build(cfg, ACTOR, ctx.device)          # `train.engine`'s row
 
     def meshes(self):
         return {**super().meshes(), "train": self.actor.mesh}
@@ -194,6 +193,3 @@ def validate(cfg, wg, step: int, model_dir: str) -> dict:
                              temperature=temperature)
     log.info("SFT validation at step %d: %s (%.1fs)", step, out["verdict"], out["val/seconds"])
     return out
-
-
-JOB = Job("sft", SFTWorker, run_sft)

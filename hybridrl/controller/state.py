@@ -36,6 +36,7 @@ from hybridrl.controller.callbacks import Events
 from hybridrl.controller.diagnosis import SignalWatch, diagnose
 from hybridrl.controller.curriculum import training_stream
 from hybridrl.controller.faults import Injector
+from hybridrl.controller.link import Link
 from hybridrl.controller.progress import Progress
 from hybridrl.jobs import JobStopped, RunFailed
 from hybridrl.data.mixture import MixtureStream
@@ -75,7 +76,7 @@ class RunLogs:
             truncate_after(Path(self.run.cfg.run.dir) / name, step)
 
 
-class Serving:
+class Serving(Link):
     """The placement's link (`collection.link`), remembering which policy version the rollout side
     serves; as a stateful part, a resume brings the rollout side back to it.
 
@@ -99,8 +100,11 @@ class Serving:
         self.version = version
         return out
 
-    def __getattr__(self, name: str) -> Any:          # to_train, ensure_train: the link's own
-        return getattr(self.link, name)
+    def to_train(self) -> dict:
+        return self.link.to_train()
+
+    def ensure_train(self) -> None:
+        self.link.ensure_train()
 
     def state_dict(self) -> dict:
         return {"version": self.version}

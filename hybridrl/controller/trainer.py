@@ -27,12 +27,10 @@ from hybridrl.controller import curriculum
 from hybridrl.controller import metrics as M
 from hybridrl.controller.collection import admitted
 from hybridrl.controller.evaluation import evaluate_in_loop
-from hybridrl.controller.placements import make_worker
 from hybridrl.controller.state import RunState
 from hybridrl.cost.clock import RunClock
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import from_batch, to_batch
-from hybridrl.jobs import Job
 from hybridrl.telemetry.timers import StageTimer
 from hybridrl.workers.rollout_side import RolloutSide
 from hybridrl.workers.train_side import TrainSide
@@ -160,6 +158,3 @@ def validate(cfg, wg, run: RunState, link, step: int) -> dict:
     log.info("validation at step %d (policy v%d): accuracy %.3f on %d episodes", step, run.version,
              out["val/accuracy"], len(trajectories))
     return out
-
-
-JOB = Job("rl", make_worker, train)     # the rank's worker as its placement builds it

@@ -1,9 +1,10 @@
 """Where the actor trains and where the engines generate: the `placement` section, and what a
 placement is.
 
-A placement is data (`Placement`): whether the training and rollout ranks are apart, how a rank's
-worker is built (which parts it holds: a training side, a rollout side, the link between them), and
-which collection strategy the controller runs. Shipped ones (`controller/placements.py`):
+A placement is a declared row (`Placement`): whether the training and rollout ranks are apart, how a
+rank's worker is built (which parts it holds: a training side, a rollout side, the link between
+them: `controller/placements.py`), which collection strategy the controller runs, and what it needs
+of the other config sections (`check`). The shipped rows (`PLACEMENTS`, below):
 
     colocated       (default) every rank holds both sides and switches between them (the hybrid
                     engine): training and generation take turns on the same devices.
@@ -19,18 +20,17 @@ generate, T = W - rollout_ranks. Import-light (no torch): config loading and pre
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from hybridrl.config.fields import ConfigValueError, check_positive, knob
+from hybridrl.registry import Lazy, Registry
 
 COLOCATED, DISAGGREGATED = "colocated", "disaggregated"
-SHIPPED = {
-    COLOCATED: "hybridrl.controller.placements:COLOCATED",
-    DISAGGREGATED: "hybridrl.controller.placements:DISAGGREGATED",
-}
-_SPLIT = {COLOCATED: False, DISAGGREGATED: True}    # known without importing the shipped placements
+
+
+def no_check(cfg: Any) -> None:
+    """A placement that needs nothing of the other sections."""
 
 
 @dataclass(frozen=True)
@@ -42,22 +42,58 @@ class Placement:
     build: Callable[[Any, Any], Any]             # (cfg, ctx) -> the rank's worker: its parts and meshes
     collection: Callable[[Any, Any, Any], Any]   # (cfg, worker group, run state) -> how a step collects
     summary: str = ""
+    check: Callable[[Any], None] = no_check      # (the whole config) -> None, or a ConfigValueError naming a key
+
+    def validate(self, cfg: Any) -> None:
+        """What this placement needs of the other sections: split roles' needs, then its own `check`."""
+        if self.split_roles:
+            check_split_roles(cfg)
+        self.check(cfg)
+
+
+def check_split_roles(cfg: Any) -> None:
+    """What training and rollout ranks apart need of the other sections, each refusal naming its key."""
+    if cfg.run.job in ("sft", "selfcheck"):
+        raise ConfigValueError("placement.mode", f"run.job={cfg.run.job} runs colocated: a placement with the "
+                                                 "roles apart is for RL (run.job=rl)")
+    if cfg.algo.max_policy_lag < 0:
+        raise ConfigValueError("algo.max_policy_lag", f"placement.mode={cfg.placement.mode} needs a lag bound: 1 "
+                                                      "lets the rollout ranks generate the next step while this one "
+                                                      "trains, 0 makes them wait for every update")
+    if not cfg.rollout.engine_row.remote_publication:
+        raise ConfigValueError("rollout.engine", f"placement.mode={cfg.placement.mode} publishes to engines on their "
+                                                 f"own ranks; rollout.engine={cfg.rollout.engine} takes weights from a "
+                                                 "colocated trainer only: use another rollout.engine or "
+                                                 "placement.mode=colocated")
+    if cfg.rollout.tp != 1:
+        raise ConfigValueError("rollout.tp", "each rollout rank serves its own engine: set rollout.tp=1")
+
+
+def check_streaming(cfg: Any) -> None:
+    """The disaggregated placement collects continuously (`StreamCollection`)."""
+    if cfg.trainer.rollout_mode != "sync":
+        raise ConfigValueError("trainer.rollout_mode", "the disaggregated placement collects continuously on its "
+                                                       "own: leave trainer.rollout_mode=sync (partial rollouts are "
+                                                       "for the colocated placement)")
+    if cfg.trainer.dynamic_sampling:
+        raise ConfigValueError("trainer.dynamic_sampling", "not available with the disaggregated placement yet: use "
+                                                           "placement.mode=colocated")
+
+
+PLACEMENTS: Registry[Placement] = Registry("placement", key="placement.mode", row=Placement)
+PLACEMENTS.register(Placement(
+    COLOCATED, split_roles=False, build=Lazy("hybridrl.controller.placements:build_colocated"),
+    collection=Lazy("hybridrl.controller.placements:colocated_collection"),
+    summary="every rank trains and generates in turn (the hybrid engine)"))
+PLACEMENTS.register(Placement(
+    DISAGGREGATED, split_roles=True, build=Lazy("hybridrl.controller.placements:build_disaggregated"),
+    collection=Lazy("hybridrl.controller.placements:stream_collection"), check=check_streaming,
+    summary="training ranks and rollout ranks apart; rollout generates without pause"))
 
 
 def resolve(mode: str) -> Placement:
     """The placement `placement.mode` names (a shipped name, or 'package.module:ATTR')."""
-    target = SHIPPED.get(mode, mode)
-    module, _, attr = target.partition(":")
-    if not attr:
-        raise ValueError(f"placement.mode={mode!r}: not a shipped placement ({sorted(SHIPPED)}) nor 'module:ATTR'")
-    try:
-        placement = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"placement.mode={mode!r}: cannot load it ({type(err).__name__}: {err})") from None
-    if not isinstance(placement, Placement):
-        raise TypeError(f"placement.mode={mode!r} resolves to a {type(placement).__name__}, not a "
-                        "hybridrl.distributed.placement.Placement")
-    return placement
+    return PLACEMENTS.get(mode)
 
 
 @dataclass(kw_only=True)
@@ -71,15 +107,13 @@ class PlacementConfig:
     rollout_ranks: int = knob(1, "disaggregated: how many ranks (the last ones) hold the engines")
 
     def __post_init__(self) -> None:
-        if self.mode not in SHIPPED and ":" not in self.mode:
-            raise ConfigValueError("mode", f"expected one of {sorted(SHIPPED)} or 'package.module:ATTR', "
-                                           f"got {self.mode!r}")
+        PLACEMENTS.check("mode", self.mode, load=False)
         check_positive("rollout_ranks", self.rollout_ranks)
 
     @property
     def disaggregated(self) -> bool:
         """The training and rollout ranks are apart (a placement of your own is imported to tell)."""
-        return _SPLIT[self.mode] if self.mode in _SPLIT else resolve(self.mode).split_roles
+        return self.resolve().split_roles
 
     def resolve(self) -> Placement:
         return resolve(self.mode)

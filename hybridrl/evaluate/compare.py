@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 
 def results_of(eval_dir: Path, suite_hash: str | None = None) -> list[dict]:
@@ -40,25 +39,6 @@ def curves(results: list[dict]) -> dict[str, list[list[float]]]:
             for key, value in values.items():
                 if key == "accuracy" or key.startswith("pass@"):
                     out.setdefault(f"{sampling} {key}", []).append([step, float(value)])
-    return out
-
-
-def run_evaluations(run_dir: Path) -> list[dict[str, Any]]:
-    """Every suite evaluated in a run: {suite, hash, curves, results: [(step, label, source)]} (for the page)."""
-    root = Path(run_dir) / "eval"
-    out = []
-    if not root.is_dir():
-        return out
-    for suite_dir in sorted(p for p in root.iterdir() if p.is_dir() and p.name != "models"):
-        results = results_of(suite_dir)
-        if not results:
-            continue
-        newest = results[-1]["suite"]["hash"]
-        same = [r for r in results if r["suite"]["hash"] == newest]
-        out.append({"suite": suite_dir.name, "hash": newest, "curves": curves(same),
-                    "results": [{"step": r["model"]["step"], "label": r["label"], "source": r.get("source"),
-                                 "model_hash": r["model"]["hash"], "episodes": r["episodes"],
-                                 "metrics": r["metrics"]["sampling"]} for r in same]})
     return out
 
 

@@ -55,7 +55,7 @@ class RunLedger:
         from hybridrl.controller.diagnosis import diagnose
         from hybridrl.telemetry.metrics import read_metrics
 
-        critic = self.config.get("algo", {}).get("advantage") == "gae"
+        critic = _needs_critic(self.config.get("algo", {}).get("advantage", "grpo"))
         found = diagnose(read_metrics(self.run_dir), group_baseline=not critic)
         return found.text if found is not None else None
 
@@ -265,3 +265,14 @@ class RunLedger:
             out["checkpoint"] = None
             out["checkpoint_note"] = "no checkpoint was written at or after this update"
         return out
+
+
+def _needs_critic(advantage: str) -> bool:
+    """The run's estimator trains a critic (its row says; False when it cannot be loaded here)."""
+    from hybridrl.algo.registry import ESTIMATORS
+    from hybridrl.config.fields import ConfigValueError
+
+    try:
+        return ESTIMATORS.get(advantage).needs_critic
+    except ConfigValueError:
+        return False

@@ -7,7 +7,7 @@
     per bucket       the source writes its fused groups straight into the bucket's views (a
                      helper thread prepares bucket k+1 while bucket k is delivered); the sender
                      hashes the bucket; the transport delivers it. In `structure` mode, when the
-                     transport offers the engine's own storage (`destination`), the source writes
+                     transport offers the engine's own storage (an `InPlaceTransport`), the source writes
                      into the engine directly, the bucket is hashed there and only committed: one
                      copy of the weights instead of two
     post_copy        the receiver hashes its own storage after the copy and compares; a mismatch
@@ -43,6 +43,7 @@ from hybridrl.publication.buckets import FlatBucket, InPlaceBucket, Staging, Ten
 from hybridrl.publication.config import PublishConfig
 from hybridrl.publication.digest import checkpoint_hash
 from hybridrl.publication.manifest import PolicyRelease, PublicationError, PublicationRefused
+from hybridrl.publication.transport import InPlaceTransport
 from hybridrl.rollout.weight_spec import WeightMismatch, dtype_name
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,90 @@ def published_spec(specs: Sequence[Sequence[TensorSpec]]) -> dict[str, tuple[tup
     return {name: (tuple(shape), dtype_name(dtype)) for group in specs for name, shape, dtype in group}
 
 
+def destinations(transport: Any, plans: Sequence[Any], verify: bool) -> list[InPlaceBucket] | None:
+    """The engine's own storage as every bucket's destination, where the transport offers it for all of
+    them; never under post_copy, whose check compares the engine's storage with what was sent (written
+    in place, the same memory)."""
+    if verify or not isinstance(transport, InPlaceTransport):
+        return None
+    offered = [transport.destination(plan) for plan in plans]
+    return offered if offered and all(b is not None for b in offered) else None
+
+
+class _Writer:
+    """Writes bucket i: the source's groups into its views (a staging buffer, or the engine's own
+    storage), with the sender's digests."""
+
+    def __init__(self, source: WeightSource, specs: Sequence[Sequence[TensorSpec]], plans: list, staging: Staging,
+                 in_place: list[InPlaceBucket] | None):
+        self.source, self.plans, self.staging, self.in_place = source, plans, staging, in_place
+        self.group_names = [[name for name, _, _ in group] for group in specs]
+
+    def prepare(self, i: int) -> tuple[FlatBucket | InPlaceBucket, dict[str, str], float]:
+        started = time.perf_counter()
+        bucket = self.in_place[i] if self.in_place is not None else self.staging.bucket(self.plans[i], i)
+        sent: dict[str, str] = {}
+        for index in self.plans[i].groups:
+            self.source.write_hf_group(index, bucket.views)
+            sent.update(bucket.digests(self.group_names[index]))     # while the group is still in the CPU's cache
+        if bucket.device.type == "cuda":     # the receiver may read it from another stream
+            torch.cuda.current_stream(bucket.device).synchronize()
+        return bucket, sent, time.perf_counter() - started
+
+
+async def deliver(transport: Any, engine: Any, bucket: FlatBucket, sent: dict[str, str], version: int, *,
+                  verify: bool, stats: PublishStats) -> None:
+    """Send one bucket; under post_copy a mismatch is sent once more, a second one is a PublicationError."""
+    try:
+        await transport.send(bucket, version, digests=sent if verify else None)
+        return
+    except WeightMismatch as err:
+        names = err.names
+        log.warning("publication v%d: %d tensor(s) differ after the copy (%s); copying them again",
+                    version, len(names), names[:3])
+        stats.retries += len(names)
+    try:
+        await transport.send(bucket, version, names=names, digests={n: sent[n] for n in names})
+    except WeightMismatch as err:
+        raise PublicationError(
+            f"publication v{version} failed: tensor(s) {err.names[:5]} read back from the engine's storage "
+            f"differ from what was sent, twice; the engine did not switch (it reports "
+            f"v{engine.policy_version})") from err
+
+
+async def _copy(writer: _Writer, *, engine: Any, transport: Any, version: int, verify: bool, stats: PublishStats,
+                digests: dict[str, str]) -> None:
+    """Every bucket, prepared (bucket k+1 on a helper thread while bucket k is delivered) and delivered.
+
+    The helper thread (gathers, un-fusing, the sender's digests: torch and xxhash release the GIL)
+    alternates two staging buffers. One bucket (a LoRA run's adapters) has nothing to overlap: it is
+    prepared here, without a thread; nor has a publication in place, whose delivery is a commit. Here
+    the writes also run faster: on a CPU, torch's parallel copies launched from a second thread pay a
+    thread wake-up per copy (88.6M parameters: publish 0.042-0.053 s here against 0.052-0.069 s on
+    the helper, 4 paired runs)."""
+    plans, in_place = writer.plans, writer.in_place is not None
+    helper = prepare_thread(writer.staging.device) if len(plans) > 1 and not in_place else None
+    try:
+        pending = _start(helper, writer.prepare, 0) if plans else None
+        for i in range(len(plans)):
+            bucket, sent, prepare_s = pending.result()
+            stats.prepare_s += prepare_s
+            if i + 1 < len(plans):
+                pending = _start(helper, writer.prepare, i + 1)
+            started = time.perf_counter()
+            if in_place:
+                await transport.commit(bucket, version)
+            else:
+                await deliver(transport, engine, bucket, sent, version, verify=verify, stats=stats)
+            stats.deliver_s += time.perf_counter() - started
+            stats.bytes_copied += bucket.plan.nbytes
+            stats.num_buckets += 1
+            digests.update(sent)
+    finally:
+        if helper is not None:
+            helper.shutdown()
+
+
 async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig, version: int, step: int,
                   hashes: dict[str, str], staging: Staging, peers: Any = None,
                   verdict: Verdict | None = None) -> tuple[PolicyRelease, PublishStats]:
@@ -126,71 +211,10 @@ async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig
         raise PublicationRefused(verdict.message(version))
     verify = cfg.verify == "post_copy"
     plans = plan_buckets(specs, cfg.bucket_mb * 2**20)
-    stats = PublishStats()
-    digests: dict[str, str] = {}
-    # the engine's own storage as every bucket's destination, where offered; never under post_copy,
-    # whose check compares the engine's storage with what was sent (written in place, the same memory)
-    offers = not verify and hasattr(transport, "destination")
-    offered = [transport.destination(plan) for plan in plans] if offers else []
-    in_place = bool(offered) and all(b is not None for b in offered)
-    stats.in_place = in_place
-
-    group_names = [[name for name, _, _ in group] for group in specs]
-
-    def prepare(i: int) -> tuple[FlatBucket | InPlaceBucket, dict[str, str], float]:
-        started = time.perf_counter()
-        bucket = offered[i] if in_place else staging.bucket(plans[i], i)
-        sent: dict[str, str] = {}
-        for index in plans[i].groups:
-            source.write_hf_group(index, bucket.views)
-            sent.update(bucket.digests(group_names[index]))     # while the group is still in the CPU's cache
-        if bucket.device.type == "cuda":     # the receiver may read it from another stream
-            torch.cuda.current_stream(bucket.device).synchronize()
-        return bucket, sent, time.perf_counter() - started
-
-    async def deliver(bucket: FlatBucket, sent: dict[str, str]) -> None:
-        try:
-            await transport.send(bucket, version, digests=sent if verify else None)
-            return
-        except WeightMismatch as err:
-            names = err.names
-            log.warning("publication v%d: %d tensor(s) differ after the copy (%s); copying them again",
-                        version, len(names), names[:3])
-            stats.retries += len(names)
-        try:
-            await transport.send(bucket, version, names=names, digests={n: sent[n] for n in names})
-        except WeightMismatch as err:
-            raise PublicationError(
-                f"publication v{version} failed: tensor(s) {err.names[:5]} read back from the engine's storage "
-                f"differ from what was sent, twice; the engine did not switch (it reports "
-                f"v{engine.policy_version})") from err
-
-    # a helper thread prepares bucket k+1 (gathers, un-fusing, the sender's digests: torch and
-    # xxhash release the GIL) while this thread delivers bucket k; two staging buffers alternate.
-    # One bucket (a LoRA run's adapters) has nothing to overlap: it is prepared here, without a thread;
-    # nor has a publication in place, whose delivery is a commit. Here the writes also run faster: on a
-    # CPU, torch's parallel copies launched from a second thread pay a thread wake-up per copy
-    # (88.6M parameters: publish 0.042-0.053 s here against 0.052-0.069 s on the helper, 4 paired runs)
-    helper = prepare_thread(staging.device) if len(plans) > 1 and not in_place else None
-    try:
-        pending = _start(helper, prepare, 0) if plans else None
-        for i in range(len(plans)):
-            bucket, sent, prepare_s = pending.result()
-            stats.prepare_s += prepare_s
-            if i + 1 < len(plans):
-                pending = _start(helper, prepare, i + 1)
-            started = time.perf_counter()
-            if in_place:
-                await transport.commit(bucket, version)
-            else:
-                await deliver(bucket, sent)
-            stats.deliver_s += time.perf_counter() - started
-            stats.bytes_copied += bucket.plan.nbytes
-            stats.num_buckets += 1
-            digests.update(sent)
-    finally:
-        if helper is not None:
-            helper.shutdown()
+    in_place = destinations(transport, plans, verify)
+    stats, digests = PublishStats(in_place=in_place is not None), {}
+    await _copy(_Writer(source, specs, plans, staging, in_place), engine=engine, transport=transport,
+                version=version, verify=verify, stats=stats, digests=digests)
     if engine.policy_version != version:
         raise PublicationError(f"engine did not switch to v{version} after every tensor arrived "
                                f"(it reports v{engine.policy_version})")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Mapping, Protocol, Sequence
 
-from hybridrl.publication.buckets import FlatBucket
+from hybridrl.publication.buckets import BucketPlan, FlatBucket, InPlaceBucket
 
 
 class WeightTransport(Protocol):
@@ -25,3 +25,17 @@ class WeightTransport(Protocol):
     async def send(self, bucket: FlatBucket, version: int, *, names: Sequence[str] | None = None,
                    digests: Mapping[str, str] | None = None) -> None:
         """Deliver the bucket (or only `names` of it: a retry) for policy `version`."""
+
+
+class InPlaceTransport:
+    """A transport that may offer the engine's own storage as a publication's destination (declared by
+    subclassing: `publish` asks only these). `structure` mode then writes the weights straight into
+    the engine and commits each bucket: one copy instead of two."""
+
+    def destination(self, plan: BucketPlan) -> InPlaceBucket | None:
+        """The engine's own tensors for `plan`'s entries, or None when it offers none now."""
+        raise NotImplementedError
+
+    async def commit(self, bucket: InPlaceBucket, version: int) -> None:
+        """Count the tensors written into `bucket` as arrived for `version`."""
+        raise NotImplementedError

@@ -13,15 +13,27 @@ which would be the same memory written in place.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 from hybridrl.publication.buckets import BucketPlan, FlatBucket, InPlaceBucket
+from hybridrl.publication.transport import InPlaceTransport
 
 
-class InProcessTransport:
+class InProcessEngine(Protocol):
+    """What this transport needs of the engine (the native engine; a stand-in offers no views)."""
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int, *,
+                             digests: Mapping[str, str] | None = None) -> None: ...
+
+    def writable_views(self, names: Sequence[str]) -> dict[str, Any] | None: ...
+
+    async def commit_in_place(self, names: Sequence[str], version: int) -> None: ...
+
+
+class InProcessTransport(InPlaceTransport):
     verifies = True
 
-    def __init__(self, engine):
+    def __init__(self, engine: InProcessEngine):
         self.engine = engine
 
     async def send(self, bucket: FlatBucket, version: int, *, names: Sequence[str] | None = None,
@@ -30,8 +42,7 @@ class InProcessTransport:
 
     def destination(self, plan: BucketPlan) -> InPlaceBucket | None:
         """The engine's own tensors for `plan`'s entries, when it lets a publisher write them in place."""
-        offer = getattr(self.engine, "writable_views", None)
-        views = offer([e.name for e in plan.entries]) if offer is not None else None
+        views = self.engine.writable_views([e.name for e in plan.entries])
         return InPlaceBucket(plan, views) if views is not None else None
 
     async def commit(self, bucket: InPlaceBucket, version: int) -> None:

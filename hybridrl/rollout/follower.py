@@ -66,6 +66,10 @@ class FollowerEngine:
     async def wake_up(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
         check_tags(self, tags)
 
+    def writable_views(self, names: Sequence[str]) -> None:
+        """A stand-in holds no storage to write into: a publication to it goes through buckets."""
+        return None
+
     def stats(self) -> dict[str, Any]:
         return {"policy_version": self.policy_version, "follower": True}
 

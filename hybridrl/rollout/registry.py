@@ -1,34 +1,54 @@
-"""Rollout engines by name (`rollout.engine`), imported only when built.
+"""Rollout engines by name (`rollout.engine`): one declared row each, its engine imported only when built.
 
-An engine class implements `rollout.protocol.RolloutEngine` and, for the workers, four members:
+A row (`RolloutEngineSpec`, in the backend's folder: `backends/<name>/row.py`) holds the engine class,
+the class of its config section (`rollout.<name>`) and what the rest of the system needs to know of
+it, as fields: the config checks, the workers and the publisher read the row, never the class. The
+engine class implements `rollout.protocol.RolloutEngine` and `for_rank(cfg, ctx)` (this rank's
+engine for the run: it loads or reserves weights).
 
-    Engine.for_rank(cfg, ctx)              this rank's engine for the run (it loads or reserves weights)
-    Engine.releasable_tags_for(cfg)        the memory tags an engine of this run releases (the stand-in
-                                           of a rollout tensor-parallel group mirrors them)
-    Engine.serves_before_publication       False: it starts without weights (version -1) until the first
-                                           publication
-    Engine.colocated_transport(engine, ranks, group)   how a trainer in the same process delivers flat
-                                           buckets (`publication.transport.WeightTransport`) to this rank's
-                                           engine, or its stand-in on the other ranks of a rollout
-                                           tensor-parallel group (`ranks`, `group`)
-
-A new engine is its backend module(s), its config section and one line here.
+A new engine is its folder (engine, config, row) and one line in `ENGINES`. Import-light.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
-ENGINES = {
-    "native": "hybridrl.backends.native.engine:NativeEngine",
-    "sglang": "hybridrl.backends.sglang.engine:SGLangEngine",
-    "vllm": "hybridrl.backends.vllm.engine:VLLMEngine",
-}
+from hybridrl.registry import Lazy, Registry
 
 
-def engine_class(name: str) -> Any:
-    if name not in ENGINES:
-        raise ValueError(f"rollout.engine={name!r}: no such rollout engine (known: {sorted(ENGINES)})")
-    module, _, attr = ENGINES[name].partition(":")
-    return getattr(importlib.import_module(module), attr)
+def never(cfg: Any) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class RolloutEngineSpec:
+    """One rollout engine."""
+
+    name: str
+    engine: Lazy                       # the engine class: for_rank(cfg, ctx) -> this rank's engine
+    config: type                       # its section, `rollout.<name>`
+    # how a trainer in the same process delivers flat buckets (`publication.transport.WeightTransport`) to this
+    # rank's engine, or its stand-in on the other ranks of a rollout tensor-parallel group: (engine, ranks, group)
+    colocated_transport: Callable[[Any, Sequence[int], Any], Any]
+    # the memory tags an engine of this run releases (the stand-in of a rollout tensor-parallel group mirrors them)
+    releasable_tags: Callable[[Any], frozenset]
+    serves_before_publication: bool    # False: it starts without weights (version -1) until the first publication
+    reads_back_weights: bool           # it hashes its own storage after a copy (publish.verify=post_copy)
+    remote_publication: bool           # a rollout rank of a placement with the roles apart can run it
+    # a publication of this run (cfg) carries the LoRA adapters only: the engine applies them itself
+    adapter_publication: Callable[[Any], bool] = never
+    summary: str = ""                  # what `rollout.engine`'s help says of it
+    section_help: str = ""             # the help of its sub-section
+    single_rank: str = ""              # why it needs rollout.tp=1 (empty: any tensor-parallel size)
+
+
+ENGINES: Registry[RolloutEngineSpec] = Registry("rollout engine", key="engine", row=RolloutEngineSpec, shipped={
+    "native": "hybridrl.backends.native.row:ENGINE",
+    "sglang": "hybridrl.backends.sglang.row:ENGINE",
+    "vllm": "hybridrl.backends.vllm.row:ENGINE",
+})
+
+
+def engine_row(name: str) -> RolloutEngineSpec:
+    return ENGINES.get(name, key="rollout.engine")

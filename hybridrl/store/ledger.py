@@ -73,6 +73,53 @@ CREATE TABLE IF NOT EXISTS evaluations (
 """
 
 
+_SHARD_COLUMNS = (
+    "id", "trace_id", "step", "prompt_ids", "response_ids", "response_mask", "policy_versions", "behavior_logprobs",
+    "old_logprobs", "ref_logprobs", "advantages", "reward", "rewards", "reward_evaluators", "status", "truncation",
+    "sampler_contract", "timings", "tool_calls", "trace", "metadata", "consumed_step", "batch_row")
+
+
+def _insert(db: sqlite3.Connection, table: str, rows: Sequence[dict]) -> None:
+    """INSERT rows (column -> value) by column name."""
+    if rows:
+        names = list(rows[0])
+        db.executemany(f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join(':' + n for n in names)})", rows)
+
+
+def _shard_row(t: Any, step: int, row: int | None, tensors: dict, trace: list, meta: dict) -> dict:
+    """A trajectory's row of the step's Parquet shard: its tokens, and its batch row's per-token values."""
+    p, n = len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)
+    out = dict(id=t.trajectory_id, trace_id=t.trace_id, step=step, prompt_ids=list(t.prompt_ids),
+               response_ids=list(t.response_ids), response_mask=list(t.response_mask),
+               policy_versions=list(t.policy_versions), behavior_logprobs=list(t.behavior_logprobs))
+    for name, tensor in tensors.items():                   # [rows, T]: the response's span
+        out[name] = tensor[row, p:n].tolist() if tensor is not None and row is not None else None
+    return {**out, "reward": float(t.reward), "rewards": _json(t.rewards),
+            "reward_evaluators": _json(t.reward_evaluators), "status": t.status.value,
+            "truncation": t.truncation.value if t.truncation else None,
+            "sampler_contract": int(t.sampler_contract), "timings": _json(t.timings),
+            "tool_calls": _json([vars(c) for c in t.tool_calls]), "trace": _json(trace), "metadata": _json(meta),
+            "consumed_step": step if row is not None else None, "batch_row": row}
+
+
+def _index_row(t: Any, step: int, row: int | None, trace: list, meta: dict, *, rollout_version: int, filtered: str,
+               explain: dict, shard_row: int) -> dict:
+    """A trajectory's row of the `trajectories` index."""
+    versions = sorted(t.versions)
+    tid = t.trajectory_id
+    return dict(
+        id=tid, trace_id=t.trace_id, step=step, task_id=t.task_id, group_id=t.group_id, attempt=t.attempt,
+        status=t.status.value, truncation=t.truncation.value if t.truncation else None,
+        end_reason=meta.get("end_reason"), reward=float(t.reward), rewards=_json(t.rewards),
+        evaluators=_json(t.reward_evaluators), prompt_tokens=len(t.prompt_ids), response_tokens=len(t.response_ids),
+        policy_tokens=t.num_policy_tokens, min_version=versions[0] if versions else None,
+        max_version=versions[-1] if versions else None, lag=rollout_version - versions[0] if versions else 0,
+        turns=t.turns, tool_calls=len(t.tool_calls), tool_errors=sum(1 for c in t.tool_calls if not c.ok),
+        action_errors=sum(1 for e in trace if e["span"] == "action" and e.get("decision") != "authorized"),
+        filter_reason=None if row is not None else filtered, consumed_step=step if row is not None else None,
+        batch_row=row, advantage=_json(explain.get(tid)) if tid in explain else None, shard_row=shard_row)
+
+
 def ledger_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "ledger"
 
@@ -112,6 +159,9 @@ class NullLedger:
     def record_evaluation(self, step: int, result: dict, *, result_path: str) -> None:
         return None
 
+    def release_hash(self, version: int) -> str | None:
+        return None
+
 
 class Ledger:
     enabled = True
@@ -147,86 +197,47 @@ class Ledger:
         """Everything one RL step produced: its trajectories (once), which were consumed, the lineage.
         Returns the seconds it took (the store's share of the step)."""
         metrics = metrics or {}
-        stages = {k[len("time/T_"):]: v for k, v in metrics.items() if k.startswith("time/T_")}
-        wall_s = metrics.get("time/step_s", 0.0)
         started = time.perf_counter()
         self._first_record(step)
         self.record_switch(step, switch)
-        reasons = {id(t): reason for reason, ts in (kept.rejected if kept is not None else {}).items() for t in ts}
-        rows_of = {}
-        adv = old = ref = None
-        if batch is not None:
-            rows_of = {tid: i for i, tid in enumerate(batch["trajectory_id"])}
-            adv = batch["advantages"] if "advantages" in batch else None
-            old = batch["old_logprobs"] if "old_logprobs" in batch else None
-            ref = batch["ref_logprobs"] if "ref_logprobs" in batch else None
+        rows_of = {tid: i for i, tid in enumerate(batch["trajectory_id"])} if batch is not None else {}
+        tensors = {name: batch[name] if batch is not None and name in batch else None
+                   for name in ("old_logprobs", "ref_logprobs", "advantages")}
         explain = self._advantage_explanations(batch, kept.kept) if batch is not None else {}
-
-        columns: dict[str, list] = {k: [] for k in (
-            "id", "trace_id", "step", "prompt_ids", "response_ids", "response_mask", "policy_versions",
-            "behavior_logprobs", "old_logprobs", "ref_logprobs", "advantages", "reward", "rewards",
-            "reward_evaluators", "status", "truncation", "sampler_contract", "timings", "tool_calls", "trace",
-            "metadata", "consumed_step", "batch_row")}
-        index_rows, texts, prompts = [], [], {}
+        reasons = {id(t): reason for reason, ts in (kept.rejected if kept is not None else {}).items() for t in ts}
+        shard_rows, index_rows, texts, prompts = [], [], [], {}
         for shard_row, t in enumerate(trajectories):
-            tid = t.trajectory_id
-            row = rows_of.get(tid)
-            p, n = len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)
+            row = rows_of.get(t.trajectory_id)
             meta = dict(t.metadata)
-            trace = meta.pop("trace", [])
-            answer = meta.pop("answer", None)
-            columns["id"].append(tid)
-            columns["trace_id"].append(t.trace_id)
-            columns["step"].append(step)
-            columns["prompt_ids"].append(list(t.prompt_ids))
-            columns["response_ids"].append(list(t.response_ids))
-            columns["response_mask"].append(list(t.response_mask))
-            columns["policy_versions"].append(list(t.policy_versions))
-            columns["behavior_logprobs"].append(list(t.behavior_logprobs))
-            for name, tensor in (("old_logprobs", old), ("ref_logprobs", ref), ("advantages", adv)):
-                columns[name].append(tensor[row, p:n].tolist() if tensor is not None and row is not None else None)
-            columns["reward"].append(float(t.reward))
-            columns["rewards"].append(_json(t.rewards))
-            columns["reward_evaluators"].append(_json(t.reward_evaluators))
-            columns["status"].append(t.status.value)
-            columns["truncation"].append(t.truncation.value if t.truncation else None)
-            columns["sampler_contract"].append(int(t.sampler_contract))
-            columns["timings"].append(_json(t.timings))
-            columns["tool_calls"].append(_json([vars(c) for c in t.tool_calls]))
-            columns["trace"].append(_json(trace))
-            columns["metadata"].append(_json(meta))
-            columns["consumed_step"].append(step if row is not None else None)
-            columns["batch_row"].append(row)
-            versions = sorted(t.versions)
-            index_rows.append((
-                tid, t.trace_id, step, t.task_id, t.group_id, t.attempt, t.status.value,
-                t.truncation.value if t.truncation else None, meta.get("end_reason"), float(t.reward),
-                _json(t.rewards), _json(t.reward_evaluators), p, n - p, t.num_policy_tokens,
-                versions[0] if versions else None, versions[-1] if versions else None,
-                rollout_version - versions[0] if versions else 0, t.turns, len(t.tool_calls),
-                sum(1 for c in t.tool_calls if not c.ok),
-                sum(1 for e in trace if e["span"] == "action" and e.get("decision") != "authorized"),
-                None if row is not None else reasons.get(id(t), "not admitted"),
-                step if row is not None else None, row, _json(explain.get(tid)) if tid in explain else None,
-                shard_row))
+            trace, answer = meta.pop("trace", []), meta.pop("answer", None)
+            shard_rows.append(_shard_row(t, step, row, tensors, trace, meta))
+            index_rows.append(_index_row(t, step, row, trace, meta, rollout_version=rollout_version,
+                                         filtered=reasons.get(id(t), "not admitted"), explain=explain,
+                                         shard_row=shard_row))
             if self.cfg.text and self.tokenizer is not None:
                 texts.append(self._text_record(t, answer, prompts))
-
-        shard = self._write_parquet(step, columns)
+        shard = self._write_parquet(step, {k: [r[k] for r in shard_rows] for k in _SHARD_COLUMNS})
         text_shard = self._write_text(step, texts) if texts else None
-        counts = kept.counts if kept is not None else {}
         self.db.execute("BEGIN")
-        self.db.executemany(f"INSERT INTO trajectories VALUES ({', '.join('?' * 27)})", index_rows)
-        self.db.execute("INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?)", (
-            step, rollout_version, version_after, int(batch is not None), len(trajectories),
-            len(rows_of), shard.name, text_shard.name if text_shard else None, shard.stat().st_size,
-            text_shard.stat().st_size if text_shard else 0, checkpoint, _json(counts), _json(stages),
-            wall_s, 0.0, time.time()))
+        _insert(self.db, "trajectories", index_rows)
+        _insert(self.db, "steps", [dict(
+            step=step, rollout_version=rollout_version, version_after=version_after, updated=int(batch is not None),
+            episodes=len(trajectories), admitted=len(rows_of), shard=shard.name,
+            text_shard=text_shard.name if text_shard else None, shard_bytes=shard.stat().st_size,
+            text_bytes=text_shard.stat().st_size if text_shard else 0, pruned=0, checkpoint=checkpoint,
+            filters=_json(kept.counts if kept is not None else {}),
+            stages=_json({k[len("time/T_"):]: v for k, v in metrics.items() if k.startswith("time/T_")}),
+            wall_s=metrics.get("time/step_s", 0.0), write_s=0.0, recorded_at=time.time())])
         self.db.execute("COMMIT")
         self._retain(step)
         seconds = time.perf_counter() - started
         self.db.execute("UPDATE steps SET write_s = ? WHERE step = ?", (seconds, step))
         return seconds
+
+    def release_hash(self, version: int) -> str | None:
+        """The checkpoint hash of the release recorded for policy `version` (None when none is)."""
+        row = self.db.execute("SELECT checkpoint_hash FROM releases WHERE version = ?", (version,)).fetchone()
+        return row[0] if row else None
 
     def record_evaluation(self, step: int, result: dict, *, result_path: str) -> None:
         """The in-loop evaluation of step `step` (its scores, never its episodes)."""

@@ -42,7 +42,6 @@ LEFTOVERS = ("run.json", "metrics.jsonl", "samples.jsonl", "tensorboard")
 # config.json keys that fix the shapes of a checkpoint's tensors
 SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size", "tie_word_embeddings")
-JOBS = ("rl", "sft")                 # jobs that own their run directory this way
 FIX = "pass --overwrite to replace it, or trainer.resume=never to move it aside"
 
 _origin: dict[str, Any] = {}

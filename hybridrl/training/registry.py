@@ -1,28 +1,46 @@
-"""Training engines by name (`train.engine`), imported only when built.
+"""Training engines by name (`train.engine`): one declared row each, its code imported only when built.
 
-    build(cfg, role, device)   the actor, the reference (frozen) or the critic (a value head) of a run
+    build(cfg, role, device)   the actor, the reference (frozen), the critic (a value head) or the
+                               teacher of a run; SFT's model is the actor
 
-An engine class provides `from_hf(model_dir, train_cfg, *, training, device, head)` and implements
-`training.protocol.TrainEngine`. A new engine is its module and one line here. Import-light (config validation reads `ENGINES`).
+An engine's row (`TrainEngineSpec`, in its backend's folder: `backends/megatron/row.py`) holds its
+class, which provides `from_hf(model_dir, train_cfg, *, training, device, head)` and implements
+`training.protocol.TrainEngine`, and the class of the `train` section it reads. A new engine is its
+folder and one line in `ENGINES`. Import-light (config validation reads the names).
 """
 
 from __future__ import annotations
 
-import importlib
+from dataclasses import dataclass
 from typing import Any
 
-ENGINES = {
-    "megatron": "hybridrl.backends.megatron.engine:MegatronEngine",
-}
+from hybridrl.registry import Lazy, Registry
 
 ACTOR, REFERENCE, CRITIC, TEACHER = "actor", "reference", "critic", "teacher"
+DEFAULT = "megatron"
+
+
+@dataclass(frozen=True)
+class TrainEngineSpec:
+    """One training engine."""
+
+    name: str
+    engine: Lazy           # the engine class: from_hf(model_dir, train_cfg, *, training, device, head)
+    config: type           # the `train` section (its knobs; `engine` names the row)
+
+
+ENGINES: Registry[TrainEngineSpec] = Registry("training engine", key="engine", row=TrainEngineSpec, shipped={
+    "megatron": "hybridrl.backends.megatron.row:ENGINE",
+})
+
+
+def train_section() -> type:
+    """The class of the `train` section: the default engine's (every shipped engine reads it)."""
+    return ENGINES.get(DEFAULT).config
 
 
 def engine_class(name: str) -> Any:
-    if name not in ENGINES:
-        raise ValueError(f"train.engine={name!r}: no such training engine (known: {sorted(ENGINES)})")
-    module, _, attr = ENGINES[name].partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return ENGINES.get(name).engine.resolve()
 
 
 def build(cfg: Any, role: str, device: Any) -> Any:

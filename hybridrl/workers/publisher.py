@@ -28,12 +28,11 @@ log = logging.getLogger(__name__)
 
 def publication_source(cfg: Any, actor: Any) -> Any:
     """What a publication of this run sends: the actor's LoRA adapters alone when the rollout engine applies
-    them itself (`adapter_publication` of its class: the native engine), else the whole model (merged with
+    them itself (`adapter_publication` of its row: the native engine), else the whole model (merged with
     the adapters of a LoRA run). Decided from the config, so every rank sends the same."""
-    from hybridrl.rollout.registry import engine_class
+    from hybridrl.rollout.registry import engine_row
 
-    adapters = getattr(engine_class(cfg.rollout.engine), "adapter_publication", None)
-    return actor.adapter_source() if adapters is not None and adapters(cfg) else actor
+    return actor.adapter_source() if engine_row(cfg.rollout.engine).adapter_publication(cfg) else actor
 
 
 class Publisher:

@@ -27,7 +27,7 @@ from hybridrl.data.trajectory import TrajectoryStatus, to_batch
 from hybridrl.distributed.collectives import Reducer
 from hybridrl.distributed.dispatch import DPSplit, OneToAll
 from hybridrl.distributed.mesh import Mesh
-from hybridrl.rollout.registry import engine_class
+from hybridrl.rollout.registry import engine_row
 from hybridrl.workers.base import Part, register
 from hybridrl.workers.modes import Mode, Phases
 
@@ -70,8 +70,9 @@ class RolloutSide(Part):
                 group = dist.new_group(ranks, backend="gloo")
                 if ctx.rank in ranks:
                     self.group = group
-        self.engine_class = engine_class(cfg.rollout.engine)
-        self.engine = self.engine_class.for_rank(cfg, ctx) if self.owns_engine else self._follower(follower_spec)
+        self.row = engine_row(cfg.rollout.engine)
+        engine_cls = self.row.engine.resolve()
+        self.engine = engine_cls.for_rank(cfg, ctx) if self.owns_engine else self._follower(follower_spec)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.reward_model = self._reward_model()
         self.task = get_task(cfg.task.name, cfg.task)
@@ -96,8 +97,8 @@ class RolloutSide(Part):
             raise ValueError(f"rank {self.ctx.rank}: rollout.tp={self.cfg.rollout.tp} needs the trainer's weight "
                              "spec on the group's other ranks (a colocated placement)")
         # it releases what the group's engine releases, so both forget the version together
-        return FollowerEngine(spec(), releasable_tags=self.engine_class.releasable_tags_for(self.cfg),
-                              policy_version=0 if self.engine_class.serves_before_publication else -1)
+        return FollowerEngine(spec(), releasable_tags=self.row.releasable_tags(self.cfg),
+                              policy_version=0 if self.row.serves_before_publication else -1)
 
     def _env_provider(self):
         """A stateful task's episodes go through the leased environment service (one SQLite file per

@@ -18,7 +18,6 @@ import torch
 
 from hybridrl.distributed.dispatch import ONE_TO_ALL, DPSplit, OneToAll, RANK0
 from hybridrl.data.batch import Batch
-from hybridrl.jobs import Job
 from hybridrl.workers.base import Worker, register
 
 log = logging.getLogger(__name__)
@@ -101,6 +100,3 @@ def run_selfcheck(cfg, wg) -> dict:
     if cfg.selfcheck.fail_rank >= 0:
         wg.call(SelfCheckWorker.fail_on, rank=cfg.selfcheck.fail_rank)  # raises WorkerGroupError
     return report
-
-
-JOB = Job("selfcheck", SelfCheckWorker, run_selfcheck)

@@ -45,7 +45,7 @@ class ModeSwitch(Part):
     def __init__(self, cfg: Any, ctx: Any, modes: ModeMachine, train: TrainSide, rollout: RolloutSide):
         self.cfg, self.ctx, self.modes, self.train, self.rollout = cfg, ctx, modes, train, rollout
         self.engine = rollout.engine
-        self.transport = rollout.engine_class.colocated_transport(self.engine, rollout.group_ranks, rollout.group)
+        self.transport = rollout.row.colocated_transport(self.engine, rollout.group_ranks, rollout.group)
         self.publisher = Publisher(cfg, ctx, train.actor, rollout.tokenizer)
         self.everyone = Reducer.over_peers(ctx.control_peers)
         rollout.run(self.engine.sleep(self.engine.releasable_tags))     # start in TRAIN: the engine holds nothing

@@ -50,7 +50,7 @@ def test_events_reach_observers_in_order_and_a_broken_one_is_switched_off(caplog
 
 @pytest.mark.parametrize("spec, says", [
     ("nosuchmodule_xyz:Thing", "cannot import nosuchmodule_xyz"),
-    ("tests.controller.recording_callback:Nope", "has no class Nope"),
+    ("tests.controller.recording_callback:Nope", "has no 'Nope'"),
     ("justaname", "expected module:Class"),
 ])
 def test_a_wrong_callback_entry_is_one_line_at_load(spec, says):

@@ -95,7 +95,7 @@ class MegatronConfig:
     def __post_init__(self) -> None:
         from hybridrl.training.registry import ENGINES
 
-        check_choice("engine", self.engine, sorted(ENGINES))
+        ENGINES.check("engine", self.engine)
         for name in ("tp", "pp", "ep", "micro_batch_size", "make_vocab_size_divisible_by"):
             check_positive(name, getattr(self, name))
         check_positive("moe_aux_loss_coef", self.moe_aux_loss_coef, allow_zero=True)

@@ -59,10 +59,6 @@ _lock = threading.Lock()
 _active = False
 
 
-def is_active() -> bool:
-    return _active
-
-
 def activate() -> None:
     """Install the process-wide patches (idempotent). Call only when no CUDA device is used."""
     global _active

@@ -333,83 +333,40 @@ class MegatronEngine:
         the detached values the loss saw (on the loss ranks; None elsewhere)."""
         from megatron.core import parallel_state as ps
 
-        from hybridrl.backends.megatron.schedule import check_sequence_batch, run_schedule
+        from hybridrl.backends.megatron.schedule import run_schedule
 
         if not self.training:
             raise RuntimeError("train_step on a frozen engine (built with training=False)")
-        check_sequence_batch(batch)
-        if len(batch) == 0:
-            raise ValueError("train_step got an empty batch: every data-parallel rank needs at least one row "
-                             "(the dispatcher pads with zero-loss rows)")
-        if "loss_mask" not in batch.tensors:
-            raise KeyError(f"train_step needs 'loss_mask' [B, T]; the batch holds {sorted(batch.tensors)}")
-        if batch["loss_mask"].shape != batch["input_ids"].shape:
-            raise ValueError(f"loss_mask {tuple(batch['loss_mask'].shape)} and input_ids "
-                             f"{tuple(batch['input_ids'].shape)} differ in shape")
+        _check_train_batch(batch)
         # Trailing padding rows carry a zero loss_mask: skip them, but keep one row so that every
         # DP rank runs the schedule (and joins the gradient reduction).
         rows = batch.slice(0, max(batch.num_valid, 1))
         if batch.num_valid == 0:
             rows.tensors["loss_mask"] = torch.zeros_like(rows["loss_mask"])
         dp_group = ps.get_data_parallel_group()
-        local = count(rows["loss_mask"])
-        # on the engine's device: on a GPU the data-parallel group is NCCL, which reduces no CPU tensor
-        totals = torch.tensor([local.num_tokens, local.num_sequences], dtype=torch.float64, device=self.device)
-        with self._scope():
-            dist.all_reduce(totals, group=dp_group)
-        denominators = Denominators(float(totals[0]), float(totals[1]))
-        sums: dict[str, torch.Tensor] = {}          # loss and sum(metric * mask) over this rank's rows
-        highs: dict[str, torch.Tensor] = {}         # max and -min of the `extremes` metrics over masked tokens
-        watched = tuple(extremes)
-        seen: list[torch.Tensor] = []               # capture: the values the loss saw, per micro-batch
-
-        def on_output(mb, logits):
-            logprobs, entropy = self._token_logprobs(mb, logits, temperature, with_entropy)
-            if capture:
-                seen.append(logprobs.detach())
-            mask = mb.batch["loss_mask"].to(self.device).float()
-            token_loss, metrics = loss_fn(logprobs, entropy, mb.batch)
-            token_loss = torch.where(mask > 0, token_loss, torch.zeros_like(token_loss))
-            loss = aggregate(token_loss, mask, self.cfg.loss_aggregation, denominators)
-            _accumulate(sums, "loss", loss.detach().double())
-            for name, value in metrics.items():
-                if name in watched:
-                    on = value.detach().double()[mask > 0]
-                    if on.numel():
-                        for key, v in ((f"{name}_max", on.max()), (f"{name}_min", -on.min())):
-                            highs[key] = torch.maximum(highs[key], v) if key in highs else v
-                value = torch.where(mask > 0, value.detach().float(), torch.zeros_like(mask))
-                _accumulate(sums, f"metric/{name}", value.sum().double())
-            return loss
-
+        step = _StepLoss(self, loss_fn, self._denominators(rows, dp_group), temperature=temperature,
+                         with_entropy=with_entropy, extremes=tuple(extremes), capture=capture)
         self.passes["train"] += 1
         self.model.train()
         mbs = self._micro_batches(rows)
         # the positions the model runs (padding included, a shared prefix once): against num_tokens,
         # what the layout costs
-        sums["model_tokens"] = torch.tensor(float(sum(b * t for b, t in (mb.model_shape for mb in mbs))),
-                                            dtype=torch.float64)
+        step.sums["model_tokens"] = torch.tensor(float(sum(b * t for b, t in (mb.model_shape for mb in mbs))),
+                                                 dtype=torch.float64)
         with self._scope():
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-            run_schedule(self.ddp, mbs, on_output, forward_only=False, pp=self.cfg.pp)
+            run_schedule(self.ddp, mbs, step, forward_only=False, pp=self.cfg.pp)
             lr = float(self.optimizer.param_groups[0]["lr"])
             _, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
             self._lora_full = None
-            for name in watched:
+            for name in step.extremes:
                 for key in (f"{name}_max", f"{name}_min"):
-                    highs.setdefault(key, torch.tensor(-float("inf"), dtype=torch.float64, device=self.device))
-            reduced = self._reduce_sums(sums, dp_group, highs)
+                    step.highs.setdefault(key, torch.tensor(-float("inf"), dtype=torch.float64, device=self.device))
+            reduced = self._reduce_sums(step.sums, dp_group, step.highs)
         self.num_steps += 1
-        metrics: dict[str, Any] = {"loss": reduced.pop("loss", 0.0), "grad_norm": float(grad_norm or 0.0), "lr": lr,
-                                   "num_tokens": denominators.num_tokens, "num_sequences": denominators.num_sequences,
-                                   "model_tokens": reduced.pop("model_tokens", 0.0)}
-        for key, total in sorted(reduced.items()):
-            if key.startswith("metric/"):
-                metrics[key.removeprefix("metric/")] = total / max(denominators.num_tokens, 1.0)
-            else:       # an extreme: the min travelled negated, so that one MAX reduces both
-                metrics[key] = -total if key.endswith("_min") else total
+        metrics = _step_metrics(reduced, float(grad_norm or 0.0), lr, step.denominators)
         from hybridrl.backends.megatron import moe
 
         with self._scope():      # routing agreement, expert load, aux loss (MoE models; {} for dense)
@@ -417,8 +374,17 @@ class MegatronEngine:
                                        pp_group=ps.get_pipeline_model_parallel_group()))
         if capture:
             num_rows, length = batch["input_ids"].shape
-            metrics["logprobs"] = _assemble(mbs, seen, num_rows, length) if self.is_loss_rank else None
+            metrics["logprobs"] = _assemble(mbs, step.seen, num_rows, length) if self.is_loss_rank else None
         return metrics
+
+    def _denominators(self, rows: Batch, dp_group: Any) -> Denominators:
+        """The loss's denominators: tokens and sequences of the global batch (every data-parallel rank's)."""
+        local = count(rows["loss_mask"])
+        # on the engine's device: on a GPU the data-parallel group is NCCL, which reduces no CPU tensor
+        totals = torch.tensor([local.num_tokens, local.num_sequences], dtype=torch.float64, device=self.device)
+        with self._scope():
+            dist.all_reduce(totals, group=dp_group)
+        return Denominators(float(totals[0]), float(totals[1]))
 
     def _reduce_sums(self, sums: dict[str, torch.Tensor], dp_group,
                      highs: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
@@ -655,3 +621,66 @@ def _assemble(mbs, parts: list[torch.Tensor], num_rows: int, length: int) -> tor
     for mb, part in zip(mbs, parts):
         out[torch.tensor(mb.rows), : part.shape[1]] = part.float().cpu()
     return out
+
+
+def _check_train_batch(batch: Batch) -> None:
+    from hybridrl.backends.megatron.schedule import check_sequence_batch
+
+    check_sequence_batch(batch)
+    if len(batch) == 0:
+        raise ValueError("train_step got an empty batch: every data-parallel rank needs at least one row "
+                         "(the dispatcher pads with zero-loss rows)")
+    if "loss_mask" not in batch.tensors:
+        raise KeyError(f"train_step needs 'loss_mask' [B, T]; the batch holds {sorted(batch.tensors)}")
+    if batch["loss_mask"].shape != batch["input_ids"].shape:
+        raise ValueError(f"loss_mask {tuple(batch['loss_mask'].shape)} and input_ids "
+                         f"{tuple(batch['input_ids'].shape)} differ in shape")
+
+
+class _StepLoss:
+    """The schedule's `on_output` of one training step: each micro-batch's loss, and this rank's sums of the
+    loss and the metrics (`sums`), the extremes' max and -min over masked tokens (`highs`) and, with
+    `capture`, the logprobs the loss saw (`seen`, per micro-batch)."""
+
+    def __init__(self, engine: "MegatronEngine", loss_fn: LossFn, denominators: Denominators, *,
+                 temperature: float, with_entropy: bool, extremes: tuple[str, ...], capture: bool):
+        self.engine, self.loss_fn, self.denominators = engine, loss_fn, denominators
+        self.temperature, self.with_entropy, self.extremes, self.capture = temperature, with_entropy, extremes, capture
+        self.sums: dict[str, torch.Tensor] = {}
+        self.highs: dict[str, torch.Tensor] = {}
+        self.seen: list[torch.Tensor] = []
+
+    def __call__(self, mb: Any, logits: torch.Tensor) -> torch.Tensor:
+        engine = self.engine
+        logprobs, entropy = engine._token_logprobs(mb, logits, self.temperature, self.with_entropy)
+        if self.capture:
+            self.seen.append(logprobs.detach())
+        mask = mb.batch["loss_mask"].to(engine.device).float()
+        token_loss, metrics = self.loss_fn(logprobs, entropy, mb.batch)
+        token_loss = torch.where(mask > 0, token_loss, torch.zeros_like(token_loss))
+        loss = aggregate(token_loss, mask, engine.cfg.loss_aggregation, self.denominators)
+        _accumulate(self.sums, "loss", loss.detach().double())
+        for name, value in metrics.items():
+            if name in self.extremes:
+                self._extremes(name, value.detach().double()[mask > 0])
+            value = torch.where(mask > 0, value.detach().float(), torch.zeros_like(mask))
+            _accumulate(self.sums, f"metric/{name}", value.sum().double())
+        return loss
+
+    def _extremes(self, name: str, on: torch.Tensor) -> None:
+        if on.numel():
+            for key, v in ((f"{name}_max", on.max()), (f"{name}_min", -on.min())):
+                self.highs[key] = torch.maximum(self.highs[key], v) if key in self.highs else v
+
+
+def _step_metrics(reduced: dict[str, float], grad_norm: float, lr: float, denominators: Denominators) -> dict[str, Any]:
+    """train_step's scalars from the sums reduced over the data-parallel ranks."""
+    metrics: dict[str, Any] = {"loss": reduced.pop("loss", 0.0), "grad_norm": grad_norm, "lr": lr,
+                               "num_tokens": denominators.num_tokens, "num_sequences": denominators.num_sequences,
+                               "model_tokens": reduced.pop("model_tokens", 0.0)}
+    for key, total in sorted(reduced.items()):
+        if key.startswith("metric/"):
+            metrics[key.removeprefix("metric/")] = total / max(denominators.num_tokens, 1.0)
+        else:       # an extreme: the min travelled negated, so that one MAX reduces both
+            metrics[key] = -total if key.endswith("_min") else total
+    return metrics

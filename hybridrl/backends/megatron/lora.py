@@ -411,16 +411,6 @@ def peft_tensors(factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
     return out
 
 
-def factors_from_peft(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The inverse of `peft_tensors`: HF module name -> (A, B)."""
-    out = {}
-    for name, a in tensors.items():
-        if name.endswith(".lora_A.weight"):
-            module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-            out[module] = (a, tensors[name.replace(".lora_A.", ".lora_B.")])
-    return out
-
-
 def export_peft(engine, out_dir) -> None:
     """Rank 0 writes the PEFT directory from the gathered adapters (one model-parallel group gathers)."""
     import json
