@@ -99,7 +99,7 @@ class PauseGate:
         while True:
             asks = []
             for ep in list(self.running.values()):
-                session = getattr(ep, "session", None)
+                session = ep.session              # agent.episodes.Episode: None for tool-only tasks
                 if session is None:
                     continue
                 try:

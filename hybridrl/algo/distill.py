@@ -98,7 +98,7 @@ def token_advantages(cfg: DistillConfig, task_advantages: "torch.Tensor", logpro
     from hybridrl.algo import kl
 
     d = kl.kl(logprobs.float(), teacher_logprobs.float(), "k1") * mask   # log pi - log q, clamped
-    g = discounted_returns(d, mask, getattr(cfg, "discount", 0.0))
+    g = discounted_returns(d, mask, cfg.discount)
     return ((cfg.reward_weight * task_advantages.float() - cfg.kl_coef * g) * mask).to(task_advantages.dtype)
 
 

@@ -313,7 +313,7 @@ class RunState:
 
         if self.cfg.trainer.export_hf:
             wg.call(TrainSide.export_hf, out_dir=str(Path(self.cfg.run.dir) / "hf"))
-            if getattr(getattr(self.cfg.train, "lora", None), "rank", 0):   # the adapters alone, for peft
+            if self.cfg.train.lora.rank:   # the adapters alone, for peft
                 wg.call(TrainSide.export_peft, out_dir=str(Path(self.cfg.run.dir) / "hf_peft"))
         peak = [round(b / 2**20, 1) for b in wg.call(RankWorker.peak_rss_bytes)]
         wg.call(RankWorker.close)

@@ -339,7 +339,7 @@ async def run_attack(pool, attack: Attack, ctx: dict, *, timeout_s: float = 60.0
         if not contained:
             break
     has_cgroup = getattr(pool, "memory_limit", "rlimit") != "rlimit"
-    has_cpu = getattr(pool, "cpu_limit", "rlimit") != "rlimit"
+    has_cpu = pool.cpu_limit != "rlimit"
     why_not = "isolation=none" if pool.mode not in attack.modes else (
         "no memory cgroup" if attack.needs_cgroup and not has_cgroup else
         "no cpu cgroup" if attack.needs_cpu and not has_cpu else "not root")
@@ -349,11 +349,6 @@ async def run_attack(pool, attack: Attack, ctx: dict, *, timeout_s: float = 60.0
     return Verdict(attack.name, attack.what, contained, required, " | ".join(detail)[-300:] or r.stderr[-300:],
                    {"limit": r.limit_hit, "exit_code": r.exit_code, "stderr": r.stderr[-300:],
                     "setup_error": r.setup_error}, why_not=why_not)
-
-
-async def run_attacks(pool, ctx: dict, names: list[str] | None = None) -> list[Verdict]:
-    chosen = [a for a in ATTACKS if names is None or a.name in names]
-    return [await run_attack(pool, a, ctx) for a in chosen]
 
 
 def egress_config(cfg, ctx: dict):
@@ -396,7 +391,7 @@ async def _run_pools(cfg, ctx: dict, chosen: list[Attack]) -> tuple:
     audit = AuditLog(ctx["audit_path"])
     async with SandboxPool(cfg, audit=audit) as pool:
         limits = {"memory_limit": getattr(pool, "memory_limit", "rlimit"),
-                  "cpu_limit": getattr(pool, "cpu_limit", "rlimit"),
+                  "cpu_limit": pool.cpu_limit,
                   "cgroup_problem": getattr(pool, "cgroup_problem", "")}
         verdicts = [await run_attack(pool, a, ctx) for a in chosen if not a.egress]
         mode = pool.mode
