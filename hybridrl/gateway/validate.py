@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
+from hybridrl.agent.actions import nesting_depth
 from hybridrl.gateway.episodes import GatewayError
 
 MAX_DEPTH = 64                 # JSON nesting of a request body
@@ -24,7 +25,7 @@ _FLAGS = ("stream", "echo", "parallel_tool_calls")
 
 def parse_body(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 that says what is wrong with it."""
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(raw) > MAX_DEPTH:
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and nesting_depth(raw.decode("utf-8", "replace")) > MAX_DEPTH:
         raise GatewayError(400, f"the request body is nested deeper than {MAX_DEPTH} levels")
     try:
         body = json.loads(raw)
@@ -132,28 +133,6 @@ def _text_size(value: Any) -> int:
         elif isinstance(item, list):
             stack += item
     return size
-
-
-def _depth(raw: bytes) -> int:
-    """Bracket nesting of a JSON text, outside strings (cheap, before parsing)."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for byte in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:
-                escaped = True
-            elif byte == 0x22:
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-    return deepest
 
 
 def _is_number(value: Any) -> bool:
