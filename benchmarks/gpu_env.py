@@ -31,19 +31,51 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = ("test",)
+# the user-environment packages of the test extra (reasoning-gym pulls sympy, networkx, ...): their tests
+# skip without them, and the GPU wheelhouse carries what the GPU paths need, not every task source
+WITHOUT = ("envs",)
 DEFAULT_TORCH = "torch==2.13.0"
 
 
-def requirements(setup_py: Path = ROOT / "setup.py", extras=EXTRAS) -> list[str]:
-    """setup.py's install_requires and the given extras, read from its source (no setuptools run)."""
+def requirements(setup_py: Path = ROOT / "setup.py", extras=EXTRAS, without=WITHOUT) -> list[str]:
+    """setup.py's install_requires and the given extras less those of the `without` extras, read from its
+    source (no setuptools run).
+    Module-level lists (``ENVS = [*REASONING_GYM, *DATA]``) may be named and unpacked inside them."""
     tree = ast.parse(setup_py.read_text())
+    names: dict[str, object] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                names[node.targets[0].id] = _literal(node.value, names)
+            except ValueError:
+                pass                                           # not a literal (ROOT = Path(...)): not a requirement
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
     kwargs = {k.arg: k.value for k in call.keywords}
-    reqs = list(ast.literal_eval(kwargs["install_requires"]))
-    extra_map = ast.literal_eval(kwargs.get("extras_require", ast.Dict(keys=[], values=[])))
+    reqs = list(_literal(kwargs["install_requires"], names))
+    extra_map = _literal(kwargs["extras_require"], names) if "extras_require" in kwargs else {}
     for extra in extras:
         reqs += extra_map.get(extra, [])
-    return reqs
+    dropped = {r for extra in without for r in extra_map.get(extra, [])}
+    return [r for r in reqs if r not in dropped]
+
+
+def _literal(node: ast.AST, names: dict[str, object]):
+    """ast.literal_eval, plus names bound earlier in the module and ``*name`` inside a list."""
+    if isinstance(node, ast.Name):
+        if node.id not in names:
+            raise ValueError(f"setup.py line {node.lineno}: {node.id!r} is not a module-level literal")
+        return names[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        out: list = []
+        for item in node.elts:
+            if isinstance(item, ast.Starred):
+                out.extend(_literal(item.value, names))
+            else:
+                out.append(_literal(item, names))
+        return out
+    if isinstance(node, ast.Dict):
+        return {_literal(k, names): _literal(v, names) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
 
 
 def _name(requirement: str) -> str:

@@ -120,6 +120,7 @@ class Registry(Generic[T]):
         self.accept, self.name_of, self.own = accept, name_of, own
         self._entries: dict[str, T] = {}         # by name: declared, register()ed, shipped once imported
         self._imported: dict[str, T] = {}        # by 'module:ATTR'
+        self._ambiguous: dict[str, list[str]] = {}  # a name two different classes claimed: only module:ATTR finds them
 
     # -- what is there -----------------------------------------------------------------------------
 
@@ -141,20 +142,34 @@ class Registry(Generic[T]):
 
     def known(self, name: str) -> bool:
         """A shipped or registered name (nothing imported)."""
+        if name in self._ambiguous:
+            return False
         return name in self._entries or name in self.targets or (":" not in name and name in self.shipped())
 
     # -- in and out --------------------------------------------------------------------------------
 
-    def register(self, entry: T, *, name: str = "", key: str = "") -> T:
+    def register(self, entry: T, *, name: str = "", key: str = "", shipped: bool = False) -> T:
         """Add `entry` (type-checked) under `name` (default: its own); a name taken by another entry is
         refused (the same class imported again is the same entry)."""
         problem = self._problem(entry)
         if problem:
             raise ConfigValueError(key or self.key, problem)
         name = name or self.name_of(entry)
+        if not shipped and name not in self._entries and name in self.shipped() and not self._ours(entry):
+            raise ConfigValueError(key or self.key, f"{_describe(entry)} takes the name {name!r} of a shipped "
+                                                    f"{self.kind}: give it another name")
+        if name in self._ambiguous:
+            self._ambiguous[name] = sorted({*self._ambiguous[name], _describe(entry)})
+            return entry
         other = self._entries.get(name)
         if other is not None and other is not entry and not _same_class(other, entry):
-            raise ConfigValueError(key or self.key, f"{self.kind} name {name!r} is taken by {_describe(other)}")
+            if not (isinstance(other, type) and isinstance(entry, type)):
+                raise ConfigValueError(key or self.key, f"{self.kind} name {name!r} is taken by {_describe(other)}")
+            # two classes of the user's (feet.py and tasks/feet.py, say): each is still found by its
+            # 'module:Class' path, and the bare name, which no longer says which, is refused when asked for
+            self._ambiguous[name] = sorted({_describe(other), _describe(entry)})
+            del self._entries[name]
+            return entry
         self._entries[name] = entry
         return entry
 
@@ -163,12 +178,15 @@ class Registry(Generic[T]):
         key = key or self.key
         if name in self._entries:
             return self._entries[name]
+        if name in self._ambiguous:
+            raise ConfigValueError(key, f"{self.kind} name {name!r} is claimed by {' and '.join(self._ambiguous[name])}: "
+                                        f"name the one you mean as 'module:{self.own}'")
         if name in self._imported:
             return self._imported[name]
         if ":" in name:
             return self._import(name, key)
         if name in self.targets:
-            return self.register(Lazy(self.targets[name]).resolve(), name=name, key=key)
+            return self.register(Lazy(self.targets[name]).resolve(), name=name, key=key, shipped=True)
         if name in self.shipped():
             return self._import_shipped_module(name, key)
         hint = difflib.get_close_matches(name, self.names(), n=1)
@@ -225,6 +243,11 @@ class Registry(Generic[T]):
         self._imported[target] = entry
         return entry
 
+    def _ours(self, entry: Any) -> bool:
+        """Defined in this registry's package (a shipped entry registering itself as its module is imported)."""
+        module = getattr(entry, "__module__", None) or type(entry).__module__
+        return bool(self.package) and (module == self.package or module.startswith(self.package + "."))
+
     def _defined_in(self, module: Any) -> str:
         row = self.row()
         if row is None or not self.subclass:
@@ -235,7 +258,7 @@ class Registry(Generic[T]):
     def _import_shipped_module(self, name: str, key: str) -> T:
         module = importlib.import_module(f"{self.package}.{name}")
         if self.attr:
-            return self.register(vars(module)[self.attr], name=name, key=key)
+            return self.register(vars(module)[self.attr], name=name, key=key, shipped=True)
         if name not in self._entries:
             raise ConfigValueError(key, f"{self.package}.{name} registers no {self.kind} {name!r}")
         return self._entries[name]

@@ -99,3 +99,28 @@ def test_lazy_resolves_a_function_or_a_method_on_first_call(module):
     twice = Lazy(f"{module}:Holder.twice")
     assert module not in sys.modules
     assert twice(4) == 8
+
+
+def test_two_classes_of_one_name_are_each_found_by_path_and_the_bare_name_is_refused(tmp_path, monkeypatch):
+    """feet.py and tasks/feet.py both defining a task called 'feet': neither import fails, each is found
+    by its module:Class, and the bare name says which two claim it."""
+    for where in (tmp_path, tmp_path / "pkg"):
+        where.mkdir(exist_ok=True)
+        (where / "same.py").write_text("class Same(Exception):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("same", "pkg", "pkg.same"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    classes = Registry("gadget", key="g", row=Exception, subclass=True, name_of=lambda c: "same")
+    first, second = classes.get("same:Same"), classes.get("pkg.same:Same")
+    assert first is not second and classes.get("same:Same") is first and classes.get("pkg.same:Same") is second
+    assert not classes.known("same")
+    with pytest.raises(ConfigValueError, match=r"gadget name 'same' is claimed by pkg.same.Same and same.Same: "
+                                               r"name the one you mean as 'module:ATTR'"):
+        classes.get("same")
+
+
+def test_a_shipped_name_is_not_taken_by_a_row_of_ones_own(module):
+    rows = Registry("widget", key="widget.kind", row=Row, shipped={"shipped": f"{module}:SHIPPED"})
+    with pytest.raises(ConfigValueError, match="takes the name 'shipped' of a shipped widget: give it another name"):
+        rows.register(Row("shipped", 9))
+    assert rows.get("shipped").size == 3

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -56,10 +57,16 @@ def test_a_stage_past_its_bound_is_killed_with_everything_it_started(tmp_path):
     code, seconds = gpu_first_contact.run_bounded(["sh", "-c", script], 3.0, tmp_path / "log")
     assert code is None and 3.0 <= seconds < 60
     child = int(pidfile.read_text())
-    try:
-        assert psutil.Process(child).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        pass
+    # SIGKILL is delivered asynchronously: on a loaded machine the orphan may take a moment to die
+    for _ in range(300):
+        try:
+            if psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the stage's child outlived its kill by 30 s")
 
 
 def test_the_budget_leaves_no_stage_running_past_it(tmp_path):
