@@ -109,6 +109,7 @@ class GatewayService:
                                                     options=options)
         except TemplateError as err:
             raise GatewayError(400, str(err), param="messages") from None
+        response_id = f"chatcmpl-{_rid(episode)}"     # before the turn is counted: concurrent requests differ
         results = await self._serve(episode, prepared, body, max_tokens=_max_tokens(body), gone=gone)
         _still_open(episode)
         turns = []
@@ -117,7 +118,6 @@ class GatewayService:
             turns.append(self.parser.parse(_cut_stop(text, body.get("stop")), names,
                                            call_prefix=f"{episode.episode_id}/t{episode.turns}/{i}",
                                            action_formats=episode.task.action_formats))
-        response_id = f"chatcmpl-{_rid(episode)}"
         await _still_there(episode, gone)
         choices = []
         usage = 0
@@ -167,10 +167,10 @@ class GatewayService:
         if body.get("echo"):
             raise GatewayError(400, "'echo' is not served", param="echo")
         prepared = episode.capture.prepare_prompt(prompt)
+        response_id = f"cmpl-{_rid(episode)}"
         results = await self._serve(episode, prepared, body, max_tokens=_max_tokens(body, default=16), gone=gone)
         texts = [_cut_stop(self.template.decode([t for t in gen.ids if t not in self.template.eos_ids]),
                            body.get("stop")) for gen in results]
-        response_id = f"cmpl-{_rid(episode)}"
         await _still_there(episode, gone)
         choices, usage = [], 0
         with episode.lock:
@@ -368,7 +368,9 @@ def _usage(prepared: Prepared, completion_tokens: int) -> dict[str, Any]:
 
 
 def _rid(episode: GatewayEpisode) -> str:
-    return f"{abs(hash(episode.episode_id)) % 10**12:012d}-{episode.turns}"
+    """The id of the request about to be counted (its turn number: unique within the episode, even for
+    requests in flight at once; `Outcome.completion` names a completion by it)."""
+    return f"{abs(hash(episode.episode_id)) % 10**12:012d}-{episode.turns + 1}"
 
 
 def stream_chunks(response: dict[str, Any], *, include_usage: bool) -> list[str]:
