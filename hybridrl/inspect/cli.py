@@ -190,8 +190,8 @@ def format_trajectory(e: dict) -> str:
     lines.append("3. parser / authorizer:" + ("" if e["actions"] else " no turn was parsed"))
     for a in e["actions"]:
         parsed = a["parsed"]
-        lines.append(f"   turn {a['turn']}: answer {'yes' if parsed['answer'] else 'no'}, {parsed['calls']} tool calls, "
-                     f"{parsed['errors']} malformed")
+        answer = "read by the agent" if parsed["answer"] is None else "yes" if parsed["answer"] else "no"
+        lines.append(f"   turn {a['turn']}: answer {answer}, {parsed['calls']} tool calls, {parsed['errors']} malformed")
         for d in a["decisions"]:
             detail = d.get("message") or ("ok" if d.get("ok") else f"error: {d.get('error')}")
             lines.append(f"     {d['tool']}: {d['decision']} - {detail}")
