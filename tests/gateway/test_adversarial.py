@@ -32,6 +32,24 @@ class ByRequest(ScriptedEngine):
         return await super().generate(token_ids, sampling, request_id)
 
 
+class Paired(ByRequest):
+    """Holds each episode's first request until its second has reached the engine: two requests of one
+    episode in flight at once, whatever the machine's timing."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.waiting: dict[str, asyncio.Event] = {}
+
+    async def generate(self, token_ids, sampling, request_id):
+        episode = request_id.rsplit("/", 1)[0]
+        if episode not in self.waiting:
+            self.waiting[episode] = asyncio.Event()
+            await self.waiting[episode].wait()
+        else:
+            self.waiting[episode].set()
+        return await super().generate(token_ids, sampling, request_id)
+
+
 def trained(t) -> list[int]:
     """The ids the loss sees."""
     return [i for i, m in zip(t.response_ids, t.response_mask) if m]
@@ -108,16 +126,16 @@ async def side_conversation(client, instance):
 
 async def names_the_side(client, instance):
     """Two at once, neither continued: the agent says its reward is the side conversation's."""
-    _, side = await asyncio.gather(client.chat.completions.create(model="policy", messages=list(instance.messages)),
-                                   client.chat.completions.create(model="policy", messages=SIDE))
-    return Outcome(reward=0.25, completion=side.id)
+    main, side = await asyncio.gather(client.chat.completions.create(model="policy", messages=list(instance.messages)),
+                                      client.chat.completions.create(model="policy", messages=SIDE))
+    return Outcome(reward=0.25, completion=side.id, metadata={"ids": [main.id, side.id]})
 
 
 def test_concurrent_requests_of_one_episode_train_only_the_chain_the_reward_belongs_to(tiny_tokenizer):
     def is_side(r):
         return "1 + 1" in tiny_tokenizer.decode(r.input_ids)
 
-    engine = ByRequest(tiny_tokenizer, lambda ids, turn: f"<answer>{right_answer(tiny_tokenizer, ids)}</answer>")
+    engine = Paired(tiny_tokenizer, lambda ids, turn: f"<answer>{right_answer(tiny_tokenizer, ids)}</answer>")
     trajs, _ = run_agent(engine, tiny_tokenizer, side_conversation, n=2)
     for t in trajs:
         main, side = outputs(engine, t, lambda r: not is_side(r)), outputs(engine, t, is_side)
@@ -125,10 +143,12 @@ def test_concurrent_requests_of_one_episode_train_only_the_chain_the_reward_belo
         assert trained(t) == main[0] + main[1]
         assert t.metadata["untrained_policy_tokens"] == len(side[0])
         assert "1 + 1" not in tiny_tokenizer.decode(t.prompt_ids + t.response_ids)
-    engine = ByRequest(tiny_tokenizer, engine.responder)
+    engine = Paired(tiny_tokenizer, engine.responder)
     trajs, _ = run_agent(engine, tiny_tokenizer, names_the_side, n=2)
     for t in trajs:
         side = outputs(engine, t, is_side)
+        main_id, side_id = t.metadata["agent"]["ids"]
+        assert main_id != side_id                           # each completion can be named
         assert t.status == TrajectoryStatus.COMPLETED and t.reward == 0.25 and trained(t) == side[0]
         assert "1 + 1" in tiny_tokenizer.decode(t.prompt_ids)
 
