@@ -90,7 +90,12 @@ async def _wait_for_end(episodes: asyncio.Future) -> None:
 def _read_line(done: asyncio.Future) -> None:
     """A daemon thread's blocking read of stdin (it must not hold the process open when the episode ends)."""
     sys.stdin.readline()
-    done.get_loop().call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+    done.get_loop().call_soon_threadsafe(_settle, done)
+
+
+def _settle(done: asyncio.Future) -> None:
+    if not done.done():
+        done.set_result(None)
 
 
 def main(argv: list[str]) -> int:
