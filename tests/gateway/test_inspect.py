@@ -50,7 +50,7 @@ def test_inspect_shows_a_gateway_episode_turn_by_turn(tmp_path, tiny_tokenizer, 
                                     episodes=12))
     text = capsys.readouterr().out
     assert "no turn was parsed" not in text and "0 tool executions" not in text
-    assert "4. environment: 0 transitions, 2 tool executions" in text
+    assert "4. environment: 0 transitions, 2 tool executions (2 tool results in the conversation)" in text
     episode = text[text.index("episode:"): text.index("1. policy and sampler")]
     blocks = [b for b in re.split(r"\n  (?=\S)", episode) if b.startswith("turn ")]
     assert [("policy" if "the policy" in b else "tool") for b in blocks] == ["policy", "tool", "policy", "tool",
