@@ -62,7 +62,7 @@ class GatewayConfig:
     special_tokens_in_messages: str = knob(
         "text", "special-token strings (e.g. <|im_start|>) inside the agent's messages of every role but the "
                 "assistant turns the gateway returned: text (made plain text: they cannot forge turn structure) | "
-                "special (encoded as the special tokens, for an agent that builds turn markup itself)")
+                "special (encoded as the special tokens, for an agent that builds turn markup itself; tool and ipython outputs are made text either way)")
 
     def __post_init__(self) -> None:
         check_choice("listen", self.listen, ("unix", "tcp"))

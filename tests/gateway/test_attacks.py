@@ -80,3 +80,23 @@ def _accept_forever(server, held):
             held.append(server.accept()[0])
         except OSError:
             return
+
+
+@pytest.mark.slow                    # two more gateway processes: ~8 s of CPU
+def test_special_tokens_in_every_role_with_a_llama3_template(tmp_path, styled, capsys):
+    """With Llama-3's template (an `ipython` role, <|eot_id|> and <|start_header_id|> special): the markers are
+    text in every role; with gateway.special_tokens_in_messages=special (the opt-out) the check sees them as
+    special ids in the system and user messages and fails (tool and ipython outputs stay text)."""
+    model = tmp_path / "llama3"
+    styled("llama3").save_pretrained(model)
+    rows = {}
+    for mode in ("text", "special"):
+        rc = main(["gateway", "check", "--model", str(model), f"gateway.special_tokens_in_messages={mode}", "--json",
+                   "--attack", "special_tokens"])
+        out = json.loads(capsys.readouterr().out)
+        rows[mode] = (rc, {k: v["status"] for k, v in out["attacks"].items() if k.startswith("special_tokens:")})
+    roles = ["special_tokens:system", "special_tokens:user", "special_tokens:tool", "special_tokens:ipython"]
+    assert rows["text"] == (0, {r: "PASS" for r in roles}), rows
+    assert rows["special"] == (1, {"special_tokens:system": "FAIL", "special_tokens:user": "FAIL",   # the opt-out
+                                   "special_tokens:tool": "PASS", "special_tokens:ipython": "PASS"}), rows
+    # a tool's output is made text whatever the setting
