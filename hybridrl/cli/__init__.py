@@ -14,6 +14,7 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl doctor [--json]                   versions, devices, a 2-rank self-test
     hybridrl bench mode-switch --model D --cycles N --json OUT   the hybrid engine's switch cost
     hybridrl agent sandbox-check|tasks|rollout the agent layer (see hybridrl/cli/agent.py)
+    hybridrl gateway check [RECIPE] [--socket S | --url U --key K]   the gateway's attack set, PASS/FAIL each
     hybridrl score --model D --input I --output O [--tp T --pp P]   per-token logprobs (parity checks)
     hybridrl generate --model D --input I --output O --max-new-tokens N   token ids or text in, samples out
     hybridrl chat MODEL                        text in, text out (chat template applied)
@@ -164,6 +165,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def _cmd_agent(args: argparse.Namespace) -> int:
     from hybridrl.cli.agent import main
+
+    return main(args)
+
+
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    from hybridrl.cli.gateway import main
 
     return main(args)
 
@@ -322,6 +329,8 @@ def _init_parser(sub: Any) -> None:
 # the commands whose own module adds their arguments, in the order of `hybridrl --help` after `doctor`
 _COMMANDS = (
     ("agent", "agent layer: sandbox check, task data, episodes", "hybridrl.cli.agent:add_arguments", _cmd_agent),
+    ("gateway", "the OpenAI-compatible gateway: its attack set (check)", "hybridrl.cli.gateway:add_arguments",
+     _cmd_gateway),
     ("score", "per-token logprobs of given token ids (starts torchrun)", "hybridrl.backends.megatron.score:add_arguments",
      _cmd_score),
     ("generate", "sample from an HF model with a rollout engine (token ids or text in, JSONL)",

@@ -55,7 +55,7 @@ def is_budget_error(err: BaseException) -> bool:
 class EpisodeTools:
     """The tools an episode may call (its instance's), through the rank's ToolBox."""
 
-    def __init__(self, box: Any, allowed: tuple[str, ...], episode_id: str, on_result: Callable[[Any], None], *,
+    def __init__(self, box: Any, allowed: tuple[str, ...], episode_id: str, on_result: Callable[[Any, str], None], *,
                  instance: Any = None):
         from hybridrl.agent.actions import ToolAuthorizer
 
@@ -73,7 +73,7 @@ class EpisodeTools:
         self.calls += 1
         result = await self.box.call(call, context={"episode": self.episode_id, "call": f"agent.{self.calls}",
                                                     "instance": self.instance})
-        self.on_result(result)
+        self.on_result(result, name)
         return result.text
 
 

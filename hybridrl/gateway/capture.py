@@ -202,6 +202,8 @@ class Chain:
     response_id: str = ""          # the response it was returned in, and its choice index there
     index: int = 0
     continued: bool = False        # a later request extended it
+    steps: list = field(default_factory=list)    # per completion along the chain: its [start, end) in ids, the
+    #                                               roles of the messages before it, and the service's note
 
     @property
     def num_policy_tokens(self) -> int:
@@ -362,7 +364,7 @@ class EpisodeCapture:
 
     def commit(self, prepared: Prepared, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], *,
                returned: Mapping[str, Any] | None = None, routes: Any = None, text: str = "",
-               response_id: str = "", index: int = 0) -> Chain:
+               response_id: str = "", index: int = 0, note: Mapping[str, Any] | None = None) -> Chain:
         """Record a completion of `prepared` (`returned`: the assistant message sent back, chat requests;
         `routes`: the engine's routing records of its requests, in order; `text`: what the agent was given)."""
         ids = [int(i) for i in ids]
@@ -379,7 +381,8 @@ class EpisodeCapture:
                       prepared.versions + [int(v) for v in versions], prepared.prompt_len,
                       prepared.text + self.template.decode(ids), prepared.view + [{"role": "assistant", "content": raw}],
                       ended, prepared.segment, prepared.template_drift, prepared.token_drift, routes=merged,
-                      final_text=text or raw, response_id=response_id, index=index)
+                      final_text=text or raw, response_id=response_id, index=index,
+                      steps=_steps(prepared, len(ids), note))
         if returned is not None:
             key = message_key(returned)
             self._returned[key] = raw
@@ -436,6 +439,15 @@ class EpisodeCapture:
     def last(self) -> Chain | None:
         """The most recently committed chain (progress reporting; `final` decides what is trained)."""
         return self._committed[-1] if self._committed else None
+
+
+def _steps(prepared: Prepared, n: int, note: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The chain's completions so far: the parent's, then this one ([start, end) in the chain's ids, the roles
+    of the messages added since the parent's completion, what the service noted of it)."""
+    parent = prepared.parent
+    roles = [m.get("role") for m in prepared.view[len(parent.view):]] if parent is not None else []
+    step = {**(note or {}), "start": len(prepared.ids), "end": len(prepared.ids) + n, "roles": roles}
+    return [*(parent.steps if parent is not None else []), step]
 
 
 def merge_routes(have: Any, new: Any) -> Any:

@@ -56,10 +56,13 @@ class GatewayConfig:
     max_connections: int = knob(1024, "connections and requests the HTTP server holds at once; past it, new "
                                       "requests get 503 (uvicorn's limit_concurrency)")
     keep_alive_s: float = knob(30.0, "an idle keep-alive connection is closed after this long")
+    read_timeout_s: float = knob(10.0, "a request's headers and body must arrive within this long of its first "
+                                       "byte (or of the connection): a slower one is closed (slow-header / "
+                                       "slow-body clients cannot hold connections)")
     special_tokens_in_messages: str = knob(
         "text", "special-token strings (e.g. <|im_start|>) inside the agent's messages of every role but the "
                 "assistant turns the gateway returned: text (made plain text: they cannot forge turn structure) | "
-                "special (encoded as the special tokens, for an agent that builds turn markup itself)")
+                "special (encoded as the special tokens, for an agent that builds turn markup itself; tool and ipython outputs are made text either way)")
 
     def __post_init__(self) -> None:
         check_choice("listen", self.listen, ("unix", "tcp"))
@@ -67,6 +70,7 @@ class GatewayConfig:
         for name in ("max_body_kb", "max_request_chars", "max_connections"):
             check_positive(name, getattr(self, name))
         check_positive("keep_alive_s", self.keep_alive_s)
+        check_positive("read_timeout_s", self.read_timeout_s)
         check_choice("tool_parser", self.tool_parser, TOOL_PARSERS)
         check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         check_choice("on_drift", self.on_drift, ("mark", "split"))

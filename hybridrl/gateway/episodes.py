@@ -63,6 +63,7 @@ class GatewayEpisode(Episode):
     truncation: Truncation | None = None
     end_reason: str = ""
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    executions: list[dict] = field(default_factory=list)    # hybridrl tools the agent ran (call_tool), in order
     counts: dict[str, int] = field(default_factory=lambda: {"sampling_overridden": 0, "malformed_tool_calls": 0,
                                                             "disconnected": 0})
     sampler_contract: int = 0

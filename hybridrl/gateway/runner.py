@@ -24,9 +24,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from typing import Any, Callable
 
 from hybridrl.agent.episodes import AgentError, Episode, EpisodeEnd, EpisodeEngine
+from hybridrl.data.trace import generate_event, trace
 from hybridrl.data.trajectory import TrajectoryStatus, Truncation
 from hybridrl.envs.agent_spec import load_agent
 from hybridrl.gateway.agent import CURRENT_TOOLS, EpisodeTools, Outcome
@@ -139,7 +141,7 @@ class GatewayRunner(EpisodeEngine):
     async def drive(self, ep: Episode) -> None:
         episode: GatewayEpisode = ep        # type: ignore[assignment]
         tools = EpisodeTools(self.tools, tuple(ep.instance.tools), ep.traj.trajectory_id,
-                             lambda result: self._tool_result(episode, result), instance=ep.instance)
+                             partial(self._tool_result, episode), instance=ep.instance)
         token = CURRENT_TOOLS.set(tools)
         try:
             agent = asyncio.ensure_future(self.agent(self.client(episode.key), ep.instance))
@@ -187,7 +189,9 @@ class GatewayRunner(EpisodeEngine):
             return EpisodeEnd(TrajectoryStatus.TRUNCATED, episode.truncation, episode.end_reason)
         return EpisodeEnd(TrajectoryStatus.COMPLETED)
 
-    def _tool_result(self, episode: GatewayEpisode, result: Any) -> None:
+    def _tool_result(self, episode: GatewayEpisode, result: Any, name: str) -> None:
+        episode.executions.append({"turn": max(0, episode.turns - 1), "tool": name, "ok": result.ok,
+                                   "error": result.error, "latency_s": result.latency_s})
         self.counts["tool_calls"] += 1
         self.counts["tool_errors"] += not result.ok
         if result.infra_error and not episode.infra_error:
@@ -229,6 +233,7 @@ class GatewayRunner(EpisodeEngine):
         else:
             traj.prompt_ids = self.template.encode(self.template.render(list(ep.instance.messages)))
         traj.turns, traj.tool_calls = episode.turns, list(episode.tool_calls)
+        trace_chain(episode, chain)
         traj.sampler_contract = episode.sampler_contract
         self._count(episode, chain)
         traj.metadata.update(self._metadata(episode, chain))
@@ -297,6 +302,35 @@ class GatewayRunner(EpisodeEngine):
 
     def stats(self, wall_s: float | None = None) -> dict[str, Any]:
         return {**super().stats(wall_s), "router": self.router.stats(), "service": dict(self.service.counts)}
+
+
+def trace_chain(episode: GatewayEpisode, chain: Any) -> None:
+    """The trajectory's trace (data/trace.py), as the built-in loop writes it, from the chain it trains: per
+    completion its engine requests (`generate`), what the turn parser read (`parse`, a `malformed` action per
+    call that did not parse), the hybridrl tools the agent ran after it (`action`), and the template's tokens
+    before the next completion (`observation`). No `turn` events: the gateway does not time the agent's turns."""
+    traj, p = episode.traj, chain.prompt_len if chain is not None else 0
+    runs = list(episode.executions)
+    end, last = None, -1
+    for step in chain.steps if chain is not None else []:
+        start = step["start"] - p
+        if end is not None and start > end:
+            trace(traj, "observation", turn=last, start=end, end=start, roles=step["roles"])
+        at = start
+        for (rid, sampling), out in step.get("requests", []):
+            generate_event(traj, step.get("turn", 0), rid, sampling, out, start=at)
+            at += len(out.token_ids)
+        turn = step.get("turn", 0)
+        trace(traj, "parse", turn=turn, answer=None, num_answers=None, calls=step.get("calls", 0),
+              errors=step.get("malformed", 0))
+        for _ in range(step.get("malformed", 0)):
+            trace(traj, "action", turn=turn, tool="?", decision="malformed", message="the tool call does not parse")
+        for run in [r for r in runs if r["turn"] == turn]:
+            trace(traj, "action", decision="authorized", **run)
+            runs.remove(run)
+        end, last = step["end"] - p, turn
+    for run in runs:                       # tools run after completions the trajectory does not train
+        trace(traj, "action", decision="authorized", **run)
 
 
 def _outcome_text(outcome: Any) -> str | None:

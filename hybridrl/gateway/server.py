@@ -45,6 +45,7 @@ def build_app(service: GatewayService, keys: EpisodeKeys, limits: Any = None) ->
     """The Starlette app. `limits` (the gateway config) bounds a body's bytes and a request's text."""
     try:
         from starlette.applications import Starlette
+        from starlette.requests import ClientDisconnect
         from starlette.responses import Response, StreamingResponse
         from starlette.routing import Route
     except ImportError as err:
@@ -61,11 +62,14 @@ def build_app(service: GatewayService, keys: EpisodeKeys, limits: Any = None) ->
         if declared is not None and (not declared.isdigit() or int(declared) > max_body):
             raise GatewayError(413, f"the request body is larger than gateway.max_body_kb={max_body // 1024}")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body:
-                raise GatewayError(413, f"the request body is larger than gateway.max_body_kb={max_body // 1024}")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body:
+                    raise GatewayError(413, f"the request body is larger than gateway.max_body_kb={max_body // 1024}")
+                chunks.append(chunk)
+        except ClientDisconnect:         # the client closed its upload, or the read deadline closed it
+            raise ClientGone() from None
         return parse_body(b"".join(chunks))
 
     def endpoint(handler, *, chat: bool):
@@ -142,6 +146,7 @@ class HttpServer:
         self._dir: tempfile.TemporaryDirectory | None = None
         self._sock: socket.socket | None = None
         self._server = None
+        self.protocol: Any = None                # the HTTP protocol class (its read deadline, its counts)
 
     @property
     def base_url(self) -> str:
@@ -171,8 +176,11 @@ class HttpServer:
             raise
 
     async def _serve(self, uvicorn: Any) -> None:
+        from hybridrl.gateway.http_limits import with_read_timeout
+
         limits = self.limits
-        config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False,
+        self.protocol = with_read_timeout(limits.read_timeout_s if limits is not None else 10.0)
+        config = uvicorn.Config(self.app, http=self.protocol, lifespan="off", log_level="warning", access_log=False,
                                 server_header=False, date_header=False,
                                 timeout_keep_alive=limits.keep_alive_s if limits is not None else 30,
                                 limit_concurrency=limits.max_connections if limits is not None else None,

@@ -52,6 +52,7 @@ class Generated:
     versions: list[int]
     finish: str                      # stop | length | tool_calls
     routes: list = field(default_factory=list)     # each request's routing record (MoE engines), in order
+    requests: list = field(default_factory=list)   # ((request id, sampling), engine output) per engine request
 
 
 class ClientGone(GatewayError):
@@ -109,6 +110,8 @@ class GatewayService:
                                                     options=options)
         except TemplateError as err:
             raise GatewayError(400, str(err), param="messages") from None
+        response_id = f"chatcmpl-{_rid(episode)}"     # before the turn is counted: concurrent requests differ
+        number = episode.turns
         results = await self._serve(episode, prepared, body, max_tokens=_max_tokens(body), gone=gone)
         _still_open(episode)
         turns = []
@@ -117,7 +120,6 @@ class GatewayService:
             turns.append(self.parser.parse(_cut_stop(text, body.get("stop")), names,
                                            call_prefix=f"{episode.episode_id}/t{episode.turns}/{i}",
                                            action_formats=episode.task.action_formats))
-        response_id = f"chatcmpl-{_rid(episode)}"
         await _still_there(episode, gone)
         choices = []
         usage = 0
@@ -125,10 +127,13 @@ class GatewayService:
             _still_open(episode)
             for i, (gen, turn) in enumerate(zip(results, turns)):
                 message = turn.message()
-                episode.capture.commit(prepared, gen.ids, gen.logprobs, gen.versions, returned=message,
-                                       routes=gen.routes, text=turn.content or "", response_id=response_id, index=i)
-                self._record(episode, turn)
                 finish = "tool_calls" if turn.tool_calls and gen.finish == "stop" else gen.finish
+                note = {"turn": number, "calls": len(turn.tool_calls), "malformed": turn.malformed, "finish": finish,
+                        "requests": gen.requests}
+                episode.capture.commit(prepared, gen.ids, gen.logprobs, gen.versions, returned=message,
+                                       routes=gen.routes, text=turn.content or "", response_id=response_id, index=i,
+                                       note=note)
+                self._record(episode, turn)
                 entry: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
                 if body.get("logprobs"):
                     entry["logprobs"] = {"content": [self._token_logprob(t, lp)
@@ -167,17 +172,20 @@ class GatewayService:
         if body.get("echo"):
             raise GatewayError(400, "'echo' is not served", param="echo")
         prepared = episode.capture.prepare_prompt(prompt)
+        response_id = f"cmpl-{_rid(episode)}"
+        number = episode.turns
         results = await self._serve(episode, prepared, body, max_tokens=_max_tokens(body, default=16), gone=gone)
         texts = [_cut_stop(self.template.decode([t for t in gen.ids if t not in self.template.eos_ids]),
                            body.get("stop")) for gen in results]
-        response_id = f"cmpl-{_rid(episode)}"
         await _still_there(episode, gone)
         choices, usage = [], 0
         with episode.lock:
             _still_open(episode)
             for i, (gen, text) in enumerate(zip(results, texts)):
                 episode.capture.commit(prepared, gen.ids, gen.logprobs, gen.versions, routes=gen.routes, text=text,
-                                       response_id=response_id, index=i)
+                                       response_id=response_id, index=i,
+                                       note={"turn": number, "calls": 0, "malformed": 0, "finish": gen.finish,
+                                             "requests": gen.requests})
                 entry: dict[str, Any] = {"index": i, "text": text, "finish_reason": gen.finish, "logprobs": None}
                 if body.get("logprobs") is not None:
                     entry["logprobs"] = {"tokens": [self.template.decode([t]) for t in gen.ids],
@@ -242,7 +250,8 @@ class GatewayService:
         if out.segments:
             episode.sampler_contract = out.segments[-1].sampler_contract
         gen = Generated(out.ids, out.logprobs, out.versions, "length",
-                        [s.routed_experts for s in out.segments if s.routed_experts is not None])
+                        [s.routed_experts for s in out.segments if s.routed_experts is not None],
+                        list(zip(out.requests, out.segments)))
         if out.cut == "deadline":                 # the wall clock ran out mid-request: keep what came back
             episode.truncate(Truncation.WALL_CLOCK, "the episode's wall-clock budget ran out mid-request")
             return gen
@@ -269,7 +278,7 @@ class GatewayService:
             return gen
         for k in range(1, len(gen.ids) + 1):
             if any(s in self.template.decode(gen.ids[:k]) for s in multi):
-                return Generated(gen.ids[:k], gen.logprobs[:k], gen.versions[:k], "stop", gen.routes)
+                return Generated(gen.ids[:k], gen.logprobs[:k], gen.versions[:k], "stop", gen.routes, gen.requests)
         return gen
 
     def _note_sampling(self, episode: GatewayEpisode, body: dict[str, Any]) -> None:
@@ -368,7 +377,9 @@ def _usage(prepared: Prepared, completion_tokens: int) -> dict[str, Any]:
 
 
 def _rid(episode: GatewayEpisode) -> str:
-    return f"{abs(hash(episode.episode_id)) % 10**12:012d}-{episode.turns}"
+    """The id of the request about to be counted (its turn number: unique within the episode, even for
+    requests in flight at once; `Outcome.completion` names a completion by it)."""
+    return f"{abs(hash(episode.episode_id)) % 10**12:012d}-{episode.turns + 1}"
 
 
 def stream_chunks(response: dict[str, Any], *, include_usage: bool) -> list[str]:

@@ -190,13 +190,15 @@ def format_trajectory(e: dict) -> str:
     lines.append("3. parser / authorizer:" + ("" if e["actions"] else " no turn was parsed"))
     for a in e["actions"]:
         parsed = a["parsed"]
-        lines.append(f"   turn {a['turn']}: answer {'yes' if parsed['answer'] else 'no'}, {parsed['calls']} tool calls, "
-                     f"{parsed['errors']} malformed")
+        answer = "read by the agent" if parsed["answer"] is None else "yes" if parsed["answer"] else "no"
+        lines.append(f"   turn {a['turn']}: answer {answer}, {parsed['calls']} tool calls, {parsed['errors']} malformed")
         for d in a["decisions"]:
             detail = d.get("message") or ("ok" if d.get("ok") else f"error: {d.get('error')}")
             lines.append(f"     {d['tool']}: {d['decision']} - {detail}")
     env = e["environment"]
-    lines.append(f"4. environment: {len(env['env_steps'])} transitions, {len(env['side_effects'])} tool executions")
+    results = sum((o.get("roles") or []).count("tool") for o in env["observations"])
+    lines.append(f"4. environment: {len(env['env_steps'])} transitions, {len(env['side_effects'])} tool executions"
+                 + (f" ({results} tool results in the conversation)" if results else ""))
     for s in env["env_steps"]:
         lines.append(f"   turn {s['turn']}: reward {s['reward']}, done {s['done']}, {_s(s['seconds'])}")
     for s in env["side_effects"]:

@@ -134,7 +134,7 @@ PINNED_KEYS = [
     "gateway.listen", "gateway.host", "gateway.port", "gateway.tool_parser", "gateway.reasoning_parser",
     "gateway.render_tools", "gateway.on_drift", "gateway.check_tokens", "gateway.prefix_affinity_slack",
     "gateway.agent_grace_s", "gateway.model_name", "gateway.http_thread", "gateway.max_body_kb", "gateway.max_request_chars",
-    "gateway.max_connections", "gateway.keep_alive_s", "gateway.special_tokens_in_messages",
+    "gateway.max_connections", "gateway.keep_alive_s", "gateway.read_timeout_s", "gateway.special_tokens_in_messages",
     "env.db_path", "env.lease_ttl_s", "env.synchronous", "env.busy_timeout_s", "env.step_timeout_s", "env.max_retries",
     "env.audit_log",
     "train.engine", "train.tp", "train.pp", "train.ep", "train.moe_aux_loss_coef", "train.moe_z_loss_coef", "train.micro_batch_size", "train.max_tokens_per_micro_batch", "train.share_prefix", "train.logprob_chunk_tokens",

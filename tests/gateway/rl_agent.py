@@ -25,3 +25,9 @@ async def run(client: openai.AsyncOpenAI, instance) -> Outcome | float:
             return 0.0
         raise
     return Outcome(reward=float(len(content) % 2), metadata={"messages": messages})
+
+
+async def crash(client: openai.AsyncOpenAI, instance) -> Outcome:
+    """The failing-run test's agent (tests/gateway/test_adversarial.py): asks once, then raises, every episode."""
+    await client.chat.completions.create(model="policy", messages=list(instance.messages), max_tokens=4)
+    raise ValueError("the agent's own bug")
