@@ -111,6 +111,12 @@ def _cmd_init_task(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_init_agent(args: argparse.Namespace) -> int:
+    from hybridrl.scaffold_agent import main
+
+    return main(args)
+
+
 def _cmd_init_recipe(args: argparse.Namespace) -> int:
     from hybridrl import shipped
 
@@ -311,6 +317,8 @@ def _init_parser(sub: Any) -> None:
         dest="init_command", required=True)
     _delegated(isub, "task", "a runnable task module with its SFT and GRPO recipes",
                "hybridrl.scaffold:add_arguments", _cmd_init_task)
+    _delegated(isub, "agent", "an agent written with the OpenAI client, with its GRPO recipe (through the gateway)",
+               "hybridrl.scaffold_agent:add_arguments", _cmd_init_agent)
     i = isub.add_parser("recipe", help="copy a recipe that ships with hybridrl here (--list: their names)")
     i.add_argument("name", nargs="?", default=None, help="e.g. calc_grpo_cpu (see --list)")
     i.add_argument("--out", default=".", help="a file, or a directory to write NAME.yaml in (default: here)")
