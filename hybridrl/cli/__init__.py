@@ -150,6 +150,19 @@ def _cmd_config_defaults(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config_reference(args: argparse.Namespace) -> int:
+    from hybridrl.config.reference import markdown
+
+    text = markdown()
+    if args.write:
+        Path(args.write).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.write).write_text(text)
+        print(f"wrote {args.write}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def _cmd_assets_tiny_model(args: argparse.Namespace) -> int:
     from hybridrl.assets.tiny_model import main
 
@@ -288,6 +301,9 @@ def _config_parser(sub: Any) -> None:
     c = csub.add_parser("defaults", help="the documented defaults (what configs/ holds)")
     c.add_argument("--write", default=None, metavar="DIR")
     c.set_defaults(func=_cmd_config_defaults)
+    c = csub.add_parser("reference", help="every section and knob as a Markdown page (docs/reference/config.md)")
+    c.add_argument("--write", default=None, metavar="FILE", help="write the page there (default: print it)")
+    c.set_defaults(func=_cmd_config_reference)
 
 
 def _nested(sub: Any, name: str, help_text: str, dest: str, commands: Sequence[tuple]) -> None:
