@@ -1,5 +1,5 @@
 """The documentation site: `mkdocs build --strict` of mkdocs.yml succeeds (every page in the nav, every link
-and anchor resolving, no warning), and the same settings fail a build that has a broken link; every link of
+and anchor resolving, the API reference rendered from the docstrings, no warning), and the same settings fail a build that has a broken link; every link of
 the README resolves to a file of the repository."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import yaml
 from tests.launch import ROOT
 
 pytest.importorskip("material", reason="mkdocs-material is in the test extra: pip install -e .[test]")
+pytest.importorskip("mkdocstrings", reason="mkdocstrings[python] is in the test extra: pip install -e .[test]")
 
 
 def mkdocs_build(config, site_dir) -> tuple[bool, str]:
@@ -42,6 +43,8 @@ def test_the_site_builds_with_strict(tmp_path):
     assert built and not warnings, warnings
     assert (tmp_path / "site" / "reference" / "config" / "index.html").exists()
     assert (tmp_path / "site" / "newcomer" / "index.html").exists()
+    api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()   # rendered from the docstrings
+    assert "make_instances" in api and "is_budget_error" in api and "on_checkpoint" in api
 
 
 def test_a_broken_link_or_a_page_outside_the_nav_fails_the_build(tmp_path):
