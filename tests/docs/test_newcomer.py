@@ -6,6 +6,7 @@ tests/test_scaffold.py runs end to end, and the README's "Writing a new task" ho
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
 import sys
@@ -84,3 +85,27 @@ def test_the_walkthrough_is_the_readme_and_the_page_alike():
     assert walkthrough_lines(readme) == walkthrough_lines(PAGE.read_text())
     assert [argv[0] for argv in commands("```bash\n" + "\n".join(walkthrough_lines(PAGE.read_text())) + "\n```")] \
         == ["init", "agent", "assets", "sft", "agent", "train"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_whole_page_runs_in_miniature(tmp_path, monkeypatch, fresh_modules, capsys):
+    """Every line of the page in order, in an empty directory, with fewer steps (the walk-through's own
+    miniature): the task, SFT, GRPO, eval, inspect, plot, cost, the agent through the gateway, a LoRA run and
+    its PEFT export. The runs launch real ranks; the other commands run in process."""
+    from tests.test_scaffold import MINIATURE, hybridrl
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for argv in commands(PAGE.read_text()):
+        kind = argv[1] if argv[0] in ("agent", "init") else argv[0]
+        argv = [*argv, *MINIATURE.get(kind, []), *(["-n", "2"] if kind == "eval" and "-n" not in argv else [])]
+        if argv[0] in ("sft", "train", "export"):
+            proc = hybridrl(*argv, cwd=tmp_path, timeout=900)
+            assert proc.returncode == 0, (argv, proc.stdout[-2000:] + proc.stderr[-4000:])
+        else:
+            assert main(argv) == 0, argv
+    for run in ("feet/sft", "feet/grpo", "feet_agent/grpo", "feet/lora"):
+        assert json.loads((tmp_path / "runs" / run / "run.json").read_text())["status"] == "finished", run
+    assert (tmp_path / "runs" / "feet" / "peft" / "adapter_config.json").exists()
+    assert (tmp_path / "feet.png").exists() and (tmp_path / "feet.html").exists()
