@@ -18,7 +18,7 @@ endif
 
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-loaded test-slow test-gpu gpu-wheels gpu-check gpu-first-contact sglang-types vllm-venv test-vllm slurm-install slurm-up slurm-down test-slurm test-slurm-2node clean
+.PHONY: install demo test docs test-loaded test-slow test-gpu gpu-wheels gpu-check gpu-first-contact sglang-types vllm-venv test-vllm slurm-install slurm-up slurm-down test-slurm test-slurm-2node clean
 
 install: $(STAMP)
 
@@ -40,6 +40,12 @@ demo: install
 test: install
 	-@$(MAKE) --no-print-directory sglang-types >/dev/null 2>&1 || echo "(sglang types not installed: their test skips)"
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The documentation site (mkdocs.yml, pages in docs/) into site/, strict: a broken link or a page missing from the
+# nav fails it (`make test` builds it too: tests/docs/test_site.py). `$(BIN)/mkdocs serve` to browse while editing.
+# The configuration reference is generated: `hybridrl config reference --write docs/reference/config.md`.
+docs: install
+	$(BIN)/mkdocs build --strict
 
 # The default suite while the machine is busy (two busy loops per core beside pytest, always
 # killed at exit): a test that fails here depends on an idle machine, which is a defect.
@@ -157,4 +163,4 @@ test-slurm-2node: install slurm-install
 	HYBRIDRL_SLURM=1 $(BIN)/python -m pytest tests/test_slurm_2node.py $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache runs
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache runs site

@@ -57,8 +57,11 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.8", "pyseccomp>=0.1.2", "peft>=0.17",
                  "openai>=1.40", "starlette>=0.37", "uvicorn>=0.30", *ENVS,
                  # the dead-name check of `make test` (tests/test_dead_code.py)
-                 "vulture>=2.14"],
-        # environments users already have (README "Environments you already have"): each a task source
+                 "vulture>=2.14",
+                 # the documentation site (mkdocs.yml; `make docs`), built with --strict by tests/docs/test_site.py;
+                 # mkdocstrings renders the API reference (docs/reference/api.md) from the docstrings
+                 "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
+        # environments users already have (docs/tasks.md "Environments you already have"): each a task source
         "reasoning-gym": REASONING_GYM,      # task.name: reasoning_gym
         "data": DATA,                        # task.name: data / sft.data reading a `datasets` dataset saved to disk
         "envs": ENVS,                        # all of them

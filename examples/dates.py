@@ -8,7 +8,7 @@
 The tool is registered by this module (`@register_tool`), which the recipe's `task.name=dates:DatesTask`
 imports before any episode runs; the instances name it in `tools=`, so the agent loop authorizes it
 (and only it), checks its arguments against `spec.parameters`, and feeds its result back as the
-`tool` turn. Try it: `hybridrl agent tasks dates.yaml --split sft -n 2` (see the README's task section).
+`tool` turn. Try it: `hybridrl agent tasks dates.yaml --split sft -n 2` (see docs/tasks.md).
 """
 
 from __future__ import annotations

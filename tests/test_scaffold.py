@@ -1,4 +1,5 @@
-"""`hybridrl init task` and the README's walk-through ("Writing a new task"): the scaffolded task
+"""`hybridrl init task` and the walk-through of docs/newcomer.md (its first block; the README's "Writing a new
+task" holds the same lines, tests/docs/test_newcomer.py checks it): the scaffolded task
 loads, draws and scores (in process), the walk-through runs as written through a miniature SFT +
 GRPO, and the scaffold learns (slow: >= 25 validation points within 15 minutes)."""
 
@@ -34,10 +35,15 @@ MINIATURE = {
 }
 
 
+def walkthrough_lines(text: str) -> list[str]:
+    """The walk-through's lines: the first bash block of docs/newcomer.md (or of the README's "Writing a new
+    task", given that section's text)."""
+    return re.search(r"```bash\n(.*?)```", text, re.S).group(1).splitlines()
+
+
 def walkthrough() -> list[list[str]]:
-    """The README's walk-through: one argv (without `hybridrl`) per line of its bash block."""
-    section = (ROOT / "README.md").read_text().split("### Writing a new task", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    """The newcomer page's walk-through: one argv (without `hybridrl`) per line of its first bash block."""
+    block = "\n".join(walkthrough_lines((ROOT / "docs" / "newcomer.md").read_text()))
     lines = [shlex.split(line, comments=True) for line in block.splitlines()]
     assert all(argv[0] == "hybridrl" for argv in lines if argv)
     return [argv[1:] for argv in lines if argv]
@@ -92,7 +98,7 @@ def hybridrl(*argv: str, cwd, timeout: float = 600) -> subprocess.CompletedProce
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_the_readme_walkthrough_runs_as_written(tmp_path, monkeypatch, fresh_modules, capsys):
+def test_the_newcomer_walkthrough_runs_as_written(tmp_path, monkeypatch, fresh_modules, capsys):
     """Every line of the walk-through, in order, in an empty directory, with fewer steps: the SFT
     and GRPO lines launch real ranks; the others run in process."""
     monkeypatch.chdir(tmp_path)
@@ -146,7 +152,7 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path, monkeypatch, fresh_mod
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_the_walkthrough_as_written_gains_25_validation_points_within_15_minutes(tmp_path):
-    """The README's lines as they are (no miniature): base model, SFT, GRPO on this machine."""
+    """The walk-through's lines as they are (no miniature): base model, SFT, GRPO on this machine."""
     seconds = {}
     for argv in walkthrough():
         started = time.perf_counter()

@@ -112,6 +112,12 @@ def _cmd_init_task(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_init_agent(args: argparse.Namespace) -> int:
+    from hybridrl.scaffold_agent import main
+
+    return main(args)
+
+
 def _cmd_init_recipe(args: argparse.Namespace) -> int:
     from hybridrl import shipped
 
@@ -142,6 +148,19 @@ def _cmd_config_defaults(args: argparse.Namespace) -> int:
         print(f"wrote {len(texts)} files to {out}")
     else:
         sys.stdout.write("\n".join(texts.values()))
+    return 0
+
+
+def _cmd_config_reference(args: argparse.Namespace) -> int:
+    from hybridrl.config.reference import markdown
+
+    text = markdown()
+    if args.write:
+        Path(args.write).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.write).write_text(text)
+        print(f"wrote {args.write}")
+    else:
+        sys.stdout.write(text)
     return 0
 
 
@@ -289,6 +308,9 @@ def _config_parser(sub: Any) -> None:
     c = csub.add_parser("defaults", help="the documented defaults (what configs/ holds)")
     c.add_argument("--write", default=None, metavar="DIR")
     c.set_defaults(func=_cmd_config_defaults)
+    c = csub.add_parser("reference", help="every section and knob as a Markdown page (docs/reference/config.md)")
+    c.add_argument("--write", default=None, metavar="FILE", help="write the page there (default: print it)")
+    c.set_defaults(func=_cmd_config_reference)
 
 
 def _nested(sub: Any, name: str, help_text: str, dest: str, commands: Sequence[tuple]) -> None:
@@ -318,6 +340,8 @@ def _init_parser(sub: Any) -> None:
         dest="init_command", required=True)
     _delegated(isub, "task", "a runnable task module with its SFT and GRPO recipes",
                "hybridrl.scaffold:add_arguments", _cmd_init_task)
+    _delegated(isub, "agent", "an agent written with the OpenAI client, with its GRPO recipe (through the gateway)",
+               "hybridrl.scaffold_agent:add_arguments", _cmd_init_agent)
     i = isub.add_parser("recipe", help="copy a recipe that ships with hybridrl here (--list: their names)")
     i.add_argument("name", nargs="?", default=None, help="e.g. calc_grpo_cpu (see --list)")
     i.add_argument("--out", default=".", help="a file, or a directory to write NAME.yaml in (default: here)")

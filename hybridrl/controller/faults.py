@@ -2,7 +2,7 @@
 
     SPEC = KIND@STEP[:MOMENT]          e.g. kill_job@3:train, kill_rank@2:rollout, engine@2
 
-Kinds (each ends one of two documented ways; README "Faults and resume"): the step goes on with the
+Kinds (each ends one of two documented ways; docs/running.md "Faults and resume"): the step goes on with the
 affected trajectories infrastructure-invalid (counted, never trained on), or the run stops and
 resumes from its newest complete checkpoint (by itself with `trainer.max_restarts > 0`).
 - `kill_job`: SIGKILL the whole job at that moment: the torchrun agent (what `hybridrl train`

@@ -2,7 +2,7 @@
 
 `task.agent: module:function` names an `async def run(client, instance) -> reward | Outcome`; its
 episodes run through a gateway on the rollout side (`runner.GatewayRunner`) that captures the exact
-tokens the model saw and produced (`capture.py`). See README "Agents written with the OpenAI client".
+tokens the model saw and produced (`capture.py`). See docs/agents-howto.md.
 This module imports only what an agent needs (no torch, no web stack).
 """
 

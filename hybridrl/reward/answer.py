@@ -58,7 +58,7 @@ class ExactNumber:
 
 
 class AnswerFormat:
-    """1.0 when the episode ended with exactly one <answer> holding a number literal."""
+    """1.0 when the episode ended with exactly one `<answer>` holding a number literal."""
 
     name, version = "answer_format", 1
 

@@ -1,5 +1,5 @@
 """The shipped recipes of the data task and of reasoning-gym learn (slow): from the demo's base model,
-their SFT then 20 GRPO steps gain >= 20 points of greedy validation accuracy, run as the README says
+their SFT then 20 GRPO steps gain >= 20 points of greedy validation accuracy, run as docs/tasks.md says
 (from the repository root, each stage a real 2-rank run)."""
 
 from __future__ import annotations

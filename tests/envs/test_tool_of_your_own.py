@@ -3,7 +3,7 @@
 CLI, and its episodes through the real agent loop (a scripted engine writes the tool call and the
 answer): the tool registered by the task module is built, authorized, checked and called; its result
 reaches the model; a bad argument is the model's error, a tool the instance does not name is refused.
-Every `examples/` file the README cites exists."""
+Every `examples/` file the README or a docs page cites exists."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ def user_dir(tmp_path):
     return tmp_path
 
 
-def test_the_readme_cites_example_files_that_exist():
-    cited = set(re.findall(r"(?<![\w/])examples/[\w./-]*\w", (ROOT / "README.md").read_text()))
+def test_the_docs_cite_example_files_that_exist():
+    texts = [(ROOT / "README.md").read_text(), *(p.read_text() for p in (ROOT / "docs").rglob("*.md"))]
+    cited = {c for text in texts for c in re.findall(r"(?<![\w/])examples/[\w./-]*\w", text)}
     assert {"examples/dates.py", "examples/dates.yaml"} <= cited
     assert [c for c in sorted(cited) if not (ROOT / c).exists()] == []
 
