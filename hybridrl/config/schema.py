@@ -24,6 +24,15 @@ class ModelConfig:
 
     path: str = knob("", "HF model directory on local disk (config.json, *.safetensors, tokenizer files); "
                          "dtypes are per engine: train.dtype, rollout.native.dtype, rollout.sglang.dtype")
+    family: str = knob("", "a model family of your own, 'module:ATTR' naming a hybridrl.backends.families."
+                           "ModelFamily row (registered on every rank as the config is read); empty: the shipped "
+                           "family whose HF architecture config.json names (qwen2, llama, qwen3, qwen3_moe)")
+
+    def __post_init__(self) -> None:
+        if self.family:
+            from hybridrl.backends.families import register_family
+
+            register_family(self.family)
 
 
 @dataclass(kw_only=True)

@@ -95,9 +95,6 @@ class DecoderAdapter:
     """HF Llama-style naming and Megatron GPTModel layouts over a `ModelSpec`. Families subclass
     `check_spec` for what they cannot express."""
 
-    family = "decoder"
-    model_types: tuple[str, ...] = ()
-
     def __init__(self, spec: ModelSpec, *, tp: int = 1, ep: int = 1, vocab_divisible_by: int = 128):
         self.check_spec(spec)
         if spec.num_heads % spec.num_kv_heads:
@@ -118,6 +115,11 @@ class DecoderAdapter:
         self.ep = ep
         self.etp = tp               # experts are TP-split like the dense MLP (expert_tensor_parallel_size = tp)
         self.padded_vocab_size = spec.padded_vocab_size(tp, vocab_divisible_by)
+
+    @property
+    def family(self) -> str:
+        """The model family's name (its row in backends/families.py; several may share one adapter class)."""
+        return self.spec.arch
 
     @property
     def experts_per_rank(self) -> int:
