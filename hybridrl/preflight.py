@@ -287,7 +287,7 @@ def rollout_dtype(cfg: Any) -> tuple[str, str]:
     CUDA and float32 on CPU (backends/native/core.py), decided by `distributed.device`; with
     `auto` there as well, by whether torch sees a CUDA device (only then is torch imported)."""
     engine = cfg.rollout.engine
-    dtype = getattr(cfg.rollout, engine).dtype
+    dtype = cfg.rollout.engine_section.dtype
     key = f"rollout.{engine}.dtype"
     if dtype != "auto":
         return dtype, key

@@ -22,6 +22,7 @@ import os
 import pkgutil
 import sys
 import traceback
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Generic, Iterable, Mapping, Optional, TypeVar
@@ -245,7 +246,7 @@ class Registry(Generic[T]):
 
     def _ours(self, entry: Any) -> bool:
         """Defined in this registry's package (a shipped entry registering itself as its module is imported)."""
-        module = (entry if isinstance(entry, type) else type(entry)).__module__
+        module = entry.__module__ if isinstance(entry, (type, types.FunctionType)) else type(entry).__module__
         return bool(self.package) and (module == self.package or module.startswith(self.package + "."))
 
     def _defined_in(self, module: Any) -> str:

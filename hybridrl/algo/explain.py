@@ -88,8 +88,8 @@ def findings(cfg: Any, *, train_size: int | None = None) -> list[Finding]:
         if (algo.kl_in, option) not in kl.FORWARD:
             warn("algo.kl_estimator", f"{option} in the {algo.kl_in} gives {gradient}; "
                                       f"algo.kl_estimator=auto gives grad KL(pi || ref)")
-    lora = getattr(getattr(cfg, "train", None), "lora", None)
-    if lora is not None and lora.enabled and lora.dropout > 0:
+    lora = cfg.train.lora
+    if lora.enabled and lora.dropout > 0:
         refuse("train.lora.dropout", f"{lora.dropout} in an RL run: the training forward draws dropout masks while "
                                      "the rollout engine and the old-logprob and reference forwards run without, so "
                                      "the first PPO ratio is not 1 and the clip and the behaviour weights compare two "
@@ -201,8 +201,8 @@ def _dropped_lines(algo: Any) -> list[str]:
 
 def _prompts_line(cfg: Any) -> str:
     """Which prompts the expectation is over: uniform, or reweighted by the task mixture's sampler."""
-    task = getattr(cfg, "task", None)
-    if task is None or not getattr(task, "mixture", None):
+    task = cfg.task
+    if not task.mixture:
         return "prompts        the train split, uniformly (each prompt once per epoch)"
     weights = ", ".join(f"{m.name} {m.weight:g}" for m in task.mixture)
     line = f"prompts        tasks by weight ({weights}; shares count trained groups, task.share_policy={task.share_policy})"

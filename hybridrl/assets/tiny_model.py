@@ -16,15 +16,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hybridrl.backends.families import FAMILIES, family_named
+
 if TYPE_CHECKING:
     import torch
 
-ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe")
 
 
 @dataclass(kw_only=True)
 class TinyModelSpec:
-    arch: str = "qwen2"
+    arch: str = "qwen2"             # a model family's row (hybridrl/backends/families.py)
     hidden: int = 64
     layers: int = 2
     heads: int = 4
@@ -33,7 +34,7 @@ class TinyModelSpec:
     vocab_size: int = 512           # tokenizer vocabulary to train
     vocab_multiple: int = 64        # model vocab = tokenizer size rounded up (like real checkpoints)
     max_position: int = 2048
-    rope_theta: float | None = None  # default: 1e6 for qwen2, 1e4 for llama
+    rope_theta: float | None = None  # default: the family's (1e6 for qwen2 and qwen3, 1e4 for llama)
     tie_embeddings: bool | None = None  # default: True for qwen2 and qwen3 (as their small models), False for llama, qwen3_moe
     rope_scaling: tuple[tuple[str, float | str], ...] = ()   # e.g. (("rope_type", "llama3"), ("factor", 8.0), ...)
     head_dim: int | None = None     # default: hidden // heads
@@ -49,19 +50,19 @@ class TinyModelSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        if not FAMILIES.known(self.arch):
+            raise ValueError(f"arch must be one of {FAMILIES.names()} (the model families' rows), got {self.arch!r}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads})")
-        if self.arch == "qwen3_moe" and not 1 <= self.experts_per_tok <= self.experts:
+        if family_named(self.arch).experts and not 1 <= self.experts_per_tok <= self.experts:
             raise ValueError(f"experts_per_tok ({self.experts_per_tok}) must be in [1, experts={self.experts}]")
 
 
 def hf_config(spec: TinyModelSpec, vocab_size: int, special_ids: dict[str, int]):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
-
+    """The transformers config of the tiny model: the family row's `tiny_config` over the keys every
+    family shares."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden,
@@ -75,36 +76,57 @@ def hf_config(spec: TinyModelSpec, vocab_size: int, special_ids: dict[str, int])
         eos_token_id=special_ids["eos"],
         pad_token_id=special_ids["pad"],
     )
-    theta = spec.rope_theta if spec.rope_theta is not None else (1e4 if spec.arch == "llama" else 1e6)
+    return family_named(spec.arch).tiny_config(spec, common)
+
+
+def with_rope(common: dict, spec: TinyModelSpec, default_theta: float) -> dict:
+    """`common` with the RoPE keys: `rope_parameters` when scaled, else `rope_theta`."""
+    theta = spec.rope_theta if spec.rope_theta is not None else default_theta
     if spec.rope_scaling:
-        common["rope_parameters"] = {"rope_theta": theta, **dict(spec.rope_scaling)}
-    else:
-        common["rope_theta"] = theta
-    if spec.arch in ("qwen3", "qwen3_moe"):
-        qwen3 = dict(common, head_dim=spec.head_dim or spec.hidden // spec.heads, rms_norm_eps=1e-6,
-                     attention_bias=False, tie_word_embeddings=(spec.arch == "qwen3" if spec.tie_embeddings is None
-                                                          else spec.tie_embeddings))
-        if spec.arch == "qwen3":
-            return Qwen3Config(**qwen3)
-        return Qwen3MoeConfig(**qwen3, num_experts=spec.experts, num_experts_per_tok=spec.experts_per_tok,
-                              moe_intermediate_size=spec.moe_intermediate, norm_topk_prob=spec.norm_topk_prob,
-                              decoder_sparse_step=spec.decoder_sparse_step, mlp_only_layers=list(spec.mlp_only_layers),
-                              router_aux_loss_coef=0.001)
-    if spec.head_dim is not None:
-        common["head_dim"] = spec.head_dim
-    if spec.arch == "qwen2":
-        return Qwen2Config(
-            **common,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True if spec.tie_embeddings is None else spec.tie_embeddings,
-        )
-    return LlamaConfig(
-        **common,
-        rms_norm_eps=1e-5,
-        attention_bias=False,
-        mlp_bias=False,
-        tie_word_embeddings=False if spec.tie_embeddings is None else spec.tie_embeddings,
-    )
+        return dict(common, rope_parameters={"rope_theta": theta, **dict(spec.rope_scaling)})
+    return dict(common, rope_theta=theta)
+
+
+def _tied(spec: TinyModelSpec, default: bool) -> bool:
+    return default if spec.tie_embeddings is None else spec.tie_embeddings
+
+
+def _with_head_dim(common: dict, spec: TinyModelSpec) -> dict:
+    return common if spec.head_dim is None else dict(common, head_dim=spec.head_dim)
+
+
+def qwen2_config(spec: TinyModelSpec, common: dict):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**_with_head_dim(with_rope(common, spec, 1e6), spec), rms_norm_eps=1e-6,
+                       tie_word_embeddings=_tied(spec, True))
+
+
+def llama_config(spec: TinyModelSpec, common: dict):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_with_head_dim(with_rope(common, spec, 1e4), spec), rms_norm_eps=1e-5, attention_bias=False,
+                       mlp_bias=False, tie_word_embeddings=_tied(spec, False))
+
+
+def _qwen3_common(spec: TinyModelSpec, common: dict, tied: bool) -> dict:
+    return dict(with_rope(common, spec, 1e6), head_dim=spec.head_dim or spec.hidden // spec.heads, rms_norm_eps=1e-6,
+                attention_bias=False, tie_word_embeddings=_tied(spec, tied))
+
+
+def qwen3_config(spec: TinyModelSpec, common: dict):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_qwen3_common(spec, common, True))
+
+
+def qwen3_moe_config(spec: TinyModelSpec, common: dict):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**_qwen3_common(spec, common, False), num_experts=spec.experts,
+                          num_experts_per_tok=spec.experts_per_tok, moe_intermediate_size=spec.moe_intermediate,
+                          norm_topk_prob=spec.norm_topk_prob, decoder_sparse_step=spec.decoder_sparse_step,
+                          mlp_only_layers=list(spec.mlp_only_layers), router_aux_loss_coef=0.001)
 
 
 def randomize_(model: "torch.nn.Module", spec: TinyModelSpec) -> None:
@@ -149,7 +171,7 @@ def build_tiny_model(out: str | Path, spec: TinyModelSpec) -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = TinyModelSpec()
-    parser.add_argument("--arch", choices=ARCHS, default=d.arch)
+    parser.add_argument("--arch", choices=FAMILIES.names(), default=d.arch)
     parser.add_argument("--out", required=True, help="output directory")
     for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab_size", "vocab_multiple",
                  "max_position", "seed", "head_dim"):
@@ -175,6 +197,6 @@ def main(args: argparse.Namespace) -> int:
     spec = TinyModelSpec(**values)
     out = build_tiny_model(args.out, spec)
     n = sum(1 for _ in out.iterdir())
-    experts = f", {spec.experts} experts top-{spec.experts_per_tok}" if spec.arch == "qwen3_moe" else ""
+    experts = f", {spec.experts} experts top-{spec.experts_per_tok}" if family_named(spec.arch).experts else ""
     print(f"wrote {spec.arch} tiny model ({spec.layers} layers, hidden {spec.hidden}{experts}) to {out} ({n} files)")
     return 0

@@ -3,7 +3,8 @@
 The one HF-config parser of hybridrl: the native engine and the Megatron adapters both build from
 it, so training and generation cannot disagree on what a checkpoint means (RoPE scaling, biases,
 tied embeddings, head sizes, q/k norms, experts). Read straight from the JSON (no transformers
-import), for the Qwen2, Llama, Qwen3 and Qwen3-MoE families. Anything neither engine implements
+import), for the families registered in `backends/families.py` (each row says where its family's
+configs differ: Qwen2, Llama, Qwen3, Qwen3-MoE, or one of your own). Anything neither engine implements
 (sliding windows, RoPE types other than default / linear / llama3, shared experts) is refused with
 an error naming the key, rather than silently computing something else.
 
@@ -21,17 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
-                 "Qwen3MoeForCausalLM": "qwen3_moe"}
+from hybridrl.backends.families import family_of
+
 ROPE_TYPES = ("default", "linear", "llama3")
 ROPE_PARAMS = {"default": (), "linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    arch: str                        # "qwen2" | "llama" | "qwen3" | "qwen3_moe"
+    arch: str                        # its family row's name (backends/families.py): "qwen2", "llama", ...
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -117,13 +117,8 @@ class ModelSpec:
         """From a config.json mapping (or a transformers config object, through its `to_dict()`)."""
         if not isinstance(cfg, dict):
             cfg = cfg.to_dict()
-        archs = cfg.get("architectures") or []
-        arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-        if arch is None and cfg.get("model_type") in ARCHITECTURES.values():
-            arch = cfg["model_type"]
-        if arch is None:
-            raise ValueError(f"{source}: architectures={archs} model_type={cfg.get('model_type')!r}: hybridrl "
-                             f"implements {sorted(ARCHITECTURES)}")
+        family = family_of(cfg, source=source)
+        arch = family.name
         if cfg.get("use_sliding_window"):
             raise ValueError(f"{source}: use_sliding_window=true is not implemented (full attention only)")
         kinds = set(cfg.get("layer_types") or ["full_attention"])
@@ -138,11 +133,10 @@ class ModelSpec:
             raise ValueError(f"{source}: num_attention_heads={num_heads} is not a multiple of "
                              f"num_key_value_heads={num_kv_heads}")
         rope_theta, rope_type, rope_params = _rope(cfg, source)
-        qwen3 = arch in QK_NORM_FAMILIES
         attention_bias = bool(cfg.get("attention_bias", False))
-        # transformers' defaults where a key is absent: Qwen3 configs default head_dim to 128
-        head_dim = cfg.get("head_dim") or (128 if qwen3 else cfg["hidden_size"] // num_heads)
-        moe = _moe(cfg, source, cfg["num_hidden_layers"]) if arch == "qwen3_moe" else {}
+        # transformers' defaults where a key is absent (Qwen3 configs default head_dim to 128)
+        head_dim = cfg.get("head_dim") or family.default_head_dim or cfg["hidden_size"] // num_heads
+        moe = _moe(cfg, source, cfg["num_hidden_layers"], arch) if family.experts else {}
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -157,11 +151,11 @@ class ModelSpec:
             rope_type=rope_type,
             rope_params=rope_params,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "qwen2")),
-            qkv_bias=True if arch == "qwen2" else attention_bias,
-            o_bias=False if arch == "qwen2" else attention_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)) if arch == "llama" else False,
-            qk_norm=qwen3,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.tied_by_default)),
+            qkv_bias=True if family.qkv_bias_always else attention_bias,
+            o_bias=False if family.qkv_bias_always else attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)) if family.reads_mlp_bias else False,
+            qk_norm=family.qk_norm,
             eos_token_ids=tuple(eos_token_ids),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             **moe,
@@ -209,8 +203,9 @@ def _rope(cfg: dict[str, Any], source: str) -> tuple[float, str, tuple[tuple[str
     return theta, rope_type, params
 
 
-def _moe(cfg: dict[str, Any], source: str, num_layers: int) -> dict[str, Any]:
-    """The ModelSpec fields of a Qwen3-MoE config (transformers 5 writes num_local_experts)."""
+def _moe(cfg: dict[str, Any], source: str, num_layers: int, arch: str) -> dict[str, Any]:
+    """The ModelSpec fields of a routed-experts config such as Qwen3-MoE's (transformers 5 writes
+    num_local_experts)."""
     num_experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
     top_k = int(cfg.get("num_experts_per_tok", 0) or 0)
     if num_experts < 1 or not 1 <= top_k <= num_experts:
@@ -218,7 +213,7 @@ def _moe(cfg: dict[str, Any], source: str, num_layers: int) -> dict[str, Any]:
                          "1 <= num_experts_per_tok <= num_experts")
     for key in ("shared_expert_intermediate_size", "n_shared_experts"):
         if cfg.get(key):
-            raise ValueError(f"{source}: {key}={cfg[key]}: shared experts are not implemented for qwen3_moe")
+            raise ValueError(f"{source}: {key}={cfg[key]}: shared experts are not implemented for {arch}")
     step = int(cfg.get("decoder_sparse_step", 1) or 1)
     dense = set(cfg.get("mlp_only_layers") or [])
     layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)

@@ -23,6 +23,14 @@ def _engine_row(self) -> RolloutEngineSpec:
     return ENGINES.get(self.engine)
 
 
+def _engine_section(self):
+    """The selected engine's own section: `rollout.<name>` for a shipped engine; an engine of one's own
+    (`module:ATTR`) has no section in the schema and runs with its config class's defaults."""
+    row = self.engine_row
+    section = vars(self).get(row.name)
+    return section if isinstance(section, row.config) else row.config()
+
+
 def _make() -> type:
     rows = ENGINES.rows()
     fields = [
@@ -33,7 +41,7 @@ def _make() -> type:
     ]
     cls = dataclasses.make_dataclass("RolloutConfig", fields, kw_only=True, namespace={
         "__doc__": "The rollout engine of every rank (colocated with the trainer).", "__post_init__": _check,
-        "engine_row": property(_engine_row)})
+        "engine_row": property(_engine_row), "engine_section": property(_engine_section)})
     cls.__module__ = __name__
     return cls
 

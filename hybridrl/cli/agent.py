@@ -221,43 +221,73 @@ def _agent_recipe_refusal(cfg, args) -> str:
 
 def _rollout(cfg, args) -> int:
     import asyncio
-    import time
-    from collections import Counter
 
     from transformers import AutoTokenizer
 
-    from hybridrl.agent.loop import AgentRunner
-    from hybridrl.agent.tools.base import ToolBox
-    from hybridrl.envs.tasks import Task, get_task
+    from hybridrl.envs.tasks import get_task
 
     if cfg.task.agent:       # the gateway's runner sits above this package (hybridrl/gateway/runner.py)
         print(_agent_recipe_refusal(cfg, args), file=sys.stderr)
         return 2
     task = get_task(cfg.task.name, cfg.task)
     instances = (task.validation_split if args.split == "validation" else task.train_split)(args.n)
-    model = cfg.model.path
-    if not model:
-        from pathlib import Path
-
-        from hybridrl.assets.tiny_model import TinyModelSpec, build_tiny_model
-
-        model = str(Path(cfg.run.dir) / "tiny-qwen2")
-        if not Path(model, "config.json").exists():
-            build_tiny_model(model, TinyModelSpec())
-        print(f"model.path is empty: using a tiny random model at {model}", file=sys.stderr)
+    model = _model_or_tiny(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    if args.engine == "scripted":
-        if task.name != "calculator":
-            print("hybridrl: --engine scripted plays the calculator task only", file=sys.stderr)
-            return 2
+    if args.engine == "scripted" and task.name != "calculator":
+        print("hybridrl: --engine scripted plays the calculator task only", file=sys.stderr)
+        return 2
+    engine = _rollout_engine(args.engine, model, tokenizer)
+    temperature, source = _rollout_temperature(cfg, args)
+    print(f"sampling at temperature {temperature:g} ({source}) on {len(instances)} {args.split} instances",
+          file=sys.stderr)
+    trajs, stats, wall = asyncio.run(_episodes(cfg, args, task, instances, engine, tokenizer, temperature))
+    summary = _rollout_summary(task, args, trajs, stats, wall, temperature=temperature, source=source)
+    for t in trajs[: args.show]:
+        print(f"--- {t.trajectory_id} [{t.status.value}] reward {t.reward}")
+        print(tokenizer.decode(t.prompt_ids + t.response_ids))
+    print(json.dumps(summary, indent=2, default=str))
+    how = "greedy" if temperature == 0 else f"temperature {temperature:g}"
+    print(f"{args.split} accuracy ({how}, {source}): {100 * summary['accuracy']:.1f}% of {len(trajs)} episodes",
+          file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    return 0
+
+
+def _model_or_tiny(cfg) -> str:
+    """model.path, or (when empty) a tiny random model built once under the run directory."""
+    if cfg.model.path:
+        return cfg.model.path
+    from pathlib import Path
+
+    from hybridrl.assets.tiny_model import TinyModelSpec, build_tiny_model
+
+    model = str(Path(cfg.run.dir) / "tiny-qwen2")
+    if not Path(model, "config.json").exists():
+        build_tiny_model(model, TinyModelSpec())
+    print(f"model.path is empty: using a tiny random model at {model}", file=sys.stderr)
+    return model
+
+
+def _rollout_engine(kind: str, model: str, tokenizer):
+    """`--engine scripted` (the calculator oracle) or the native engine on the CPU."""
+    if kind == "scripted":
         from hybridrl.agent.testing import ScriptedEngine, calculator_oracle
 
-        engine = ScriptedEngine(tokenizer, calculator_oracle(tokenizer, calls=1), step_latency_s=0.001)
-    else:
-        from hybridrl.backends.native import NativeEngine, NativeEngineConfig
+        return ScriptedEngine(tokenizer, calculator_oracle(tokenizer, calls=1), step_latency_s=0.001)
+    from hybridrl.backends.native import NativeEngine, NativeEngineConfig
 
-        engine = NativeEngine.from_pretrained(model, NativeEngineConfig(), device="cpu")
-    names = sorted({t for i in instances for t in i.tools})
+    return NativeEngine.from_pretrained(model, NativeEngineConfig(), device="cpu")
+
+
+async def _episodes(cfg, args, task, instances, engine, tokenizer, temperature: float):
+    """The instances' episodes through the built-in loop: (trajectories, the runner's stats, wall seconds)."""
+    import time
+
+    from hybridrl.agent.loop import AgentRunner
+    from hybridrl.agent.tools.base import ToolBox
+    from hybridrl.envs.tasks import Task
 
     envs = None
     if type(task).make_env is not Task.make_env:         # a stateful task: through the leased service
@@ -265,37 +295,25 @@ def _rollout(cfg, args) -> int:
         from hybridrl.envs.service import EnvService
 
         envs = LeasedEnvProvider(EnvService.from_config(cfg.env), cfg.env)
+    names = sorted({t for i in instances for t in i.tools})
+    async with ToolBox.from_config(cfg.tools, names=names) as tools:
+        runner = AgentRunner(engine, tokenizer, agent_cfg=cfg.agent, tools=tools, run_id=cfg.run.name,
+                             seed=cfg.run.seed, envs=envs)
+        t0 = time.perf_counter()
+        trajs = await runner.run(instances, task=task, group_size=args.group_size, temperature=temperature)
+        wall = time.perf_counter() - t0
+        return trajs, runner.stats(wall), wall
 
-    temperature, source = _rollout_temperature(cfg, args)
-    print(f"sampling at temperature {temperature:g} ({source}) on {len(instances)} {args.split} instances",
-          file=sys.stderr)
 
-    async def go():
-        async with ToolBox.from_config(cfg.tools, names=names) as tools:
-            runner = AgentRunner(engine, tokenizer, agent_cfg=cfg.agent, tools=tools, run_id=cfg.run.name,
-                                 seed=cfg.run.seed, envs=envs)
-            t0 = time.perf_counter()
-            trajs = await runner.run(instances, task=task, group_size=args.group_size, temperature=temperature)
-            wall = time.perf_counter() - t0
-            return trajs, runner.stats(wall), wall
+def _rollout_summary(task, args, trajs, stats, wall: float, *, temperature: float, source: str) -> dict:
+    from collections import Counter
 
-    trajs, stats, wall = asyncio.run(go())
     statuses = Counter(t.status.value + (f"/{t.truncation.value}" if t.truncation else "") for t in trajs)
     accuracy = sum(t.rewards.get("correct", t.reward) for t in trajs) / len(trajs)
-    summary = {"task": task.name, "engine": args.engine, "split": args.split, "temperature": temperature,
-               "temperature_from": source, "episodes": len(trajs), "wall_s": round(wall, 3),
-               "accuracy": accuracy, "mean_reward": sum(t.reward for t in trajs) / len(trajs),
-               "statuses": dict(statuses),
-               "mean_turns": sum(t.turns for t in trajs) / len(trajs),
-               "mean_response_tokens": sum(len(t.response_ids) for t in trajs) / len(trajs),
-               **{k: v for k, v in stats.items() if k != "tools"}, "tools": stats["tools"]}
-    for t in trajs[: args.show]:
-        print(f"--- {t.trajectory_id} [{t.status.value}] reward {t.reward}")
-        print(tokenizer.decode(t.prompt_ids + t.response_ids))
-    print(json.dumps(summary, indent=2, default=str))
-    how = "greedy" if temperature == 0 else f"temperature {temperature:g}"
-    print(f"{args.split} accuracy ({how}, {source}): {100 * accuracy:.1f}% of {len(trajs)} episodes", file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2, default=str)
-    return 0
+    return {"task": task.name, "engine": args.engine, "split": args.split, "temperature": temperature,
+            "temperature_from": source, "episodes": len(trajs), "wall_s": round(wall, 3),
+            "accuracy": accuracy, "mean_reward": sum(t.reward for t in trajs) / len(trajs),
+            "statuses": dict(statuses),
+            "mean_turns": sum(t.turns for t in trajs) / len(trajs),
+            "mean_response_tokens": sum(len(t.response_ids) for t in trajs) / len(trajs),
+            **{k: v for k, v in stats.items() if k != "tools"}, "tools": stats["tools"]}

@@ -13,7 +13,7 @@ from hybridrl.config.fields import ConfigError, ConfigValueError, knob, section
 
 _LAZY = {
     "load_config": "hybridrl.config.loader", "to_dict": "hybridrl.config.loader", "to_yaml": "hybridrl.config.loader",
-    "ModelConfig": "hybridrl.config.schema", "RunConfig": "hybridrl.jobs",
+    "ModelConfig": "hybridrl.backends.model_config", "RunConfig": "hybridrl.jobs",
 }
 
 __all__ = ["Config", "ConfigError", "ConfigValueError", "ModelConfig", "RunConfig", "knob", "load_config",

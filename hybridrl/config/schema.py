@@ -19,14 +19,6 @@ from dataclasses import dataclass
 from hybridrl.config.fields import ConfigValueError, knob, section
 
 @dataclass(kw_only=True)
-class ModelConfig:
-    """The policy model: a Hugging Face model directory on local disk."""
-
-    path: str = knob("", "HF model directory on local disk (config.json, *.safetensors, tokenizer files); "
-                         "dtypes are per engine: train.dtype, rollout.native.dtype, rollout.sglang.dtype")
-
-
-@dataclass(kw_only=True)
 class SelfCheckConfig:
     """The self-check job: exercises dispatch, collect and error propagation on every rank."""
 
@@ -44,7 +36,7 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("distributed", "hybridrl.distributed.config:DistributedConfig", "processes, devices, control plane"),
     ("placement", "hybridrl.distributed.placement:PlacementConfig",
      "which ranks train and which generate: colocated or disaggregated"),
-    ("model", "hybridrl.config.schema:ModelConfig", "the policy model"),
+    ("model", "hybridrl.backends.model_config:ModelConfig", "the policy model"),
     ("train", "hybridrl.training.registry:train_section",
      "the training engine (actor, reference, critic): train.engine's section"),
     ("rollout", "hybridrl.backends.rollout_config:RolloutConfig", "the rollout engine: native, sglang or vllm, layout, knobs"),

@@ -79,9 +79,8 @@ def after_admission(cfg: Any, stream: Any, kept: list) -> dict[str, float]:
 
 def trains(cfg: Any, members: list, version: int) -> bool:
     """Whether the update at `version` would admit any member of a group (the trainer's admission)."""
-    agent = getattr(cfg, "agent", None)
     return bool(admit(members, cfg.algo, current_version=version,
-                      max_response_tokens=getattr(agent, "max_response_tokens", 0)).kept)
+                      max_response_tokens=cfg.agent.max_response_tokens).kept)
 
 
 def _by_group(trajectories: list) -> dict[str, list]:

@@ -34,7 +34,7 @@ def trace(traj: Any, span: str, **fields: Any) -> None:
 
 
 def events(traj: Any, span: str | None = None) -> list[dict[str, Any]]:
-    out = traj.metadata.get(TRACE_KEY, []) if hasattr(traj, "metadata") else traj.get(TRACE_KEY, [])
+    out = traj.get(TRACE_KEY, []) if isinstance(traj, dict) else traj.metadata.get(TRACE_KEY, [])
     return [e for e in out if span is None or e["span"] == span]
 
 

@@ -54,6 +54,8 @@ class Objective:
 def update_policy(actor, ref, critic, objective: Objective, batch: Batch, *, mini_batch_rows: list[int],
                   num_groups: int, epochs: int, temperature: float, update_actor: bool = True,
                   teacher=None) -> Batch | None:
+    """score (reference, teacher, old logprobs) -> advantages (and the critic's values) -> train (critic,
+    then the actor) -> report (the step's rows and scalars, on the output ranks; None elsewhere)."""
     algo = objective.algo
     if (teacher is None) != (objective.distill is None):
         raise ValueError("update_policy: a teacher needs the objective's distill section, and that section a teacher")
@@ -62,34 +64,67 @@ def update_policy(actor, ref, critic, objective: Objective, batch: Batch, *, min
     if slices[-1][1] != len(batch):
         raise ValueError(f"mini_batch_rows {mini_batch_rows} cover {slices[-1][1]} rows, this rank holds "
                          f"{len(batch)}: lay the batch out with algo.minibatches.lay_out")
-    updates = epochs * len(slices)
-    separate_old = updates > 1 or (ref is not None and algo.kl_in == "reward") or teacher is not None
-    before = (dict(actor.passes), dict(ref.passes) if ref is not None else {},
-              dict(teacher.passes) if teacher is not None else {})
-    mask = batch["loss_mask"]
+    separate_old = epochs * len(slices) > 1 or (ref is not None and algo.kl_in == "reward") or teacher is not None
+    before = _passes_now(actor, ref, teacher)
     timings = {"time/T_ref": 0.0, "time/T_old": 0.0, "time/T_teacher": 0.0}
-
-    def timed(name: str, fn: Callable[[], Any]) -> Any:
-        started = time.perf_counter()
-        out = fn()
-        timings[f"time/T_{name}"] = time.perf_counter() - started
-        return out
-
-    def everywhere(out: Batch | None, name: str) -> torch.Tensor:     # zeros off the loss ranks (no loss there)
-        return out[name].to(actor.device) if out is not None else torch.zeros_like(mask)
-
-    if ref is not None:
-        batch.set("ref_logprobs", timed("ref", lambda: everywhere(
-            ref.compute_logprobs(batch, temperature=temperature, on_last_stage=True), "logprobs")))
-    if teacher is not None:
-        batch.set("teacher_logprobs", timed("teacher", lambda: everywhere(
-            teacher.compute_logprobs(batch, temperature=temperature, on_last_stage=True), "logprobs")))
-    if separate_old:
-        batch.set("old_logprobs", timed("old", lambda: everywhere(
-            actor.compute_logprobs(batch, temperature=temperature, on_last_stage=True), "logprobs")))
+    _score(actor, ref, teacher, batch, temperature=temperature, separate_old=separate_old, timings=timings)
     started = time.perf_counter()
+    advantages, distilled = _advantages(actor, ref, critic, teacher, objective, batch, num_groups)
+    timings["time/T_adv"] = time.perf_counter() - started
+    critic_metrics = {}
     if critic is not None:
-        batch.set("values", everywhere(critic.compute_values(batch, on_last_stage=True), "values"))
+        started = time.perf_counter()
+        critic_metrics = _train_critic(critic, objective.value, batch, slices, epochs)
+        timings["time/T_critic"] = time.perf_counter() - started
+    per_update: list[dict] = []
+    captured = None
+    if update_actor:
+        started = time.perf_counter()
+        per_update, captured = _train_actor(actor, objective.policy if separate_old else objective.on_policy, batch,
+                                            slices, epochs, temperature=temperature, capture=not separate_old)
+        timings["time/T_update"] = time.perf_counter() - started
+    passes = _passes_since(before, actor, ref, teacher)
+    if not actor.is_loss_rank:
+        return None
+    old = batch["old_logprobs"] if separate_old else captured
+    metrics: dict[str, float] = {**timings, **passes, **distilled}
+    if update_actor:
+        metrics.update(_step_scalars(actor, per_update, len(slices), old, batch["behavior_logprobs"],
+                                     batch["loss_mask"]))
+    if not actor.is_output_rank:
+        return None
+    return _report(batch, advantages, old, ref=ref, teacher=teacher, update_actor=update_actor,
+                   info={"metrics": metrics, "per_update": per_update, "critic": critic_metrics})
+
+
+def _everywhere(out: Batch | None, name: str, device: Any, mask: torch.Tensor) -> torch.Tensor:
+    """`out[name]` on `device`, or zeros shaped like `mask` off the loss ranks (no loss there)."""
+    return out[name].to(device) if out is not None else torch.zeros_like(mask)
+
+
+def _score(actor, ref, teacher, batch: Batch, *, temperature: float, separate_old: bool,
+           timings: dict[str, float]) -> None:
+    """The logprobs the advantages and the losses need: batch['ref_logprobs'] (a KL term),
+    ['teacher_logprobs'] (distillation), ['old_logprobs'] (when the old ones need a forward of their own)."""
+    mask = batch["loss_mask"]
+    for name, model, key in (("ref", ref, "ref_logprobs"), ("teacher", teacher, "teacher_logprobs"),
+                             ("old", actor if separate_old else None, "old_logprobs")):
+        if model is None:
+            continue
+        started = time.perf_counter()
+        out = model.compute_logprobs(batch, temperature=temperature, on_last_stage=True)
+        batch.set(key, _everywhere(out, "logprobs", actor.device, mask))
+        timings[f"time/T_{name}"] = time.perf_counter() - started
+
+
+def _advantages(actor, ref, critic, teacher, objective: Objective, batch: Batch,
+                num_groups: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """batch['advantages'] (and the critic's ['values'] and ['returns']) on the loss ranks, zeros elsewhere;
+    returns them and the distillation's scalars."""
+    algo, mask = objective.algo, batch["loss_mask"]
+    if critic is not None:
+        batch.set("values", _everywhere(critic.compute_values(batch, on_last_stage=True), "values", actor.device,
+                                        mask))
     advantages = torch.zeros_like(mask)
     distilled: dict[str, float] = {}
     if actor.is_loss_rank:
@@ -111,42 +146,47 @@ def update_policy(actor, ref, critic, objective: Objective, batch: Batch, *, min
     elif critic is not None:                 # ranks off the last stage compute no loss: shapes only
         batch.set("returns", torch.zeros_like(mask))
     batch.set("advantages", advantages.to(torch.float32))
-    timings["time/T_adv"] = time.perf_counter() - started
+    return advantages, distilled
 
-    critic_metrics = {}
-    if critic is not None:
-        critic_metrics = timed("critic", lambda: _train_critic(critic, objective.value, batch, slices, epochs))
+
+def _train_actor(actor, loss_fn: Callable, batch: Batch, slices: list[tuple[int, int]], epochs: int, *,
+                 temperature: float, capture: bool) -> tuple[list[dict], torch.Tensor | None]:
+    """`epochs` passes over the mini-batches, one optimizer step each: their scalars, and with `capture` the
+    first forward's detached logprobs (the old ones when no separate forward computed them), placed in a
+    tensor shaped like the share."""
     per_update: list[dict] = []
     captured = None
-    if update_actor:
-        loss_fn = objective.policy if separate_old else objective.on_policy
+    for _ in range(epochs):
+        for lo, hi in slices:
+            first = capture and not per_update
+            out = actor.train_step(batch.slice(lo, hi), loss_fn, temperature=temperature, with_entropy=True,
+                                   extremes=("ratio",), capture=first)
+            if first:
+                captured = out.pop("logprobs")
+                captured = None if captured is None else _rows(captured, batch["loss_mask"], lo, hi)
+            per_update.append(out)
+    return per_update, captured
 
-        def steps() -> None:
-            nonlocal captured
-            for epoch in range(epochs):
-                for lo, hi in slices:
-                    first = not per_update and not separate_old
-                    out = actor.train_step(batch.slice(lo, hi), loss_fn, temperature=temperature, with_entropy=True,
-                                           extremes=("ratio",), capture=first)
-                    if first:
-                        captured = out.pop("logprobs")
-                        captured = None if captured is None else _rows(captured, mask, lo, hi)
-                    per_update.append(out)
 
-        timed("update", steps)
-    passes = {"passes/train": float(actor.passes["train"] - before[0]["train"]),
-              "passes/old_logprobs": float(actor.passes["logprobs"] - before[0]["logprobs"]),
-              "passes/ref_logprobs": float(ref.passes["logprobs"] - before[1]["logprobs"]) if ref is not None else 0.0,
-              "passes/teacher_logprobs": (float(teacher.passes["logprobs"] - before[2]["logprobs"])
-                                          if teacher is not None else 0.0)}
-    if not actor.is_loss_rank:
-        return None
-    old = batch["old_logprobs"] if separate_old else captured
-    metrics: dict[str, float] = {**timings, **passes, **distilled}
-    if update_actor:
-        metrics.update(_step_scalars(actor, per_update, len(slices), old, batch["behavior_logprobs"], mask))
-    if not actor.is_output_rank:
-        return None
+def _passes_now(actor, ref, teacher) -> tuple[dict, dict, dict]:
+    return (dict(actor.passes), dict(ref.passes) if ref is not None else {},
+            dict(teacher.passes) if teacher is not None else {})
+
+
+def _passes_since(before: tuple[dict, dict, dict], actor, ref, teacher) -> dict[str, float]:
+    """The forward and training passes this step ran, per model."""
+    return {"passes/train": float(actor.passes["train"] - before[0]["train"]),
+            "passes/old_logprobs": float(actor.passes["logprobs"] - before[0]["logprobs"]),
+            "passes/ref_logprobs": float(ref.passes["logprobs"] - before[1]["logprobs"]) if ref is not None else 0.0,
+            "passes/teacher_logprobs": (float(teacher.passes["logprobs"] - before[2]["logprobs"])
+                                        if teacher is not None else 0.0)}
+
+
+def _report(batch: Batch, advantages: torch.Tensor, old: torch.Tensor | None, *, ref, teacher, update_actor: bool,
+            info: dict[str, Any]) -> Batch:
+    """One row per input row: its mean advantage and worst rollout/trainer mismatch, and when the actor
+    trained the per-token old logprobs, advantages (reference and teacher logprobs) the ledger keeps."""
+    mask = batch["loss_mask"]
     on = mask > 0
     tokens = on.sum(dim=1).clamp(min=1)
     worst = (torch.where(on, (old - batch["behavior_logprobs"]).abs(), torch.zeros_like(old)).max(dim=1).values
@@ -156,8 +196,7 @@ def update_policy(actor, ref, critic, objective: Objective, batch: Batch, *, min
         rows.update(old_logprobs=old, advantages=advantages.to(torch.float32),
                     **({"ref_logprobs": batch["ref_logprobs"]} if ref is not None else {}),
                     **({"teacher_logprobs": batch["teacher_logprobs"]} if teacher is not None else {}))
-    return Batch({k: v.detach().float().cpu() for k, v in rows.items()},
-                 info={"metrics": metrics, "per_update": per_update, "critic": critic_metrics})
+    return Batch({k: v.detach().float().cpu() for k, v in rows.items()}, info=info)
 
 
 def _rows(values: torch.Tensor, mask: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

@@ -117,7 +117,7 @@ PINNED_KEYS = [
     "distributed.heartbeat_interval_s", "distributed.heartbeat_timeout_s", "distributed.init_timeout_s",
     "distributed.error_grace_s", "distributed.socket_ifname",
     "placement.mode", "placement.rollout_ranks",
-    "model.path",
+    "model.path", "model.family",
     "selfcheck.batch_size", "selfcheck.fail_rank",
     "agent.max_turns", "agent.max_new_tokens_per_turn", "agent.on_turn_limit", "agent.on_agent_error", "agent.max_response_tokens", "agent.max_episode_s",
     "agent.max_concurrent_episodes", "agent.temperature", "agent.top_p", "agent.top_k",

@@ -308,10 +308,10 @@ def attack_context(cfg, *, secret_paths: list[str] | None = None, port: int = 9,
     paths = [project, *venv, os.getcwd(), os.path.join(project, "runs")] + list(secret_paths or [])
     paths = [p for p in dict.fromkeys(paths) if p not in ("/", "")]
     secret = os.environ.setdefault("HYBRIDRL_PROBE_SECRET", "hybridrl-probe-" + os.urandom(8).hex())
-    allowed = ["AF_INET", "AF_INET6"] if getattr(cfg, "network", "none") == "allowlist" else []
+    allowed = ["AF_INET", "AF_INET6"] if cfg.network == "allowlist" else []
     return {"secret_paths": paths, "port": port, "env_secret": secret,
             "memory_mb": cfg.memory_mb, "max_file_mb": cfg.max_file_mb, "extra_setuid": list(extra_setuid or []),
-            "tmpfs_inodes": getattr(cfg, "tmpfs_inodes", 8192), "allowed_families": allowed}
+            "tmpfs_inodes": cfg.tmpfs_inodes, "allowed_families": allowed}
 
 
 async def run_attack(pool, attack: Attack, ctx: dict, *, timeout_s: float = 60.0) -> Verdict:
@@ -338,7 +338,7 @@ async def run_attack(pool, attack: Attack, ctx: dict, *, timeout_s: float = 60.0
             contained = False
         if not contained:
             break
-    has_cgroup = getattr(pool, "memory_limit", "rlimit") != "rlimit"
+    has_cgroup = pool.memory_limit != "rlimit"
     has_cpu = pool.cpu_limit != "rlimit"
     why_not = "isolation=none" if pool.mode not in attack.modes else (
         "no memory cgroup" if attack.needs_cgroup and not has_cgroup else
@@ -390,9 +390,9 @@ async def _run_pools(cfg, ctx: dict, chosen: list[Attack]) -> tuple:
 
     audit = AuditLog(ctx["audit_path"])
     async with SandboxPool(cfg, audit=audit) as pool:
-        limits = {"memory_limit": getattr(pool, "memory_limit", "rlimit"),
+        limits = {"memory_limit": pool.memory_limit,
                   "cpu_limit": pool.cpu_limit,
-                  "cgroup_problem": getattr(pool, "cgroup_problem", "")}
+                  "cgroup_problem": pool.cgroup_problem}
         verdicts = [await run_attack(pool, a, ctx) for a in chosen if not a.egress]
         mode = pool.mode
     egress = [a for a in chosen if a.egress]

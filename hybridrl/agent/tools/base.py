@@ -92,7 +92,7 @@ class ToolBox:
         from hybridrl.agent import killswitch
         from hybridrl.telemetry import audit
 
-        path = audit.configured_path(getattr(self.cfg, "kill_switch", None))
+        path = audit.configured_path(self.cfg.kill_switch if self.cfg is not None else None)
         if path is None or self._watcher is not None:
             return
         self._watcher = killswitch.Watcher(path, self.kill)

@@ -51,7 +51,8 @@ class MegatronEngine:
     """One model (this rank's TP shard of its PP stage), with optimizer and schedule when training."""
 
     def __init__(self, *, cfg: MegatronConfig, model_dir: Path, adapter, model,
-                 ddp, optimizer, scheduler, device: torch.device, mesh: Mesh, training: bool, head: str = LM_HEAD):
+                 ddp, optimizer, scheduler, device: torch.device, mesh: Mesh, training: bool, head: str = LM_HEAD,
+                 lora=None):
         self.cfg = cfg
         self.model_dir = model_dir
         self.adapter = adapter
@@ -64,7 +65,7 @@ class MegatronEngine:
         self.training = training
         self.head = head
         self.num_steps = 0
-        self.lora = getattr(model, "lora", None)     # LoRA adapters (backends/megatron/lora.py) or None
+        self.lora = lora                    # LoRA adapters (backends/megatron/lora.py: attach) or None
         self._lora_full = None                        # their gathered HF factors, until the next change
         self._group_names = None                      # the HF names of each publication group
         self._group_specs = None                      # hf_group_specs(), computed on first use
@@ -134,10 +135,11 @@ class MegatronEngine:
                 params = {s: p for s, p in params.items() if s.role is not Role.OUTPUT}
             mark_tensor_parallel(params)
             load_hf_weights(adapter, params, model_dir)
+            lora = None
             if cfg.lora.enabled and training and head == LM_HEAD:
                 from hybridrl.backends.megatron.lora import attach
 
-                attach(model, adapter, cfg.lora, local_layers(model), seed=cfg.seed, dtype=DTYPES[cfg.dtype],
+                lora = attach(model, adapter, cfg.lora, local_layers(model), seed=cfg.seed, dtype=DTYPES[cfg.dtype],
                        device=device)
             ddp = optimizer = scheduler = None
             if training:
@@ -146,7 +148,8 @@ class MegatronEngine:
                 model.requires_grad_(False)
                 model.eval()
         engine = cls(cfg=cfg, model_dir=model_dir, adapter=adapter, model=model, ddp=ddp,
-                     optimizer=optimizer, scheduler=scheduler, device=device, mesh=mesh, training=training, head=head)
+                     optimizer=optimizer, scheduler=scheduler, device=device, mesh=mesh, training=training, head=head,
+                     lora=lora)
         log.info("megatron engine: %s%s, %d parameters, tp=%d pp=%d dp=%d, %s", adapter.family,
                  " + value head" if head == VALUE_HEAD else "", engine.num_parameters(), cfg.tp, cfg.pp,
                  mesh.dp_size, "training" if training else "frozen")

@@ -59,6 +59,7 @@ class LoraAdapters(torch.nn.Module):
         super().__init__()
         self.cfg, self.tp, self.tp_rank = cfg, adapter.tp, tp_rank
         self.enabled = True
+        self.merge_factors: tuple | None = None    # device_factors' cache: (gathered factors, device, moved)
         self.A = torch.nn.ParameterDict()
         self.B = torch.nn.ParameterDict()
         shapes = projection_shapes(adapter.spec)
@@ -249,10 +250,10 @@ def device_factors(engine, device: torch.device) -> dict[str, tuple[torch.Tensor
     """`gathered(engine)` on `device`: moved once per change of the adapters (rank-r factors: megabytes),
     so that a merge multiplies B A where the weights are instead of on the host."""
     full = gathered(engine)
-    cached = getattr(engine.lora, "_merge_factors", None)
+    cached = engine.lora.merge_factors
     if cached is None or cached[0] is not full or cached[1] != device:
         moved = {name: (a.to(device), b.to(device)) for name, (a, b) in full.items()}
-        engine.lora._merge_factors = cached = (full, device, moved)
+        engine.lora.merge_factors = cached = (full, device, moved)
     return cached[2]
 
 

@@ -1,4 +1,4 @@
-"""One HF <-> Megatron adapter per model family, chosen by the model spec's architecture."""
+"""One HF <-> Megatron adapter per model family: its row's `adapter` (backends/families.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from hybridrl.backends.megatron.adapters.base import DecoderAdapter, Role, Slot,
 from hybridrl.backends.megatron.adapters.llama import LlamaAdapter
 from hybridrl.backends.megatron.adapters.qwen2 import Qwen2Adapter
 from hybridrl.backends.megatron.adapters.qwen3 import Qwen3Adapter, Qwen3MoeAdapter
+from hybridrl.backends.families import family_named
 from hybridrl.backends.model_spec import ModelSpec
 
 ADAPTERS: tuple[type[DecoderAdapter], ...] = (Qwen2Adapter, LlamaAdapter, Qwen3Adapter, Qwen3MoeAdapter)
@@ -22,7 +23,7 @@ def adapter_for(spec: ModelSpec | Any, *, tp: int = 1, ep: int = 1, vocab_divisi
     `ModelSpec.from_hf_config`)."""
     if not isinstance(spec, ModelSpec):
         spec = ModelSpec.from_hf_config(spec)
-    for cls in ADAPTERS:
-        if cls.family == spec.arch:
-            return cls(spec, tp=tp, ep=ep, vocab_divisible_by=vocab_divisible_by)
-    raise ValueError(f"no Megatron adapter for {spec.arch!r}; supported: {[c.family for c in ADAPTERS]}")
+    cls = family_named(spec.arch).adapter.resolve()
+    if not (isinstance(cls, type) and issubclass(cls, DecoderAdapter)):
+        raise TypeError(f"model family {spec.arch!r}: its adapter {cls!r} is not a DecoderAdapter subclass")
+    return cls(spec, tp=tp, ep=ep, vocab_divisible_by=vocab_divisible_by)

@@ -95,9 +95,6 @@ class DecoderAdapter:
     """HF Llama-style naming and Megatron GPTModel layouts over a `ModelSpec`. Families subclass
     `check_spec` for what they cannot express."""
 
-    family = "decoder"
-    model_types: tuple[str, ...] = ()
-
     def __init__(self, spec: ModelSpec, *, tp: int = 1, ep: int = 1, vocab_divisible_by: int = 128):
         self.check_spec(spec)
         if spec.num_heads % spec.num_kv_heads:
@@ -118,6 +115,13 @@ class DecoderAdapter:
         self.ep = ep
         self.etp = tp               # experts are TP-split like the dense MLP (expert_tensor_parallel_size = tp)
         self.padded_vocab_size = spec.padded_vocab_size(tp, vocab_divisible_by)
+        self._slots: list[Slot] | None = None          # slots(), computed on first use
+        self._groups: list | None = None               # its groups, computed on first use
+
+    @property
+    def family(self) -> str:
+        """The model family's name (its row in backends/families.py; several may share one adapter class)."""
+        return self.spec.arch
 
     @property
     def experts_per_rank(self) -> int:
@@ -146,7 +150,7 @@ class DecoderAdapter:
     def slots(self) -> list[Slot]:
         """Every Megatron parameter of the whole model, in model order (embedding, layers, norm, output).
         (Computed once: a large MoE model has tens of thousands; do not modify the list.)"""
-        if getattr(self, "_slots", None) is None:
+        if self._slots is None:
             self._slots = self._all_slots()
         return self._slots
 
@@ -189,7 +193,7 @@ class DecoderAdapter:
     def groups(self) -> list[list[Slot]]:
         """The exported slots in model order, as publication groups: one slot each, an expert's fc1
         and fc2 together (a bucket holds whole experts). Computed once."""
-        if getattr(self, "_groups", None) is not None:
+        if self._groups is not None:
             return self._groups
         out: list[list[Slot]] = []
         for slot in self.slots():

@@ -6,4 +6,4 @@ from hybridrl.backends.megatron.adapters.base import DecoderAdapter
 
 
 class LlamaAdapter(DecoderAdapter):
-    family = "llama"
+    """The row `llama` of backends/families.py."""

@@ -6,4 +6,4 @@ from hybridrl.backends.megatron.adapters.base import DecoderAdapter
 
 
 class Qwen2Adapter(DecoderAdapter):
-    family = "qwen2"
+    """The row `qwen2` of backends/families.py."""

@@ -9,8 +9,8 @@ from hybridrl.backends.megatron.adapters.base import DecoderAdapter
 
 
 class Qwen3Adapter(DecoderAdapter):
-    family = "qwen3"
+    """The row `qwen3` of backends/families.py."""
 
 
 class Qwen3MoeAdapter(DecoderAdapter):
-    family = "qwen3_moe"
+    """The row `qwen3_moe` of backends/families.py."""
