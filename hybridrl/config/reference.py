@@ -9,6 +9,7 @@ a test fails when the committed page is not what this module writes.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import re
 import typing
@@ -49,7 +50,7 @@ def default_text(f: dataclasses.Field) -> str:
         value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]
     if isinstance(value, str):
         return f'`"{value}"`' if value == "" or value != value.strip() else f"`{value}`"
-    if hasattr(value, "value") and isinstance(getattr(value, "value"), (str, int)):   # an enum
+    if isinstance(value, enum.Enum):
         return f"`{value.value}`"
     return f"`{json.dumps(value, default=str)}`"
 

@@ -30,7 +30,7 @@ class CpuProducts(TorchDispatchMode):
 
 
 def _engine(factors):
-    return SimpleNamespace(lora=SimpleNamespace(), _lora_full=factors,
+    return SimpleNamespace(lora=SimpleNamespace(merge_factors=None), _lora_full=factors,
                            cfg=SimpleNamespace(lora=SimpleNamespace(scale=SCALE)))
 
 
@@ -65,9 +65,9 @@ def test_weights_on_another_device_are_merged_there_with_no_product_on_the_host(
         add_merged_(engine, out, list(out))
         merge_fn(engine)("model.layers.0.mlp.down_proj.weight", out["model.layers.0.mlp.down_proj.weight"])
     assert seen.devices == ["meta"] * 3
-    moved = engine.lora._merge_factors
+    moved = engine.lora.merge_factors
     add_merged_(engine, out, list(out))
-    assert engine.lora._merge_factors is moved                      # moved once until the adapters change
+    assert engine.lora.merge_factors is moved                      # moved once until the adapters change
     engine._lora_full = _factors()
     add_merged_(engine, out, list(out))
-    assert engine.lora._merge_factors is not moved
+    assert engine.lora.merge_factors is not moved
