@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Callable
 
 from hybridrl.agent.episodes import AgentError, Episode, EpisodeEnd, EpisodeEngine
@@ -120,7 +120,12 @@ class GatewayRunner(EpisodeEngine):
         """An AsyncOpenAI client of one episode (no retries: a refused request is the episode's answer)."""
         import openai
 
-        return openai.AsyncOpenAI(api_key=key, base_url=self.server.base_url, http_client=self._http, max_retries=0)
+        client = openai.AsyncOpenAI(api_key=key, base_url=self.server.base_url, http_client=self._http, max_retries=0)
+        # The client looks up the platform for its headers in a worker thread before its first request; that
+        # thread's finish would decide when each episode's first request reaches the engine (and so which
+        # requests share a batch: the last bits of their logprobs). Looked up once here, on the loop.
+        client._platform = _platform()
+        return client
 
     # ------------------------------------------------------------------ one episode (the engine's hooks)
 
@@ -343,6 +348,13 @@ def _is_status_error(err: BaseException) -> bool:
     return isinstance(getattr(err, "status_code", None), int)
 
 
+@lru_cache(maxsize=1)
+def _platform() -> Any:
+    from openai._base_client import get_platform
+
+    return get_platform()
+
+
 def _http_client(server: HttpServer, *, limit: int, timeout: float) -> Any:
     """The one HTTP client every episode's OpenAI client shares (a connection pool over the gateway's
     socket), in the flavour the installed openai package takes."""
@@ -355,7 +367,9 @@ def _http_client(server: HttpServer, *, limit: int, timeout: float) -> Any:
         import httpx
 
         factory = openai.DefaultAsyncHttpxClient
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    # idle connections are kept (no expiry): one that expired after a few idle seconds would be opened again
+    # by the next request, an extra round on the loop whose place depends on how long the step took
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit, keepalive_expiry=None)
     transport = httpx.AsyncHTTPTransport(uds=str(server.socket_path), limits=limits) \
         if server.socket_path is not None else httpx.AsyncHTTPTransport(limits=limits)
     return factory(transport=transport, timeout=timeout, trust_env=False)

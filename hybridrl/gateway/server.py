@@ -79,7 +79,7 @@ def build_app(service: GatewayService, keys: EpisodeKeys, limits: Any = None) ->
                 episode = keys.find(request.headers)
                 body = await body_of(request)
                 check_request(body, chat=chat, max_chars=max_chars)
-                out = await handler(episode, body, request.is_disconnected)
+                out = await handler(episode, body, ClientWatch(request))
             except ClientGone as err:
                 service.counts["client_closed"] += 1
                 return error(err)
@@ -117,6 +117,22 @@ def build_app(service: GatewayService, keys: EpisodeKeys, limits: Any = None) ->
     return Starlette(routes=[Route("/v1/chat/completions", endpoint(service.chat, chat=True), methods=["POST"]),
                              Route("/v1/completions", endpoint(service.completions, chat=False), methods=["POST"]),
                              Route("/v1/models", models, methods=["GET"])])
+
+
+class ClientWatch:
+    """A request's client, for the service (`service.Gone`): whether it has gone (Starlette's poll) and a wait
+    for the ASGI `http.disconnect` message, which the server sends when the connection closes (the body is
+    read whole before the service runs, so nothing else is received)."""
+
+    def __init__(self, request: Any):
+        self.request = request
+
+    async def __call__(self) -> bool:
+        return await self.request.is_disconnected()
+
+    async def wait(self) -> None:
+        while (await self.request.receive())["type"] != "http.disconnect":
+            pass
 
 
 def _episode_or_none(keys: EpisodeKeys, request) -> Any:

@@ -32,7 +32,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Protocol, Sequence
 
 from hybridrl.data.trajectory import ToolCallRecord, Truncation
 from hybridrl.gateway.capture import Prepared, TemplateError
@@ -72,7 +72,13 @@ async def on_loop(loop: asyncio.AbstractEventLoop | None, coro: Any) -> Any:
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
 
 
-Gone = Callable[[], Awaitable[bool]]          # whether the request's client has gone away
+class Gone(Protocol):
+    """The client of one request: `await gone()` says whether it has gone away (at once), `await gone.wait()`
+    returns once it has (an event of the connection, never a clock)."""
+
+    def __call__(self) -> Awaitable[bool]: ...
+
+    async def wait(self) -> None: ...
 
 
 class GatewayService:
@@ -304,15 +310,21 @@ async def _unless_gone(coro: Any, gone: Gone | None, episode: GatewayEpisode) ->
     task = asyncio.ensure_future(coro)
     if gone is None:
         return await task
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.05)
-        if done:
-            return task.result()
-        if await gone():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            episode.counts["disconnected"] += 1
-            raise ClientGone()
+    # Raced against the connection's own disconnect event, not polled on a timer: a poll's wake-ups would
+    # decide, by the clock, on which turn of the loop the answer goes back and so when the agent's next
+    # request reaches the engine (which requests share a batch).
+    watch = asyncio.ensure_future(gone.wait())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    episode.counts["disconnected"] += 1
+    raise ClientGone()
 
 
 async def _still_there(episode: GatewayEpisode, gone: Gone | None) -> None:

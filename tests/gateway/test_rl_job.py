@@ -100,3 +100,19 @@ def test_plan_and_cost_read_the_agent_run(run):
         out[cmd[0]] = proc.stdout
     assert "recommended:" in out["plan"] and "no per-turn trace" in out["plan"]
     assert "device-hours" in out["cost"]
+
+
+def test_two_runs_of_an_openai_client_agent_under_load_are_the_same_run(tmp_path, tiny_models):
+    """The agent's requests reach the engine over HTTP, on the engine's loop: what shares a batch (and so the
+    last bits of the logprobs the update reads) must follow from the events, not from a worker thread (the
+    client's platform lookup) or a clock (idle connections expiring). Two runs at once beside busy loops: every
+    logged number but timings and the final weights equal (before: 24 numbers and 19 tensors differed)."""
+    from tests.controller.test_determinism import two_runs_under_load
+    from tests.controller.test_rl_e2e import assert_same_run
+
+    model = tiny_models("qwen2", init_std=0.05)
+    a, b = two_runs_under_load(tmp_path, [f"model.path={model}", f"task.agent={AGENT}",
+                                          "gateway.tool_parser=none", "gateway.reasoning_parser=none",
+                                          "trainer.total_steps=4", "trainer.validate_every=2",
+                                          "distributed.heartbeat_timeout_s=120"])
+    assert_same_run(a, b, from_step=0)
