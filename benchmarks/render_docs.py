@@ -28,6 +28,7 @@ import argparse
 import json
 import re
 import sys
+import unicodedata
 from decimal import Decimal
 from pathlib import Path
 
@@ -192,10 +193,26 @@ def render_record(rec: dict) -> str:
     return "\n".join(lines)
 
 
+def anchor(title: str) -> str:
+    """The heading's anchor as the site's table of contents makes it (Python-Markdown's toc slugify)."""
+    text = unicodedata.normalize("NFKD", title).encode("ascii", "ignore").decode("ascii")
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", text).strip().lower())
+
+
+def index_table(records: list[dict]) -> list[str]:
+    """One row per record: its section, the target it was measured against, when."""
+    lines = ["| benchmark | target | measured |", "|---|---|---|"]
+    for rec in records:
+        lines.append(f"| [{rec['title']}](#{anchor(rec['title'])}) | {rec.get('target', '-')} | "
+                     f"{rec.get('date', '-')} |")
+    return lines
+
+
 def render(records: list[dict]) -> str:
-    """The whole generated section, markers included."""
+    """The whole generated section, markers included: the index, then each record's section."""
     body = "\n".join(render_record(r) for r in records)
-    return f"{BEGIN}\n\n{body}\n{END}"
+    index = "\n".join(index_table(records))
+    return f"{BEGIN}\n\n{index}\n\n{body}\n{END}"
 
 
 def page_with_figures(page: str, records: list[dict]) -> str:
