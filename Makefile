@@ -18,7 +18,7 @@ endif
 
 PYTEST_ARGS ?=
 
-.PHONY: install demo test docs test-loaded test-slow test-gpu gpu-wheels gpu-check gpu-first-contact sglang-types vllm-venv test-vllm slurm-install slurm-up slurm-down test-slurm test-slurm-2node clean
+.PHONY: install demo test docs test-fast test-loaded test-slow test-gpu gpu-wheels gpu-check gpu-first-contact sglang-types vllm-venv test-vllm slurm-install slurm-up slurm-down test-slurm test-slurm-2node clean
 
 install: $(STAMP)
 
@@ -52,6 +52,11 @@ docs: install
 test-loaded: install
 	-@$(MAKE) --no-print-directory sglang-types >/dev/null 2>&1 || echo "(sglang types not installed: their test skips)"
 	$(BIN)/python tests/run_loaded.py $(PYTEST_ARGS)
+
+# The inner loop (a few minutes): the default suite without the modules that start processes (tests/conftest.py
+# tells them from their text). Not a substitute for `make test`.
+test-fast: install
+	HYBRIDRL_FAST=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-slow: install
 	HYBRIDRL_SLOW=1 $(BIN)/python -m pytest $(PYTEST_ARGS)

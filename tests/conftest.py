@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="run tests marked slow")
+
+
+# `make test-fast` (HYBRIDRL_FAST=1): the inner loop, without the modules that start processes (torchrun jobs,
+# runs of the CLI, subprocesses, the controller's shared runs); read from each module's text, so a new module
+# that launches anything leaves the fast set by itself. `make test` runs everything.
+_LAUNCHES = re.compile(r"\b(subprocess|multiprocessing|Popen|torchrun|run_job|hybridrl_train|straight_run|rl_model"
+                       r"|tests\.launch|tests\.controller)\b")
+
+
+def pytest_ignore_collect(collection_path, config):
+    if os.environ.get("HYBRIDRL_FAST") != "1" or collection_path.suffix != ".py" \
+            or not collection_path.name.startswith("test_"):
+        return None
+    return True if _LAUNCHES.search(collection_path.read_text()) else None
 
 
 def pytest_collection_modifyitems(config, items):
