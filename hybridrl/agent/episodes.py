@@ -134,6 +134,8 @@ class Episode:
     slot: Slot | None = None
     session: EnvSession | None = None
     in_flight: set[str] = field(default_factory=set)
+    # the segments of each request chain of the turn in progress, not yet appended to the trajectory
+    turn_segments: list[list[GenerationOutput]] = field(default_factory=list)
     open_turn: tuple | None = None          # (turn, timings, first response index) of the turn being traced
     timings: dict[str, float] = field(default_factory=lambda: {"generate_s": 0.0, "tool_s": 0.0, "env_s": 0.0})
     # what the verifier is handed at the end
@@ -157,8 +159,9 @@ class Episode:
         return deadline if self.pause is None else self.pause.deadline(deadline, self.paused_at_start)
 
     def live_policy_tokens(self) -> int:
-        """Policy tokens generated so far (what a collection's progress reads of a running episode)."""
-        return self.traj.num_policy_tokens
+        """Policy tokens generated so far (what a collection's progress reads of a running episode), the
+        segments of the turn in progress included (an episode interrupted mid-turn holds them there)."""
+        return self.traj.num_policy_tokens + sum(len(s.token_ids) for segs in self.turn_segments for s in segs)
 
 
 @dataclass
@@ -435,6 +438,15 @@ class EpisodeEngine:
         record). Ends when the engine says the turn ended, or the episode's wall clock or a stop cuts it (its
         partial output kept when the engine returns it in time)."""
         segments: list[GenerationOutput] = []
+        ep.turn_segments.append(segments)              # the turn's segments so far (read while it is paused)
+        try:
+            return await self._segments(ep, engine, context, room, turn, choice, stops, segments)
+        finally:                                       # the caller appends them now
+            ep.turn_segments = [s for s in ep.turn_segments if s is not segments]
+
+    async def _segments(self, ep: Episode, engine: Any, context: list[int], room: int, turn: int, choice: int,
+                        stops: tuple[int, ...], segments: list[GenerationOutput]) -> TurnOutput:
+        """`generate_turn`'s requests, each output appended to `segments` as it comes back."""
         requests: list[tuple[str, SamplingParams]] = []
         produced = 0
         for segment in range(1 << 20):
