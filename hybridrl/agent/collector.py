@@ -11,6 +11,10 @@ Per step (`collect`), on the rank that owns an engine:
     close the gate, interrupt the requests in flight at a token boundary (`PauseGate`)
     return the complete groups; the other episodes stay here, paused, with everything they hold
 
+At a checkpoint (`hand_over`) the held episodes settle (each ends or waits at the closed gate) and
+leave as data: the ended members, the episodes paused mid-turn saved whole (`agent/saved.py`), the
+attempts that cannot be saved as their prompts; the next `collect(held=...)` restores them.
+
 A group is returned only when all its members have ended, so a group baseline never sees a
 subset chosen by completion time. Members that ended wait here for the rest of their group.
 The returned trajectories carry, per token, the version that produced it and its behaviour

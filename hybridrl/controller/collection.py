@@ -25,12 +25,17 @@ first; the rest wait in a `GroupQueue` bounded in groups and tokens (`data/queue
 in flight (so the queue can never overflow); `drop_oldest`: launches go on and the oldest queued
 groups are dropped, counted in `queue/dropped_*`.
 
-Checkpoints (partial): the episodes held on the workers are not saved. A checkpoint records the
-instances of the groups in flight (and those waiting for a requeue) in the collection's state; a run
-resumed from it launches each of them again, from scratch, once, before drawing new prompts. The
-data cursor is past them, so no prompt is skipped, and the ones the killed run had in flight were
-never trained, so none is repeated. `<run.dir>/groups.jsonl` records per step the prompts drawn, the
-groups returned and those still in flight, so that this can be checked from the run's own records.
+Checkpoints (partial): the workers hand over every group in flight (`RolloutSide.hand_over`): its
+members that ended, its episodes paused mid-turn saved whole (`agent/saved.py`: token history,
+per-token versions and logprobs, the turn in progress, the agent's state, the wall clock left) and,
+for an episode that cannot be saved (a front end that cannot continue one, an environment session),
+its prompt. The checkpoint keeps them; the next step takes them back (`collect(held=...)`), in the
+run that wrote the checkpoint as in one resumed from it, so both make the same requests after it and
+a killed-and-resumed run is the uninterrupted one, bitwise. A saved episode continues as a new
+segment of its turn, under the version served then. Groups waiting for a requeue or queued are
+held as their prompts and launched again, from scratch, once, before new prompts are drawn.
+`<run.dir>/groups.jsonl` records per step the prompts drawn, the groups returned and those still in
+flight, so that exactly-once can be checked from the run's own records.
 """
 
 from __future__ import annotations
