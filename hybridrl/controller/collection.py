@@ -189,7 +189,8 @@ class PartialCollection:
         tc, algo = self.cfg.trainer, self.cfg.algo
         held, self.held = self.held, []
         outs = self.wg.call(RolloutSide.collect, episodes=episodes, quorum=quorum, deadline_s=deadline_s,
-                            poll_s=tc.collect_poll_s, informative_only=tc.dynamic_sampling, held=held)
+                            poll_s=tc.collect_poll_s, informative_only=tc.dynamic_sampling,
+                            **({"held": held} if held else {}))
         stats += [out["stats"] for out in outs]
         trajectories = [t for out in outs for t in out["trajectories"]]
         returned = {g: self.in_flight.pop(g) for g in dict.fromkeys(t.group_id for t in trajectories)}

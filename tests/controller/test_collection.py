@@ -74,12 +74,12 @@ class _OneEngineGroup:
     def __init__(self, collector):
         self.collector = collector
 
-    def call(self, method, *, episodes, quorum, deadline_s, poll_s, informative_only, held=()):
+    def call(self, method, *, episodes, quorum, deadline_s, poll_s, informative_only):
         from hybridrl.envs.tasks import TaskInstance
 
         attempts = [(TaskInstance.from_dict(e["instance"]), e["attempt"], e["group_id"]) for e in episodes]
         out, stats = self.collector.collect(attempts, quorum=quorum, deadline_s=deadline_s, poll_s=poll_s,
-                                            informative_only=informative_only, held=held)
+                                            informative_only=informative_only)
         return [{"trajectories": out, "stats": stats.to_dict()}]
 
 
