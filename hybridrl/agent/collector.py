@@ -175,10 +175,12 @@ class PartialCollector:
         ended, its episodes saved mid-turn (`agent/saved.py`) and the attempts to run again from the prompt
         (those that cannot be saved). The episodes' tasks are cancelled; `collect(held=...)` restores them.
         First the held episodes settle, with the gate closed: each runs until it ends or waits at the
-        gate (a tool call in progress returns), so that what is saved is a point the events fix."""
+        gate (a tool call in progress returns), so that what is saved is a point the events fix; the same
+        in the run that goes on and in one resumed from the checkpoint."""
         if not self.owns_engine or not self.expected:
             return []
-        self.loop.run_until_complete(self._settle(poll_s))
+        if type(self.runner).SAVES_EPISODES:                # (other front ends' episodes leave as their prompts)
+            self.loop.run_until_complete(self._settle(poll_s))
         self._harvest()
         saved: dict[str, list[SavedEpisode]] = defaultdict(list)
         again: dict[str, list[tuple[Any, int]]] = defaultdict(list)
@@ -196,6 +198,7 @@ class PartialCollector:
         return held
 
     async def _settle(self, poll_s: float) -> None:
+        """Run the loop until every held episode has ended or waits at the (closed) gate."""
         spins = 0
         while True:
             running = [t for t in self.live if not t.done()]

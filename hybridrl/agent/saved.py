@@ -27,6 +27,7 @@ runs again from there, as before.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,8 +59,9 @@ class SavedEpisode:
         elapsed = time.monotonic() - ep.started
         if ep.pause is not None:
             elapsed -= ep.pause.paused_s() - ep.paused_at_start
-        return cls(instance=ep.instance, traj=ep.traj, turn=turn, elapsed_s=max(0.0, elapsed), answer=ep.answer, num_answers=ep.num_answers,
-                   final_text=ep.final_text, env_return=ep.env_return, open_turn=ep.open_turn,
+        # a copy: the episode's task is cancelled next, and its end writes to the trajectory it leaves
+        return cls(instance=ep.instance, traj=copy.deepcopy(ep.traj), turn=turn, elapsed_s=max(0.0, elapsed), answer=ep.answer, num_answers=ep.num_answers,
+                   final_text=ep.final_text, env_return=ep.env_return, open_turn=copy.deepcopy(ep.open_turn),
                    timings=dict(ep.timings))
 
     def restore(self, ep: Episode) -> None:
