@@ -11,6 +11,10 @@ Per step (`collect`), on the rank that owns an engine:
     close the gate, interrupt the requests in flight at a token boundary (`PauseGate`)
     return the complete groups; the other episodes stay here, paused, with everything they hold
 
+At a checkpoint (`hand_over`) the held episodes settle (each ends or waits at the closed gate) and
+leave as data: the ended members, the episodes paused mid-turn saved whole (`agent/saved.py`), the
+attempts that cannot be saved as their prompts; the next `collect(held=...)` restores them.
+
 A group is returned only when all its members have ended, so a group baseline never sees a
 subset chosen by completion time. Members that ended wait here for the rest of their group.
 The returned trajectories carry, per token, the version that produced it and its behaviour
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from hybridrl.agent.pause import PauseGate
+from hybridrl.agent.saved import HeldGroup, SavedEpisode, saveable
 from hybridrl.algo.filters import informative_groups
 from hybridrl.data.trajectory import Trajectory
 
@@ -75,22 +80,24 @@ class PartialCollector:
         self.live: dict[asyncio.Task, str] = {}             # task -> group id
         self.members: dict[str, list[Trajectory]] = defaultdict(list)   # ended members per group
         self.expected: dict[str, int] = {}                  # group id -> members launched
+        self.attempts: dict[asyncio.Task, tuple[Any, int, str]] = {}    # task -> (instance, attempt, group id)
 
     # ------------------------------------------------------------------ one step
 
     def collect(self, attempts: Sequence[tuple[Any, int, str]], *, quorum: int, deadline_s: float = 0.0,
-                poll_s: float = 0.05, temperature: float | None = None,
-                informative_only: bool = False) -> tuple[list[Trajectory], CollectStats]:
+                poll_s: float = 0.05, temperature: float | None = None, informative_only: bool = False,
+                held: Sequence[HeldGroup] = ()) -> tuple[list[Trajectory], CollectStats]:
         """Launch `attempts` (instance, attempt, group id) and run until `quorum` complete groups exist
         over all ranks (or the deadline / nothing left to run); returns this rank's complete groups.
-        `informative_only`: the quorum counts only groups whose rewards are not all equal."""
+        `informative_only`: the quorum counts only groups whose rewards are not all equal. `held`: groups
+        handed over at a checkpoint (`hand_over`), taken back first."""
         stats = CollectStats(launched=len(attempts) if self.owns_engine else 0)
         started = time.monotonic()
         if self.owns_engine:
+            self._take_back(held, temperature)
             for inst, attempt, group_id in attempts:
                 self.expected[group_id] = self.expected.get(group_id, 0) + 1
-                coro = self.runner._admit(inst, self.task, attempt, group_id, None, temperature, self.gate)
-                self.live[self.loop.create_task(coro)] = group_id
+                self._start(inst, attempt, group_id, temperature)
         self.gate.open()
         while True:
             if self.live:
@@ -124,6 +131,13 @@ class PartialCollector:
         stats.seconds = time.monotonic() - started
         return out, stats
 
+    def _start(self, inst: Any, attempt: int, group_id: str, temperature: float | None,
+               saved: SavedEpisode | None = None) -> None:
+        coro = self.runner._admit(inst, self.task, attempt, group_id, None, temperature, self.gate, saved)
+        task = self.loop.create_task(coro)
+        self.live[task] = group_id
+        self.attempts[task] = (inst, attempt, group_id)
+
     async def _slice(self, poll_s: float) -> None:
         """Run the held episodes until one ends or `POLL_STEPS` engine steps have run. Without a step
         clock (see `step_clock`), or while every episode waits outside the engine (a tool in another
@@ -144,6 +158,7 @@ class PartialCollector:
     def _harvest(self) -> None:
         for task in [t for t in self.live if t.done()]:
             group_id = self.live.pop(task)
+            del self.attempts[task]
             self.members[group_id].append(task.result())    # run_episode never raises for the episode
 
     def _complete_groups(self, informative_only: bool = False) -> list[str]:
@@ -152,6 +167,69 @@ class PartialCollector:
             return complete
         signal = informative_groups([t for g in complete for t in self.members[g]])
         return [g for g in complete if g in signal]
+
+    # ------------------------------------------------------------------ at a checkpoint
+
+    def hand_over(self, poll_s: float = 0.01) -> list[HeldGroup]:
+        """Everything this rank holds, as data: every group launched and not returned, with its members that
+        ended, its episodes saved mid-turn (`agent/saved.py`) and the attempts to run again from the prompt
+        (those that cannot be saved). The episodes' tasks are cancelled; `collect(held=...)` restores them.
+        First the held episodes settle, with the gate closed: each runs until it ends or waits at the
+        gate (a tool call in progress returns), so that what is saved is a point the events fix; the same
+        in the run that goes on and in one resumed from the checkpoint."""
+        if not self.owns_engine or not self.expected:
+            return []
+        if type(self.runner).SAVES_EPISODES:                # (other front ends' episodes leave as their prompts)
+            self.loop.run_until_complete(self._settle(poll_s))
+        self._harvest()
+        saved: dict[str, list[SavedEpisode]] = defaultdict(list)
+        again: dict[str, list[tuple[Any, int]]] = defaultdict(list)
+        for inst, attempt, group_id in sorted(self.attempts.values(), key=lambda a: (a[2], a[1])):
+            ep = self._episode(group_id, attempt)
+            if ep is not None and saveable(self.runner, ep):
+                saved[group_id].append(SavedEpisode.of(ep))
+            else:
+                again[group_id].append((inst, attempt))
+        held = [HeldGroup(g, self.expected[g], sorted(self.members.get(g, []), key=lambda t: t.attempt),
+                          saved.get(g, []), again.get(g, [])) for g in sorted(self.expected)]
+        self.close()                                        # the tasks cancelled; the gate stays closed
+        self.members.clear()
+        self.expected.clear()
+        return held
+
+    async def _settle(self, poll_s: float) -> None:
+        """Run the loop until every held episode has ended or waits at the (closed) gate."""
+        spins = 0
+        while True:
+            running = [t for t in self.live if not t.done()]
+            parked = sum(1 for ep in self.gate.running.values() if any(p.parked for p in ep.turns_open))
+            if len(running) <= parked:
+                return
+            spins += 1
+            if spins < IDLE_SPINS:
+                await asyncio.sleep(0)
+            else:                   # waiting on another process (a tool, an environment): the clock
+                await asyncio.wait(running, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
+
+    def _episode(self, group_id: str, attempt: int) -> Any:
+        for ep in self.gate.running.values():
+            if ep.traj.group_id == group_id and ep.traj.attempt == attempt:
+                return ep
+        return None
+
+    def _take_back(self, held: Sequence[HeldGroup], temperature: float | None) -> None:
+        """Restore groups handed over at a checkpoint: saved episodes first, in order, then attempts run
+        again from their prompt."""
+        for group in held:
+            self.expected[group.group_id] = group.expected
+            if group.ended:
+                self.members[group.group_id] = list(group.ended)
+        for group in held:
+            for saved in group.saved:
+                self._start(saved.instance, saved.traj.attempt, group.group_id, temperature, saved)
+        for group in held:
+            for inst, attempt in group.again:
+                self._start(inst, attempt, group.group_id, temperature)
 
     def pending_groups(self) -> list[str]:
         """Groups launched here and not yet returned (running, paused or partly ended)."""
@@ -165,6 +243,7 @@ class PartialCollector:
         if self.live:
             self.loop.run_until_complete(asyncio.gather(*self.live, return_exceptions=True))
         self.live.clear()
+        self.attempts.clear()
 
 
 def step_clock(engine: Any) -> Callable[[], int] | None:

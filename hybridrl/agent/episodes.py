@@ -134,6 +134,9 @@ class Episode:
     slot: Slot | None = None
     session: EnvSession | None = None
     in_flight: set[str] = field(default_factory=set)
+    # each request chain of the turn in progress (segments not yet appended to the trajectory)
+    turns_open: list["TurnProgress"] = field(default_factory=list)
+    resume_turn: "TurnProgress | None" = None     # a saved episode's turn, continued by the next generate_turn
     open_turn: tuple | None = None          # (turn, timings, first response index) of the turn being traced
     timings: dict[str, float] = field(default_factory=lambda: {"generate_s": 0.0, "tool_s": 0.0, "env_s": 0.0})
     # what the verifier is handed at the end
@@ -157,8 +160,26 @@ class Episode:
         return deadline if self.pause is None else self.pause.deadline(deadline, self.paused_at_start)
 
     def live_policy_tokens(self) -> int:
-        """Policy tokens generated so far (what a collection's progress reads of a running episode)."""
-        return self.traj.num_policy_tokens
+        """Policy tokens generated so far (what a collection's progress reads of a running episode), the
+        segments of the turn in progress included (an episode interrupted mid-turn holds them there)."""
+        return self.traj.num_policy_tokens + sum(p.produced for p in self.turns_open)
+
+
+@dataclass
+class TurnProgress:
+    """One request chain of a turn being generated: what an episode paused mid-turn holds, and what a
+    saved episode (`agent/saved.py`) continues from."""
+
+    turn: int
+    choice: int = 0
+    segments: list[GenerationOutput] = field(default_factory=list)
+    requests: list[tuple[str, SamplingParams]] = field(default_factory=list)   # each segment's request
+    segment: int = 0              # the next request's segment index (its seed and request id)
+    parked: bool = False          # waiting at a closed pause gate before request `segment`
+
+    @property
+    def produced(self) -> int:
+        return sum(len(s.token_ids) for s in self.segments)
 
 
 @dataclass
@@ -207,6 +228,9 @@ class EpisodeEngine:
     Keep one per rollout phase (it accumulates stats)."""
 
     COUNTERS: tuple[str, ...] = ("episodes", "agent_errors", "tool_calls", "tool_errors", "malformed_actions")
+    # whether `drive` continues an episode saved mid-turn (`agent/saved.py`); else a checkpoint holds the
+    # episode's prompt and it runs again from there
+    SAVES_EPISODES = False
 
     def __init__(self, engine: Any, *, agent_cfg: AgentConfig, tools: Any, run_id: str,
                  envs: EnvProvider | None = None, seed: int = 0):
@@ -275,7 +299,7 @@ class EpisodeEngine:
 
     async def _admit(self, inst: TaskInstance, task: Task, attempt: int, group_id: str,
                      stop: asyncio.Event | None, temperature: float | None,
-                     pause: PauseGate | None = None) -> Trajectory:
+                     pause: PauseGate | None = None, saved: Any = None) -> Trajectory:
         queued = time.monotonic()
         loop = asyncio.get_running_loop()
         if self._slots is None or self._slots_loop is not loop:    # one limit per event loop
@@ -285,7 +309,7 @@ class EpisodeEngine:
         try:
             return await self.run_episode(inst, task=task, attempt=attempt, group_id=group_id, stop=stop,
                                           queue_s=time.monotonic() - queued, temperature=temperature,
-                                          pause=pause, slot=slot)
+                                          pause=pause, slot=slot, saved=saved)
         finally:
             slot.give_back()
 
@@ -294,12 +318,16 @@ class EpisodeEngine:
     async def run_episode(self, instance: TaskInstance, *, task: Task, attempt: int = 0,
                           group_id: str | None = None, stop: asyncio.Event | None = None, queue_s: float = 0.0,
                           temperature: float | None = None, pause: PauseGate | None = None,
-                          slot: Slot | None = None) -> Trajectory:
-        """One episode; never raises for the episode's own problems (they become its status)."""
+                          slot: Slot | None = None, saved: Any = None) -> Trajectory:
+        """One episode; never raises for the episode's own problems (they become its status). `saved`: an
+        episode saved mid-turn (`agent.saved.SavedEpisode`), continued where it stopped."""
         await self.start()
         ep = self.open(self._new_episode(instance, task, attempt, group_id, stop, temperature, pause, slot))
+        if saved is not None:
+            saved.restore(ep)
+        else:
+            self.counts["episodes"] += 1
         traj = ep.traj
-        self.counts["episodes"] += 1
         if pause is not None:
             pause.running[traj.trajectory_id] = ep
         try:
@@ -434,18 +462,35 @@ class EpisodeEngine:
         weights or a closed pause gate interrupt it (a new segment: its own seed, version and routing
         record). Ends when the engine says the turn ended, or the episode's wall clock or a stop cuts it (its
         partial output kept when the engine returns it in time)."""
-        segments: list[GenerationOutput] = []
-        requests: list[tuple[str, SamplingParams]] = []
-        produced = 0
-        for segment in range(1 << 20):
+        resumed = ep.resume_turn
+        if resumed is not None and (resumed.turn, resumed.choice) == (turn, choice):   # a saved episode's turn
+            ep.resume_turn, progress = None, resumed
+        else:
+            progress = TurnProgress(turn, choice)
+        ep.turns_open.append(progress)                 # the turn's segments so far (read while it is paused)
+        try:
+            return await self._segments(ep, engine, context, room, stops, progress)
+        finally:                                       # the caller appends them now
+            ep.turns_open = [p for p in ep.turns_open if p is not progress]
+
+    async def _segments(self, ep: Episode, engine: Any, context: list[int], room: int, stops: tuple[int, ...],
+                        progress: TurnProgress) -> TurnOutput:
+        """`generate_turn`'s requests from `progress.segment` on, each output kept in `progress` as it comes back."""
+        turn, choice, segments, requests = progress.turn, progress.choice, progress.segments, progress.requests
+        produced = progress.produced
+        while True:
+            segment = progress.segment
             if ep.pause is not None:
+                progress.parked = not ep.pause.is_open
                 await ep.pause.wait(ep.slot)           # interrupted: continue when the gate opens again
+                progress.parked = False
             sampling = SamplingParams(max_new_tokens=room - produced, temperature=ep.temperature, top_p=ep.top_p,
                                       top_k=ep.top_k, seed=request_seed(ep.seed, turn, segment, choice),
                                       stop_token_ids=stops)
             rid = request_id(ep.traj.trajectory_id, turn, segment, choice)
             out, cut = await self._request(ep, engine, context + [t for s in segments for t in s.token_ids],
                                            sampling, rid)
+            progress.segment += 1
             if out is not None and out.token_ids:
                 segments.append(out)
                 requests.append((rid, sampling))
@@ -455,7 +500,6 @@ class EpisodeEngine:
                                   cut or "deadline")
             if not self._continues(ep, out.finish_reason) or produced >= room:
                 return TurnOutput(segments, requests, out.finish_reason)
-        raise AssertionError("unreachable")            # pragma: no cover
 
     def _continues(self, ep: Episode, finish: FinishReason) -> bool:
         """Whether an interrupted request goes on in a new segment."""

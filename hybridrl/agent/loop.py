@@ -54,6 +54,7 @@ class AgentRunner(EpisodeEngine):
 
     COUNTERS = ("episodes", "agent_errors", "malformed_actions", "unauthorized_actions", "invalid_arguments",
                 "too_many_calls", "tool_calls", "tool_errors")
+    SAVES_EPISODES = True      # its state between requests is the trajectory and the turn in progress
 
     def __init__(self, engine: Any, tokenizer: Any, *, agent_cfg: AgentConfig, tools: ToolBox, run_id: str,
                  envs: EnvProvider | None = None, seed: int = 0):
@@ -76,16 +77,19 @@ class AgentRunner(EpisodeEngine):
         cfg, traj = ep.cfg, ep.traj
         authorizer = ToolAuthorizer(self.tools.specs, ep.instance.tools)
         tool_json = [authorizer.specs[n].to_json() for n in authorizer.allowed] if ep.task.render_tools else None
-        messages = list(ep.instance.messages)
-        ep.session = self.envs.session(ep.task, ep.instance, seed=ep.seed, episode_key=traj.trajectory_id)
-        extra = await ep.session.reset() if ep.session is not None else None
-        if extra:
-            messages.append({"role": "user", "content": self.chat.sanitize(extra, cfg.max_observation_chars)})
-        traj.prompt_ids = self.chat.prompt_ids(messages, tools=tool_json)
+        resumed = ep.resume_turn.turn if ep.resume_turn is not None else None   # a saved episode's open turn
+        if resumed is None:
+            messages = list(ep.instance.messages)
+            ep.session = self.envs.session(ep.task, ep.instance, seed=ep.seed, episode_key=traj.trajectory_id)
+            extra = await ep.session.reset() if ep.session is not None else None
+            if extra:
+                messages.append({"role": "user", "content": self.chat.sanitize(extra, cfg.max_observation_chars)})
+            traj.prompt_ids = self.chat.prompt_ids(messages, tools=tool_json)
         parser = self.parser(ep.task)
-        for turn in range(cfg.max_turns):
-            close_turn(ep)
-            ep.open_turn = (turn, dict(ep.timings), len(traj.response_ids))
+        for turn in range(resumed or 0, cfg.max_turns):
+            if turn != resumed:
+                close_turn(ep)
+                ep.open_turn = (turn, dict(ep.timings), len(traj.response_ids))
             ids, finish = await self._turn(ep, turn)
             traj.turns = turn + 1
             ep.final_text = text = self.chat.decode(ids)

@@ -25,12 +25,17 @@ first; the rest wait in a `GroupQueue` bounded in groups and tokens (`data/queue
 in flight (so the queue can never overflow); `drop_oldest`: launches go on and the oldest queued
 groups are dropped, counted in `queue/dropped_*`.
 
-Checkpoints (partial): the episodes held on the workers are not saved. A checkpoint records the
-instances of the groups in flight (and those waiting for a requeue) in the collection's state; a run
-resumed from it launches each of them again, from scratch, once, before drawing new prompts. The
-data cursor is past them, so no prompt is skipped, and the ones the killed run had in flight were
-never trained, so none is repeated. `<run.dir>/groups.jsonl` records per step the prompts drawn, the
-groups returned and those still in flight, so that this can be checked from the run's own records.
+Checkpoints (partial): the workers hand over every group in flight (`RolloutSide.hand_over`): its
+members that ended, its episodes paused mid-turn saved whole (`agent/saved.py`: token history,
+per-token versions and logprobs, the turn in progress, the agent's state, the wall clock left) and,
+for an episode that cannot be saved (a front end that cannot continue one, an environment session),
+its prompt. The checkpoint keeps them; the next step takes them back (`collect(held=...)`), in the
+run that wrote the checkpoint as in one resumed from it, so both make the same requests after it and
+a killed-and-resumed run is the uninterrupted one, bitwise. A saved episode continues as a new
+segment of its turn, under the version served then. Groups waiting for a requeue or queued are
+held as their prompts and launched again, from scratch, once, before new prompts are drawn.
+`<run.dir>/groups.jsonl` records per step the prompts drawn, the groups returned and those still in
+flight, so that exactly-once can be checked from the run's own records.
 """
 
 from __future__ import annotations
@@ -151,7 +156,8 @@ class PartialCollection:
         self.cfg, self.wg, self.run, self.link = cfg, wg, run, link
         self.in_flight: dict[str, dict] = {}      # group id -> its instance (launched, not yet returned)
         self.requeued: list[dict] = []            # instances of stale groups, launched first at the next step
-        self.relaunch: list[dict] = []             # a resumed run: what the checkpoint had in flight
+        self.relaunch: list[dict] = []             # a resumed run: what the checkpoint had to launch again
+        self.held: list = []                       # groups the workers handed over at a checkpoint (agent/saved.py)
         tc = cfg.trainer
         self.queue = GroupQueue(max_groups=tc.queue_max_groups, max_tokens=tc.queue_max_tokens,
                                 policy=tc.queue_policy) if tc.max_groups_per_step else None
@@ -181,8 +187,10 @@ class PartialCollection:
     def _collect(self, episodes: list[dict], quorum: int, deadline_s: float, stats: list,
                  counts: dict[str, float]) -> list[Trajectory]:
         tc, algo = self.cfg.trainer, self.cfg.algo
+        held, self.held = self.held, []
         outs = self.wg.call(RolloutSide.collect, episodes=episodes, quorum=quorum, deadline_s=deadline_s,
-                            poll_s=tc.collect_poll_s, informative_only=tc.dynamic_sampling)
+                            poll_s=tc.collect_poll_s, informative_only=tc.dynamic_sampling,
+                            **({"held": held} if held else {}))
         stats += [out["stats"] for out in outs]
         trajectories = [t for out in outs for t in out["trajectories"]]
         returned = {g: self.in_flight.pop(g) for g in dict.fromkeys(t.group_id for t in trajectories)}
@@ -253,13 +261,23 @@ class PartialCollection:
 
     # a stateful part of the run's checkpoint
     def state_dict(self) -> dict:
-        """The prompts of the groups in flight, waiting for a requeue or queued: a resumed run launches each
-        of them again, from scratch, once, before drawing new prompts."""
+        """The groups in flight as the workers hand them over (`RolloutSide.hand_over`: their ended members,
+        their episodes saved mid-turn, the attempts that run again from the prompt), taken back at the next
+        step in this run as in a resumed one; and the prompts waiting for a requeue or queued, which a
+        resumed run launches again, from scratch, once, before drawing new prompts."""
+        self.held = [g for rank in self.wg.call(RolloutSide.hand_over) for g in rank]
+        return {**self._prompts(), "held": Blob(self.held)}
+
+    def _prompts(self) -> dict:
         return {"in_flight": dict(self.in_flight), "requeued": list(self.requeued),
                 "queued": list(self.queued_instances.values())}
 
     def load_state_dict(self, state: dict) -> None:
-        self.relaunch = [*state.get("in_flight", {}).values(), *state.get("requeued", []), *state.get("queued", [])]
+        if "held" not in state:                    # a checkpoint that holds the prompts in flight only
+            self.relaunch = [*state.get("in_flight", {}).values(), *state.get("requeued", []), *state.get("queued", [])]
+            return
+        self.in_flight, self.held = dict(state["in_flight"]), list(state["held"])
+        self.relaunch = [*state.get("requeued", []), *state.get("queued", [])]
 
     def _record(self, step: int, trajectories: list[Trajectory]) -> None:
         """This step's row of groups.jsonl."""
@@ -386,7 +404,7 @@ class StreamCollection(PartialCollection):
         for step, (_, floor) in sorted(self.granted.items()):
             if floor <= self.serving:       # a floor no waiting group is above: lowers none of them
                 self.finished[step] = self._take(step, NO_LOWER_FLOOR)
-        return {**super().state_dict(), "finished": Blob(self.finished),
+        return {**self._prompts(), "finished": Blob(self.finished),
                 "waiting": {str(step): {"groups": groups, "floor": floor} for step, (groups, floor) in self.granted.items()}}
 
     def load_state_dict(self, state: dict) -> None:

@@ -145,11 +145,12 @@ class RolloutSide(Part):
 
     @register(dispatch=ON_ROLLOUT_RANKS)
     def collect(self, *, episodes: list[dict], quorum: int, deadline_s: float = 0.0, poll_s: float = 0.05,
-                informative_only: bool = False) -> dict:
+                informative_only: bool = False, held: list | None = None) -> dict:
         """Partial rollouts: `episodes` (instance, attempt, group_id; the step's new ones, whole groups)
         are launched on the engines, group i on rollout dp rank i % dp; every held episode runs until
         `quorum` groups are complete over all ranks. Returns this rank's complete groups (scored by the
-        reward model when there is one) and counters."""
+        reward model when there is one) and counters. `held`: the groups `hand_over` gave at a checkpoint
+        (every rank's; each takes back its own)."""
         from hybridrl.agent.collector import PartialCollector
         from hybridrl.data.episode import TaskInstance
 
@@ -162,10 +163,23 @@ class RolloutSide(Part):
         attempts = [(TaskInstance.from_dict(e["instance"]), int(e["attempt"]), e["group_id"])
                     for e in episodes if e["group_id"] in mine]
         with self.phases.phase("generate"):
+            mine_held = [g for g in held or () if g.rank == self.mesh.dp_rank(self.ctx.rank)]
             trajectories, stats = self.collector.collect(attempts, quorum=quorum, deadline_s=deadline_s,
-                                                         poll_s=poll_s, informative_only=informative_only)
+                                                         poll_s=poll_s, informative_only=informative_only,
+                                                         held=mine_held)
         self.score(trajectories)
         return {"trajectories": trajectories if self.owns_engine else [], "stats": stats.to_dict()}
+
+    @register(dispatch=ON_ROLLOUT_RANKS)
+    def hand_over(self) -> list:
+        """At a checkpoint: every group this rank's partial collection holds, as data (`agent/saved.py`:
+        episodes paused mid-turn saved whole), its tasks cancelled; `collect(held=...)` takes them back."""
+        if self.collector is None:
+            return []
+        held = self.collector.hand_over(poll_s=self.cfg.trainer.collect_poll_s)
+        for group in held:
+            group.rank = self.mesh.dp_rank(self.ctx.rank)
+        return held
 
     @register(dispatch=ON_ROLLOUT_RANKS)
     def sample(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0) -> list[dict]:

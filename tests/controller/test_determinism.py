@@ -106,3 +106,38 @@ def test_every_other_collection_is_the_same_run_twice_under_load(tmp_path, model
     assert all(r["train/updated"] == 1.0 for r in rows)
     if name == "partial":            # the case this checks: episodes carried over and continued
         assert sum(r["partial/interrupted"] for r in rows) > 0 and sum(r["partial/continued_episodes"] for r in rows) > 0
+
+
+@pytest.mark.slow
+def test_partial_episodes_in_flight_at_a_checkpoint_continue_after_kill_9_as_a_new_segment(tmp_path, model):
+    """Partial rollouts, checkpoint every step, the whole job SIGKILLed in step 3 and resumed from the step-2
+    checkpoint, which holds episodes paused mid-turn: the run equals the uninterrupted one in every number
+    but timings and in its weights, and each saved episode is trained as one trajectory whose first
+    tokens after the resume continue the saved ones (its v1 segment kept, a v2 segment after it)."""
+    import pickle
+
+    from hybridrl.inspect.query import RunLedger
+    from tests.controller.test_rl_e2e import assert_same_run, kill_9_then_resume
+
+    common = [f"model.path={model}", "trainer.rollout_mode=partial", "trainer.oversample=3", "trainer.prompts_per_step=2",
+              "trainer.total_steps=4", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=4",
+              "agent.max_new_tokens_per_turn=128", "agent.max_response_tokens=384"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    proc = subprocess.run([sys.executable, "-m", "hybridrl", "train", str(RECIPE), *common, f"run.dir={straight}"],
+                          cwd=ROOT, env=env_with_repo(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    kill_9_then_resume(straight, killed, common)          # bitwise from step 3 on, weights included
+    assert_same_run(straight, killed, from_step=1)        # (and before: the same command up to the kill)
+    state = pickle.loads((killed / "checkpoints" / "step_000002" / "trainer_state.pkl").read_bytes())
+    saved = [s for g in state["collection"]["held"] for s in g.saved]
+    assert saved                                          # the checkpoint held episodes paused mid-turn
+    ledger = RunLedger(killed)
+    trained = {r["id"]: r for r in ledger.select() if r["consumed_step"] is not None}
+    for s in saved:
+        row = ledger.data_row(trained[s.traj.trajectory_id])
+        before = s.traj.response_ids + [t for seg in s.turn.segments for t in seg.token_ids]
+        versions = s.traj.policy_versions + [seg.policy_version for seg in s.turn.segments for _ in seg.token_ids]
+        assert row["response_ids"][:len(before)] == before           # continued, not generated again
+        assert row["policy_versions"][:len(before)] == versions and set(versions) == {1}
+        assert row["policy_versions"][len(before):] and set(row["policy_versions"][len(before):]) >= {2}
+        assert row["metadata"]["restored"] >= 1 and row["metadata"]["interruptions"] >= 1

@@ -26,21 +26,22 @@ def _episodes(instances, group_size: int, step: int) -> list[dict]:
 
 
 def continued_across_an_update(cfg, wg):
-    """v0: run episodes, stop at a short deadline until some are interrupted holding v0 tokens;
+    """v0: run episodes for one slice of engine steps and interrupt them mid-turn holding v0 tokens;
     train once; publish v1; let them finish. Then score the continued trajectories with the
-    reference (= the v0 weights) and the actor (= v1)."""
+    reference (= the v0 weights) and the actor (= v1).
+
+    The v0 window is fixed by the events, never by the clock: a quorum of 0 complete groups stops the
+    collection after its first slice (`POLL_STEPS` steps of the native engine's loop driver), when every
+    episode is inside its first turn (turns far longer than a slice), so each one is aborted at a token
+    boundary and continues on v1 whatever the machine's speed or load."""
     task = get_task(cfg.task.name, cfg.task)
-    stream = iter(task.train_split())
     tc = cfg.trainer
     wg.call(ModeSwitch.enter_rollout, version=0, step=0)
-    first = []
-    for attempt in range(200):
-        new = _episodes([next(stream) for _ in range(2)], tc.group_size, attempt) if attempt % 10 == 0 else []
-        outs = wg.call(RolloutSide.collect, episodes=new, quorum=10 ** 6, deadline_s=0.02, poll_s=0.005)
-        first += [t for out in outs for t in out["trajectories"]]
-        if sum(out["stats"]["live_tokens"] for out in outs) > 0:
-            break
+    new = _episodes(task.train_split()[:2], tc.group_size, 0)
+    outs = wg.call(RolloutSide.collect, episodes=new, quorum=0, deadline_s=0.0, poll_s=0.005)
+    first = [t for out in outs for t in out["trajectories"]]
     held = sum(out["stats"]["live"] for out in outs)
+    window = [{k: out["stats"][k] for k in ("stopped_by", "live", "interrupted", "live_tokens")} for out in outs]
     wg.call(ModeSwitch.enter_train)
     update = _train_once(wg, vocab=500)
     wg.call(ModeSwitch.enter_rollout, version=1, step=1)
@@ -49,7 +50,7 @@ def continued_across_an_update(cfg, wg):
     wg.call(ModeSwitch.enter_train)
     mixed = [t for t in after if t.versions == {0, 1}]
     result = {"held": held, "first_versions": sorted({v for t in first for v in t.versions}),
-              "after": len(after), "mixed": len(mixed), "update": {k: float(v) for k, v in update.items()},
+              "window": window, "after": len(after), "mixed": len(mixed), "update": {k: float(v) for k, v in update.items()},
               "stopped_by": [out["stats"]["stopped_by"] for out in outs],
               "live_after": [out["stats"]["live"] for out in outs]}
     if mixed:

@@ -22,12 +22,14 @@ def test_a_trajectory_continued_across_a_weight_update_keeps_both_versions(tmp_p
     proc = hybridrl_train(RECIPE, "run.job=tests.workers.partial_jobs:CONTINUED",
                           f"model.path={model}", f"run.dir={tmp_path}", "train.lr=1e-2", "train.lr_warmup_steps=0",
                           "algo.kl_coef=0.01", "algo.kl_in=reward", "publish.parity_prompts=0",
-                          # turns far longer than the collect window (a random model rarely samples EOS),
-                          # so an episode is mid-turn when the window ends however fast or busy the machine
+                          # turns far longer than the v0 window (one slice of engine steps), so every
+                          # episode is mid-turn when it ends
                           "agent.max_new_tokens_per_turn=96", "agent.max_response_tokens=200")
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["held"] > 0 and r["first_versions"] in ([], [0])
+    for rank in r["window"]:    # every rank's episodes were all inside a request when the v0 window ended
+        assert rank["stopped_by"] == "quorum" and rank["interrupted"] == rank["live"] > 0 and rank["live_tokens"] > 0
     assert r["stopped_by"] == ["drained", "drained"] and r["live_after"] == [0, 0]
     assert r["mixed"] > 0 and r["v0_tokens"] > 0 and r["v1_tokens"] > 0
     assert all(n >= 1 for n in r["interruptions"])
