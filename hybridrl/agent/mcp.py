@@ -101,6 +101,10 @@ def launch(server: McpServerConfig, python: str) -> tuple[list[str], dict[str, s
     """(argv, environment, paths to bind read-only) of a server: `python` is the tools' interpreter, files of
     the command are made absolute and visible, and this interpreter's site-packages are on PYTHONPATH."""
     argv = [python if c == "python" else c for c in server.command]
+    for c in argv[1:]:
+        if os.path.exists(c) and os.path.abspath(c).startswith(("/tmp/", "/var/tmp/", "/dev/shm/")):
+            raise ValueError(f"MCP server {server.name!r}: {c} is under a temporary directory, which the sandbox "
+                             "replaces with its own: put the server's files elsewhere")
     argv = [os.path.abspath(c) if os.path.exists(c) and c != python else c for c in argv]
     packages = [p for p in site.getsitepackages() + [site.getusersitepackages()] if os.path.isdir(p)]
     files = [os.path.dirname(c) if os.path.isfile(c) else c for c in argv[1:] if os.path.exists(c)]
@@ -175,7 +179,10 @@ class McpServer:
                 await stop.wait()
         except BaseException as err:  # noqa: BLE001 - handed to whoever waits for the start
             if not ready.done():
-                ready.set_exception(err if isinstance(err, Exception) else RuntimeError(repr(err)))
+                stderr = bytes(sbx.pipes["stderr"][1].buf[-2000:]).decode("utf-8", "replace").strip()
+                ready.set_exception(RuntimeError(f"MCP server {self.cfg.name!r} ({' '.join(argv)}) did not start "
+                                                 f"in the sandbox: {type(err).__name__}: {err}"
+                                                 + (f"; its stderr ends: {stderr}" if stderr else "")))
         finally:
             self.session = None
             for pump in pumps:
@@ -210,7 +217,7 @@ class McpServer:
             if generation == self.generation:
                 await self.stop()
         if self.pool.audit is not None:
-            self.pool.audit.record("mcp_server_failed", server=self.cfg.name, kind=kind, reason=why)
+            self.pool.audit.record("mcp_server_failed", server=self.cfg.name, failure=kind, reason=why)
         log.warning("MCP server %s: %s (restarted for the next call)", self.cfg.name, why)
         return ToolResult(f"error: {why}", False, f"{kind}: {why}")
 

@@ -44,21 +44,23 @@ class ArithTask(vf.Task[ArithData, vf.State, vf.TaskConfig]):
 class ArithConfig(vf.TasksetConfig):
     num_tasks: int = 2000
     seed: int = 0
-    max_digits: int = 3
+    max_digits: int = 4
 
 
 class ArithTaskset(vf.Taskset[ArithTask, ArithConfig]):
     def load(self):
+        """One or two operators of + - * between operands of 2..max_digits digits, as the demo's questions."""
         rng = random.Random(self.config.seed)
-        top = 10 ** self.config.max_digits - 1
         for i in range(self.config.num_tasks):
-            a, b, c = rng.randint(10, top), rng.randint(10, top), rng.randint(2, 9)
-            op = rng.choice("+-")
-            expr = f"{a} {op} {b} * {c}" if i % 2 else f"{a} * {c} {op} {b}"
-            value = eval(expr)  # noqa: S307 - the environment's own integers
+            terms = [str(rng.randint(10, 10 ** rng.randint(2, self.config.max_digits) - 1))
+                     for _ in range(rng.randint(2, 3))]
+            expr = terms[0]
+            for term in terms[1:]:
+                expr = f"{expr} {rng.choice('+-*')} {term}"
+            value = eval(expr)  # noqa: S307 - the environment's own integers and operators
             yield ArithTask(ArithData(id=f"arith-{self.config.seed}-{i}", prompt=f"What is {expr}?",
                                       answer=str(value)), self.config.task)
 
 
-def load_environment(num_tasks: int = 2000, seed: int = 0, max_digits: int = 3) -> ArithTaskset:
+def load_environment(num_tasks: int = 2000, seed: int = 0, max_digits: int = 4) -> ArithTaskset:
     return ArithTaskset(ArithConfig(num_tasks=num_tasks, seed=seed, max_digits=max_digits))

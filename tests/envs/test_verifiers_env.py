@@ -126,3 +126,18 @@ def test_without_the_package_the_recipe_is_refused_with_the_pip_command(monkeypa
     monkeypatch.setitem(sys.modules, "verifiers", None)
     with pytest.raises(ConfigError, match=r"pip install -e \.\[verifiers\]"):
         load_config(None, ["task.name=verifiers", f"task.options.environment={ENV}"])
+
+
+def test_init_task_from_verifiers_scaffolds_an_environment_that_scores(tmp_path, monkeypatch):
+    from hybridrl.data.episode import EpisodeOutcome
+    from hybridrl.scaffold_envs import write_env
+
+    monkeypatch.chdir(tmp_path)
+    files = write_env("feet", tmp_path, "verifiers")
+    cfg = load_config(files["grpo"])
+    assert cfg.task.options["environment"] == "feet_env.py:load_environment"
+    task = get_task("verifiers", cfg.task)
+    inst = task.validation_split(1)[0]
+    for text, want in ((f"<answer>{inst.reference}</answer>", 1.0), ("<answer>0</answer>", 0.0)):
+        got = task.score(inst, EpisodeOutcome(answer=None, num_answers=0, final_text=text, completed=True))
+        assert got.rewards == {"correct": want} and got.total == want
