@@ -12,9 +12,10 @@ can learn it on a CPU); replace its questions, rewards or tool with your own.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
-from hybridrl.scaffold import GRPO, NAME
+NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 VERIFIERS_ENV = '''\
 """The {name} verifiers environment (made by `hybridrl init task {name} --from verifiers`): a verifiers 0.4
@@ -103,6 +104,37 @@ task:
     tools: [calculator]
 '''
 
+GRPO = '''\
+train:
+  micro_batch_size: 32
+  lr: 5.0e-5
+  lr_schedule: constant
+  weight_decay: 0.0
+  clip_grad: 1.0
+rollout:
+  native:
+    kv_cache_mb: 64
+agent:
+  max_turns: 3
+  max_new_tokens_per_turn: 32
+  max_response_tokens: 96
+  temperature: 1.0
+tools:
+  pool_size: 1
+  warm: 0
+algo:
+  advantage: grpo
+  norm_adv_by_std: false
+  kl_coef: 0.0
+trainer:
+  total_steps: 20
+  prompts_per_step: 16
+  group_size: 8
+  validate_every: 5
+  checkpoint_every: 10
+  keep_checkpoints: 1
+'''
+
 MCP_TASK = '''\
 task:
   name: data
@@ -142,7 +174,7 @@ def write_env(name: str, directory: Path, source: str, *, force: bool = False) -
         raise FileExistsError(f"{existing[0]} exists (--force overwrites)")
     directory.mkdir(parents=True, exist_ok=True)
     task = VERIFIERS_TASK if source == "verifiers" else MCP_TASK
-    body = "train:" + GRPO.split("train:", 1)[1]
+    body = GRPO
     if source == "verifiers":
         files["env"].write_text(VERIFIERS_ENV.format(**fields))
     else:
