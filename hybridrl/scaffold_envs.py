@@ -1,9 +1,12 @@
-"""`hybridrl init task NAME --from verifiers|mcp`: a task from an environment of the ecosystem, and its GRPO recipe.
+"""`hybridrl init task NAME --from verifiers|mcp|openenv`: a task from an environment of the ecosystem, and its GRPO
+recipe.
 
     --from verifiers   D/NAME_env.py     a verifiers 0.4 taskset (`load_environment`): tasks + weighted rewards
                        D/NAME_grpo.yaml  task.name: verifiers on it (docs/environments.md)
     --from mcp         D/NAME_server.py  an MCP tool server (fastmcp) with one tool, run inside the tool sandbox
                        D/NAME.jsonl      two rows that call it (task.name: data), D/NAME_grpo.yaml
+    --from openenv     D/NAME_env.py     an OpenEnv environment and its server app (a guessing game)
+                       D/NAME_grpo.yaml  task.name: openenv on it (hybridrl starts the server)
 
 Each is a working example in the calculator's format (a ~2M-parameter model warm-started by the demo's SFT
 can learn it on a CPU); replace its questions, rewards or tool with your own.
@@ -77,6 +80,63 @@ def to_inches(feet: int, inches: int) -> int:
 
 if __name__ == "__main__":
     mcp.run(show_banner=False)
+'''
+
+OPENENV_ENV = '''\
+"""The {name} OpenEnv environment (made by `hybridrl init task {name} --from openenv`): guess a number from 1 to
+100, answered "higher" / "lower"; hybridrl starts this app's server and plays it (task.name: openenv)."""
+
+import random
+import re
+
+from openenv.core.env_server.http_server import create_app
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+
+
+class {cls}Action(Action):
+    message: str
+
+
+class {cls}Observation(Observation):
+    message: str = ""
+
+
+class {cls}Environment(Environment[{cls}Action, {cls}Observation, State]):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        self.secret, self.guesses = random.Random(seed).randint(1, 100), 0
+        self._state = State(episode_id=episode_id)
+        return {cls}Observation(message="I am thinking of a whole number from 1 to 100.")
+
+    def step(self, action, timeout_s=None, **kwargs):
+        self.guesses += 1
+        numbers = re.findall(r"-?\\d+", action.message)
+        guess = int(numbers[-1]) if numbers else None
+        if guess == self.secret:
+            return {cls}Observation(message="correct", reward=1.0, done=True)
+        hint = "Say a whole number." if guess is None else ("higher" if guess < self.secret else "lower")
+        return {cls}Observation(message=hint, reward=0.0, done=self.guesses >= 7)
+
+    @property
+    def state(self):
+        return self._state
+
+
+app = create_app({cls}Environment, {cls}Action, {cls}Observation, env_name="{name}")
+'''
+
+OPENENV_TASK = '''\
+task:
+  name: openenv
+  options:
+    app: {recipe_dir}{name}_env.py:app
+agent:
+  max_turns: 7
+  max_new_tokens_per_turn: 32
+  max_response_tokens: 512
+  temperature: 1.0
 '''
 
 HEADER = '''\
@@ -166,16 +226,19 @@ def write_env(name: str, directory: Path, source: str, *, force: bool = False) -
     server = name.replace("_", "-")
     fields = {"name": name, "cls": "".join(p.capitalize() for p in name.split("_") if p), "server": server,
               "recipe_dir": recipe_dir, "source": source}
-    files = {"env": directory / f"{name}_env.py"} if source == "verifiers" else \
-        {"server": directory / f"{name}_server.py", "data": directory / f"{name}.jsonl"}
+    files = {"server": directory / f"{name}_server.py", "data": directory / f"{name}.jsonl"} if source == "mcp" \
+        else {"env": directory / f"{name}_env.py"}
     files["grpo"] = directory / f"{name}_grpo.yaml"
     existing = [str(p) for p in files.values() if p.exists()]
     if existing and not force:
         raise FileExistsError(f"{existing[0]} exists (--force overwrites)")
     directory.mkdir(parents=True, exist_ok=True)
-    task = VERIFIERS_TASK if source == "verifiers" else MCP_TASK
+    task = {"verifiers": VERIFIERS_TASK, "mcp": MCP_TASK, "openenv": OPENENV_TASK}[source]
     body = GRPO
-    if source == "verifiers":
+    if source == "openenv":
+        files["env"].write_text(OPENENV_ENV.format(**fields))
+        body = GRPO.replace(GRPO[GRPO.index("agent:"):GRPO.index("tools:")], "")    # the task's own agent budgets
+    elif source == "verifiers":
         files["env"].write_text(VERIFIERS_ENV.format(**fields))
     else:
         files["server"].write_text(MCP_SERVER.format(**fields))

@@ -139,3 +139,24 @@ def test_a_server_killed_mid_episode_leaves_it_invalid_and_the_next_runs_on_a_ne
 def test_bad_options_are_refused_at_load(options, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, ["task.name=openenv", *options])
+
+
+def test_init_task_from_openenv_scaffolds_an_environment_and_its_recipe(tmp_path, monkeypatch):
+    import importlib.util
+
+    from hybridrl.scaffold_envs import write_env
+
+    monkeypatch.chdir(tmp_path)
+    files = write_env("game", tmp_path, "openenv")
+    cfg = load_config(files["grpo"])
+    assert cfg.task.name == "openenv" and cfg.task.options["app"] == "game_env.py:app" and cfg.agent.max_turns == 7
+    [inst] = get_task("openenv", cfg.task).train_split(1)
+    spec = importlib.util.spec_from_file_location("game_env", files["env"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    env = module.GameEnvironment()
+    env.reset(seed=inst.metadata["seed"])
+    secret = random.Random(inst.metadata["seed"]).randint(1, 100)
+    assert env.step(module.GameAction(message=f"it is {secret - 1}")).message == "higher"
+    won = env.step(module.GameAction(message=str(secret)))
+    assert (won.reward, won.done) == (1.0, True)
