@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import socket
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -151,3 +152,9 @@ def test_a_hostile_server_is_contained_and_restarted(box, tmp_path):
 def test_bad_servers_are_refused_at_load(servers, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [f"tools.mcp={json.dumps(servers)}"])
+
+
+def test_without_the_package_a_server_is_refused_with_the_pip_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mcp", None)
+    with pytest.raises(ConfigError, match=r"pip install -e \.\[mcp\]"):
+        load_config(None, [f"tools.mcp={json.dumps(SERVERS[:1])}"])
