@@ -141,3 +141,47 @@ def test_init_task_from_verifiers_scaffolds_an_environment_that_scores(tmp_path,
     for text, want in ((f"<answer>{inst.reference}</answer>", 1.0), ("<answer>0</answer>", 0.0)):
         got = task.score(inst, EpisodeOutcome(answer=None, num_answers=0, final_text=text, completed=True))
         assert got.rewards == {"correct": want} and got.total == want
+
+
+async def openai_agent(client, instance):
+    """An agent written with the OpenAI client: one completion of the instance's prompt."""
+    await client.chat.completions.create(model="policy", messages=list(instance.messages))
+
+
+def test_episodes_through_the_gateway_are_scored_by_the_environments_rewards(task, example, tokenizer):
+    """The same taskset with an OpenAI-client agent (the gateway front end): tokens exactly the engine's, the
+    reward the environment's own scoring of the completion the agent got."""
+    from hybridrl.agent.chat import ChatFormat
+    from hybridrl.agent.config import AgentConfig
+    from hybridrl.agent.tools.base import ToolBox
+    from hybridrl.gateway.config import GatewayConfig
+    from hybridrl.gateway.runner import GatewayRunner
+    from tests.envs.episodes import RecordingEngine
+
+    instances = task.validation_split(1000)[:4]
+    chat = ChatFormat(tokenizer)
+    prompts = [(chat.prompt_ids(list(i.messages)), i) for i in instances]
+
+    def respond(ids, turn):
+        inst = next(i for p, i in prompts if ids[:len(p)] == p)
+        return f"<answer>{inst.reference}</answer>" if int(inst.metadata["idx"]) % 2 else "<answer>0</answer>"
+
+    engine = RecordingEngine(tokenizer, respond, max_model_len=1 << 16)
+
+    async def go():
+        async with ToolBox([]) as tools:
+            runner = GatewayRunner(engine, tokenizer, agent_cfg=AgentConfig(max_turns=2), gateway_cfg=GatewayConfig(),
+                                   tools=tools, run_id="vf-gw", agent=openai_agent, server_thread=False)
+            try:
+                return await runner.run(instances, task=task)
+            finally:
+                await runner.close()
+
+    trajectories = asyncio.run(go())
+    check_tokens(engine, trajectories)
+    for inst, traj in zip(instances, trajectories):
+        chat_text = [*inst.messages, {"role": "assistant", "content": respond(chat.prompt_ids(list(inst.messages)), 0)}]
+        trace = own_score(example, inst, chat_text)
+        assert traj.status == S.COMPLETED and traj.reward == pytest.approx(trace.reward)
+        assert traj.rewards == {n: r.score for n, r in trace.rewards.items()}
+        assert traj.rewards["correct"] == float(int(inst.metadata["idx"]) % 2)
