@@ -17,7 +17,12 @@ def read_version() -> str:
 # Tested with reasoning-gym 0.1.25 (its generators and score_answer) and datasets 5.2.
 REASONING_GYM = ["reasoning-gym>=0.1.19,<0.2"]
 DATA = ["datasets>=2.14"]
-ENVS = [*REASONING_GYM, *DATA]
+# Tested with verifiers 0.4.0 (its `verifiers.v1` tasksets and rewards), mcp 2.0.0, fastmcp 4.1.1 and
+# openenv-core 0.3.0 (its server app and /ws session protocol; uvicorn serves it, websockets speaks to it).
+VERIFIERS = ["verifiers>=0.4,<0.5"]
+MCP = ["mcp>=2.0,<3", "fastmcp>=2.10"]
+OPENENV = ["openenv-core>=0.3,<0.4", "uvicorn>=0.30", "websockets>=13"]
+ENVS = [*REASONING_GYM, *DATA, *VERIFIERS, *MCP, *OPENENV]
 
 setup(
     name="hybridrl",
@@ -34,7 +39,7 @@ setup(
     include_package_data=True,
     # the native engine's C kernels are compiled on the user's machine at first use (cpu_kernels.py)
     package_data={"hybridrl": ["py.typed"], "hybridrl.backends.native": ["*.c"],
-                  "hybridrl.recipes": ["*.yaml", "slurm/*", "data/*"]},
+                  "hybridrl.recipes": ["*.yaml", "slurm/*", "data/*", "envs/*"]},
     install_requires=[
         # CPU installs take torch==2.13.0 first (see Makefile); GPU users keep their own build.
         "torch>=2.4",
@@ -64,6 +69,9 @@ setup(
         # environments users already have (docs/tasks.md "Environments you already have"): each a task source
         "reasoning-gym": REASONING_GYM,      # task.name: reasoning_gym
         "data": DATA,                        # task.name: data / sft.data reading a `datasets` dataset saved to disk
+        "verifiers": VERIFIERS,              # task.name: verifiers
+        "mcp": MCP,                          # tools.mcp: MCP tool servers (fastmcp for the shipped example)
+        "openenv": OPENENV,                  # task.name: openenv
         "envs": ENVS,                        # all of them
         # LoRA adapters loaded onto an HF model from a PEFT directory (`export_peft` writes one)
         "lora": ["peft>=0.17"],

@@ -1,4 +1,4 @@
-"""`hybridrl init task NAME [--dir D] [--from data]`: a runnable task of your own, and its SFT and GRPO recipes.
+"""`hybridrl init task NAME [--dir D] [--from data|verifiers|mcp|openenv]`: a runnable task of your own, and its SFT and GRPO recipes.
 
     D/NAME.py           the task: options (typed, checked at load), instances that may call the
                         calculator, demonstrations with the tool turn, a verifier
@@ -333,13 +333,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", help="the task's name (a Python module name: lowercase, digits, _)")
     parser.add_argument("--dir", default=".", help="where to write NAME.py and its recipes (default: here)")
     parser.add_argument("--force", action="store_true", help="overwrite files that exist")
-    parser.add_argument("--from", dest="source", choices=("data",), default=None,
+    parser.add_argument("--from", dest="source", choices=("data", "verifiers", "mcp", "openenv"), default=None,
                         help="data: a task from a data file and a score function (task.name: data): NAME.jsonl, "
-                             "NAME_score.py and its recipes, instead of a Task subclass")
+                             "NAME_score.py and its recipes, instead of a Task subclass; verifiers: a verifiers "
+                             "taskset NAME_env.py and its recipe; mcp: an MCP tool server NAME_server.py, rows that "
+                             "call it and its recipe; openenv: an OpenEnv environment NAME_env.py and its recipe "
+                             "(docs/environments.md)")
 
 
 def main(args: argparse.Namespace) -> int:
     source = getattr(args, "source", None)
+    if source in ("verifiers", "mcp", "openenv"):
+        return main_env(args, source)
     try:
         files = (write_data if source == "data" else write)(args.name, Path(args.dir), force=args.force)
     except (ValueError, FileExistsError) as err:
@@ -361,4 +366,21 @@ def main(args: argparse.Namespace) -> int:
           f"  hybridrl assets tiny-model {BASE_MODEL} --out runs/{args.name}/base   # or model.path=DIR\n"
           f"  {env}hybridrl sft {files['sft']}\n"
           f"  {env}hybridrl train {files['grpo']}")
+    return 0
+
+
+def main_env(args: argparse.Namespace, source: str) -> int:
+    from hybridrl.scaffold_envs import write_env
+
+    try:
+        files = write_env(args.name, Path(args.dir), source, force=args.force)
+    except (ValueError, FileExistsError) as err:
+        print(f"hybridrl init task: {err}", file=sys.stderr)
+        return 2
+    made = ", ".join(str(p) for what, p in files.items() if what != "grpo")
+    print(f"wrote {made} and {files['grpo']}\n"
+          f"next, from this directory (pip install -e .[{source}] first):\n"
+          f"  hybridrl agent tasks {files['grpo']} -n 2                   # the prompts as the model sees them\n"
+          f"  hybridrl demo                                      # or model.path= an SFT model of your own\n"
+          f"  hybridrl train {files['grpo']}")
     return 0

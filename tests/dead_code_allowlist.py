@@ -14,6 +14,8 @@ add_plan_arguments  # unused function (hybridrl/cost/cli.py:35): cli's command t
 __getattr__  # unused function (hybridrl/agent/__init__.py:25)
 DataTask  # unused class (hybridrl/envs/tasks/data.py): a shipped task module, found by its file name
 ReasoningGymTask  # unused class (hybridrl/envs/tasks/reasoning_gym.py): a shipped task module, found by its file name
+OpenEnvTask  # unused class (hybridrl/envs/tasks/openenv.py): a shipped task module, found by its file name
+VerifiersTask  # unused class (hybridrl/envs/tasks/verifiers.py): a shipped task module, found by its file name
 extra_info  # unused variable (hybridrl/envs/tasks/data.py): veRL's compute_score signature
 EpisodeRunner  # unused class (hybridrl/agent/episodes.py): the protocol every front end implements (documentation and type hints)
 make_calculator  # unused function (hybridrl/agent/tools/calculator.py:35)

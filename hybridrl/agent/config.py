@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, check_range, knob
 
@@ -113,6 +114,9 @@ class ToolsConfig:
         factory=lambda: list(DEFAULT_HIDDEN_PATHS))
     python: str = knob("", "interpreter for tools (empty: the base interpreter of this Python)")
     calculator_max_chars: int = knob(256, "longest expression the calculator accepts")
+    mcp: list[dict[str, Any]] = knob(
+        help="MCP tool servers, each {name, command, env, timeout_s, memory_mb, visible_paths}: started inside "
+             "the sandbox, their tools offered as NAME_TOOL (docs/environments.md)", factory=list)
 
     def __post_init__(self) -> None:
         for name in ("pool_size", "cpu_s", "memory_mb", "max_processes", "max_open_files", "max_file_mb",
@@ -137,6 +141,10 @@ class ToolsConfig:
             raise ConfigValueError("cgroup_parent", f"must be an absolute path inside the cgroup hierarchy without "
                                                     f"'..', got {self.cgroup_parent!r}")
         check_range("uid_base", self.uid_base, 1000, 2**31 - 1 - 4096)
+        if self.mcp:
+            from hybridrl.agent.mcp import check_servers
+
+            self.mcp = check_servers(self.mcp)
         for path in self.hidden_paths:
             if not path.startswith("/") or path == "/":
                 raise ConfigValueError("hidden_paths", f"entries must be absolute directories other than /, "

@@ -144,6 +144,7 @@ class Episode:
     num_answers: int = 0
     final_text: str = ""
     env_return: float = 0.0
+    messages: list[dict[str, str]] = field(default_factory=list)   # the episode's chat, as the model saw it
     own_reward: float | None = None         # an agent's own reward (the verifier is then not asked)
 
     @property
@@ -423,7 +424,8 @@ class EpisodeEngine:
         traj = ep.traj
         return EpisodeOutcome(answer=ep.answer, num_answers=ep.num_answers, final_text=ep.final_text,
                               completed=traj.status == TrajectoryStatus.COMPLETED, env_return=ep.env_return,
-                              num_turns=traj.turns, num_tool_calls=len(traj.tool_calls))
+                              num_turns=traj.turns, num_tool_calls=len(traj.tool_calls),
+                              messages=tuple(ep.messages))
 
     def score(self, ep: Episode) -> None:
         """The reward: the agent's own, or the task's verifier on the outcome. An evaluator error is not the

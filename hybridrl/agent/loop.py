@@ -85,6 +85,7 @@ class AgentRunner(EpisodeEngine):
             if extra:
                 messages.append({"role": "user", "content": self.chat.sanitize(extra, cfg.max_observation_chars)})
             traj.prompt_ids = self.chat.prompt_ids(messages, tools=tool_json)
+            ep.messages = messages
         parser = self.parser(ep.task)
         for turn in range(resumed or 0, cfg.max_turns):
             if turn != resumed:
@@ -93,6 +94,7 @@ class AgentRunner(EpisodeEngine):
             ids, finish = await self._turn(ep, turn)
             traj.turns = turn + 1
             ep.final_text = text = self.chat.decode(ids)
+            ep.messages.append({"role": "assistant", "content": text})
             parsed = parser.parse(text)
             trace(traj, "parse", turn=turn, answer=parsed.answer is not None, num_answers=parsed.num_answers,
                   calls=len(parsed.calls), errors=len(parsed.errors))
@@ -224,6 +226,7 @@ class AgentRunner(EpisodeEngine):
         trace(traj, "observation", turn=ep.open_turn[0] if ep.open_turn else -1, start=len(traj.response_ids),
               end=len(traj.response_ids) + len(ids), roles=[m["role"] for m in clean])
         traj.append(ids, policy=False)
+        ep.messages.extend(clean)
 
 
 def tool_context(ep: Episode, call: str) -> dict[str, Any]:

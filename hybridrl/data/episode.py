@@ -49,6 +49,7 @@ class EpisodeOutcome:
     env_return: float = 0.0         # sum of environment rewards (stateful tasks)
     num_turns: int = 0
     num_tool_calls: int = 0
+    messages: tuple[Mapping[str, str], ...] = ()   # the whole episode as chat messages (prompt first), where kept
 
 
 @dataclass

@@ -126,7 +126,7 @@ PINNED_KEYS = [
     "tools.timeout_s", "tools.cpu_s", "tools.memory_mb", "tools.max_processes", "tools.cgroup_parent",
     "tools.max_open_files", "tools.cpu_cores", "tools.max_file_mb", "tools.tmpfs_mb", "tools.tmpfs_inodes", "tools.network",
     "tools.egress_max_connections", "tools.allowed_destinations", "tools.audit_log", "tools.kill_switch",
-    "tools.max_output_bytes", "tools.uid_base", "tools.visible_paths", "tools.hidden_paths", "tools.python", "tools.calculator_max_chars",
+    "tools.max_output_bytes", "tools.uid_base", "tools.visible_paths", "tools.hidden_paths", "tools.python", "tools.calculator_max_chars", "tools.mcp",
     "task.name", "task.seed", "task.train_size", "task.validation_size", "task.format_weight",
     "task.sft_tool_use_fraction", "task.sft_guess_correct_fraction", "task.agent", "task.front_end",  # task.options: a free mapping
     "task.mixture", "task.sampler", "task.sampler_floor", "task.sampler_window", "task.share_policy",

@@ -41,3 +41,20 @@ def test_the_recipe_gains_20_validation_points_in_20_steps(name, tmp_path):
     print(json.dumps({"recipe": name, "validation": vals, "seconds": seconds}))
     assert vals[0][0] == 0 and vals[-1][0] <= 20
     assert 100 * (vals[-1][1] - vals[0][1]) >= 20, vals
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_the_verifiers_recipe_gains_20_validation_points_from_the_demos_sft_model(tmp_path):
+    """recipes/vf_arith_grpo_cpu.yaml (a verifiers taskset, its own rewards) from the demo's SFT model."""
+    pytest.importorskip("verifiers.v1", reason="pip install -e .[verifiers]")
+    base, sft, grpo = tmp_path / "base", tmp_path / "sft", tmp_path / "grpo"
+    for argv in (["assets", "tiny-model", *BASE_MODEL_ARGS, "--out", str(base)],
+                 ["train", "recipes/calc_sft_cpu.yaml", f"model.path={base}", f"run.dir={sft}"],
+                 ["train", "recipes/vf_arith_grpo_cpu.yaml", f"model.path={sft / 'hf'}", f"run.dir={grpo}"]):
+        proc = hybridrl(*argv)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    vals = [(r["step"], r["val/accuracy"]) for r in read_metrics(grpo) if r.get("val/accuracy") is not None]
+    print(json.dumps({"recipe": "vf_arith", "validation": vals}))
+    assert vals[0][0] == 0 and vals[-1][0] <= 20
+    assert 100 * (vals[-1][1] - vals[0][1]) >= 20, vals

@@ -149,7 +149,9 @@ class PoolCgroups:
     _count: int = 0
     _live: dict[str, SandboxCgroup] = field(default_factory=dict)
 
-    def create(self) -> SandboxCgroup:
+    def create(self, memory_bytes: int | None = None) -> SandboxCgroup:
+        """A sandbox's cgroup, with the pool's memory limit or `memory_bytes` (a server's own)."""
+        memory_bytes = self.memory_bytes if memory_bytes is None else memory_bytes
         self._count += 1
         name = f"s{self._count}"
         dirs = [d / name for d in self.pool_dirs]
@@ -159,7 +161,7 @@ class PoolCgroups:
                 d.mkdir(mode=0o755)
             if self.kind == "cgroup2":
                 d = dirs[0]
-                _write(d / "memory.max", self.memory_bytes)
+                _write(d / "memory.max", memory_bytes)
                 _write(d / "memory.swap.max", 0, optional=True)
                 _write(d / "memory.oom.group", 1, optional=True)
                 _write(d / "pids.max", self.pids_max)
@@ -167,8 +169,8 @@ class PoolCgroups:
                     (d / "cpu.max").write_text(f"{self.cpu_quota_us} {CPU_PERIOD_US}")
             else:
                 memory, pids = dirs[:2]
-                _write(memory / "memory.limit_in_bytes", self.memory_bytes)
-                _write(memory / "memory.memsw.limit_in_bytes", self.memory_bytes, optional=True)
+                _write(memory / "memory.limit_in_bytes", memory_bytes)
+                _write(memory / "memory.memsw.limit_in_bytes", memory_bytes, optional=True)
                 _write(pids / "pids.max", self.pids_max)
                 if self.cpu_quota_us is not None:
                     _write(dirs[2] / "cpu.cfs_period_us", CPU_PERIOD_US)

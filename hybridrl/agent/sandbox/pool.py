@@ -104,6 +104,7 @@ class SandboxPool:
         self._slots = asyncio.Semaphore(cfg.pool_size)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._free_ids = list(range(cfg.pool_size + cfg.warm))
+        self._server_ids = list(range(cfg.pool_size + cfg.warm, self.num_slots))    # long-lived servers' own
         self._warm: list[SandboxProcess] = []
         self._live: dict[SandboxProcess, int] = {}          # sandbox -> its slot (uid offset)
         self._refill: asyncio.Task | None = None
@@ -119,7 +120,7 @@ class SandboxPool:
             raise_nofile_limit()                   # every process that runs tools starts a pool here
         self._closed = False
         if self._uids is None and os.geteuid() == 0:
-            self._uids = UidLease(self.cfg.pool_size + self.cfg.warm, self.cfg.uid_base)
+            self._uids = UidLease(self.num_slots, self.cfg.uid_base)
         fresh = False
         try:
             if self.mode is not None and self._filter is None:     # closed and started again: new cgroups
@@ -149,6 +150,12 @@ class SandboxPool:
                                   cpu_limit=self.cpu_limit, cpu_cores=self.cfg.cpu_cores)
             self._schedule_refill()
         return self
+
+    @property
+    def num_slots(self) -> int:
+        """Sandboxes that may exist at once (each its own uid as root): the calls', the warm ones and one per
+        MCP server (`tools.mcp`, `hybridrl/agent/mcp.py`)."""
+        return self.cfg.pool_size + self.cfg.warm + len(self.cfg.mcp)
 
     @property
     def memory_limit(self) -> str:
@@ -210,6 +217,7 @@ class SandboxPool:
             self._live.clear()
             self._warm.clear()
             self._free_ids = list(range(self.cfg.pool_size + self.cfg.warm))
+            self._server_ids = list(range(self.cfg.pool_size + self.cfg.warm, self.num_slots))
             self._refill = None
             self._slots = asyncio.Semaphore(self.cfg.pool_size)
         self._loop = loop
@@ -326,8 +334,29 @@ class SandboxPool:
         """The uids this pool's sandboxes run as (empty when not root)."""
         return list(self._uids.uids) if self._uids is not None else []
 
-    async def _spawn(self, mode: str) -> SandboxProcess:
-        slot = self._free_ids.pop(0)
+    async def start_server(self, argv: list[str], *, env: dict[str, str], expose: list[str],
+                           memory_mb: int) -> SandboxProcess:
+        """A long-lived server (an MCP server's command) in a sandbox of its own: the isolation, syscall filter,
+        limits (its own memory), egress and audit of a tool call's, on a slot reserved for servers. Its stdin
+        and stdout are the caller's (`SandboxProcess.send` / `lines`); end it with `stop_server`."""
+        await self.start()
+        if self.killed is not None:
+            raise SandboxUnavailable(f"tool sandbox: stopped by the kill switch ({self.killed})")
+        sbx = await self._spawn(self.mode, slot=self._server_ids.pop(0),
+                                server={"argv": argv, "env": env, "expose": expose, "memory_mb": memory_mb})
+        if self.audit is not None:
+            self.audit.record("sandbox_server", argv=argv, isolation=sbx.mode, uid=sbx.uid)
+        return sbx
+
+    async def stop_server(self, sbx: SandboxProcess) -> None:
+        slot = self._live.get(sbx)
+        await self._release(sbx)
+        if slot is not None:
+            self._free_ids.remove(slot)
+            self._server_ids.append(slot)
+
+    async def _spawn(self, mode: str, *, slot: int | None = None, server: dict | None = None) -> SandboxProcess:
+        slot = self._free_ids.pop(0) if slot is None else slot
         uid = self._uid(slot, mode)
         # namespaces: the host directory becomes the tool's root (a tmpfs mounted over it inside the
         # sandbox's own mount namespace) and its working directory is /tmp there; none: the tool
@@ -347,10 +376,11 @@ class SandboxPool:
             proxy = f"http://127.0.0.1:{PROXY_PORT}"
             env.update({name: proxy for name in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy",
                                                  "http_proxy", "all_proxy")})
-        cgroup = self.cgroups.create() if self.cgroups is not None else None
+        memory_mb = server["memory_mb"] if server is not None else c.memory_mb
+        cgroup = self.cgroups.create(memory_mb << 20) if self.cgroups is not None else None
         spec = {
             "mode": mode, "uid": uid, "gid": uid,
-            "limits": {"cpu_s": c.cpu_s, "as_bytes": c.memory_mb << 20, "nproc": c.max_processes,
+            "limits": {"cpu_s": c.cpu_s, "as_bytes": memory_mb << 20, "nproc": c.max_processes,
                        "nofile": c.max_open_files, "fsize_bytes": c.max_file_mb << 20},
             "visible": list(c.visible_paths), "hidden": list(c.hidden_paths), "expose": self.expose,
             "stage_dir": host_dir, "workdir": spec_workdir,
@@ -360,9 +390,13 @@ class SandboxPool:
             "argv": [self.python, "-I", "-S", "-c", RUNNER],
             "env": env,
         }
+        if server is not None:
+            spec.update(argv=server["argv"], env={**env, **server["env"]},
+                        expose=sorted(set(self.expose) | set(server["expose"])))
         try:
             sbx = await SandboxProcess.spawn(self.python, spec, max_output_bytes=c.max_output_bytes,
-                                             egress=self.proxy is not None and mode != "none")
+                                             egress=self.proxy is not None and mode != "none",
+                                             lines=server is not None)
         except BaseException:
             os.rmdir(workdir)
             os.rmdir(host_dir)

@@ -121,8 +121,40 @@ class _Capture(asyncio.Protocol):
             self.closed.set_result(None)
 
 
+class _Lines(asyncio.Protocol):
+    """A long-lived server's stdout as lines (`queue`; None at the end). A line longer than `max_line` bytes is
+    a flood: `budget.overflow` is set and reading stops (the server is then ended by its owner)."""
+
+    def __init__(self, budget: _Budget, max_line: int):
+        self.budget, self.max_line = budget, max_line
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.partial = bytearray()
+        self.buf = self.partial               # what `SandboxProcess` reads of a pipe at its end
+        self.closed = asyncio.get_running_loop().create_future()
+        self.transport: asyncio.ReadTransport | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        *lines, rest = (bytes(self.partial) + data).split(b"\n")
+        for line in lines:
+            self.queue.put_nowait(line)
+        self.partial[:] = rest
+        if len(self.partial) > self.max_line:
+            self.partial.clear()
+            self.budget.overflow.set()
+            self.transport.pause_reading()
+
+    def connection_lost(self, exc) -> None:
+        self.queue.put_nowait(None)
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
 class SandboxProcess:
-    """Spawned by `spawn`, used once by `execute`, always ended by `close`."""
+    """Spawned by `spawn`, used once by `execute`, always ended by `close`; or, spawned with `lines=True`, a
+    long-lived server whose stdin stays open (`send`) and whose stdout is read a line at a time (`lines`)."""
 
     def __init__(self, popen: subprocess.Popen, mode: str, host_dir: str, uid: int,
                  pipes: dict[str, Any], stdin: asyncio.WriteTransport, egress: socket.socket | None = None):
@@ -139,7 +171,7 @@ class SandboxProcess:
 
     @classmethod
     async def spawn(cls, python: str, spec: dict[str, Any], *, max_output_bytes: int,
-                    egress: bool = False) -> "SandboxProcess":
+                    egress: bool = False, lines: bool = False) -> "SandboxProcess":
         """Start boot with `spec` (its "status_fd" is filled in here); the tool then waits for code.
         Boot runs from an open file (`/dev/fd/N`), so no host path is in its command line."""
         loop = asyncio.get_running_loop()
@@ -181,7 +213,9 @@ class SandboxProcess:
         try:
             for name, fileobj, cap in (("stdout", popen.stdout, budget), ("stderr", popen.stderr, budget),
                                        ("status", status, None)):
-                pipes[name] = await loop.connect_read_pipe(lambda cap=cap: _Capture(cap), fileobj)
+                reader = (lambda: _Lines(budget, max_output_bytes)) if lines and name == "stdout" \
+                    else (lambda cap=cap: _Capture(cap))
+                pipes[name] = await loop.connect_read_pipe(reader, fileobj)
             stdin, _ = await loop.connect_write_pipe(asyncio.Protocol, popen.stdin)
         except BaseException:
             # cancelled (e.g. the event loop of a warm-up ends) or out of fds between Popen and the
@@ -201,6 +235,16 @@ class SandboxProcess:
     @property
     def alive(self) -> bool:
         return not self.pipes["status"][1].closed.done()
+
+    @property
+    def lines(self) -> "asyncio.Queue[bytes | None]":
+        """A server's stdout, line by line (None: it ended)."""
+        return self.pipes["stdout"][1].queue
+
+    def send(self, data: bytes) -> None:
+        """Write to a server's stdin (nothing once it has ended)."""
+        if not self.stdin.is_closing():
+            self.stdin.write(data)
 
     async def execute(self, code: str, timeout_s: float, *, proxy: Any = None,
                       call: dict[str, Any] | None = None) -> SandboxResult:

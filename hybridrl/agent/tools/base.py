@@ -44,6 +44,7 @@ class ToolBox:
         self.cfg = cfg
         self.counts: dict[str, int] = {"calls": 0, "errors": 0, "infra_errors": 0, "killed": 0}
         self.killed: str | None = None           # the kill switch tripped (why): no call runs
+        self.mcp: Any = None                     # the MCP servers of its `tools.mcp` tools (agent/mcp.py)
         self._watcher = None
 
     @classmethod
@@ -52,8 +53,14 @@ class ToolBox:
         pool is created only if a tool asks for it."""
         from hybridrl.agent.tools.registry import tool_factory
 
+        from hybridrl.agent.mcp import McpServers, server_of
+
         box = cls(cfg=cfg)
         for name in names:
+            if server_of(cfg, name) is not None:        # a tool of an MCP server (`tools.mcp`)
+                box.mcp = box.mcp or McpServers(box)
+                box.tools[name] = box.mcp.tool(name)
+                continue
             tool = tool_factory(name)(cfg, box)
             if tool.spec.name != name:
                 raise ValueError(f"the factory registered as tool {name!r} made a tool named {tool.spec.name!r}")
@@ -78,12 +85,16 @@ class ToolBox:
         self._watch()
         if self.pool is not None:
             await self.pool.start()
+        if self.mcp is not None:
+            await self.mcp.start()
         return self
 
     async def close(self) -> None:
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
+        if self.mcp is not None:
+            await self.mcp.close()
         if self.pool is not None:
             await self.pool.close()
 
@@ -145,6 +156,8 @@ class ToolBox:
         out: dict[str, Any] = dict(self.counts)
         if self.pool is not None:
             out["sandbox"] = self.pool.stats()
+        if self.mcp is not None:
+            out["mcp"] = self.mcp.stats()
         return out
 
 
