@@ -20,7 +20,8 @@ from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.backends.native.kv_cache import BlockPool
 from hybridrl.backends.native.lora import LoraSpec, LoraWeights
 from hybridrl.backends.native.model import CausalLM, RotaryTable
-from hybridrl.backends.native import cpu_kernels
+from hybridrl.backends.native import cpu_kernels, speculative
+from hybridrl.backends.native.latency import LatencyLog
 from hybridrl.backends.native.runner import ModelRunner
 from hybridrl.backends.native.sampler import request_seed
 from hybridrl.backends.native.scheduler import Scheduler, Sequence, SeqStatus
@@ -94,9 +95,12 @@ class EngineCore:
         self.kernels = "c" if kernels is not None else "torch"
         self.model = CausalLM(spec, self.weights, RotaryTable(spec, self.max_model_len, device), self.lora, kernels)
         self.pool = BlockPool(self.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+        drafter = (speculative.Drafter(cfg.speculative_ngram_min, cfg.speculative_ngram_max)
+                   if cfg.speculative_tokens else None)
         self.scheduler = Scheduler(self.pool, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   watermark_blocks=cfg.watermark_blocks)
+                                   watermark_blocks=cfg.watermark_blocks, drafter=drafter,
+                                   max_drafts=cfg.speculative_tokens)
         self.runner = ModelRunner(self.model, num_blocks=self.num_blocks, block_size=cfg.block_size, dtype=dtype,
                                   device=device)
         self.runner.allocate_kv()
@@ -106,7 +110,9 @@ class EngineCore:
         self.asleep = False
         self.counters = {"steps": 0, "step_time_s": 0.0, "requests_finished": 0, "requests_aborted": 0,
                          "weight_updates": 0, "weight_tensors_copied": 0, "weight_tensors_in_place": 0,
-                         "weight_tensors_mismatched": 0, "prefix_cache_invalidations": 0}
+                         "weight_tensors_mismatched": 0, "prefix_cache_invalidations": 0,
+                         "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        self.latency = LatencyLog()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, cfg: NativeEngineConfig, *, device: torch.device,
@@ -173,19 +179,41 @@ class EngineCore:
         if bad is not None:      # NaN/inf logits: broken weights or numerics; never hand such tokens out
             raise FloatingPointError(f"non-finite logits (logprob {result.logprobs[bad]}) for request "
                                      f"{result.sampled[bad].request_id!r} at policy version {self.policy_version}")
-        sched = self.scheduler
-        for seq in plan.decodes:
-            sched.advance(seq, 1)
         for seq, n in plan.prefills:
-            sched.advance(seq, n)
+            self.scheduler.advance(seq, n)
+        rows: dict[Sequence, tuple[list[int], list[float]]] = {}
+        for seq, token, logprob in zip(result.sampled, result.tokens, result.logprobs):
+            tokens, logprobs = rows.setdefault(seq, ([], []))
+            tokens.append(token)
+            logprobs.append(logprob)
+        decoding = set(plan.decodes)
         finished = []
         now = time.monotonic()
-        for seq, token, logprob in zip(result.sampled, result.tokens, result.logprobs):
+        self.latency.record_step(len(plan.decodes) + len(plan.prefills),
+                                 len(self.scheduler.running) / self.scheduler.max_num_seqs)
+        for seq, (tokens, logprobs) in rows.items():
+            drafts = plan.drafts.get(seq)
+            if drafts:
+                a = speculative.accepted_drafts(tokens, drafts)
+                tokens, logprobs = drafts[:a] + [tokens[a]], logprobs[:a + 1]
+                self.counters["spec_draft_tokens"] += len(drafts)
+                self.counters["spec_accepted_tokens"] += a
+            if self._emit(seq, tokens, logprobs, now, decoding=seq in decoding):
+                finished.append(seq)
+        self.counters["steps"] += 1
+        self.counters["step_time_s"] += time.perf_counter() - t0
+        return finished
+
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float], now: float, *, decoding: bool) -> bool:
+        """Append a step's tokens to seq up to the first that ends it; a decoding sequence's KV then covers
+        the inputs that became its tokens (the rest, rejected drafts, is rolled back). True if it finished."""
+        reason = None
+        emitted = 0
+        for token, logprob in zip(tokens, logprobs):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
-            if seq.t_first_token is None:
-                seq.t_first_token = now
-            reason = None
+            self.latency.record_token(seq, now)
+            emitted += 1
             if token in seq.stop_ids:
                 reason = FinishReason.STOP
             elif seq.num_generated >= seq.params.max_new_tokens:
@@ -193,11 +221,15 @@ class EngineCore:
             elif len(seq.tokens) >= seq.max_len:
                 reason = FinishReason.CONTEXT
             if reason is not None:
-                self.finish(seq, reason)
-                finished.append(seq)
-        self.counters["steps"] += 1
-        self.counters["step_time_s"] += time.perf_counter() - t0
-        return finished
+                break
+        if decoding:
+            self.scheduler.advance(seq, emitted)
+        if reason is not None:
+            self.finish(seq, reason)
+            return True
+        if decoding:
+            self.scheduler.trim(seq)
+        return False
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status == SeqStatus.FINISHED:
@@ -348,6 +380,7 @@ class EngineCore:
             "adapter_bytes": self.lora.num_bytes() if self.lora is not None else 0,
             "max_model_len": self.max_model_len,
             "asleep": self.asleep,
+            "latency": self.latency.snapshot(),
         })
         return out
 
