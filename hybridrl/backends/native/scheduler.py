@@ -4,7 +4,9 @@ Every step (`Scheduler.schedule`):
 1. each running sequence that is decoding gets its one token (a new block when it crosses a
    block boundary; when the cache is full the most recently admitted running sequence is
    preempted: its blocks are released, cached where possible, and it waits at the head of
-   the queue to be recomputed later, keeping the tokens and logprobs it already has);
+   the queue to be recomputed later, keeping the tokens and logprobs it already has); with
+   speculative decoding, then up to `max_drafts` drafted tokens each to verify, from the
+   budget and the blocks left (drafts never preempt);
 2. running sequences part-way through their prefill get the next chunk of the token budget;
 3. waiting sequences are admitted in order while there is budget, a free slot
    (`max_num_seqs`) and room in the cache for their whole known sequence (+ a watermark):
@@ -163,9 +165,11 @@ class Scheduler:
                     break                              # seq itself was preempted (it was the last)
                 plan.decodes.append(seq)
                 budget -= 1
-                if self.max_drafts:          # keep one token of budget for every later running sequence
-                    budget -= self._draft(seq, plan, budget - (len(self.running) - i - 1))
             i += 1
+        # 1b. drafts to verify (speculative decoding), once every decode has its block: from the blocks free
+        # now and the budget left, before prefill chunks
+        for seq in plan.decodes if self.max_drafts else ():
+            budget -= self._draft(seq, plan, budget)
         # 2. chunks of prefills already running
         for seq in list(self.running):
             if budget <= 0:
