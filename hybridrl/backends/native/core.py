@@ -179,57 +179,56 @@ class EngineCore:
         if bad is not None:      # NaN/inf logits: broken weights or numerics; never hand such tokens out
             raise FloatingPointError(f"non-finite logits (logprob {result.logprobs[bad]}) for request "
                                      f"{result.sampled[bad].request_id!r} at policy version {self.policy_version}")
-        for seq, n in plan.prefills:
-            self.scheduler.advance(seq, n)
         rows: dict[Sequence, tuple[list[int], list[float]]] = {}
         for seq, token, logprob in zip(result.sampled, result.tokens, result.logprobs):
             tokens, logprobs = rows.setdefault(seq, ([], []))
             tokens.append(token)
             logprobs.append(logprob)
-        decoding = set(plan.decodes)
-        finished = []
         now = time.monotonic()
         self.latency.record_step(len(plan.decodes) + len(plan.prefills),
                                  len(self.scheduler.running) / self.scheduler.max_num_seqs)
+        reasons: dict[Sequence, FinishReason | None] = {}
+        for seq in plan.decodes:         # their KV then covers the inputs that became tokens (drafts rolled back)
+            reasons[seq] = self._append(seq, *self._verified(seq, *rows[seq], plan.drafts.get(seq)), now)
+            self.scheduler.advance(seq, len(seq.tokens) - 1 - seq.num_computed)
+        for seq, n in plan.prefills:
+            self.scheduler.advance(seq, n)
+        finished = []
         for seq, (tokens, logprobs) in rows.items():
-            drafts = plan.drafts.get(seq)
-            if drafts:
-                a = speculative.accepted_drafts(tokens, drafts)
-                tokens, logprobs = drafts[:a] + [tokens[a]], logprobs[:a + 1]
-                self.counters["spec_draft_tokens"] += len(drafts)
-                self.counters["spec_accepted_tokens"] += a
-            if self._emit(seq, tokens, logprobs, now, decoding=seq in decoding):
+            reason = reasons[seq] if seq in reasons else self._append(seq, tokens, logprobs, now)
+            if reason is not None:
+                self.finish(seq, reason)
                 finished.append(seq)
+            elif seq in reasons:
+                self.scheduler.trim(seq)
         self.counters["steps"] += 1
         self.counters["step_time_s"] += time.perf_counter() - t0
         return finished
 
-    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float], now: float, *, decoding: bool) -> bool:
-        """Append a step's tokens to seq up to the first that ends it; a decoding sequence's KV then covers
-        the inputs that became its tokens (the rest, rejected drafts, is rolled back). True if it finished."""
-        reason = None
-        emitted = 0
+    def _verified(self, seq: Sequence, tokens: list[int], logprobs: list[float],
+                  drafts: list[int] | None) -> tuple[list[int], list[float]]:
+        """A decoding sequence's tokens of the step: its one sampled token, or with drafts the accepted ones
+        and the draw after them (`speculative.py`)."""
+        if not drafts:
+            return tokens, logprobs
+        a = speculative.accepted_drafts(tokens, drafts)
+        self.counters["spec_draft_tokens"] += len(drafts)
+        self.counters["spec_accepted_tokens"] += a
+        return drafts[:a] + [tokens[a]], logprobs[:a + 1]
+
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], now: float) -> FinishReason | None:
+        """Append a step's tokens to seq up to the first that ends it; returns why it ends (None: it goes on)."""
         for token, logprob in zip(tokens, logprobs):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
             self.latency.record_token(seq, now)
-            emitted += 1
             if token in seq.stop_ids:
-                reason = FinishReason.STOP
-            elif seq.num_generated >= seq.params.max_new_tokens:
-                reason = FinishReason.LENGTH
-            elif len(seq.tokens) >= seq.max_len:
-                reason = FinishReason.CONTEXT
-            if reason is not None:
-                break
-        if decoding:
-            self.scheduler.advance(seq, emitted)
-        if reason is not None:
-            self.finish(seq, reason)
-            return True
-        if decoding:
-            self.scheduler.trim(seq)
-        return False
+                return FinishReason.STOP
+            if seq.num_generated >= seq.params.max_new_tokens:
+                return FinishReason.LENGTH
+            if len(seq.tokens) >= seq.max_len:
+                return FinishReason.CONTEXT
+        return None
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status == SeqStatus.FINISHED:
