@@ -11,6 +11,7 @@ import torch
 from hybridrl.backends.native import NativeEngineConfig, speculative
 from hybridrl.backends.native.core import EngineCore
 from hybridrl.backends.native.speculative import PromptLookup, accepted_drafts
+from hybridrl.config.fields import ConfigValueError
 from hybridrl.rollout.protocol import SamplingParams
 from tests.backends.native.conftest import PARITY, generate_all, hf_logprobs, needs_kernels
 
@@ -29,6 +30,8 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert PromptLookup(1, 1).propose([3, 4, 3], 5) == [4, 3]                      # continuation runs to the end
     assert accepted_drafts([1, 2, 3], [1, 2]) == 2 and accepted_drafts([1, 9, 3], [1, 2]) == 1
     assert accepted_drafts([7, 2, 3], [1, 2]) == 0
+    with pytest.raises(ConfigValueError, match="must be >= speculative_ngram_min"):
+        NativeEngineConfig(speculative_tokens=4, speculative_ngram_min=3, speculative_ngram_max=2)
 
 
 def repeating_prompts(n: int, seed: int = 0) -> list[list[int]]:
