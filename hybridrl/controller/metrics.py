@@ -106,12 +106,14 @@ def validation_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
 def engine_metrics(per_rank: list[dict], run) -> dict[str, float]:
     """Per-step deltas of the engines' cumulative counters, summed over ranks."""
     totals: Counter = Counter()
-    for stats in per_rank:
+    for rank, stats in enumerate(per_rank):
         for key, value in stats["engine"].items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 totals[f"engine/{key}"] += value
         for key, value in stats["agent"].items():
             totals[f"agent/{key}"] += value
+        for name, series in (stats["engine"].get("latency") or {}).items():
+            totals[f"latency/{name}@{rank}"] = series["count"]
     deltas = {k: v - run.counters.get(k, 0) for k, v in totals.items()}
     run.counters = dict(totals)
     keep = ("prefill_tokens", "prefix_hit_tokens", "decode_tokens", "preemptions", "episodes", "malformed_actions",
@@ -121,9 +123,41 @@ def engine_metrics(per_rank: list[dict], run) -> dict[str, float]:
             "sampling_overridden", "untrained_policy_tokens",
             "engine/steps", "step_time_s")      # the engines' busy time (cost accounting, the planner)
     out = {k: float(v) for k, v in deltas.items() if any(k.endswith(s) for s in keep)}
+    out.update(generation_latency(per_rank, deltas, totals))
     # the tool sandbox's isolation (root | userns | none): ranks running in each mode, every step
     for stats in per_rank:
         mode = (stats.get("sandbox") or {}).get("isolation")
         if mode:
             out[f"sandbox/isolation_{mode}"] = out.get(f"sandbox/isolation_{mode}", 0.0) + 1.0
     return out
+
+
+def generation_latency(per_rank: list[dict], deltas: dict, totals: dict) -> dict[str, float]:
+    """`gen/` percentiles of the samples the engines recorded since the last read (an engine that reports
+    `stats()["latency"]`, e.g. the native one): time to first token and inter-token latency (p50, p90, s),
+    the mean sequences per engine step and the mean running / max_num_seqs."""
+    samples: dict[str, list[float]] = {}
+    for rank, stats in enumerate(per_rank):
+        for name, series in (stats["engine"].get("latency") or {}).items():
+            key = f"latency/{name}@{rank}"
+            new = deltas[key] if deltas[key] >= 0 else totals[key]     # < 0: a new engine counts from zero
+            recent = series["recent"]
+            samples.setdefault(name, []).extend(recent[max(len(recent) - new, 0):] if new else [])
+    out: dict[str, float] = {}
+    for name, label in (("ttft_s", "ttft"), ("itl_s", "itl")):
+        if samples.get(name):
+            out[f"gen/{label}_p50_s"] = percentile(samples[name], 50)
+            out[f"gen/{label}_p90_s"] = percentile(samples[name], 90)
+    for name in ("batch_size", "batch_utilisation"):
+        if samples.get(name):
+            out[f"gen/{name}"] = statistics.fmean(samples[name])
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile, linear between the closest ranks (numpy's default method)."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

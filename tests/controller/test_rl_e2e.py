@@ -45,11 +45,14 @@ def test_a_run_logs_trains_and_exports(straight, model):
         for key in ("reward/mean", "time/T_rollout", "time/T_reward", "time/T_prep", "time/T_train", "time/T_sync",
                     "gen/tokens_per_s", "yield/tokens_per_s", "policy/lag_max", "mismatch/max_abs",
                     "train/grad_norm", "train/clip_fraction", "train/entropy", "filter/all_equal_group",
-                    "status/truncated", "switch/sleep_s", "tokens/admitted"):
+                    "status/truncated", "switch/sleep_s", "tokens/admitted",
+                    "gen/ttft_p50_s", "gen/ttft_p90_s", "gen/itl_p50_s", "gen/itl_p90_s", "gen/batch_size",
+                    "gen/batch_utilisation"):
             assert key in r, key
         assert r["episodes"] == 16 and r["tokens/admitted"] > 0 and r["policy/lag_max"] == 0
         assert r["mismatch/max_abs"] < 1e-4              # the engine samples what the trainer scores
         assert r["policy/version"] == r["step"]
+        assert r["gen/ttft_p90_s"] >= r["gen/ttft_p50_s"] > 0 and 0 < r["gen/batch_utilisation"] <= 1
     assert rows[2]["parity/max_abs"] < 1e-4 and rows[2]["switch/publish_s"] > 0   # v1 was published for step 2
     assert rows[2]["parity/probed"] == 1.0 and rows[2]["switch/untimed_s"] >= 0
     assert any((straight / "tensorboard").iterdir())

@@ -55,6 +55,12 @@ class NativeEngineConfig:
         "auto", "where steps run: loop (a task on the caller's event loop, which regains control between "
                 "steps) | thread (a dedicated thread: the loop never waits on a forward pass) | auto (loop on "
                 "CPU, where OpenMP kernels launched from a second thread are slower; thread on CUDA)")
+    speculative_tokens: int = knob(
+        0, "exact speculative decoding by prompt lookup: up to this many tokens per decode step are drafted from "
+           "an n-gram match in the sequence's own context (prompt + output) and verified by the model in the same "
+           "forward; the sampled tokens and logprobs are those the engine draws without drafts. 0 = off")
+    speculative_ngram_min: int = knob(2, "shortest suffix n-gram that prompt lookup matches (speculative_tokens > 0)")
+    speculative_ngram_max: int = knob(4, "longest suffix n-gram that prompt lookup tries first (speculative_tokens > 0)")
 
     def __post_init__(self) -> None:
         check_positive("block_size", self.block_size)
@@ -68,6 +74,12 @@ class NativeEngineConfig:
         check_choice("on_weight_update", self.on_weight_update, IN_FLIGHT_POLICIES)
         check_choice("driver", self.driver, DRIVERS)
         check_choice("kernels", self.kernels, KERNELS)
+        check_positive("speculative_tokens", self.speculative_tokens, allow_zero=True)
+        check_positive("speculative_ngram_min", self.speculative_ngram_min)
+        if self.speculative_ngram_max < self.speculative_ngram_min:
+            raise ConfigValueError(
+                "speculative_ngram_max", f"must be >= speculative_ngram_min ({self.speculative_ngram_min}), got "
+                                         f"{self.speculative_ngram_max}: raise it or lower speculative_ngram_min")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigValueError(
                 "max_num_batched_tokens",

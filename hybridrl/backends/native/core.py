@@ -20,7 +20,8 @@ from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.backends.native.kv_cache import BlockPool
 from hybridrl.backends.native.lora import LoraSpec, LoraWeights
 from hybridrl.backends.native.model import CausalLM, RotaryTable
-from hybridrl.backends.native import cpu_kernels
+from hybridrl.backends.native import cpu_kernels, speculative
+from hybridrl.backends.native.latency import LatencyLog
 from hybridrl.backends.native.runner import ModelRunner
 from hybridrl.backends.native.sampler import request_seed
 from hybridrl.backends.native.scheduler import Scheduler, Sequence, SeqStatus
@@ -94,9 +95,12 @@ class EngineCore:
         self.kernels = "c" if kernels is not None else "torch"
         self.model = CausalLM(spec, self.weights, RotaryTable(spec, self.max_model_len, device), self.lora, kernels)
         self.pool = BlockPool(self.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+        drafter = (speculative.Drafter(cfg.speculative_ngram_min, cfg.speculative_ngram_max)
+                   if cfg.speculative_tokens else None)
         self.scheduler = Scheduler(self.pool, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   watermark_blocks=cfg.watermark_blocks)
+                                   watermark_blocks=cfg.watermark_blocks, drafter=drafter,
+                                   max_drafts=cfg.speculative_tokens)
         self.runner = ModelRunner(self.model, num_blocks=self.num_blocks, block_size=cfg.block_size, dtype=dtype,
                                   device=device)
         self.runner.allocate_kv()
@@ -106,7 +110,9 @@ class EngineCore:
         self.asleep = False
         self.counters = {"steps": 0, "step_time_s": 0.0, "requests_finished": 0, "requests_aborted": 0,
                          "weight_updates": 0, "weight_tensors_copied": 0, "weight_tensors_in_place": 0,
-                         "weight_tensors_mismatched": 0, "prefix_cache_invalidations": 0}
+                         "weight_tensors_mismatched": 0, "prefix_cache_invalidations": 0,
+                         "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        self.latency = LatencyLog()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, cfg: NativeEngineConfig, *, device: torch.device,
@@ -173,31 +179,56 @@ class EngineCore:
         if bad is not None:      # NaN/inf logits: broken weights or numerics; never hand such tokens out
             raise FloatingPointError(f"non-finite logits (logprob {result.logprobs[bad]}) for request "
                                      f"{result.sampled[bad].request_id!r} at policy version {self.policy_version}")
-        sched = self.scheduler
-        for seq in plan.decodes:
-            sched.advance(seq, 1)
-        for seq, n in plan.prefills:
-            sched.advance(seq, n)
-        finished = []
-        now = time.monotonic()
+        rows: dict[Sequence, tuple[list[int], list[float]]] = {}
         for seq, token, logprob in zip(result.sampled, result.tokens, result.logprobs):
-            seq.tokens.append(token)
-            seq.logprobs.append(logprob)
-            if seq.t_first_token is None:
-                seq.t_first_token = now
-            reason = None
-            if token in seq.stop_ids:
-                reason = FinishReason.STOP
-            elif seq.num_generated >= seq.params.max_new_tokens:
-                reason = FinishReason.LENGTH
-            elif len(seq.tokens) >= seq.max_len:
-                reason = FinishReason.CONTEXT
+            tokens, logprobs = rows.setdefault(seq, ([], []))
+            tokens.append(token)
+            logprobs.append(logprob)
+        now = time.monotonic()
+        self.latency.record_step(len(plan.decodes) + len(plan.prefills),
+                                 len(self.scheduler.running) / self.scheduler.max_num_seqs)
+        reasons: dict[Sequence, FinishReason | None] = {}
+        for seq in plan.decodes:         # their KV then covers the inputs that became tokens (drafts rolled back)
+            reasons[seq] = self._append(seq, *self._verified(seq, *rows[seq], plan.drafts.get(seq)), now)
+            self.scheduler.advance(seq, len(seq.tokens) - 1 - seq.num_computed)
+        for seq, n in plan.prefills:
+            self.scheduler.advance(seq, n)
+        finished = []
+        for seq, (tokens, logprobs) in rows.items():
+            reason = reasons[seq] if seq in reasons else self._append(seq, tokens, logprobs, now)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
+            elif seq in reasons:
+                self.scheduler.trim(seq)
         self.counters["steps"] += 1
         self.counters["step_time_s"] += time.perf_counter() - t0
         return finished
+
+    def _verified(self, seq: Sequence, tokens: list[int], logprobs: list[float],
+                  drafts: list[int] | None) -> tuple[list[int], list[float]]:
+        """A decoding sequence's tokens of the step: its one sampled token, or with drafts the accepted ones
+        and the draw after them (`speculative.py`)."""
+        if not drafts:
+            return tokens, logprobs
+        a = speculative.accepted_drafts(tokens, drafts)
+        self.counters["spec_draft_tokens"] += len(drafts)
+        self.counters["spec_accepted_tokens"] += a
+        return drafts[:a] + [tokens[a]], logprobs[:a + 1]
+
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], now: float) -> FinishReason | None:
+        """Append a step's tokens to seq up to the first that ends it; returns why it ends (None: it goes on)."""
+        for token, logprob in zip(tokens, logprobs):
+            seq.tokens.append(token)
+            seq.logprobs.append(logprob)
+            self.latency.record_token(seq, now)
+            if token in seq.stop_ids:
+                return FinishReason.STOP
+            if seq.num_generated >= seq.params.max_new_tokens:
+                return FinishReason.LENGTH
+            if len(seq.tokens) >= seq.max_len:
+                return FinishReason.CONTEXT
+        return None
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status == SeqStatus.FINISHED:
@@ -348,6 +379,7 @@ class EngineCore:
             "adapter_bytes": self.lora.num_bytes() if self.lora is not None else 0,
             "max_model_len": self.max_model_len,
             "asleep": self.asleep,
+            "latency": self.latency.snapshot(),
         })
         return out
 

@@ -22,7 +22,7 @@ from hybridrl.backends.native.scheduler import Sequence, StepPlan
 
 @dataclass
 class StepResult:
-    sampled: list[Sequence]          # sequences that received a token, in row order
+    sampled: list[Sequence]          # the sequence of each sampled row, in row order (one row per verified draft too)
     tokens: list[int]
     logprobs: list[float]
 
@@ -102,38 +102,46 @@ class ModelRunner:
         slots: list[int] = []
         sampled: list[Sequence] = []
         logits_rows: list[int] = []
+        indices: list[int] = []                      # output index of each sampled row (its uniform's index)
         meta = AttentionMetadata(slot_mapping=None)  # type: ignore[arg-type]
 
         # decode rows longest context first: on the torch path groups of similar length are then contiguous,
-        # and the kernel's threads take the longest rows first
+        # and the kernel's threads take the longest rows first. A sequence with drafts has one row per
+        # token it verifies (its last token, then each draft), side by side: rows of one sequence differ
+        # only in their position, and each attends to the cache up to its own position
         decodes = sorted(plan.decodes, key=lambda seq: len(seq.blocks), reverse=True)
         if decodes:
+            rows: list[Sequence] = []
             for seq in decodes:
                 p = seq.num_computed
-                ids.append(seq.tokens[p])
-                positions.append(p)
-                slots.append(seq.blocks[p // bs] * bs + p % bs)
-            widths = [len(seq.blocks) for seq in decodes]
-            meta.num_decodes = len(decodes)
+                for j, token in enumerate([seq.tokens[p], *plan.drafts.get(seq, ())]):
+                    ids.append(token)
+                    positions.append(p + j)
+                    slots.append(seq.blocks[(p + j) // bs] * bs + (p + j) % bs)
+                    rows.append(seq)
+                    indices.append(seq.num_generated + j)
+            widths = [len(seq.blocks) for seq in rows]
+            meta.num_decodes = len(rows)
             if self.model.kernels is not None:
                 width = widths[0]
-                tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decodes], dtype=torch.long)
+                tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in rows], dtype=torch.long)
                 meta.decode_batch = DecodeBatch(tables, torch.tensor(positions, dtype=torch.long).add_(1))
             else:
-                meta.decode_groups = self._decode_groups(decodes, widths, positions)
+                meta.decode_groups = self._decode_groups(rows, widths, positions)
                 self.num_decode_groups += len(meta.decode_groups)
-            sampled.extend(decodes)
-            logits_rows.extend(range(len(decodes)))
+            sampled.extend(rows)
+            logits_rows.extend(range(len(rows)))
 
         prefills = plan.prefills
         if prefills:
             meta.prefill = self._prefill_group(prefills, ids, positions, slots)
-            row = len(decodes)
+            row = meta.num_decodes
             for seq, n in prefills:
                 row += n
                 if seq.num_computed + n == len(seq.tokens):
                     sampled.append(seq)
                     logits_rows.append(row - 1)
+                    indices.append(seq.num_generated)
 
         long = torch.long
         meta.slot_mapping = torch.tensor(slots, dtype=long, device=dev)
@@ -143,13 +151,14 @@ class ModelRunner:
         if not sampled:
             return StepResult([], [], [])
         batch = SamplingBatch.build(
-            [(s.params.temperature, s.params.top_k, s.params.top_p, s.seed, s.num_generated) for s in sampled],
+            [(s.params.temperature, s.params.top_k, s.params.top_p, s.seed, i) for s, i in zip(sampled, indices)],
             logits.shape[-1], dev)
         tokens, logprobs = sample(logits, batch)
         return StepResult(sampled, tokens.tolist(), logprobs.tolist())
 
     def _decode_groups(self, decodes: list[Sequence], widths: list[int], positions: list[int]) -> list[DecodeGroup]:
-        """The torch path's decode rows (sorted by width) cut into groups gathered to their widest row."""
+        """The torch path's decode rows (sorted by width; `decodes` has each row's sequence) cut into groups
+        gathered to their widest row."""
         bs, dev = self.block_size, self.device
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         groups = []

@@ -4,7 +4,9 @@ Every step (`Scheduler.schedule`):
 1. each running sequence that is decoding gets its one token (a new block when it crosses a
    block boundary; when the cache is full the most recently admitted running sequence is
    preempted: its blocks are released, cached where possible, and it waits at the head of
-   the queue to be recomputed later, keeping the tokens and logprobs it already has);
+   the queue to be recomputed later, keeping the tokens and logprobs it already has); with
+   speculative decoding, then up to `max_drafts` drafted tokens each to verify, from the
+   budget and the blocks left (drafts never preempt);
 2. running sequences part-way through their prefill get the next chunk of the token budget;
 3. waiting sequences are admitted in order while there is budget, a free slot
    (`max_num_seqs`) and room in the cache for their whole known sequence (+ a watermark):
@@ -62,6 +64,8 @@ class Sequence:
     t_scheduled: float | None = None
     t_first_token: float | None = None
     t_finish: float | None = None
+    token_times: list[float] = field(default_factory=list)   # when each output token was emitted (monotonic)
+    lookup: Any = None                               # speculative.PromptLookup, built at its first draft
 
     @property
     def num_generated(self) -> int:
@@ -78,9 +82,10 @@ class Sequence:
 
 @dataclass
 class StepPlan:
-    """What one step computes: decode sequences (1 token each) first, then prefill chunks."""
+    """What one step computes: decode sequences (1 token each, + their drafts) first, then prefill chunks."""
 
     decodes: list[Sequence] = field(default_factory=list)
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)         # decode -> tokens to verify after it
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)       # (sequence, tokens this step)
     copies: list[tuple[int, int, int]] = field(default_factory=list)         # (src block, dst block, rows)
 
@@ -90,7 +95,7 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
+        return len(self.decodes) + sum(map(len, self.drafts.values())) + sum(n for _, n in self.prefills)
 
 
 @dataclass
@@ -106,8 +111,14 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int, watermark_blocks: int):
+    """`drafter(seq, k)` (speculative decoding, `speculative.py`) proposes up to k tokens for a decoding
+    sequence to verify in the same step; `max_drafts` bounds k."""
+
+    def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int, watermark_blocks: int,
+                 drafter: Callable[[Sequence, int], list[int]] | None = None, max_drafts: int = 0):
         self.pool = pool
+        self.drafter = drafter
+        self.max_drafts = max_drafts if drafter is not None else 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark = watermark_blocks
@@ -155,6 +166,10 @@ class Scheduler:
                 plan.decodes.append(seq)
                 budget -= 1
             i += 1
+        # 1b. drafts to verify (speculative decoding), once every decode has its block: from the blocks free
+        # now and the budget left, before prefill chunks
+        for seq in plan.decodes if self.max_drafts else ():
+            budget -= self._draft(seq, plan, budget)
         # 2. chunks of prefills already running
         for seq in list(self.running):
             if budget <= 0:
@@ -171,6 +186,26 @@ class Scheduler:
         for seq in plan.decodes:
             seq.t_scheduled = seq.t_scheduled or time.monotonic()
         return plan
+
+    def _draft(self, seq: Sequence, plan: StepPlan, room: int) -> int:
+        """Drafts for a decoding sequence, within `room` tokens of budget, the request's output budget and
+        the blocks free now (drafts never preempt); returns how many were planned."""
+        k = min(self.max_drafts, room, seq.params.max_new_tokens - seq.num_generated - 1,
+                seq.max_len - len(seq.tokens) - 1)
+        if k <= 0:
+            return 0
+        drafts = self.drafter(seq, k)
+        if not drafts or not self._reserve(seq, seq.num_computed + 1 + len(drafts), preempt=False):
+            return 0
+        plan.drafts[seq] = drafts
+        return len(drafts)
+
+    def trim(self, seq: Sequence) -> None:
+        """Return the blocks past what seq's next step needs (those reserved for drafts it rejected)."""
+        keep = self.pool.blocks_for(len(seq.tokens))
+        if len(seq.blocks) > keep:
+            self.pool.release(reversed(seq.blocks[keep:]))
+            del seq.blocks[keep:]
 
     def _reserve(self, seq: Sequence, num_tokens: int, *, preempt: bool = True) -> bool:
         """Blocks for tokens[:num_tokens]. With `preempt`, the latest running sequences make room
