@@ -53,6 +53,8 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("distill", "hybridrl.algo.distill:DistillConfig", "on-policy distillation: a teacher that scores the policy's tokens"),
     ("reward_model", "hybridrl.reward.config:RewardModelConfig", "a learned reward model as a reward component"),
     ("trainer", "hybridrl.controller.config:TrainerConfig", "the RL loop: steps, batch shape, validation, checkpoints"),
+    ("incidents", "hybridrl.controller.incidents:IncidentsConfig",
+     "rules over each step's metrics (NaN, mismatch, a drop, KL, failed episodes) and their actions"),
     ("sft", "hybridrl.controller.sft_config:SFTConfig", "supervised warm start on the task's demonstrations"),
     ("store", "hybridrl.store.config:StoreConfig", "the run ledger: trajectory store, lineage, retention"),
     ("selfcheck", "hybridrl.config.schema:SelfCheckConfig", "the self-check job"),

@@ -33,7 +33,8 @@ class TrainerConfig:
                                 "run resumes from its newest complete checkpoint (or starts over without one)")
     inject: list[str] = knob(help="fault injection, KIND@STEP[:MOMENT]: kill_job, kill_rank[N] (moments switch, "
                                   "rollout, train, log, checkpoint); engine, tool, reward, env_kill (during the "
-                                  "rollout), disk_full (at the checkpoint): see hybridrl/controller/faults.py",
+                                  "rollout), disk_full (at the checkpoint), nan, mismatch (in the update): see "
+                                  "hybridrl/controller/faults.py",
                              factory=list)
     rollout_mode: str = knob("sync", "sync: every step waits for all its episodes | partial: a step ends its rollout "
                                      "when `quorum` groups are complete (or at `rollout_deadline_s`); episodes still "

@@ -545,6 +545,20 @@ class MegatronEngine:
         with self._scope(), torch.no_grad():
             return load_checkpoint(self, Path(path))
 
+    def scale_lr(self, factor: float) -> dict[str, float]:
+        """Multiply the learning-rate schedule (peak, floor, warm-up start, each parameter group's own) by
+        `factor` from now on; the schedule is in the checkpoint, so a resumed run keeps it. Returns the
+        current learning rate before and after."""
+        sched = self.scheduler
+        before = float(self.optimizer.param_groups[0]["lr"])
+        sched.max_lr, sched.min_lr, sched.init_lr = sched.max_lr * factor, sched.min_lr * factor, sched.init_lr * factor
+        for group in self.optimizer.param_groups:
+            for key in ("max_lr", "min_lr"):
+                if key in group:
+                    group[key] *= factor
+            group["lr"] = sched.get_lr(group)
+        return {"before": before, "after": float(self.optimizer.param_groups[0]["lr"])}
+
     # ------------------------------------------------------------------------------ memory
 
     def offload(self, tags: Iterable[str] = TRAIN_MEMORY_TAGS, *, spill_dir: str | Path | None = None) -> int:
