@@ -63,6 +63,9 @@ class TrainerConfig:
                                          "either way; 0 = never stop for it")
     stop_after_failed_steps: int = knob(3, "the run fails (exit 1, saying why) after this many steps in a row whose "
                                            "every episode was an agent error or an infrastructure fault; 0 = never")
+    peak_flops: float = knob(0.0, "peak FLOP/s of one training device, the denominator of perf/mfu; 0 = the device's "
+                                  "dense bf16 value from a table (H100, H200, A100, L40S, ...), else (a CPU, an "
+                                  "unlisted device) a float32 matmul rate measured at the start")
     callbacks: list[str] = knob(help="observers of the run's events (start, step, validation, checkpoint, "
                                      "interrupt, end) on the controller: module:Class of yours, or wandb / mlflow "
                                      "(skipped with a note when the package is missing); see "
@@ -91,6 +94,7 @@ class TrainerConfig:
         check_positive("max_sampling_rounds", self.max_sampling_rounds)
         check_positive("stop_after_dead_steps", self.stop_after_dead_steps, allow_zero=True)
         check_positive("stop_after_failed_steps", self.stop_after_failed_steps, allow_zero=True)
+        check_positive("peak_flops", self.peak_flops, allow_zero=True)
         from hybridrl.controller.callbacks import CALLBACKS
 
         for spec in self.callbacks:

@@ -17,7 +17,7 @@ complete checkpoint (always one written before the incident: a step's checkpoint
 checks) and goes on from there, its learning rate multiplied by `incidents.rollback_lr_scale`;
 after `incidents.max_rollbacks` rollbacks in one process, or without a checkpoint to go back to,
 a rollback is a stop. Every incident is an event of kind `incident` in the run ledger (`hybridrl
-inspect RUN --summary` lists the events), with its rule, step, action and evidence.
+inspect RUN` lists the events), with its rule, step, action and evidence.
 
 The rules run twice a step: after the update (nan, mismatch, kl, all_failed: before any
 validation runs on a policy they condemn) and after the validation (drop); a rule fires at most

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from hybridrl.controller.callbacks import Events
 from hybridrl.controller.diagnosis import SignalWatch, diagnose
 from hybridrl.controller.curriculum import training_stream
 from hybridrl.controller.faults import Injector
+from hybridrl.controller.efficiency import Efficiency
 from hybridrl.controller.incidents import IncidentWatch, respond
 from hybridrl.controller.link import Link
 from hybridrl.controller.progress import Progress
@@ -134,6 +136,7 @@ class Hooks:
         self.watch = SignalWatch(group_baseline=not cfg.algo.uses_critic, total_steps=tc.total_steps,
                                  stop_after=tc.stop_after_dead_steps, fail_after=tc.stop_after_failed_steps)
         self.incidents = IncidentWatch(cfg.incidents)          # controller/incidents.py
+        self.efficiency = Efficiency.of_run(cfg, wg)            # controller/efficiency.py
         self.events = Events.from_specs(tc.callbacks, builtin=[Progress(tc.total_steps), self.watch, self.incidents])
 
     def at(self, step: int, moment: str) -> None:
@@ -317,7 +320,7 @@ class RunState:
         self.checkpointer.restore(checkpoint)
         self.logger.close()
         self.logger = MetricsLogger(self.cfg.run.dir, resume_from_step=self.step)
-        self.ledger.rewind(self.step + 1)
+        self.ledger.rewind(self.step + 1, served=self.version)
         log.info("rolled back to %s: step %d, policy v%d", checkpoint, self.step, self.version)
         return self.wg.call(TrainSide.scale_lr, factor=lr_scale) if lr_scale != 1 else None
 
@@ -338,7 +341,9 @@ class RunState:
 
     def save_checkpoint(self, step: int, link: Any) -> Path:
         link.ensure_train()
+        started = time.perf_counter()
         path = self.checkpointer.save(step, before_complete=lambda: self.hooks.at(step, "checkpoint"))
+        self.hooks.efficiency.checkpointed(time.perf_counter() - started)     # in the next step's metrics
         log.info("checkpoint step %d -> %s", step, path)
         self.hooks.checkpointed(step, path)
         return path

@@ -93,6 +93,7 @@ def train(cfg, wg) -> dict:
         metrics["train/updated"] = float(updates_actor)   # a step without a learning signal goes on
         metrics.update(critic)
         metrics.update(M.engine_metrics(wg.call(RolloutSide.rollout_stats), run))
+        metrics.update(run.hooks.efficiency.step(metrics, batch))     # MFU, T_comm, successes per hour...
         if run.rolled_back(step, metrics):         # incidents of the update (NaN, mismatch, KL, failed episodes)
             continue                               # rolled back: on from the checkpoint's step
         if step == tc.total_steps or (tc.validate_every and step % tc.validate_every == 0):

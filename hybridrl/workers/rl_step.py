@@ -219,6 +219,7 @@ def _step_scalars(actor, per_update: list[dict], per_epoch: int, old: torch.Tens
     for k in counts:
         out[k] = sum(u[k] for u in per_update[:per_epoch])
     out["grad_norm_max"] = max(u["grad_norm"] for u in per_update)
+    out["grad_reduce_s"] = sum(u.get("grad_reduce_s", 0.0) for u in per_update)     # every optimizer step's
     out["clip_fraction_last"] = per_update[-1].get("clip_fraction", 0.0)
     out["ratio_max"] = max(u["ratio_max"] for u in per_update)
     out["ratio_min"] = min(u["ratio_min"] for u in per_update)
