@@ -92,15 +92,19 @@ class Serving(Link):
     def __init__(self, link: Any, run: "RunState"):
         self.link, self.run = link, run
         self.version: int | None = None
+        self.switched: tuple[int, dict] | None = None     # the last switch (its step, what it did)
 
     def to_rollout(self, version: int, step: int) -> dict:
         out = self.link.to_rollout(version, step)
         self.version = int(out.get("policy_version", version))
+        self.switched = (step, out)
         return out
 
     def ensure_rollout(self, version: int, step: int) -> dict | None:
         out = self.link.ensure_rollout(version, step)
         self.version = version
+        if out is not None:
+            self.switched = (step, out)
         return out
 
     def to_train(self) -> dict:
@@ -316,11 +320,16 @@ class RunState:
         """Every stateful part back from `checkpoint` in this process, as a resume would bring it: the logs
         and the ledger drop the steps after it (they are done again); the learning rate times `lr_scale`
         (its value before and after, or None when unchanged)."""
-        self.checkpointer.parts["serving"].ensure_train()
+        serving = self.checkpointer.parts["serving"]
+        serving.ensure_train()
         self.checkpointer.restore(checkpoint)
         self.logger.close()
         self.logger = MetricsLogger(self.cfg.run.dir, resume_from_step=self.step)
-        self.ledger.rewind(self.step + 1, served=self.version)
+        self.ledger.rewind(self.step + 1)
+        step, switch = serving.switched or (0, {})
+        release = switch.get("release")
+        if release and int(release["policy_version"]) <= self.version:    # the rollout side still serves it
+            self.ledger.record_switch(step, switch)                         # and will not publish it again
         log.info("rolled back to %s: step %d, policy v%d", checkpoint, self.step, self.version)
         return self.wg.call(TrainSide.scale_lr, factor=lr_scale) if lr_scale != 1 else None
 

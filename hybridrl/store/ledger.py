@@ -165,7 +165,7 @@ class NullLedger:
     def record_incident(self, step: int, detail: dict) -> None:
         return None
 
-    def rewind(self, step: int, *, served: int) -> None:
+    def rewind(self, step: int) -> None:
         return None
 
 
@@ -245,16 +245,10 @@ class Ledger:
         an event of kind `incident` (kept when the step is done again)."""
         self.db.execute("INSERT INTO events VALUES (?, 'incident', ?, ?)", (time.time(), step, _json(detail)))
 
-    def rewind(self, step: int, *, served: int) -> None:
-        """The run went back in this process (a rollback): steps >= `step` are done again. The releases of
-        policy versions up to `served` (the restored one) stay: the rollout side may serve one of them still,
-        and then publishes it no more."""
-        kept = self.db.execute("SELECT * FROM releases WHERE published_at_step >= ? AND version <= ?",
-                               (step, served)).fetchall()
+    def rewind(self, step: int) -> None:
+        """The run went back in this process (a rollback): steps >= `step` are done again."""
         self._rewound = True
         self._rewind(step)
-        for row in kept:
-            self.db.execute("INSERT OR REPLACE INTO releases VALUES (?, ?, ?, ?, ?)", tuple(row))
 
     def release_hash(self, version: int) -> str | None:
         """The checkpoint hash of the release recorded for policy `version` (None when none is)."""

@@ -133,6 +133,24 @@ def test_a_nan_stops_the_run_cleanly_with_the_incidents_in_the_ledger(stopped):
     assert record["status"] == "stopped" and "nan" in record["stop_reason"]
 
 
+def test_a_real_steps_efficiency_metrics_match_the_rows_it_trained_on(stopped, rl_model):
+    from hybridrl.controller.efficiency import model_shape, train_flops
+
+    run_dir, _ = stopped
+    row = read_metrics(run_dir)[1]
+    db = sqlite3.connect(run_dir / "ledger" / "index.sqlite")
+    lengths = [p + r for p, r in db.execute("SELECT prompt_tokens, response_tokens FROM trajectories "
+                                            "WHERE consumed_step = 1")]
+    db.close()
+    shape = model_shape(json.loads((rl_model / "config.json").read_text()))
+    assert len(lengths) == row["episodes/admitted"] and row["perf/train_flops"] == train_flops(shape, lengths)
+    assert row["perf/mfu"] == pytest.approx(row["perf/train_flops"] / (row["time/T_train"] * row["perf/peak_flops"] * 2))
+    assert 0 < row["train/grad_reduce_s"] <= row["time/T_comm"] < row["time/step_s"]
+    assert row["time/T_checkpoint"] == 0.0                   # no checkpoint before step 1
+    assert 0 <= row["perf/prefix_hit_rate"] <= 1 and row["success/per_hour"] == 0.0    # a random model
+    assert "success/per_usd" in row
+
+
 @pytest.mark.slow
 def test_the_stopped_run_resumes_with_the_same_command(stopped, rl_model):
     run_dir, _ = stopped
@@ -160,6 +178,8 @@ def test_a_rollback_resumes_from_the_checkpoint_before_with_a_lower_learning_rat
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["train/grad_norm"]) for r in rows[1:])
     db = sqlite3.connect(run_dir / "ledger" / "index.sqlite")
     assert [s for (s,) in db.execute("SELECT step FROM steps ORDER BY step")] == [1, 2, 3, 4]
+    # the release of the restored version is kept: the engine still served it and published it no more
+    assert [v for (v,) in db.execute("SELECT version FROM releases ORDER BY version")] == [1, 2, 3, 4]
     db.close()
     # the lower learning rate is in the checkpoints written after the rollback: a resumed run keeps it
     proc = hybridrl_train(RECIPE, "trainer.total_steps=5", *args)
