@@ -16,7 +16,9 @@ Ctrl-C; the incident's step is not checkpointed); `rollback`, the run goes back 
 complete checkpoint (always one written before the incident: a step's checkpoint comes after its
 checks) and goes on from there, its learning rate multiplied by `incidents.rollback_lr_scale`;
 after `incidents.max_rollbacks` rollbacks in one process, or without a checkpoint to go back to,
-a rollback is a stop. Every incident is an event of kind `incident` in the run ledger (`hybridrl
+a rollback is a stop. A rollback happens inside the running process, so it needs the colocated
+placement with `trainer.rollout_mode=sync` (no episode in flight across steps); elsewhere the config
+is refused at load time. Every incident is an event of kind `incident` in the run ledger (`hybridrl
 inspect RUN` lists the events), with its rule, step, action and evidence.
 
 The rules run twice a step: after the update (nan, mismatch, kl, all_failed: before any
@@ -75,6 +77,10 @@ class IncidentsConfig:
 
     def action(self, rule: str) -> str:
         return getattr(self, rule)
+
+    def rolling_back(self) -> list[str]:
+        """The rules whose action is rollback."""
+        return [rule.name for rule in RULES if self.action(rule.name) == "rollback"]
 
 
 # ------------------------------------------------------------------ the rules: pure functions of metrics

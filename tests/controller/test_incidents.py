@@ -91,6 +91,15 @@ def test_the_config_refuses_bad_actions_and_bounds():
         assert err.value.field == field
 
 
+def test_a_rollback_needs_the_colocated_sync_loop():
+    from hybridrl.config.fields import ConfigError
+    from hybridrl.config.loader import load_config
+
+    with pytest.raises(ConfigError, match="incidents.kl.*placement.mode=colocated"):
+        load_config(RECIPE, ["model.path=m", "incidents.kl=rollback", "trainer.rollout_mode=partial"])
+    assert load_config(RECIPE, ["model.path=m", "incidents.kl=rollback"]).incidents.kl == "rollback"
+
+
 def test_nan_and_mismatch_faults_fire_in_the_update():
     assert parse("nan@3").moment == "train" and parse("mismatch@2").moment == "train"
     with pytest.raises(ValueError, match="leave the moment out"):
