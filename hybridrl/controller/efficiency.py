@@ -8,7 +8,7 @@
     perf/peak_flops             the per-device peak it is measured against (`trainer.peak_flops`, or
                                 the device's table value, or on a CPU a measured float32 matmul rate)
     time/T_comm                 communication in the step: the gradient reduction of every optimizer
-                                step (train/grad_reduce_s, rank 0's) + the weight publication
+                                step (time/grad_reduce_s, rank 0's) + the weight publication
                                 (switch/publish_s)
     time/T_checkpoint           seconds of the checkpoint written at the end of the PREVIOUS step
                                 (a step's row is logged before its checkpoint; 0 when none was written)
@@ -151,7 +151,7 @@ class Efficiency:
     def measured(self, m: dict, lengths: Sequence[int]) -> dict[str, float]:
         """... from the admitted rows' lengths (prompt + response tokens each)."""
         out = {"time/T_checkpoint": self.checkpoint_s,
-               "time/T_comm": m.get("train/grad_reduce_s", 0.0) + m.get("switch/publish_s", 0.0),
+               "time/T_comm": m.get("time/grad_reduce_s", 0.0) + m.get("switch/publish_s", 0.0),
                "perf/peak_flops": self.peak}
         self.checkpoint_s = 0.0
         if self.shape is not None and lengths and m.get("train/updated", 1.0):

@@ -88,7 +88,7 @@ def test_successes_per_hour_device_hour_and_money_use_the_cost_price_table():
 
 def test_a_step_reports_checkpoint_and_communication_time_and_the_run_rate():
     eff = Efficiency(model_shape(TINY), peak=1e9, train_devices=2, devices=2, device_hour=None)
-    step = {"time/T_train": 0.5, "train/grad_reduce_s": 0.02, "switch/publish_s": 0.01, "episodes/succeeded": 3.0,
+    step = {"time/T_train": 0.5, "time/grad_reduce_s": 0.02, "switch/publish_s": 0.01, "episodes/succeeded": 3.0,
             "time/step_s": 1.8, "train/updated": 1.0}
     first = eff.measured(step, [10, 20])
     assert first["time/T_checkpoint"] == 0.0 and first["time/T_comm"] == pytest.approx(0.03)

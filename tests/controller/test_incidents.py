@@ -154,7 +154,7 @@ def test_a_real_steps_efficiency_metrics_match_the_rows_it_trained_on(stopped, r
     shape = model_shape(json.loads((rl_model / "config.json").read_text()))
     assert len(lengths) == row["episodes/admitted"] and row["perf/train_flops"] == train_flops(shape, lengths)
     assert row["perf/mfu"] == pytest.approx(row["perf/train_flops"] / (row["time/T_train"] * row["perf/peak_flops"] * 2))
-    assert 0 < row["train/grad_reduce_s"] <= row["time/T_comm"] < row["time/step_s"]
+    assert 0 < row["time/grad_reduce_s"] <= row["time/T_comm"] < row["time/step_s"]
     assert row["time/T_checkpoint"] == 0.0                   # no checkpoint before step 1
     assert 0 <= row["perf/prefix_hit_rate"] <= 1 and row["success/per_hour"] == 0.0    # a random model
     assert "success/per_usd" in row
