@@ -290,7 +290,8 @@ def _train_parsers(sub: Any) -> None:
         p.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:MOMENT]",
                        help="inject a fault, once per run directory (what trainer.inject sets): kill_job or "
                             "kill_rank[N] at switch|rollout|train|log|checkpoint; engine, tool, reward, env_kill "
-                            "during the step's rollout; disk_full at its checkpoint (hybridrl/controller/faults.py)")
+                            "during the step's rollout; disk_full at its checkpoint; nan, mismatch in its update "
+                            "(hybridrl/controller/faults.py)")
         p.set_defaults(func=_cmd_train, job_overrides=job)
 
 

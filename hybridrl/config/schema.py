@@ -53,6 +53,8 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("distill", "hybridrl.algo.distill:DistillConfig", "on-policy distillation: a teacher that scores the policy's tokens"),
     ("reward_model", "hybridrl.reward.config:RewardModelConfig", "a learned reward model as a reward component"),
     ("trainer", "hybridrl.controller.config:TrainerConfig", "the RL loop: steps, batch shape, validation, checkpoints"),
+    ("incidents", "hybridrl.controller.incidents:IncidentsConfig",
+     "rules over each step's metrics (NaN, mismatch, a drop, KL, failed episodes) and their actions"),
     ("sft", "hybridrl.controller.sft_config:SFTConfig", "supervised warm start on the task's demonstrations"),
     ("store", "hybridrl.store.config:StoreConfig", "the run ledger: trajectory store, lineage, retention"),
     ("selfcheck", "hybridrl.config.schema:SelfCheckConfig", "the self-check job"),
@@ -85,6 +87,11 @@ def check_across(self) -> None:
         raise ConfigValueError("model.path", f"run.job={self.run.job} needs an HF model directory: set "
                                              "model.path in the recipe or pass model.path=DIR")
     self.placement.resolve().validate(self)
+    rolling_back = self.incidents.rolling_back()
+    if rolling_back and (self.placement.mode != "colocated" or self.trainer.rollout_mode != "sync"):
+        raise ConfigValueError(f"incidents.{rolling_back[0]}", "rollback restores a checkpoint inside the running "
+                               "process: it needs placement.mode=colocated and trainer.rollout_mode=sync (no episode "
+                               "in flight across steps); use stop (the same command then resumes)")
     if not self.rollout.engine_row.reads_back_weights and self.publish.verify == "post_copy":
         raise ConfigValueError("publish.verify", "post_copy needs an engine that reads its weights back after "
                                                  f"the copy; rollout.engine={self.rollout.engine} cannot: set "

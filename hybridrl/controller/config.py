@@ -33,7 +33,8 @@ class TrainerConfig:
                                 "run resumes from its newest complete checkpoint (or starts over without one)")
     inject: list[str] = knob(help="fault injection, KIND@STEP[:MOMENT]: kill_job, kill_rank[N] (moments switch, "
                                   "rollout, train, log, checkpoint); engine, tool, reward, env_kill (during the "
-                                  "rollout), disk_full (at the checkpoint): see hybridrl/controller/faults.py",
+                                  "rollout), disk_full (at the checkpoint), nan, mismatch (in the update): see "
+                                  "hybridrl/controller/faults.py",
                              factory=list)
     rollout_mode: str = knob("sync", "sync: every step waits for all its episodes | partial: a step ends its rollout "
                                      "when `quorum` groups are complete (or at `rollout_deadline_s`); episodes still "
@@ -62,6 +63,9 @@ class TrainerConfig:
                                          "either way; 0 = never stop for it")
     stop_after_failed_steps: int = knob(3, "the run fails (exit 1, saying why) after this many steps in a row whose "
                                            "every episode was an agent error or an infrastructure fault; 0 = never")
+    peak_flops: float = knob(0.0, "peak FLOP/s of one training device, the denominator of perf/mfu; 0 = the device's "
+                                  "dense bf16 value from a table (H100, H200, A100, L40S, ...), else (a CPU, an "
+                                  "unlisted device) a float32 matmul rate measured at the start")
     callbacks: list[str] = knob(help="observers of the run's events (start, step, validation, checkpoint, "
                                      "interrupt, end) on the controller: module:Class of yours, or wandb / mlflow "
                                      "(skipped with a note when the package is missing); see "
@@ -90,6 +94,7 @@ class TrainerConfig:
         check_positive("max_sampling_rounds", self.max_sampling_rounds)
         check_positive("stop_after_dead_steps", self.stop_after_dead_steps, allow_zero=True)
         check_positive("stop_after_failed_steps", self.stop_after_failed_steps, allow_zero=True)
+        check_positive("peak_flops", self.peak_flops, allow_zero=True)
         from hybridrl.controller.callbacks import CALLBACKS
 
         for spec in self.callbacks:

@@ -1,6 +1,6 @@
 """Fault injection into a real run: `trainer.inject` (or `hybridrl train RECIPE --inject SPEC`).
 
-    SPEC = KIND@STEP[:MOMENT]          e.g. kill_job@3:train, kill_rank@2:rollout, engine@2
+    SPEC = KIND@STEP[:MOMENT]          e.g. kill_job@3:train, kill_rank@2:rollout, engine@2, nan@3
 
 Kinds (each ends one of two documented ways; docs/running.md "Faults and resume"): the step goes on with the
 affected trajectories infrastructure-invalid (counted, never trained on), or the run stops and
@@ -25,6 +25,12 @@ firing once, at its first chance from then on:
 Armed on the last rank before the step's checkpoint (the step must write one):
 - `disk_full`: writing the checkpoint fails with ENOSPC: the run stops naming it, the incomplete
   checkpoint is never used, and the run resumes from the one before.
+Armed on the last training rank after the step's rollout, for its update (they exercise the run's
+incident rules, `controller/incidents.py`, whose actions decide what follows):
+- `nan`: the update's loss is NaN on that rank; the reduced gradients and then every weight become
+  NaN, as a real blow-up leaves them (the `nan` rule: stop by default).
+- `mismatch`: the update's behaviour logprobs on that rank arrive 1 nat below what the engine
+  returned, a rollout/trainer mismatch spike (the `mismatch` rule: warn by default).
 
 Moments, in the order a step passes them (the default is `rollout`):
   switch      the workers switched to rollout mode; no episode ran yet

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ from hybridrl.controller.callbacks import Events
 from hybridrl.controller.diagnosis import SignalWatch, diagnose
 from hybridrl.controller.curriculum import training_stream
 from hybridrl.controller.faults import Injector
+from hybridrl.controller.efficiency import Efficiency
+from hybridrl.controller.incidents import IncidentWatch, respond
 from hybridrl.controller.link import Link
 from hybridrl.controller.progress import Progress
 from hybridrl.jobs import JobStopped, RunFailed
@@ -89,15 +92,19 @@ class Serving(Link):
     def __init__(self, link: Any, run: "RunState"):
         self.link, self.run = link, run
         self.version: int | None = None
+        self.switched: tuple[int, dict] | None = None     # the last switch (its step, what it did)
 
     def to_rollout(self, version: int, step: int) -> dict:
         out = self.link.to_rollout(version, step)
         self.version = int(out.get("policy_version", version))
+        self.switched = (step, out)
         return out
 
     def ensure_rollout(self, version: int, step: int) -> dict | None:
         out = self.link.ensure_rollout(version, step)
         self.version = version
+        if out is not None:
+            self.switched = (step, out)
         return out
 
     def to_train(self) -> dict:
@@ -123,7 +130,7 @@ class Hooks:
     stops without training on the step (`jobs.JobStopped`: resumable); and the run's observers hear
     its events (`controller/callbacks.py`)."""
 
-    ARMS_BEFORE = {"switch": "rollout", "log": "checkpoint"}      # moment -> the phase armed after it
+    ARMS_BEFORE = {"switch": "rollout", "rollout": "train", "log": "checkpoint"}   # moment -> the phase armed after it
 
     def __init__(self, cfg: Any, wg: Any, run_dir: Path):
         self.cfg, self.wg = cfg, wg
@@ -132,7 +139,9 @@ class Hooks:
         tc = cfg.trainer
         self.watch = SignalWatch(group_baseline=not cfg.algo.uses_critic, total_steps=tc.total_steps,
                                  stop_after=tc.stop_after_dead_steps, fail_after=tc.stop_after_failed_steps)
-        self.events = Events.from_specs(tc.callbacks, builtin=[Progress(tc.total_steps), self.watch])
+        self.incidents = IncidentWatch(cfg.incidents)          # controller/incidents.py
+        self.efficiency = Efficiency.of_run(cfg, wg)            # controller/efficiency.py
+        self.events = Events.from_specs(tc.callbacks, builtin=[Progress(tc.total_steps), self.watch, self.incidents])
 
     def at(self, step: int, moment: str) -> None:
         from hybridrl.agent import killswitch
@@ -263,7 +272,7 @@ class RunState:
     def steps(self):
         """The steps left: after the checkpoint's step up to trainer.total_steps, unless the run's hooks
         ask it to stop (checked between steps, after the last one's checkpoint)."""
-        for step in range(self.step + 1, self.cfg.trainer.total_steps + 1):
+        while self.step < self.cfg.trainer.total_steps:     # (a rollback sets the step back)
             if self.hooks.watch.fail_reason is not None:
                 raise RunFailed(self.hooks.watch.fail_reason)
             reason = self.hooks.stop_reason
@@ -271,7 +280,7 @@ class RunState:
                 self.stopped = reason
                 log.warning("stopping after step %d: %s", self.step, reason)
                 return
-            yield step
+            yield self.step + 1
 
     def where(self) -> dict:
         """Where the run is, for the line an interrupt prints: the last logged step, the newest checkpoint."""
@@ -301,9 +310,49 @@ class RunState:
             self._write_samples(step, samples[: self.cfg.trainer.log_samples])
         self.hooks.logged(step, metrics)
 
+    def rolled_back(self, step: int, metrics: dict) -> bool:
+        """The incident rules on the step's metrics so far (`controller/incidents.py`): a warning, a stop
+        (raises `JobStopped`, resumable) or a rollback to the newest checkpoint (True: the loop goes on from
+        there, the rest of this step skipped)."""
+        return respond(self, self.hooks.incidents.check(step, metrics))
+
+    def roll_back(self, checkpoint: Path, *, lr_scale: float = 1.0) -> dict | None:
+        """Every stateful part back from `checkpoint` in this process, as a resume would bring it: the logs
+        and the ledger drop the steps after it (they are done again); the learning rate times `lr_scale`
+        (its value before and after, or None when unchanged)."""
+        serving = self.checkpointer.parts["serving"]
+        serving.ensure_train()
+        self.checkpointer.restore(checkpoint)
+        self.logger.close()
+        self.logger = MetricsLogger(self.cfg.run.dir, resume_from_step=self.step)
+        self.ledger.rewind(self.step + 1)
+        step, switch = serving.switched or (0, {})
+        release = switch.get("release")
+        if release and int(release["policy_version"]) <= self.version:    # the rollout side still serves it
+            self.ledger.record_switch(step, switch)                         # and will not publish it again
+        log.info("rolled back to %s: step %d, policy v%d", checkpoint, self.step, self.version)
+        return self.wg.call(TrainSide.scale_lr, factor=lr_scale) if lr_scale != 1 else None
+
+    def stop_for_incident(self, step: int, reason: str) -> None:
+        """Stop as Ctrl-C does (resumable from the newest checkpoint; `step` is not checkpointed)."""
+        from hybridrl.workers.rank import RankWorker
+
+        latest = self.checkpoints.latest()
+        note = f"rl: stopped by {reason}; step {step} was not checkpointed. " + (
+            f"The same command resumes from checkpoint {latest}" if latest else
+            "There is no checkpoint to resume from: run again with trainer.resume=never")
+        rundir.mark_finished(self.cfg.run.dir, self.step, status="stopped", stop_reason=reason,
+                             checkpoint=str(latest) if latest else None)
+        self.wg.call(RankWorker.close)
+        self.logger.close()
+        print(note, flush=True)
+        raise JobStopped(note)
+
     def save_checkpoint(self, step: int, link: Any) -> Path:
         link.ensure_train()
+        started = time.perf_counter()
         path = self.checkpointer.save(step, before_complete=lambda: self.hooks.at(step, "checkpoint"))
+        self.hooks.efficiency.checkpointed(time.perf_counter() - started)     # in the next step's metrics
         log.info("checkpoint step %d -> %s", step, path)
         self.hooks.checkpointed(step, path)
         return path

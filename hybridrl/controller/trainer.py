@@ -93,9 +93,14 @@ def train(cfg, wg) -> dict:
         metrics["train/updated"] = float(updates_actor)   # a step without a learning signal goes on
         metrics.update(critic)
         metrics.update(M.engine_metrics(wg.call(RolloutSide.rollout_stats), run))
+        metrics.update(run.hooks.efficiency.step(metrics, batch))     # MFU, T_comm, successes per hour...
+        if run.rolled_back(step, metrics):         # incidents of the update (NaN, mismatch, KL, failed episodes)
+            continue                               # rolled back: on from the checkpoint's step
         if step == tc.total_steps or (tc.validate_every and step % tc.validate_every == 0):
             metrics.update(validate(cfg, wg, run, link, step))
         metrics.update(evaluate_in_loop(cfg, wg, run, link, step))     # trainer.eval_suite, when due
+        if run.rolled_back(step, metrics):         # ... and of the held-out scores (a drop from the best)
+            continue
         checkpoint = tc.checkpoint_every and step % tc.checkpoint_every == 0
         metrics["time/T_store"] = run.ledger.record_step(
             step, trajectories=trajectories, kept=kept, batch=batch, switch=switch, rollout_version=rollout_version,

@@ -162,6 +162,12 @@ class NullLedger:
     def release_hash(self, version: int) -> str | None:
         return None
 
+    def record_incident(self, step: int, detail: dict) -> None:
+        return None
+
+    def rewind(self, step: int) -> None:
+        return None
+
 
 class Ledger:
     enabled = True
@@ -233,6 +239,16 @@ class Ledger:
         seconds = time.perf_counter() - started
         self.db.execute("UPDATE steps SET write_s = ? WHERE step = ?", (seconds, step))
         return seconds
+
+    def record_incident(self, step: int, detail: dict) -> None:
+        """An incident of step `step` (`controller/incidents.py`): its rule, action, evidence and what was done,
+        an event of kind `incident` (kept when the step is done again)."""
+        self.db.execute("INSERT INTO events VALUES (?, 'incident', ?, ?)", (time.time(), step, _json(detail)))
+
+    def rewind(self, step: int) -> None:
+        """The run went back in this process (a rollback): steps >= `step` are done again."""
+        self._rewound = True
+        self._rewind(step)
 
     def release_hash(self, version: int) -> str | None:
         """The checkpoint hash of the release recorded for policy `version` (None when none is)."""

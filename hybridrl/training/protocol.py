@@ -90,6 +90,10 @@ class TrainEngine(Protocol):
 
     def load_checkpoint(self, path: str | Path) -> dict: ...
 
+    def scale_lr(self, factor: float) -> dict[str, float]:
+        """Multiply the learning-rate schedule by `factor` (a rollback's lower learning rate); the current
+        rate before and after."""
+
     def export_hf(self, out_dir: str | Path) -> None:
         """An HF directory of the policy (an LM-head engine only)."""
 

@@ -24,4 +24,8 @@ KINDS = {k.name: k for k in (
     FaultKind("reward", ROLLOUT_SIDE, "rollout", "the task's verifier raises on the next episode"),
     FaultKind("env_kill", ROLLOUT_SIDE, "rollout", "the environment service dies between a commit and its reply"),
     FaultKind("disk_full", TRAIN_SIDE, "checkpoint", "the next checkpoint write fails with ENOSPC"),
+    FaultKind("nan", TRAIN_SIDE, "train", "the next update's loss is NaN on one rank (its gradients, the reduced "
+                                          "ones, and so every weight, become NaN)"),
+    FaultKind("mismatch", TRAIN_SIDE, "train", "the next update's behaviour logprobs on one rank are 1 nat below what "
+                                               "the engine returned (a rollout/trainer mismatch spike)"),
 )}

@@ -15,9 +15,14 @@ it, and this module arms the worker-side ones):
     env_kill    the step's rollout                      the environment service SIGKILLs its process
                                                         after its next commit, before replying
     disk_full   the step's checkpoint                   this rank's next checkpoint write fails (ENOSPC)
+    nan         the step's update                       this rank's next optimizer step computes a NaN loss
+                                                        (the gradients, reduced over the ranks, and then the
+                                                        weights become NaN, as a real blow-up leaves them)
+    mismatch    the step's update                       the behaviour logprobs of this rank's rows arrive
+                                                        MISMATCH_NATS lower than the engine returned them
 
-Rollout-side kinds are armed on the last rank that holds an engine, `disk_full` on the last rank
-that trains (rollout ranks of a disaggregated placement write no checkpoint).
+Rollout-side kinds are armed on the last rank that holds an engine, `disk_full`, `nan` and
+`mismatch` on the last rank that trains (rollout ranks of a disaggregated placement write no checkpoint).
 """
 
 from __future__ import annotations
@@ -51,6 +56,46 @@ def fail_once(obj: Any, attr: str, error: Callable[[], BaseException]) -> None:
 
     current = getattr(obj, attr)
     setattr(obj, attr, failing_async if inspect.iscoroutinefunction(current) else failing)
+
+
+MISMATCH_NATS = 1.0
+
+
+def replace_once(obj: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Wrap `obj.attr` so that its next call runs `make(original)` instead; the original comes back first,
+    so only that one call is changed."""
+    had_own = attr in vars(obj)
+    original, current = vars(obj).get(attr), getattr(obj, attr)
+
+    def once(*args: Any, **kwargs: Any) -> Any:
+        if had_own:
+            setattr(obj, attr, original)
+        else:
+            delattr(obj, attr)
+        return make(current)(*args, **kwargs)
+
+    setattr(obj, attr, once)
+
+
+def nan_loss(train_step: Callable[..., Any]) -> Callable[..., Any]:
+    """A training engine's `train_step` whose loss function returns NaN token losses."""
+    def step(batch: Any, loss_fn: Callable[..., Any], **kwargs: Any) -> Any:
+        def poisoned(values: Any, entropy: Any, micro_batch: Any) -> Any:
+            loss, metrics = loss_fn(values, entropy, micro_batch)
+            return loss * float("nan"), metrics
+
+        return train_step(batch, poisoned, **kwargs)
+
+    return step
+
+
+def shifted_behaviour(update_policy: Callable[..., Any]) -> Callable[..., Any]:
+    """`TrainSide.update_policy` receiving behaviour logprobs MISMATCH_NATS lower on every policy token."""
+    def update(batch: Any, **kwargs: Any) -> Any:
+        batch.tensors["behavior_logprobs"] = batch["behavior_logprobs"] - MISMATCH_NATS * (batch["loss_mask"] > 0)
+        return update_policy(batch, **kwargs)
+
+    return update
 
 
 def fail_next_tool_call(tools: Any, message: str) -> None:
@@ -121,9 +166,15 @@ class Faults(Part):
         fail_once(self.train.actor, "save_checkpoint",
                   lambda: OSError(errno.ENOSPC, f"No space left on device ({message})"))
 
+    def _nan(self, spec: str, message: str) -> None:
+        replace_once(self.train.actor, "train_step", nan_loss)
+
+    def _mismatch(self, spec: str, message: str) -> None:
+        replace_once(self.train, "update_policy", shifted_behaviour)
+
 
 _INSTALL: dict[str, Callable[[Faults, str, str], None]] = {
     "engine": Faults._engine, "tool": Faults._tool, "reward": Faults._reward, "env_kill": Faults._env_kill,
-    "disk_full": Faults._disk_full,
+    "disk_full": Faults._disk_full, "nan": Faults._nan, "mismatch": Faults._mismatch,
 }
 assert set(_INSTALL) == {k.name for k in KINDS.values() if k.fired_by != JOB}, "every worker-side kind is armed here"

@@ -213,12 +213,13 @@ def _step_scalars(actor, per_update: list[dict], per_epoch: int, old: torch.Tens
     them), ratio extremes, and the rollout/trainer mismatch
     over the data-parallel ranks."""
     counts = [k for k in ("num_tokens", "num_sequences", "model_tokens") if k in per_update[0]]
-    keys = [k for k in per_update[0] if k not in ("lr", "ratio_max", "ratio_min", *counts)]
+    keys = [k for k in per_update[0] if k not in ("lr", "ratio_max", "ratio_min", "grad_reduce_s", *counts)]
     out = {k: sum(u[k] for u in per_update) / len(per_update) for k in keys}
     out["lr"] = per_update[-1]["lr"]
     for k in counts:
         out[k] = sum(u[k] for u in per_update[:per_epoch])
     out["grad_norm_max"] = max(u["grad_norm"] for u in per_update)
+    out["time/grad_reduce_s"] = sum(u.get("grad_reduce_s", 0.0) for u in per_update)    # every optimizer step's
     out["clip_fraction_last"] = per_update[-1].get("clip_fraction", 0.0)
     out["ratio_max"] = max(u["ratio_max"] for u in per_update)
     out["ratio_min"] = min(u["ratio_min"] for u in per_update)
@@ -237,7 +238,7 @@ def _train_critic(critic, value_loss: Callable, batch: Batch, slices: list[tuple
     learning rate, the step count)."""
     steps = [critic.train_step(batch.slice(lo, hi), value_loss) for _ in range(epochs) for lo, hi in slices]
     out = {f"critic/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]
-           if k not in ("lr", "num_tokens", "num_sequences")}
+           if k not in ("lr", "num_tokens", "num_sequences", "grad_reduce_s")}
     out["critic/lr"] = steps[-1]["lr"]
     out["critic/optimizer_steps"] = float(len(steps))
     return out

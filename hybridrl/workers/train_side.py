@@ -184,6 +184,11 @@ class TrainSide(Part):
             self.critic.load_checkpoint(where)
         return self.actor.load_checkpoint(path)
 
+    @register(dispatch=OneToAll("rank0", mesh="train"))
+    def scale_lr(self, factor: float) -> dict:
+        """The actor's learning rate times `factor` from now on (an incident's rollback); before and after."""
+        return self.actor.scale_lr(factor)
+
     @register(dispatch=ON_TRAIN_RANKS)
     def export_hf(self, out_dir: str) -> None:
         self.actor.export_hf(out_dir)

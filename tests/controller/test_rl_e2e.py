@@ -17,7 +17,8 @@ from tests.launch import ROOT, env_with_repo, processes_mentioning
 RECIPE = ROOT / "tests" / "controller" / "rl_tiny.yaml"
 
 # metrics that measure time or throughput differ between runs; everything else must not
-_TIMING = ("time/", "switch/", "gen/", "val/gen/", "yield/", "val/seconds", "engine/step_time_s", "val/engine/step_time_s")
+_TIMING = ("time/", "switch/", "gen/", "val/gen/", "yield/", "val/seconds", "engine/step_time_s", "val/engine/step_time_s",
+           "perf/mfu", "perf/peak_flops", "success/per_", "success/run_per_")
 
 
 def hybridrl_train(recipe, *overrides, timeout=600) -> subprocess.CompletedProcess:

@@ -19,6 +19,7 @@ same way, and it is never published or exported as a policy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
@@ -359,7 +360,9 @@ class MegatronEngine:
         with self._scope():
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-            run_schedule(self.ddp, mbs, step, forward_only=False, pp=self.cfg.pp)
+            comm: dict[str, float] = {}
+            with _timed_grad_reduce(self.ddp.config, self.device, comm):
+                run_schedule(self.ddp, mbs, step, forward_only=False, pp=self.cfg.pp)
             lr = float(self.optimizer.param_groups[0]["lr"])
             _, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
@@ -370,6 +373,7 @@ class MegatronEngine:
             reduced = self._reduce_sums(step.sums, dp_group, step.highs)
         self.num_steps += 1
         metrics = _step_metrics(reduced, float(grad_norm or 0.0), lr, step.denominators)
+        metrics["grad_reduce_s"] = comm.get("seconds", 0.0)      # this rank's, not reduced
         from hybridrl.backends.megatron import moe
 
         with self._scope():      # routing agreement, expert load, aux loss (MoE models; {} for dense)
@@ -545,6 +549,20 @@ class MegatronEngine:
         with self._scope(), torch.no_grad():
             return load_checkpoint(self, Path(path))
 
+    def scale_lr(self, factor: float) -> dict[str, float]:
+        """Multiply the learning-rate schedule (peak, floor, warm-up start, each parameter group's own) by
+        `factor` from now on; the schedule is in the checkpoint, so a resumed run keeps it. Returns the
+        current learning rate before and after."""
+        sched = self.scheduler
+        before = float(self.optimizer.param_groups[0]["lr"])
+        sched.max_lr, sched.min_lr, sched.init_lr = sched.max_lr * factor, sched.min_lr * factor, sched.init_lr * factor
+        for group in self.optimizer.param_groups:
+            for key in ("max_lr", "min_lr"):
+                if key in group:
+                    group[key] *= factor
+            group["lr"] = sched.get_lr(group)
+        return {"before": before, "after": float(self.optimizer.param_groups[0]["lr"])}
+
     # ------------------------------------------------------------------------------ memory
 
     def offload(self, tags: Iterable[str] = TRAIN_MEMORY_TAGS, *, spill_dir: str | Path | None = None) -> int:
@@ -611,6 +629,33 @@ def _training_state(model, tconfig, cfg: MegatronConfig):
         lr_decay_style=cfg.lr_schedule, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
         wd_incr_steps=1, wd_incr_style="constant")
     return ddp, optimizer, scheduler
+
+
+@contextlib.contextmanager
+def _timed_grad_reduce(config: Any, device: torch.device, into: dict[str, float]) -> Iterator[None]:
+    """While a training schedule runs: the seconds of its gradient reduction (Megatron's finalize step:
+    the all-reduce over data-parallel ranks, the tied embeddings' over pipeline stages) into
+    `into["seconds"]`, device-synchronised on CUDA."""
+    import time
+
+    finalize = config.finalize_model_grads_func
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        try:
+            return finalize(*args, **kwargs)
+        finally:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            into["seconds"] = into.get("seconds", 0.0) + time.perf_counter() - started
+
+    config.finalize_model_grads_func = timed if finalize is not None else None
+    try:
+        yield
+    finally:
+        config.finalize_model_grads_func = finalize
 
 
 def _accumulate(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
