@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from hybridrl.telemetry import spans
+
 
 def _sync(device: torch.device | None) -> None:
     if device is not None and device.type == "cuda":
@@ -110,12 +112,13 @@ class StageTimer:
     @contextlib.contextmanager
     def __call__(self, name: str):
         _sync(self.device)
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         try:
             yield
         finally:
             _sync(self.device)
             self.totals[name] += time.perf_counter() - start
+            spans.record(name, wall, time.time(), track="controller")      # the run's timeline, when recorded
 
     def pop(self) -> dict[str, float]:
         out = dict(self.totals)

@@ -1,0 +1,153 @@
+"""The run's timeline as it happens: what each rank did, and when.
+
+    <run.dir>/timeline/rank<R>-<pid>.jsonl   one JSON object per span, written when it ends:
+        {"name", "track", "ts" (time.time() at its start), "dur" (seconds), "args" (small JSON)}
+
+Two kinds of producer write here, each on its own track of the rank:
+
+    controller   rank 0's RL loop: each step (from its top to the next step's), and inside it the
+                 stages of `telemetry/timers.py: StageTimer` (sync, rollout, prep, train), validation,
+                 the ledger's write (store) and the checkpoint
+    phases       every rank's timed phases (`workers/modes.py: Phases`): the phases of a mode switch
+                 (offload, publish, wake, probe, sleep, reload, ...), generation, the train passes, and
+                 `wait:<phase>`, the time a rank waited for the others at a switch's arrival
+
+What happens inside an episode (its turns, requests, tool calls, reward) is not written here: it travels
+with the trajectory into the run ledger, each event with its wall-clock time (`data/trace.py`), and
+`hybridrl inspect RUN --timeline` (`inspect/timeline.py`) joins the two.
+
+A span costs one small unbuffered append to a file opened once (O_APPEND: a killed rank loses no line it
+wrote), a few per step per rank. A process that never opened a log (`open_log`) records nothing: each
+call is one check of a module global. The file is named by the process id as well as the rank, so a
+restarted rank never interleaves with the one before it; the reader keeps what falls in the steps asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+TIMELINE_DIR = "timeline"
+
+
+class SpanLog:
+    """This process's span file."""
+
+    def __init__(self, path: Path, rank: int):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.rank = path, rank
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._step: tuple[int, float] | None = None       # the open step: (number, start)
+
+    def record(self, name: str, start: float, end: float, *, track: str, **args: Any) -> None:
+        row = {"name": name, "track": track, "ts": start, "dur": max(0.0, end - start), "args": args}
+        os.write(self._fd, (json.dumps(row, separators=(",", ":"), default=str) + "\n").encode())
+
+    def begin_step(self, step: int) -> None:
+        """The top of RL step `step`: the open step's span ends here."""
+        now = time.time()
+        self.end_step(now)
+        self._step = (step, now)
+
+    def end_step(self, now: float | None = None) -> None:
+        if self._step is not None:
+            step, start = self._step
+            self.record("step", start, time.time() if now is None else now, track="controller", step=step)
+            self._step = None
+
+    def close(self) -> None:
+        self.end_step()
+        os.close(self._fd)
+
+
+_LOG: SpanLog | None = None
+
+
+def timeline_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / TIMELINE_DIR
+
+
+def open_log(run_dir: str | Path, rank: int) -> SpanLog:
+    """Start recording this process's spans under `run_dir` (once per process; a second call keeps the first)."""
+    global _LOG
+    if _LOG is None:
+        _LOG = SpanLog(timeline_dir(run_dir) / f"rank{rank}-{os.getpid()}.jsonl", rank)
+    return _LOG
+
+
+def close_log() -> None:
+    global _LOG
+    if _LOG is not None:
+        _LOG.close()
+        _LOG = None
+
+
+def record(name: str, start: float, end: float, *, track: str = "phases", **args: Any) -> None:
+    """A finished span (wall-clock seconds), when this process records any."""
+    if _LOG is not None:
+        _LOG.record(name, start, end, track=track, **args)
+
+
+def record_phase(name: str, seconds: float, *, arrival_s: float = 0.0, **args: Any) -> None:
+    """A rank's phase that ended now and lasted `seconds`, after `arrival_s` waiting for the other ranks."""
+    if _LOG is None:
+        return
+    end = time.time()
+    start = end - seconds
+    if arrival_s > 0:
+        _LOG.record(f"wait:{name}", start - arrival_s, start, track="phases")
+    _LOG.record(name, start, end, track="phases", **args)
+
+
+def begin_step(step: int) -> None:
+    if _LOG is not None:
+        _LOG.begin_step(step)
+
+
+def end_step() -> None:
+    if _LOG is not None:
+        _LOG.end_step()
+
+
+@contextlib.contextmanager
+def span(name: str, *, track: str = "controller", **args: Any) -> Iterator[None]:
+    """Record the block as a span (also when it raises: the timeline shows where a step died)."""
+    if _LOG is None:
+        yield
+        return
+    start = time.time()
+    try:
+        yield
+    finally:
+        _LOG.record(name, start, time.time(), track=track, **args)
+
+
+def traced(name: str) -> Callable:
+    """A function's every call as a span on the controller's track."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*a: Any, **kw: Any) -> Any:
+            with span(name):
+                return fn(*a, **kw)
+        return call
+    return wrap
+
+
+def read_spans(run_dir: str | Path) -> list[dict]:
+    """Every span of the run, each with its `rank` (from the file's name)."""
+    out = []
+    for path in sorted(timeline_dir(run_dir).glob("rank*-*.jsonl")):
+        rank = int(path.name[4:].split("-", 1)[0])
+        for line in path.read_text().splitlines():
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except ValueError:            # a line cut short by a kill
+                    continue
+                out.append({**row, "rank": rank})
+    return out
