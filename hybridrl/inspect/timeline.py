@@ -24,6 +24,7 @@ from typing import Any
 from hybridrl.telemetry.spans import read_spans
 
 ENGINE_PID = 1000                  # engine R is process ENGINE_PID + R (ranks are 0..)
+UNKNOWN_ENGINE = 999               # trajectories whose engine was not recorded (run outside a rollout side)
 _TRACKS = {"controller": 1, "phases": 2}
 
 
@@ -106,7 +107,7 @@ def _ledger_episodes(run_dir: Path, steps: tuple[int, int] | None) -> list[dict]
             name, start, end, args = found[0]
             found[0] = (name, start, end, {**args, "trajectory": row["id"], "step": row["step"],
                                            "reward": row["reward"], "status": row["status"]})
-            out.append({"engine": data["metadata"].get("engine_rank", -1), "spans": found})
+            out.append({"engine": data["metadata"].get("engine_rank", UNKNOWN_ENGINE), "spans": found})
     return out
 
 
@@ -167,15 +168,17 @@ def _events(threads: dict[tuple[int, int], list], windows: dict, steps: tuple[in
     t0 = min(s[1] for spans in threads.values() for s in spans)
     events: list[dict[str, Any]] = []
     for pid in sorted({p for p, _ in threads}):
-        name = f"rank {pid}" if pid < ENGINE_PID else f"engine {pid - ENGINE_PID} (episodes)"
+        name = (f"rank {pid}" if pid < ENGINE_PID else "episodes (engine not recorded)"
+                if pid == ENGINE_PID + UNKNOWN_ENGINE else f"engine {pid - ENGINE_PID} (episodes)")
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "ts": 0, "args": {"name": name}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "ts": 0, "args": {"sort_index": pid}})
     for (pid, tid), spans in sorted(threads.items()):
         label = ({v: k for k, v in _TRACKS.items()}.get(tid, "other") if pid < ENGINE_PID else f"lane {tid - 1}")
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "ts": 0, "args": {"name": label}})
         for name, start, end, args, _ in _nest(spans):
+            ts, end_us = round((start - t0) * 1e6, 3), round((end - t0) * 1e6, 3)     # rounded ends keep nesting
             events.append({"name": name, "cat": _category(name), "ph": "X", "pid": pid, "tid": tid,
-                           "ts": round((start - t0) * 1e6, 3), "dur": round((end - start) * 1e6, 3), "args": args})
+                           "ts": ts, "dur": round(end_us - ts, 3), "args": args})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"origin_unix_s": t0, "steps": list(steps) if steps else sorted(windows)}}
 
