@@ -43,6 +43,7 @@ from hybridrl.data.mixture import MixtureStream
 from hybridrl.data.stream import ShuffledStream
 from hybridrl.store import rundir
 from hybridrl.store.checkpoints import CheckpointManager, Checkpointer, capture_rng, restore_rng
+from hybridrl.telemetry import live
 from hybridrl.telemetry.metrics import MetricsLogger, read_metrics, truncate_after
 from hybridrl.workers.faults import Faults
 from hybridrl.workers.train_side import TrainSide
@@ -132,7 +133,8 @@ class Hooks:
         tc = cfg.trainer
         self.watch = SignalWatch(group_baseline=not cfg.algo.uses_critic, total_steps=tc.total_steps,
                                  stop_after=tc.stop_after_dead_steps, fail_after=tc.stop_after_failed_steps)
-        self.events = Events.from_specs(tc.callbacks, builtin=[Progress(tc.total_steps), self.watch])
+        self.events = Events.from_specs(tc.callbacks, builtin=[Progress(tc.total_steps), self.watch,
+                                                               *live.observers(tc.metrics_host, tc.metrics_port)])
 
     def at(self, step: int, moment: str) -> None:
         from hybridrl.agent import killswitch

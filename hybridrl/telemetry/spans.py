@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from hybridrl.telemetry import live
+
 TIMELINE_DIR = "timeline"
 
 
@@ -116,15 +118,17 @@ def end_step() -> None:
 
 @contextlib.contextmanager
 def span(name: str, *, track: str = "controller", **args: Any) -> Iterator[None]:
-    """Record the block as a span (also when it raises: the timeline shows where a step died)."""
-    if _LOG is None:
-        yield
-        return
+    """Record the block as a span (also when it raises: the timeline shows where a step died); a span of
+    the controller is its current phase meanwhile (`telemetry/live.py`)."""
+    before = live.set_phase(name) if track == "controller" else None
     start = time.time()
     try:
         yield
     finally:
-        _LOG.record(name, start, time.time(), track=track, **args)
+        if _LOG is not None:
+            _LOG.record(name, start, time.time(), track=track, **args)
+        if before is not None:
+            live.set_phase(before)
 
 
 def traced(name: str) -> Callable:

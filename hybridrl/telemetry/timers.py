@@ -112,13 +112,13 @@ class StageTimer:
     @contextlib.contextmanager
     def __call__(self, name: str):
         _sync(self.device)
-        start, wall = time.perf_counter(), time.time()
-        try:
-            yield
-        finally:
-            _sync(self.device)
-            self.totals[name] += time.perf_counter() - start
-            spans.record(name, wall, time.time(), track="controller")      # the run's timeline, when recorded
+        with spans.span(name):          # the run's timeline and live phase (telemetry/spans.py, live.py)
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                _sync(self.device)
+                self.totals[name] += time.perf_counter() - start
 
     def pop(self) -> dict[str, float]:
         out = dict(self.totals)
