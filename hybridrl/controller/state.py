@@ -43,7 +43,7 @@ from hybridrl.data.mixture import MixtureStream
 from hybridrl.data.stream import ShuffledStream
 from hybridrl.store import rundir
 from hybridrl.store.checkpoints import CheckpointManager, Checkpointer, capture_rng, restore_rng
-from hybridrl.telemetry import live
+from hybridrl.telemetry import live, otel
 from hybridrl.telemetry.metrics import MetricsLogger, read_metrics, truncate_after
 from hybridrl.workers.faults import Faults
 from hybridrl.workers.train_side import TrainSide
@@ -135,6 +135,7 @@ class Hooks:
                                  stop_after=tc.stop_after_dead_steps, fail_after=tc.stop_after_failed_steps)
         self.events = Events.from_specs(tc.callbacks, builtin=[Progress(tc.total_steps), self.watch,
                                                                *live.observers(tc.metrics_host, tc.metrics_port)])
+        self.tracer = otel.open_tracer(cfg)           # telemetry.traces (None when off)
 
     def at(self, step: int, moment: str) -> None:
         from hybridrl.agent import killswitch
@@ -152,8 +153,10 @@ class Hooks:
     def started(self, run: dict) -> None:
         self.events.emit("start", run)
 
-    def logged(self, step: int, metrics: dict) -> None:
+    def logged(self, step: int, metrics: dict, trajectories: list | None = None) -> None:
         self.events.emit("step", step, dict(metrics))
+        if self.tracer is not None and trajectories:
+            self.tracer.step(step, metrics, trajectories)
         if "val/accuracy" in metrics:
             self.events.emit("validation", step, {k: v for k, v in metrics.items() if k.startswith("val/")})
 
@@ -165,6 +168,8 @@ class Hooks:
 
     def ended(self, summary: dict) -> None:
         self.events.emit("end", dict(summary))
+        if self.tracer is not None:
+            self.tracer.close()
 
     @property
     def stop_reason(self) -> str | None:
@@ -301,7 +306,7 @@ class RunState:
         self.logger.log(step, metrics)
         if samples and self.cfg.trainer.log_samples:
             self._write_samples(step, samples[: self.cfg.trainer.log_samples])
-        self.hooks.logged(step, metrics)
+        self.hooks.logged(step, metrics, samples)
 
     def save_checkpoint(self, step: int, link: Any) -> Path:
         link.ensure_train()

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hybridrl.telemetry.spans import read_spans
+from hybridrl.telemetry.spans import episode_spans, nest, read_spans
 
 ENGINE_PID = 1000                  # engine R is process ENGINE_PID + R (ranks are 0..)
 UNKNOWN_ENGINE = 999               # trajectories whose engine was not recorded (run outside a rollout side)
@@ -53,40 +53,6 @@ def step_windows(run_spans: list[dict]) -> dict[int, tuple[float, float]]:
     return out
 
 
-def episode_spans(trace: list[dict], timings: dict) -> list[tuple[str, float, float, dict]]:
-    """One trajectory's trace events -> (name, start, end, args): the episode, its turns, each request
-    (with queued / prefill / decode), tool calls, environment steps and the reward. Events without a
-    wall-clock time (a ledger written before they had one) give nothing."""
-    timed = [e for e in trace if "at" in e]
-    if not timed:
-        return []
-    out: list[tuple[str, float, float, dict]] = []
-    turn_start: dict[int, float] = {}
-    for e in timed:
-        at, kind = e["at"], e["span"]
-        if kind == "generate":
-            start = at - e["total_s"]
-            turn_start.setdefault(e["turn"], start)
-            out.append(("generate", start, at, {"turn": e["turn"], "request": e["request_id"], "tokens": e["tokens"],
-                                                "version": e["version"], "finish": e["finish"]}))
-            t = start
-            for part in ("queued", "prefill", "decode"):
-                out.append((part, t, t + e[f"{part}_s"], {}))
-                t += e[f"{part}_s"]
-        elif kind == "action" and e.get("latency_s") is not None:
-            out.append((f"tool:{e['tool']}", at - e["latency_s"], at, {"turn": e["turn"], "ok": e.get("ok")}))
-        elif kind == "env_step":
-            out.append(("env_step", at - e["seconds"], at, {"turn": e["turn"], "reward": e["reward"]}))
-        elif kind == "reward":
-            out.append(("reward", at - e["seconds"], at, {"total": e["total"]}))
-    for e in timed:
-        if e["span"] == "turn" and e["turn"] in turn_start:
-            out.append((f"turn {e['turn']}", turn_start[e["turn"]], e["at"], {}))
-    end = max(e["at"] for e in timed)
-    start = min([s for _, s, _, _ in out] + [end - float(timings.get("total_s", 0.0))])
-    return [("episode", start, end, {})] + out
-
-
 def _ledger_episodes(run_dir: Path, steps: tuple[int, int] | None) -> list[dict]:
     """The selected steps' trajectories: id, step, engine rank and spans (none without a ledger)."""
     from hybridrl.inspect.query import RunLedger
@@ -108,21 +74,6 @@ def _ledger_episodes(run_dir: Path, steps: tuple[int, int] | None) -> list[dict]
             found[0] = (name, start, end, {**args, "trajectory": row["id"], "step": row["step"],
                                            "reward": row["reward"], "status": row["status"]})
             out.append({"engine": data["metadata"].get("engine_rank", UNKNOWN_ENGINE), "spans": found})
-    return out
-
-
-def _nest(spans: list[tuple[str, float, float, dict]]) -> list[tuple[str, float, float, dict, int]]:
-    """Spans of one thread, ordered so that each nests in the one before it or follows it; a span that
-    straddles its parent's end is cut there. Adds each span's depth."""
-    out = []
-    stack: list[float] = []                              # ends of the open spans
-    for name, start, end, args in sorted(spans, key=lambda s: (s[1], -s[2])):
-        while stack and stack[-1] <= start:
-            stack.pop()
-        if stack and end > stack[-1]:
-            end, args = stack[-1], {**args, "cut_at_parent_end": True}
-        out.append((name, start, end, args, len(stack)))
-        stack.append(end)
     return out
 
 
@@ -175,7 +126,7 @@ def _events(threads: dict[tuple[int, int], list], windows: dict, steps: tuple[in
     for (pid, tid), spans in sorted(threads.items()):
         label = ({v: k for k, v in _TRACKS.items()}.get(tid, "other") if pid < ENGINE_PID else f"lane {tid - 1}")
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "ts": 0, "args": {"name": label}})
-        for name, start, end, args, _ in _nest(spans):
+        for name, start, end, args, _, _ in nest(spans):
             ts, end_us = round((start - t0) * 1e6, 3), round((end - t0) * 1e6, 3)     # rounded ends keep nesting
             events.append({"name": name, "cat": _category(name), "ph": "X", "pid": pid, "tid": tid,
                            "ts": ts, "dur": round(end_us - ts, 3), "args": args})

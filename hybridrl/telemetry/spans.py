@@ -45,9 +45,12 @@ class SpanLog:
         self.path, self.rank = path, rank
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._step: tuple[int, float] | None = None       # the open step: (number, start)
+        self.step_spans: list[tuple[str, float, float]] = []    # the open step's controller spans so far
 
     def record(self, name: str, start: float, end: float, *, track: str, **args: Any) -> None:
         row = {"name": name, "track": track, "ts": start, "dur": max(0.0, end - start), "args": args}
+        if track == "controller":
+            self.step_spans.append((name, start, end))
         os.write(self._fd, (json.dumps(row, separators=(",", ":"), default=str) + "\n").encode())
 
     def begin_step(self, step: int) -> None:
@@ -55,6 +58,7 @@ class SpanLog:
         now = time.time()
         self.end_step(now)
         self._step = (step, now)
+        self.step_spans = []
 
     def end_step(self, now: float | None = None) -> None:
         if self._step is not None:
@@ -106,6 +110,13 @@ def record_phase(name: str, seconds: float, *, arrival_s: float = 0.0, **args: A
     _LOG.record(name, start, end, track="phases", **args)
 
 
+def current_step() -> tuple[int, float, list[tuple[str, float, float]]] | None:
+    """The open step (number, start) and its controller spans so far (None when nothing records)."""
+    if _LOG is None or _LOG._step is None:
+        return None
+    return (*_LOG._step, list(_LOG.step_spans))
+
+
 def begin_step(step: int) -> None:
     if _LOG is not None:
         _LOG.begin_step(step)
@@ -140,6 +151,55 @@ def traced(name: str) -> Callable:
                 return fn(*a, **kw)
         return call
     return wrap
+
+
+def episode_spans(trace: list[dict], timings: dict) -> list[tuple[str, float, float, dict]]:
+    """One trajectory's trace events -> (name, start, end, args): the episode, its turns, each request
+    (with queued / prefill / decode), tool calls, environment steps and the reward. Events without a
+    wall-clock time (a ledger written before they had one) give nothing."""
+    timed = [e for e in trace if "at" in e]
+    if not timed:
+        return []
+    out: list[tuple[str, float, float, dict]] = []
+    turn_start: dict[int, float] = {}
+    for e in timed:
+        at, kind = e["at"], e["span"]
+        if kind == "generate":
+            start = at - e["total_s"]
+            turn_start.setdefault(e["turn"], start)
+            out.append(("generate", start, at, {"turn": e["turn"], "request": e["request_id"], "tokens": e["tokens"],
+                                                "version": e["version"], "finish": e["finish"]}))
+            t = start
+            for part in ("queued", "prefill", "decode"):
+                out.append((part, t, t + e[f"{part}_s"], {}))
+                t += e[f"{part}_s"]
+        elif kind == "action" and e.get("latency_s") is not None:
+            out.append((f"tool:{e['tool']}", at - e["latency_s"], at, {"turn": e["turn"], "ok": e.get("ok")}))
+        elif kind == "env_step":
+            out.append(("env_step", at - e["seconds"], at, {"turn": e["turn"], "reward": e["reward"]}))
+        elif kind == "reward":
+            out.append(("reward", at - e["seconds"], at, {"total": e["total"]}))
+    for e in timed:
+        if e["span"] == "turn" and e["turn"] in turn_start:
+            out.append((f"turn {e['turn']}", turn_start[e["turn"]], e["at"], {}))
+    end = max(e["at"] for e in timed)
+    start = min([s for _, s, _, _ in out] + [end - float(timings.get("total_s", 0.0))])
+    return [("episode", start, end, {})] + out
+
+
+def nest(spans: list[tuple[str, float, float, dict]]) -> list[tuple[str, float, float, dict, int, int]]:
+    """Spans of one thread, ordered so that each nests in the one before it or follows it; a span that
+    straddles its parent's end is cut there. Adds each span's depth and its parent's index (-1: none)."""
+    out = []
+    stack: list[tuple[float, int]] = []                  # (end, index) of the open spans
+    for name, start, end, args in sorted(spans, key=lambda s: (s[1], -s[2])):
+        while stack and stack[-1][0] <= start:
+            stack.pop()
+        if stack and end > stack[-1][0]:
+            end, args = stack[-1][0], {**args, "cut_at_parent_end": True}
+        out.append((name, start, end, args, len(stack), stack[-1][1] if stack else -1))
+        stack.append((end, len(out) - 1))
+    return out
 
 
 def read_spans(run_dir: str | Path) -> list[dict]:

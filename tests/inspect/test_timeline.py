@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from hybridrl.inspect.timeline import ENGINE_PID, _nest, build_trace, parse_steps
-from hybridrl.telemetry.spans import SpanLog, timeline_dir
+from hybridrl.inspect.timeline import ENGINE_PID, build_trace, parse_steps
+from hybridrl.telemetry.spans import SpanLog, nest, timeline_dir
 
 
 def check_trace(trace: dict) -> dict[tuple[int, int], list[dict]]:
@@ -113,9 +113,9 @@ def test_steps_select_a_window_and_bad_ones_are_named(run_dir, capsys):
 
 
 def test_a_span_straddling_its_parent_is_cut_at_its_end():
-    nested = _nest([("a", 0.0, 1.0, {}), ("b", 0.5, 1.5, {}), ("c", 2.0, 3.0, {}), ("d", 0.1, 0.2, {})])
-    assert [(n, s, e, depth) for n, s, e, _, depth in nested] == [("a", 0.0, 1.0, 0), ("d", 0.1, 0.2, 1),
-                                                                  ("b", 0.5, 1.0, 1), ("c", 2.0, 3.0, 0)]
+    nested = nest([("a", 0.0, 1.0, {}), ("b", 0.5, 1.5, {}), ("c", 2.0, 3.0, {}), ("d", 0.1, 0.2, {})])
+    assert [(n, s, e, depth, parent) for n, s, e, _, depth, parent in nested] == [
+        ("a", 0.0, 1.0, 0, -1), ("d", 0.1, 0.2, 1, 0), ("b", 0.5, 1.0, 1, 0), ("c", 2.0, 3.0, 0, -1)]
     assert nested[2][3] == {"cut_at_parent_end": True}
 
 
