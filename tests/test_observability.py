@@ -1,5 +1,7 @@
 """Observability of a real run (2 CPU ranks, the tiny recipe), one run shared by every check: the
-Prometheus port scraped while it lives, the timeline of its ranks and engines (`inspect --timeline`)."""
+Prometheus port scraped while it lives, the timeline of its ranks and engines (`inspect --timeline`),
+and its OpenTelemetry traces (telemetry.traces=file) against its ledger; and the traces of the real agent
+loop's tool calls (a scripted engine, tests/inspect/test_trace.py)."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def observed_run(tmp_path_factory, tiny_models):
     port = free_port()
     cmd = [sys.executable, "-m", "hybridrl", "train", str(RECIPE), f"model.path={model}", f"run.dir={run_dir}",
            f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=2", "trainer.export_hf=false",
-           f"trainer.metrics_port={port}"]
+           f"trainer.metrics_port={port}", "telemetry.traces=off", "telemetry.traces=file"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env_with_repo(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     scrapes: list[dict[str, float]] = []
@@ -104,3 +106,89 @@ def test_the_timeline_has_every_rank_and_engine_and_its_steps(observed_run):
     episodes = [e for (pid, _), es in threads.items() if pid >= 1000 for e in es if e["name"] == "episode"]
     assert len(episodes) == sum(r["episodes"] for s, r in rows.items() if s > 0)
     assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def otlp_spans(path) -> list[dict]:
+    """Every span of an OTLP JSON lines file, attributes as a dict."""
+    out = []
+    for line in path.read_text().splitlines():
+        for resource in json.loads(line)["resourceSpans"]:
+            for scope in resource["scopeSpans"]:
+                for span in scope["spans"]:
+                    attrs = {a["key"]: _value(a["value"]) for a in span.get("attributes", [])}
+                    out.append({**span, "attributes": attrs})
+    return out
+
+
+def _value(v: dict):
+    """An OTLP JSON attribute value (64-bit integers travel as strings)."""
+    (kind, value), = v.items()
+    return int(value) if kind == "intValue" else value
+
+
+def spans_of_trace(spans: list[dict], trace_id: str) -> dict[str, list[dict]]:
+    by_name: dict[str, list[dict]] = {}
+    for s in spans:
+        if s["traceId"] == trace_id:
+            by_name.setdefault(s["name"].split(" ")[0].split(":")[0], []).append(s)
+    return by_name
+
+
+def test_one_trace_per_episode_covers_its_turns_reward_and_update_with_the_ledgers_ids(observed_run):
+    from hybridrl.inspect.query import RunLedger
+
+    run_dir, _ = observed_run
+    spans = otlp_spans(run_dir / "traces.otlp.jsonl")
+    ids = {s["spanId"] for s in spans}
+    assert all(len(s["traceId"]) == 32 and len(s["spanId"]) == 16 for s in spans)
+    assert all(s.get("parentSpanId", "") in ids | {""} for s in spans)      # every parent was exported
+    steps = {s["attributes"]["hybridrl.step"]: s for s in spans if s["name"].startswith("step ")}
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    ledger = RunLedger(run_dir)
+    episodes = ledger.select()
+    assert sum(s["name"] == "episode" for s in spans) == len(episodes)         # trace_sample 1: every one
+    for row in (episodes[0], episodes[-1]):
+        answer = ledger.explain(row["id"])
+        mine = spans_of_trace(spans, "0" * 16 + answer["trace_id"])
+        (root,) = mine["episode"]
+        assert root["attributes"]["hybridrl.trajectory_id"] == row["id"]
+        assert root["attributes"]["hybridrl.step"] == row["step"]
+        assert len(mine["turn"]) == len(answer["timings"]["turns"])
+        assert len(mine["generate"]) == len(answer["policy"]["requests"])
+        assert len(mine.get("tool", [])) == len(answer["environment"]["side_effects"])
+        assert len(mine["reward"]) == 1 and mine["reward"][0]["attributes"]["hybridrl.total"] == row["reward"]
+        (update,) = mine["update"]
+        assert update["attributes"]["hybridrl.update_step"] == answer["update"]["step"]
+        step = steps[answer["update"]["step"]]
+        assert update["links"][0]["traceId"] == step["traceId"]
+        train = next(s for s in spans if s["traceId"] == step["traceId"] and s["name"] == "train")
+        assert (update["startTimeUnixNano"], update["endTimeUnixNano"]) == (train["startTimeUnixNano"],
+                                                                           train["endTimeUnixNano"])
+        for s in [x for group in mine.values() for x in group]:
+            assert int(s["startTimeUnixNano"]) <= int(s["endTimeUnixNano"])
+
+
+def test_the_tracer_traces_tool_calls_and_samples_by_trajectory_id(tmp_path, tiny_models):
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from hybridrl.telemetry.otel import RunTracer, sampled
+    from tests.inspect.test_trace import run_step
+
+    _, _, trajs, _ = run_step(tmp_path, AutoTokenizer.from_pretrained(tiny_models("qwen2")))
+    tracer = RunTracer(SimpleNamespace(traces="file", trace_endpoint="", trace_sample=1.0), tmp_path, "t")
+    tracer.step(1, {}, trajs)
+    tracer.close()
+    spans = otlp_spans(tmp_path / "traces.otlp.jsonl")
+    right = trajs[0]                            # the calculator episode: its 4th turn ran the calculator
+    mine = spans_of_trace(spans, "0" * 16 + right.trace_id)
+    (tool,) = mine["tool"]
+    assert tool["name"] == "tool:calculator" and tool["attributes"]["hybridrl.turn"] == 3
+    turn3 = next(s for s in mine["turn"] if s["name"] == "turn 3")
+    assert tool["parentSpanId"] == turn3["spanId"]
+    assert {s["name"] for s in mine["queued"] + mine["prefill"] + mine["decode"]} == {"queued", "prefill", "decode"}
+    assert "update" not in mine                 # no update ran in this test
+    ids = [f"run/task/g/{i}" for i in range(2000)]
+    share = sum(sampled(i, 0.25) for i in ids) / len(ids)
+    assert 0.2 < share < 0.3 and [sampled(i, 0.25) for i in ids] == [sampled(i, 0.25) for i in ids]
