@@ -192,3 +192,25 @@ def test_the_tracer_traces_tool_calls_and_samples_by_trajectory_id(tmp_path, tin
     ids = [f"run/task/g/{i}" for i in range(2000)]
     share = sum(sampled(i, 0.25) for i in ids) / len(ids)
     assert 0.2 < share < 0.3 and [sampled(i, 0.25) for i in ids] == [sampled(i, 0.25) for i in ids]
+
+
+def test_incidents_and_the_phase_are_served_as_counted():
+    from hybridrl.telemetry import live
+
+    served = live.LiveMetrics("127.0.0.1", 0)
+    before = {m.name: m for m in served.collect()}["hybridrl_incidents"]
+    was = {s.labels["kind"]: s.value for s in before.samples if s.name.endswith("_total")}.get("nan_loss", 0.0)
+    live.count_incident("nan_loss")
+    live.count_incident("nan_loss")
+    previous = live.set_phase("rollout")
+    try:
+        served.on_step(3, {"reward/mean": 0.5, "loss": float("nan"), "flag": True})
+        families = {m.name: m for m in served.collect()}
+    finally:
+        live.set_phase(previous)
+    counted = {s.labels["kind"]: s.value for s in families["hybridrl_incidents"].samples if s.name.endswith("_total")}
+    assert counted["nan_loss"] == was + 2
+    assert [s.labels["phase"] for s in families["hybridrl_phase"].samples if s.value == 1.0] == ["rollout"]
+    assert families["hybridrl_reward_mean"].samples[0].value == 0.5
+    assert "hybridrl_loss" not in families and "hybridrl_flag" not in families     # NaN and booleans: not scalars
+    assert families["hybridrl_step"].samples[0].value == 3

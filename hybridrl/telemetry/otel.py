@@ -88,7 +88,7 @@ class OtlpJsonFile:
     def shutdown(self) -> None:
         self._file.close()
 
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
+    def force_flush(self, *_: Any) -> bool:
         self._file.flush()
         return True
 

@@ -79,24 +79,15 @@ def timeline_dir(run_dir: str | Path) -> Path:
 
 
 def open_log(run_dir: str | Path, rank: int) -> SpanLog:
-    """Start recording this process's spans under `run_dir` (once per process; a second call keeps the first)."""
+    """Record this process's spans under `run_dir` from now on (a process that runs several RL jobs in turn,
+    a test's, moves to the newest one's directory)."""
     global _LOG
-    if _LOG is None:
-        _LOG = SpanLog(timeline_dir(run_dir) / f"rank{rank}-{os.getpid()}.jsonl", rank)
+    path = timeline_dir(run_dir) / f"rank{rank}-{os.getpid()}.jsonl"
+    if _LOG is None or _LOG.path != path:
+        if _LOG is not None:
+            _LOG.close()
+        _LOG = SpanLog(path, rank)
     return _LOG
-
-
-def close_log() -> None:
-    global _LOG
-    if _LOG is not None:
-        _LOG.close()
-        _LOG = None
-
-
-def record(name: str, start: float, end: float, *, track: str = "phases", **args: Any) -> None:
-    """A finished span (wall-clock seconds), when this process records any."""
-    if _LOG is not None:
-        _LOG.record(name, start, end, track=track, **args)
 
 
 def record_phase(name: str, seconds: float, *, arrival_s: float = 0.0, **args: Any) -> None:

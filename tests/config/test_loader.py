@@ -176,9 +176,11 @@ PINNED_KEYS = [
     "trainer.dynamic_sampling", "trainer.max_sampling_rounds", "trainer.max_groups_per_step",
     "trainer.queue_max_groups", "trainer.queue_max_tokens", "trainer.queue_policy",
     "trainer.stop_after_dead_steps", "trainer.stop_after_failed_steps", "trainer.callbacks",
+    "trainer.metrics_port", "trainer.metrics_host",
     "sft.data", "sft.num_demonstrations", "sft.steps", "sft.batch_size", "sft.output_dir",
     "sft.log_every", "sft.validate_every",
     "store.enabled", "store.text", "store.keep_steps", "store.max_mb", "store.compression",
+    "telemetry.traces", "telemetry.trace_endpoint", "telemetry.trace_sample",
 ]
 
 
