@@ -55,7 +55,7 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("trainer", "hybridrl.controller.config:TrainerConfig", "the RL loop: steps, batch shape, validation, checkpoints"),
     ("sft", "hybridrl.controller.sft_config:SFTConfig", "supervised warm start on the task's demonstrations"),
     ("store", "hybridrl.store.config:StoreConfig", "the run ledger: trajectory store, lineage, retention"),
-    ("telemetry", "hybridrl.telemetry.config:TelemetryConfig", "OpenTelemetry traces of episodes and steps"),
+    ("telemetry", "hybridrl.telemetry.config:TelemetryConfig", "the run's timeline and OpenTelemetry traces of episodes and steps"),
     ("selfcheck", "hybridrl.config.schema:SelfCheckConfig", "the self-check job"),
 )
 

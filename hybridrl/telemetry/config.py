@@ -1,4 +1,5 @@
-"""The `telemetry` section: OpenTelemetry traces of the run's episodes and steps (`telemetry/otel.py`)."""
+"""The `telemetry` section: the run's timeline (`telemetry/spans.py`) and OpenTelemetry traces of its episodes
+and steps (`telemetry/otel.py`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ _OFF = ("False", "false", "off", "no", "none", "")
 
 @dataclass(kw_only=True)
 class TelemetryConfig:
-    """What the run exports for tracing tools (Jaeger, Tempo, Honeycomb, an OpenTelemetry collector)."""
+    """What the run records of its own timing: its timeline, and traces for tracing tools (Jaeger, Tempo, an
+    OpenTelemetry collector)."""
 
+    timeline: bool = knob(True, "record what each rank did and when (the RL loop's stages, mode-switch phases, "
+                                "generation, train passes, waits) to <run.dir>/timeline/, a few small appends per step; "
+                                "`hybridrl inspect RUN --timeline` draws it")
     traces: str = knob("off", "off | file: OpenTelemetry spans, one trace per episode (its turns with prefill / "
                               "decode, tool calls, environment steps, reward, and the update that trained it) and one "
                               "per step, written as OTLP JSON lines to <run.dir>/traces.otlp.jsonl | otlp: sent to "

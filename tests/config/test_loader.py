@@ -180,7 +180,7 @@ PINNED_KEYS = [
     "sft.data", "sft.num_demonstrations", "sft.steps", "sft.batch_size", "sft.output_dir",
     "sft.log_every", "sft.validate_every",
     "store.enabled", "store.text", "store.keep_steps", "store.max_mb", "store.compression",
-    "telemetry.traces", "telemetry.trace_endpoint", "telemetry.trace_sample",
+    "telemetry.timeline", "telemetry.traces", "telemetry.trace_endpoint", "telemetry.trace_sample",
 ]
 
 
