@@ -55,15 +55,15 @@ def page_data(ledger: RunLedger, ids: list[str]) -> dict:
 
 
 def timeline_png(run_dir: Path) -> str | None:
-    """The run's timeline as a base64 PNG for the page (None for a run without one)."""
+    """The run's timeline as a base64 PNG for the page (None for a run without one, or without matplotlib)."""
     import base64
     import tempfile
 
-    from hybridrl.inspect.timeline import build_trace
+    from hybridrl.inspect.timeline import build_trace, has_matplotlib
     from hybridrl.inspect.timeline_plot import draw
     from hybridrl.telemetry.spans import timeline_dir
 
-    if not any(timeline_dir(run_dir).glob("rank*.jsonl")):
+    if not has_matplotlib() or not any(timeline_dir(run_dir).glob("rank*.jsonl")):
         return None
     with tempfile.TemporaryDirectory() as tmp:
         png = draw(build_trace(run_dir), Path(tmp) / "timeline.png", title="what each rank and engine did")

@@ -152,8 +152,11 @@ def _category(name: str) -> str:
 
 def write_timeline(run_dir: str | Path, out: str | Path | None = None,
                    steps: tuple[int, int] | None = None) -> tuple[Path, Path]:
-    """The trace (default <run.dir>/timeline.json) and its picture beside it (.png)."""
+    """The trace (default <run.dir>/timeline.json) and its picture beside it (.png; needs matplotlib)."""
     from hybridrl.inspect.timeline_plot import draw
+
+    if not has_matplotlib():
+        raise FileNotFoundError("the timeline's picture needs matplotlib: pip install 'hybridrl[plot]'")
 
     trace = build_trace(run_dir, steps)
     path = Path(out) if out else Path(run_dir) / "timeline.json"
@@ -162,6 +165,12 @@ def write_timeline(run_dir: str | Path, out: str | Path | None = None,
     png = path.with_suffix(".png")
     draw(trace, png, title=f"{Path(run_dir).name}: steps " + _steps_text(trace["otherData"]["steps"]))
     return path, png
+
+
+def has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def _steps_text(steps: list[int]) -> str:
