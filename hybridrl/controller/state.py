@@ -43,7 +43,7 @@ from hybridrl.data.mixture import MixtureStream
 from hybridrl.data.stream import ShuffledStream
 from hybridrl.store import rundir
 from hybridrl.store.checkpoints import CheckpointManager, Checkpointer, capture_rng, restore_rng
-from hybridrl.telemetry import live, otel
+from hybridrl.telemetry import live, otel, spans
 from hybridrl.telemetry.metrics import MetricsLogger, read_metrics, truncate_after
 from hybridrl.workers.faults import Faults
 from hybridrl.workers.train_side import TrainSide
@@ -270,15 +270,19 @@ class RunState:
     def steps(self):
         """The steps left: after the checkpoint's step up to trainer.total_steps, unless the run's hooks
         ask it to stop (checked between steps, after the last one's checkpoint)."""
-        for step in range(self.step + 1, self.cfg.trainer.total_steps + 1):
-            if self.hooks.watch.fail_reason is not None:
-                raise RunFailed(self.hooks.watch.fail_reason)
-            reason = self.hooks.stop_reason
-            if reason is not None:
-                self.stopped = reason
-                log.warning("stopping after step %d: %s", self.step, reason)
-                return
-            yield step
+        try:
+            for step in range(self.step + 1, self.cfg.trainer.total_steps + 1):
+                if self.hooks.watch.fail_reason is not None:
+                    raise RunFailed(self.hooks.watch.fail_reason)
+                reason = self.hooks.stop_reason
+                if reason is not None:
+                    self.stopped = reason
+                    log.warning("stopping after step %d: %s", self.step, reason)
+                    return
+                spans.begin_step(step)        # the run's timeline: a step lasts until the next one begins
+                yield step
+        finally:
+            spans.end_step()
 
     def where(self) -> dict:
         """Where the run is, for the line an interrupt prints: the last logged step, the newest checkpoint."""
@@ -308,6 +312,7 @@ class RunState:
             self._write_samples(step, samples[: self.cfg.trainer.log_samples])
         self.hooks.logged(step, metrics, samples)
 
+    @spans.traced("checkpoint")
     def save_checkpoint(self, step: int, link: Any) -> Path:
         link.ensure_train()
         path = self.checkpointer.save(step, before_complete=lambda: self.hooks.at(step, "checkpoint"))

@@ -50,7 +50,6 @@ def train(cfg, wg) -> dict:
         run.log(0, {**validate(cfg, wg, run, link, step=0), **evaluate_in_loop(cfg, wg, run, link, 0)})
     for step in run.steps():                   # to trainer.total_steps, or until the hooks stop the run
         clock.mark("step", step)                   # what the step's metrics do not time: hybridrl/cost
-        spans.begin_step(step)                     # the run's timeline (telemetry/spans.py)
         timer, started = StageTimer(), time.perf_counter()
         rollout_version = run.version
 
@@ -99,19 +98,17 @@ def train(cfg, wg) -> dict:
             metrics.update(validate(cfg, wg, run, link, step))
         metrics.update(evaluate_in_loop(cfg, wg, run, link, step))     # trainer.eval_suite, when due
         checkpoint = tc.checkpoint_every and step % tc.checkpoint_every == 0
-        with spans.span("store"):
-            metrics["time/T_store"] = run.ledger.record_step(
-                step, trajectories=trajectories, kept=kept, batch=batch, switch=switch,
-                rollout_version=rollout_version, version_after=run.version, metrics=metrics,
-                checkpoint=str(run.checkpoints.path(step)) if checkpoint else None)
+        metrics["time/T_store"] = run.ledger.record_step(
+            step, trajectories=trajectories, kept=kept, batch=batch, switch=switch, rollout_version=rollout_version,
+            version_after=run.version, metrics=metrics,
+            checkpoint=str(run.checkpoints.path(step)) if checkpoint else None)
         metrics["time/logged_at"] = time.time()      # wall clock: throughput over steps, whatever overlaps
         run.log(step, metrics, samples=trajectories)
         run.hooks.at(step, "log")
         if checkpoint:
-            with clock.span("checkpoint", step), spans.span("checkpoint"):
+            with clock.span("checkpoint", step):
                 run.save_checkpoint(step, link)
     clock.mark("finish", run.step)
-    spans.end_step()
     run.finish(wg)
     clock.mark("end", run.step)
     return run.summary()
@@ -145,7 +142,7 @@ def attach_lineage(batch: Batch, out: Batch, layout) -> None:
             batch.set(name, out[name][rows])
 
 
-@spans.traced("validate")
+@spans.traced("validate")                     # on the run's timeline (telemetry/spans.py)
 def validate(cfg, wg, run: RunState, link, step: int) -> dict:
     """Accuracy of the current policy on the held-out split (greedy by default). Leaves the rollout side
     serving the current version; the next step's switch is then a no-op."""
