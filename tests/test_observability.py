@@ -168,15 +168,23 @@ def test_one_trace_per_episode_covers_its_turns_reward_and_update_with_the_ledge
             assert int(s["startTimeUnixNano"]) <= int(s["endTimeUnixNano"])
 
 
-def test_the_tracer_traces_tool_calls_and_samples_by_trajectory_id(tmp_path, tiny_models):
-    from types import SimpleNamespace
-
+@pytest.fixture(scope="module")
+def scripted_episodes(tmp_path_factory, tiny_models):
+    """The real agent loop's episodes on a scripted engine (one calls the calculator)."""
     from transformers import AutoTokenizer
 
-    from hybridrl.telemetry.otel import RunTracer, sampled
     from tests.inspect.test_trace import run_step
 
-    _, _, trajs, _ = run_step(tmp_path, AutoTokenizer.from_pretrained(tiny_models("qwen2")))
+    _, _, trajs, _ = run_step(tmp_path_factory.mktemp("scripted"), AutoTokenizer.from_pretrained(tiny_models("qwen2")))
+    return trajs
+
+
+def test_the_tracer_traces_tool_calls_and_samples_by_trajectory_id(tmp_path, scripted_episodes):
+    from types import SimpleNamespace
+
+    from hybridrl.telemetry.otel import RunTracer, sampled
+
+    trajs = scripted_episodes
     tracer = RunTracer(SimpleNamespace(traces="file", trace_endpoint="", trace_sample=1.0), tmp_path, "t")
     tracer.step(1, {}, trajs)
     tracer.close()
@@ -214,3 +222,41 @@ def test_incidents_and_the_phase_are_served_as_counted():
     assert families["hybridrl_reward_mean"].samples[0].value == 0.5
     assert "hybridrl_loss" not in families and "hybridrl_flag" not in families     # NaN and booleans: not scalars
     assert families["hybridrl_step"].samples[0].value == 3
+
+
+def test_traces_reach_an_otlp_endpoint(tmp_path, scripted_episodes):
+    """telemetry.traces=otlp: the SDK's OTLP/HTTP exporter posts protobuf to the endpoint (a local one here)."""
+    import http.server
+    from types import SimpleNamespace
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from hybridrl.telemetry.otel import RunTracer
+
+    bodies: list[bytes] = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        trajs = scripted_episodes
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+        tracer = RunTracer(SimpleNamespace(traces="otlp", trace_endpoint=endpoint, trace_sample=1.0), tmp_path, "t")
+        tracer.step(1, {}, trajs)
+        tracer.close()
+    finally:
+        server.shutdown()
+    trace_ids = set()
+    for body in bodies:
+        request = ExportTraceServiceRequest.FromString(body)
+        trace_ids |= {s.trace_id.hex() for r in request.resource_spans for sc in r.scope_spans for s in sc.spans
+                      if s.name == "episode"}
+    assert trace_ids == {"0" * 16 + t.trace_id for t in trajs}

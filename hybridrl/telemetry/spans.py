@@ -14,7 +14,10 @@ Two kinds of producer write here, each on its own track of the rank:
 
 What happens inside an episode (its turns, requests, tool calls, reward) is not written here: it travels
 with the trajectory into the run ledger, each event with its wall-clock time (`data/trace.py`), and
-`hybridrl inspect RUN --timeline` (`inspect/timeline.py`) joins the two.
+`hybridrl inspect RUN --timeline` (`inspect/timeline.py`) joins the two. `episode_spans` turns those
+events into spans and `nest` orders spans into a tree: the timeline and the OpenTelemetry traces
+(`telemetry/otel.py`) share them. The controller keeps the open step's spans in memory as well
+(`current_step`), for the traces.
 
 A span costs one small unbuffered append to a file opened once (O_APPEND: a killed rank loses no line it
 wrote), a few per step per rank. A process that never opened a log (`open_log`) records nothing: each
