@@ -5,8 +5,8 @@ One trace per episode (a `telemetry.trace_sample` share of them, chosen by traje
 
     episode                       hybridrl.trajectory_id / trace_id (the run ledger's), step, reward, ...
       turn <i>
-        generate                  one inference request: tokens, policy version, finish reason
-          queued / prefill / decode
+        generate                  one inference request: tokens, policy version, finish reason, queued_s
+          prefill / decode
         tool:<name>               a tool call that ran (ok, turn)
         env_step                  an environment transition
       reward                      the verifier's total
@@ -143,7 +143,9 @@ class RunTracer:
         self._ids = _Ids()
         self.provider = TracerProvider(resource=Resource.create({"service.name": "hybridrl", "hybridrl.run": run_name}),
                                        id_generator=self._ids, shutdown_on_exit=False)
-        self.provider.add_span_processor(BatchSpanProcessor(exporter))
+        # a step of a large run makes thousands of spans at once: a queue that holds them, exported in big batches
+        self.provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=1 << 17,
+                                                            max_export_batch_size=8192))
         self.tracer = self.provider.get_tracer("hybridrl")
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="hybridrl-otel", daemon=True)
@@ -201,7 +203,7 @@ class RunTracer:
         from opentelemetry import trace
 
         tid, ledger_trace, events, timings, reward, status, consumed, engine = episode
-        found = spans.episode_spans(events, timings)
+        found = [s for s in spans.episode_spans(events, timings) if s[0] != "queued"]   # an attribute here
         if not found:
             return
         self._ids.next_trace_id = otel_trace_id(ledger_trace)

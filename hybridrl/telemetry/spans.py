@@ -162,7 +162,8 @@ def episode_spans(trace: list[dict], timings: dict) -> list[tuple[str, float, fl
             start = at - e["total_s"]
             turn_start.setdefault(e["turn"], start)
             out.append(("generate", start, at, {"turn": e["turn"], "request": e["request_id"], "tokens": e["tokens"],
-                                                "version": e["version"], "finish": e["finish"]}))
+                                                "version": e["version"], "finish": e["finish"],
+                                                "queued_s": e["queued_s"]}))
             t = start
             for part in ("queued", "prefill", "decode"):
                 out.append((part, t, t + e[f"{part}_s"], {}))
