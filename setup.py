@@ -82,6 +82,10 @@ setup(
         "plot": ["matplotlib>=3.8"],
         # the tool sandbox's syscall filter: libseccomp through a ctypes binding (the system's libseccomp.so.2)
         "sandbox": ["pyseccomp>=0.1.2"],
+        # trainer.metrics_port: live Prometheus metrics from rank 0 (hybridrl/telemetry/live.py)
+        "metrics": ["prometheus_client>=0.20"],
+        # telemetry.traces: OpenTelemetry spans per episode and step (hybridrl/telemetry/otel.py)
+        "otel": ["opentelemetry-sdk>=1.25", "opentelemetry-exporter-otlp-proto-http>=1.25"],
         # GPU rollout backend; never needed on CPU.
         # One exact release, the one hybridrl/backends/sglang is written against (requests.SGLANG_VERSION):
         # 0.5.18-0.5.21 pin torch==2.13.0 and transformers==5.12.1 (inside our transformers>=5,<6); 0.5.4-0.5.9

@@ -35,6 +35,7 @@ qwen3_config  # unused function (hybridrl/assets/tiny_model.py): a model family 
 qwen3_moe_config  # unused function (hybridrl/assets/tiny_model.py): a model family row's tiny_config (Lazy)
 ENGINE  # unused variable (hybridrl/backends/native/row.py:10)
 RolloutConfig  # unused class (hybridrl/backends/rollout_config.py:15)
+TelemetryConfig  # unused class (hybridrl/telemetry/config.py): a config section, named in config/schema.py
 _.releasable_tags_for  # unused method (hybridrl/backends/sglang/engine.py:122)
 ENGINE  # unused variable (hybridrl/backends/sglang/row.py:10)
 _.releasable_tags_for  # unused method (hybridrl/backends/vllm/engine.py:235)
@@ -166,3 +167,9 @@ effect  # unused variable (hybridrl/workers/fault_kinds.py:16)
 _.tokens_per_s  # unused method (hybridrl/cost/workload.py:60)
 _.tokens_per_s  # unused method (hybridrl/cost/workload.py:74)
 _.compute_teacher_logprobs  # unused method (hybridrl/workers/train_side.py:96)
+
+# -- called by the OpenTelemetry SDK (its SpanExporter and IdGenerator protocols), never by our code
+_.force_flush  # unused method (hybridrl/telemetry/otel.py): BatchSpanProcessor flushes its exporter
+_.generate_span_id  # unused method (hybridrl/telemetry/otel.py): the SDK's IdGenerator
+_.generate_trace_id  # unused method (hybridrl/telemetry/otel.py): the SDK's IdGenerator
+_.is_trace_id_random  # unused method (hybridrl/telemetry/otel.py): the SDK's IdGenerator

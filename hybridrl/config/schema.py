@@ -57,6 +57,7 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
      "rules over each step's metrics (NaN, mismatch, a drop, KL, failed episodes) and their actions"),
     ("sft", "hybridrl.controller.sft_config:SFTConfig", "supervised warm start on the task's demonstrations"),
     ("store", "hybridrl.store.config:StoreConfig", "the run ledger: trajectory store, lineage, retention"),
+    ("telemetry", "hybridrl.telemetry.config:TelemetryConfig", "the run's timeline and OpenTelemetry traces of episodes and steps"),
     ("selfcheck", "hybridrl.config.schema:SelfCheckConfig", "the self-check job"),
 )
 

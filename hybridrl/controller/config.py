@@ -70,6 +70,10 @@ class TrainerConfig:
                                      "interrupt, end) on the controller: module:Class of yours, or wandb / mlflow "
                                      "(skipped with a note when the package is missing); see "
                                      "hybridrl/controller/callbacks.py", factory=list)
+    metrics_port: int = knob(0, "serve live metrics (Prometheus text: the step, its scalars, the phase, incidents) "
+                                "on this port from rank 0 while the run lives; 0 = off. Needs prometheus_client "
+                                "(pip install 'hybridrl[metrics]')")
+    metrics_host: str = knob("127.0.0.1", "the address trainer.metrics_port listens on (0.0.0.0: every interface)")
 
     def __post_init__(self) -> None:
         for name in ("total_steps", "prompts_per_step", "group_size"):
@@ -118,6 +122,14 @@ class TrainerConfig:
                 suite_path(self.eval_suite)
             except SuiteError as err:
                 raise ConfigValueError("eval_suite", str(err)) from None
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigValueError("metrics_port", f"must be a TCP port (1-65535) or 0 for none, got {self.metrics_port}")
+        if self.metrics_port:
+            import importlib.util
+
+            if importlib.util.find_spec("prometheus_client") is None:
+                raise ConfigValueError("metrics_port", "needs the prometheus_client package: pip install "
+                                                       "'hybridrl[metrics]', or set trainer.metrics_port=0")
         if self.validation_temperature < 0:
             raise ConfigValueError("validation_temperature", f"must be >= 0, got {self.validation_temperature}")
 

@@ -22,8 +22,11 @@ from hybridrl.workers.rank import RankWorker
 
 def phases_for(cfg: Any, ctx: Any, ranks: list[int], cls: type = Phases) -> Phases:
     """This rank's timed phases; a switch's phases wait at barriers for `ranks` (those that run them)."""
+    from hybridrl.telemetry import spans
     from hybridrl.workers.switch import report_overrun
 
+    if cfg.telemetry.timeline:
+        spans.open_log(cfg.run.dir, ctx.rank)      # this rank's timeline (`hybridrl inspect RUN --timeline`)
     return cls(ctx.device, rank=ctx.rank, deadlines=cfg.hybrid.deadlines(),
                arrivals=Arrivals(ctx.control.store, ctx.rank, ranks, aborted=ctx.control.aborted),
                on_overrun=report_overrun(ctx), overrun_grace_s=max(2.0, ctx.cfg.error_grace_s))

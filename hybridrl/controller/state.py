@@ -46,6 +46,7 @@ from hybridrl.data.mixture import MixtureStream
 from hybridrl.data.stream import ShuffledStream
 from hybridrl.store import rundir
 from hybridrl.store.checkpoints import CheckpointManager, Checkpointer, capture_rng, restore_rng
+from hybridrl.telemetry import live, otel, spans
 from hybridrl.telemetry.metrics import MetricsLogger, read_metrics, truncate_after
 from hybridrl.workers.faults import Faults
 from hybridrl.workers.train_side import TrainSide
@@ -141,7 +142,9 @@ class Hooks:
                                  stop_after=tc.stop_after_dead_steps, fail_after=tc.stop_after_failed_steps)
         self.incidents = IncidentWatch(cfg.incidents)          # controller/incidents.py
         self.efficiency = Efficiency.of_run(cfg, wg)            # controller/efficiency.py
-        self.events = Events.from_specs(tc.callbacks, builtin=[Progress(tc.total_steps), self.watch, self.incidents])
+        self.events = Events.from_specs(tc.callbacks, builtin=[Progress(tc.total_steps), self.watch, self.incidents,
+                                                               *live.observers(tc.metrics_host, tc.metrics_port)])
+        self.tracer = otel.open_tracer(cfg)           # telemetry.traces (None when off)
 
     def at(self, step: int, moment: str) -> None:
         from hybridrl.agent import killswitch
@@ -159,8 +162,10 @@ class Hooks:
     def started(self, run: dict) -> None:
         self.events.emit("start", run)
 
-    def logged(self, step: int, metrics: dict) -> None:
+    def logged(self, step: int, metrics: dict, trajectories: list | None = None) -> None:
         self.events.emit("step", step, dict(metrics))
+        if self.tracer is not None and trajectories:
+            self.tracer.step(step, metrics, trajectories)
         if "val/accuracy" in metrics:
             self.events.emit("validation", step, {k: v for k, v in metrics.items() if k.startswith("val/")})
 
@@ -172,6 +177,8 @@ class Hooks:
 
     def ended(self, summary: dict) -> None:
         self.events.emit("end", dict(summary))
+        if self.tracer is not None:
+            self.tracer.close()
 
     @property
     def stop_reason(self) -> str | None:
@@ -272,15 +279,19 @@ class RunState:
     def steps(self):
         """The steps left: after the checkpoint's step up to trainer.total_steps, unless the run's hooks
         ask it to stop (checked between steps, after the last one's checkpoint)."""
-        while self.step < self.cfg.trainer.total_steps:     # (a rollback sets the step back)
-            if self.hooks.watch.fail_reason is not None:
-                raise RunFailed(self.hooks.watch.fail_reason)
-            reason = self.hooks.stop_reason
-            if reason is not None:
-                self.stopped = reason
-                log.warning("stopping after step %d: %s", self.step, reason)
-                return
-            yield self.step + 1
+        try:
+            while self.step < self.cfg.trainer.total_steps:     # (a rollback sets the step back)
+                if self.hooks.watch.fail_reason is not None:
+                    raise RunFailed(self.hooks.watch.fail_reason)
+                reason = self.hooks.stop_reason
+                if reason is not None:
+                    self.stopped = reason
+                    log.warning("stopping after step %d: %s", self.step, reason)
+                    return
+                spans.begin_step(self.step + 1)     # the run's timeline: a step lasts until the next one begins
+                yield self.step + 1
+        finally:
+            spans.end_step()
 
     def where(self) -> dict:
         """Where the run is, for the line an interrupt prints: the last logged step, the newest checkpoint."""
@@ -308,7 +319,7 @@ class RunState:
         self.logger.log(step, metrics)
         if samples and self.cfg.trainer.log_samples:
             self._write_samples(step, samples[: self.cfg.trainer.log_samples])
-        self.hooks.logged(step, metrics)
+        self.hooks.logged(step, metrics, samples)
 
     def rolled_back(self, step: int, metrics: dict) -> bool:
         """The incident rules on the step's metrics so far (`controller/incidents.py`): a warning, a stop
@@ -348,6 +359,7 @@ class RunState:
         print(note, flush=True)
         raise JobStopped(note)
 
+    @spans.traced("checkpoint")
     def save_checkpoint(self, step: int, link: Any) -> Path:
         link.ensure_train()
         started = time.perf_counter()

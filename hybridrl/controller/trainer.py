@@ -31,6 +31,7 @@ from hybridrl.controller.state import RunState
 from hybridrl.cost.clock import RunClock
 from hybridrl.data.batch import Batch
 from hybridrl.data.trajectory import from_batch, to_batch
+from hybridrl.telemetry import spans
 from hybridrl.telemetry.timers import StageTimer
 from hybridrl.workers.rollout_side import RolloutSide
 from hybridrl.workers.train_side import TrainSide
@@ -146,6 +147,7 @@ def attach_lineage(batch: Batch, out: Batch, layout) -> None:
             batch.set(name, out[name][rows])
 
 
+@spans.traced("validate")                     # on the run's timeline (telemetry/spans.py)
 def validate(cfg, wg, run: RunState, link, step: int) -> dict:
     """Accuracy of the current policy on the held-out split (greedy by default). Leaves the rollout side
     serving the current version; the next step's switch is then a no-op."""

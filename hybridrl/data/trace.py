@@ -17,12 +17,15 @@ Events (`span` names the kind; `turn` the assistant turn it belongs to):
   observation  the observation appended after the turn: response positions [start, end), roles
   turn         the turn's seconds split into generate / tool / env, and its response positions
   reward       the verifier's components, their evaluators, the total and its seconds
+Every event has `at`, the wall-clock time (time.time()) it was recorded: the end of what it times, so a
+timed event spans [at - seconds, at] (`hybridrl inspect RUN --timeline` draws them so).
 Text (prompts, tool arguments, observations) never goes in an event: the ledger keeps decoded
 text apart from metrics.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 TRACE_KEY = "trace"
@@ -30,7 +33,7 @@ TRACE_KEY = "trace"
 
 def trace(traj: Any, span: str, **fields: Any) -> None:
     """Append one event to the trajectory's trace."""
-    traj.metadata.setdefault(TRACE_KEY, []).append({"span": span, **fields})
+    traj.metadata.setdefault(TRACE_KEY, []).append({"span": span, "at": time.time(), **fields})
 
 
 def events(traj: Any, span: str | None = None) -> list[dict[str, Any]]:

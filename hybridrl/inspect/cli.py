@@ -1,11 +1,12 @@
 """`hybridrl inspect RUN_DIR [TRAJECTORY] [--step N] [--failed] [--tool-errors] [--lagged] [--reward R]
-[--json] [--html OUT.html]`: the run ledger, read back.
+[--json] [--html OUT.html] [--timeline [--steps A-B] [--out trace.json]]`: the run ledger, read back.
 
 No selection: the run's summary (steps, trajectories, what was consumed, filter reasons, releases,
 the ledger's size per trajectory). A trajectory (id, trace id or a unique prefix), or a selection
 that matches one trajectory: the episode as text (prompt, each turn, each tool output) and the eight trace
 questions answered for it. A selection that matches
-several: one line each (add a trajectory id for the answers).
+several: one line each (add a trajectory id for the answers). `--timeline`: what every rank and
+engine did over the steps, as a Chrome / Perfetto trace and a PNG of it (`inspect/timeline.py`).
 """
 
 from __future__ import annotations
@@ -34,9 +35,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write one self-contained page: curves, stage times, filter reasons, episodes token by token")
     p.add_argument("--episodes", type=int, default=12,
                    help="episodes rendered in the --html page (the selection's first; default 12)")
+    p.add_argument("--timeline", action="store_true",
+                   help="write a Chrome / Perfetto trace (one track per rank and per engine) and a PNG of it")
+    p.add_argument("--steps", default=None, metavar="A-B", help="--timeline: only these steps (inclusive)")
+    p.add_argument("--out", default=None, metavar="TRACE.json",
+                   help="--timeline: where the trace goes (default RUN_DIR/timeline.json; the PNG beside it)")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.timeline:
+        return timeline(args)
     try:
         ledger = RunLedger(args.run_dir)
         filters = dict(step=args.step, failed=args.failed, tool_errors=args.tool_errors, lagged=args.lagged,
@@ -68,6 +76,18 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1, default=str))
     else:
         print({"trajectory": format_trajectory, "list": format_list, "summary": format_summary}[kind](out))
+    return 0
+
+
+def timeline(args: argparse.Namespace) -> int:
+    from hybridrl.inspect.timeline import parse_steps, write_timeline
+
+    try:
+        trace, png = write_timeline(args.run_dir, args.out, parse_steps(args.steps))
+    except (FileNotFoundError, KeyError, ValueError) as err:
+        print(f"hybridrl inspect: {err.args[0] if isinstance(err, KeyError) else err}", file=sys.stderr)
+        return 2
+    print(f"wrote {trace} (open it at https://ui.perfetto.dev or chrome://tracing) and {png}")
     return 0
 
 

@@ -3,6 +3,7 @@
 The page embeds its data as JSON and draws everything with inline JavaScript and SVG:
   - reward and validation-accuracy curves per step (metrics.jsonl),
   - stage times per step as stacked bars (rollout, sync, prep, train, store, the rest),
+  - the timeline (`inspect/timeline.py`): what each rank and engine did over the steps, as a picture,
   - per step: policy lag, trajectories not trained on and why (filter reasons), statuses,
   - the run's cost (`hybridrl cost`): device-seconds by stage family and stage, never-trained work by
     reason, money,
@@ -49,7 +50,24 @@ def page_data(ledger: RunLedger, ids: list[str]) -> dict:
                       "store_s": s["write_s"], "pruned": bool(s["pruned"])})
     return {"summary": ledger.summary(), "curves": curves, "evaluations": evaluation_series(ledger), "stages": stages,
             "steps": steps,
-            "episodes": [ledger.explain(i) for i in ids], "cost": cost_data(ledger.run_dir)}
+            "episodes": [ledger.explain(i) for i in ids], "cost": cost_data(ledger.run_dir),
+            "timeline": timeline_png(ledger.run_dir)}
+
+
+def timeline_png(run_dir: Path) -> str | None:
+    """The run's timeline as a base64 PNG for the page (None for a run without one, or without matplotlib)."""
+    import base64
+    import tempfile
+
+    from hybridrl.inspect.timeline import build_trace, has_matplotlib
+    from hybridrl.inspect.timeline_plot import draw
+    from hybridrl.telemetry.spans import timeline_dir
+
+    if not has_matplotlib() or not any(timeline_dir(run_dir).glob("rank*.jsonl")):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        png = draw(build_trace(run_dir), Path(tmp) / "timeline.png", title="what each rank and engine did")
+        return base64.b64encode(png.read_bytes()).decode()
 
 
 def evaluation_series(ledger: RunLedger) -> list[dict]:
@@ -109,6 +127,7 @@ table{border-collapse:collapse;margin:.4em 0}td,th{border:1px solid #ddd;padding
 <div id="summary"></div>
 <h2>Curves</h2><div class="charts" id="curves"></div>
 <h2>Stage times per step</h2><div class="charts" id="stages"></div>
+<h2>Timeline</h2><div id="timeline"></div>
 <h2>Lag and filter reasons</h2><div id="steps"></div>
 <h2>Cost</h2><div id="cost"></div>
 <h2>Episodes</h2><div class="legend" id="legend"></div><div id="episodes"></div>
@@ -135,6 +154,16 @@ function fmt(x, d) { return x === null || x === undefined ? "-" : (typeof x === 
   const h = el("tr", {}, t); ["release", "checkpoint hash", "published at step"].forEach(x => el("th", {}, h, x));
   for (const r of s.releases) { const tr = el("tr", {}, t); el("td", {}, tr, "v" + r.version);
     el("td", {}, tr, r.checkpoint_hash); el("td", {}, tr, r.published_at_step); }
+})();
+
+// ---------------------------------------------------------------- timeline (a picture made by matplotlib)
+(function () {
+  const box = document.getElementById("timeline");
+  if (!D.timeline) { el("p", {}, box, "No timeline recorded for this run."); return; }
+  const img = el("img", {id: "timeline-png", alt: "timeline: what each rank and engine did", style: "max-width:100%"}, box);
+  img.onload = () => img.setAttribute("data-width", img.naturalWidth);     // decoded: it shows
+  img.src = "data:image/png;base64," + D.timeline;
+  el("p", {}, box, "The same as a trace: hybridrl inspect RUN_DIR --timeline (open it at ui.perfetto.dev).");
 })();
 
 // ---------------------------------------------------------------- line charts

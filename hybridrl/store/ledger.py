@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from hybridrl.telemetry import spans
+
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
@@ -197,6 +199,7 @@ class Ledger:
                         (int(release["policy_version"]), int(release.get("training_step", -1)), step,
                          release.get("checkpoint_hash"), _json({**release, "published_for": purpose})))
 
+    @spans.traced("store")                       # on the run's timeline (telemetry/spans.py)
     def record_step(self, step: int, *, trajectories: Sequence[Any], kept: Any, batch: Any, switch: dict | None,
                     rollout_version: int, version_after: int, metrics: dict | None = None,
                     checkpoint: str | None = None) -> float:

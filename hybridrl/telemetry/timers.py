@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from hybridrl.telemetry import spans
+
 
 def _sync(device: torch.device | None) -> None:
     if device is not None and device.type == "cuda":
@@ -110,12 +112,13 @@ class StageTimer:
     @contextlib.contextmanager
     def __call__(self, name: str):
         _sync(self.device)
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            _sync(self.device)
-            self.totals[name] += time.perf_counter() - start
+        with spans.span(name):          # the run's timeline and live phase (telemetry/spans.py, live.py)
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                _sync(self.device)
+                self.totals[name] += time.perf_counter() - start
 
     def pop(self) -> dict[str, float]:
         out = dict(self.totals)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from hybridrl.telemetry import spans
 from hybridrl.telemetry.timers import PeakMemory
 
 
@@ -282,6 +283,7 @@ class Phases:
                 rec.seconds = time.perf_counter() - start
             rec.peak_mem_bytes = peak.peak_bytes
             self.history[name].append(rec)
+            spans.record_phase(name, rec.seconds, arrival_s=rec.arrival_s, bytes=rec.bytes_moved)
         finally:
             self._current = None
             if backstop is not None:

@@ -200,6 +200,7 @@ class StreamProducer(Part):
         self.producer.lower_floor(floor)
         with self.rollout.phases.phase("take"):
             trajectories = self.producer.take(self._mine(group_ids), aborted=self.ctx.control.aborted)
+        self.rollout.stamp(trajectories)
         self.rollout.score(trajectories)
         return {"trajectories": trajectories, "stats": self._since_last_take()}
 

@@ -140,6 +140,7 @@ class RolloutSide(Part):
                      episodes["group_id"][i]) for i in range(real)]
         with self.phases.phase("generate"):
             trajectories = self.run(self.runner.run_attempts(attempts, task=self.task, temperature=temperature))
+        self.stamp(trajectories)
         self.score(trajectories)
         return to_batch(trajectories, pad_id=self.tokenizer.pad_token_id or 0).pad_to(len(episodes))
 
@@ -167,6 +168,7 @@ class RolloutSide(Part):
             trajectories, stats = self.collector.collect(attempts, quorum=quorum, deadline_s=deadline_s,
                                                          poll_s=poll_s, informative_only=informative_only,
                                                          held=mine_held)
+        self.stamp(trajectories)
         self.score(trajectories)
         return {"trajectories": trajectories if self.owns_engine else [], "stats": stats.to_dict()}
 
@@ -211,6 +213,11 @@ class RolloutSide(Part):
             if _counter(value) and key in before:
                 self.probe_counts[key] = self.probe_counts.get(key, 0) + value - before[key]
         return outputs
+
+    def stamp(self, trajectories) -> None:
+        """Which engine ran each trajectory (the rank that owns it): its track on the run's timeline."""
+        for traj in trajectories:
+            traj.metadata["engine_rank"] = self.ctx.rank
 
     def score(self, trajectories) -> None:
         """The reward model's component on every trajectory it scores (total += weight * score), on the

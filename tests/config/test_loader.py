@@ -177,12 +177,14 @@ PINNED_KEYS = [
     "trainer.dynamic_sampling", "trainer.max_sampling_rounds", "trainer.max_groups_per_step",
     "trainer.queue_max_groups", "trainer.queue_max_tokens", "trainer.queue_policy",
     "trainer.stop_after_dead_steps", "trainer.stop_after_failed_steps", "trainer.peak_flops", "trainer.callbacks",
+    "trainer.metrics_port", "trainer.metrics_host",
     "incidents.nan", "incidents.mismatch", "incidents.mismatch_max", "incidents.drop", "incidents.drop_metric",
     "incidents.drop_by", "incidents.drop_window", "incidents.kl", "incidents.kl_max", "incidents.all_failed",
     "incidents.rollback_lr_scale", "incidents.max_rollbacks",
     "sft.data", "sft.num_demonstrations", "sft.steps", "sft.batch_size", "sft.output_dir",
     "sft.log_every", "sft.validate_every",
     "store.enabled", "store.text", "store.keep_steps", "store.max_mb", "store.compression",
+    "telemetry.timeline", "telemetry.traces", "telemetry.trace_endpoint", "telemetry.trace_sample",
 ]
 
 
