@@ -23,6 +23,8 @@ VERIFIERS = ["verifiers>=0.4,<0.5"]
 MCP = ["mcp>=2.0,<3", "fastmcp>=2.10"]
 OPENENV = ["openenv-core>=0.3,<0.4", "uvicorn>=0.30", "websockets>=13"]
 ENVS = [*REASONING_GYM, *DATA, *VERIFIERS, *MCP, *OPENENV]
+METRICS = ["prometheus_client>=0.20"]
+OTEL = ["opentelemetry-sdk>=1.25", "opentelemetry-exporter-otlp-proto-http>=1.25"]
 
 setup(
     name="hybridrl",
@@ -60,7 +62,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.8", "pyseccomp>=0.1.2", "peft>=0.17",
-                 "openai>=1.40", "starlette>=0.37", "uvicorn>=0.30", *ENVS,
+                 "openai>=1.40", "starlette>=0.37", "uvicorn>=0.30", *ENVS, *METRICS, *OTEL,
                  # the dead-name check of `make test` (tests/test_dead_code.py)
                  "vulture>=2.14",
                  # the documentation site (mkdocs.yml; `make docs`), built with --strict by tests/docs/test_site.py;
@@ -83,9 +85,9 @@ setup(
         # the tool sandbox's syscall filter: libseccomp through a ctypes binding (the system's libseccomp.so.2)
         "sandbox": ["pyseccomp>=0.1.2"],
         # trainer.metrics_port: live Prometheus metrics from rank 0 (hybridrl/telemetry/live.py)
-        "metrics": ["prometheus_client>=0.20"],
+        "metrics": METRICS,
         # telemetry.traces: OpenTelemetry spans per episode and step (hybridrl/telemetry/otel.py)
-        "otel": ["opentelemetry-sdk>=1.25", "opentelemetry-exporter-otlp-proto-http>=1.25"],
+        "otel": OTEL,
         # GPU rollout backend; never needed on CPU.
         # One exact release, the one hybridrl/backends/sglang is written against (requests.SGLANG_VERSION):
         # 0.5.18-0.5.21 pin torch==2.13.0 and transformers==5.12.1 (inside our transformers>=5,<6); 0.5.4-0.5.9
