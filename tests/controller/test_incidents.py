@@ -194,3 +194,38 @@ def test_a_rollback_resumes_from_the_checkpoint_before_with_a_lower_learning_rat
     proc = hybridrl_train(RECIPE, "trainer.total_steps=5", *args)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert read_metrics(run_dir)[-1]["train/lr"] == pytest.approx(5e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_a_learning_rate_that_collapses_the_policy_warns_of_the_drop_naming_the_learning_rate(tmp_path):
+    """A new user's mistake: GRPO from the demo's SFT warm start at 200x the recipe's learning rate. The
+    policy collapses (the demo's SFT model solves ~15% of its sampled episodes before any update, none
+    after a few at this rate); the drop rule, watching the training reward here (the greedy held-out
+    accuracy of the SFT model is 0 before GRPO, so it has no best to fall from), warns during the run,
+    naming train.lr, and the ledger keeps the incident with its evidence."""
+    import subprocess
+    import sys
+
+    from hybridrl.demo import BASE_MODEL_ARGS
+    from tests.launch import ROOT, env_with_repo
+
+    def hybridrl(*argv):
+        return subprocess.run([sys.executable, "-m", "hybridrl", *argv], cwd=ROOT, env=env_with_repo(),
+                              capture_output=True, text=True, timeout=1800)
+
+    base, sft, grpo = tmp_path / "base", tmp_path / "sft", tmp_path / "grpo"
+    for argv in (["assets", "tiny-model", *BASE_MODEL_ARGS, "--out", str(base)],
+                 ["train", "recipes/calc_sft_cpu.yaml", f"model.path={base}", f"run.dir={sft}"],
+                 ["train", "recipes/calc_grpo_cpu.yaml", f"model.path={sft / 'hf'}", f"run.dir={grpo}",
+                  "train.lr=1.0e-2", "trainer.total_steps=5", "trainer.validate_every=0", "trainer.checkpoint_every=0",
+                  "algo.drop_all_equal_groups=false", "incidents.drop_metric=reward/mean", "incidents.drop_by=0.1"]):
+        proc = hybridrl(*argv)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rewards = [r["reward/mean"] for r in read_metrics(grpo) if r["step"] >= 1]
+    assert rewards[0] > 0.1 and rewards[-1] < rewards[0] - 0.1, rewards          # the policy did collapse
+    drops = [i for i in _incidents(grpo) if i["rule"] == "drop"]
+    assert drops and all(i["taken"] == "warn" for i in drops), drops
+    first = drops[0]
+    assert first["evidence"]["best"] - first["evidence"]["value"] > 0.1
+    assert f"rl: incident at step {first['step']} (drop, warn)" in proc.stderr and "train.lr" in proc.stderr
