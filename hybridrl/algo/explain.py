@@ -108,6 +108,10 @@ def findings(cfg: Any, *, train_size: int | None = None) -> list[Finding]:
     if stale and algo.max_policy_lag < 0:
         warn("algo.max_policy_lag", "no bound on the age of trained tokens: queued or waiting groups of any age "
                                     "train, corrected by the behaviour weight only; set algo.max_policy_lag")
+    if cfg.task.sampler != "uniform" and not cfg.task.mixture:
+        warn("task.sampler", f"{cfg.task.sampler} draws prompts of a task.mixture; this run has one task, whose "
+                             "prompts are drawn uniformly (each once per epoch): the knob does nothing here; "
+                             "set task.mixture or leave task.sampler=uniform")
     drawn = tc.groups_in_flight if partial else tc.prompts_per_step
     size = train_size if train_size is not None else cfg.task.train_size
     if drawn > size:
@@ -150,6 +154,11 @@ def describe(cfg: Any) -> list[str]:
         truncated += (f"; overlong penalty up to {algo.overlong_penalty} over the last {algo.overlong_buffer} of "
                       f"{agent.max_response_tokens} response tokens")
     lines.append(f"truncated      {truncated}")
+    errors = ("a scored failure (its reward from the task, trained like any failure: raising is no way out of a "
+              "negative advantage)" if agent.on_agent_error == "score" else
+              "dropped (agent.on_agent_error=drop: never trained, counted as agent_errors)")
+    lines.append(f"agent errors   an episode whose agent code raised is {errors}; one that raised before any "
+                 "generation has nothing to train and is dropped")
     return lines + _dropped_lines(algo) + [_prompts_line(cfg)]
 
 
@@ -169,7 +178,9 @@ def _kl_line(algo: Any) -> str:
     if not algo.uses_reference:
         return "KL penalty     off (algo.kl_coef=0): no reference model"
     option, coef = algo.kl_option, algo.kl_coef
-    gradient = kl.GRADIENTS[(algo.kl_in, option)]
+    gradient = kl.GRADIENTS[(algo.kl_in, option)] + (
+        f"; log(pi / ref) clamped to +-{kl.CLAMP_NATS:g} nats straight through (the value saturates there, the "
+        "gradient does not)")
     if algo.kl_in == "loss":
         return (f"KL penalty     {coef} x {option} in the loss, per policy token x sg(pi / pi_behaviour) (the "
                 f"samples' importance weight), aggregated as the policy loss is; effective coefficient {coef}: "

@@ -43,6 +43,7 @@ ESTIMATORS = ("k1", "k2", "k3")
 OPTIONS = ("auto", *ESTIMATORS)
 DEFAULT = {"loss": "k2", "reward": "k1"}     # algo.kl_estimator=auto: the option whose gradient is grad KL(pi || ref)
 FORWARD = {(kl_in, estimator) for kl_in, estimator in DEFAULT.items()}   # the (placement, option) pairs that give it
+CLAMP_NATS = 10.0                            # |log(pi / ref)| beyond this saturates in value, straight through
 
 GRADIENTS = {
     ("loss", "k1"): "zero in expectation (E_pi[grad log pi] = 0): adds noise, no regularisation",
@@ -60,7 +61,7 @@ def resolve(estimator: str, kl_in: str) -> str:
 
 
 def kl(logprobs: "torch.Tensor", ref_logprobs: "torch.Tensor", estimator: str = "k2",
-       clamp: float | None = 10.0) -> "torch.Tensor":
+       clamp: float | None = CLAMP_NATS) -> "torch.Tensor":
     """The estimator's per-token value [N, T] (log_r clamped to +-clamp, straight through: the clamp
     bounds the value and leaves the gradient of log_r, see the module doc)."""
     import torch

@@ -119,3 +119,20 @@ def test_lora_dropout_is_refused_for_rl():
     """Before: train.lora.dropout > 0 ran RL with dropout in the training forward only (the first ratio != 1)."""
     assert found("train.lora.rank=8", "train.lora.dropout=0.1").get("train.lora.dropout") == REFUSE
     assert "train.lora.dropout" not in found("train.lora.rank=8")
+
+
+def test_explain_states_the_kl_clamp_and_what_an_agent_error_trains():
+    """Before: nothing about the straight-through clamp of log(pi / ref), nor about agent errors."""
+    text, _ = explain(load_config(GRPO, ["model.path=unused", "algo.kl_coef=0.05", "algo.kl_estimator=k2"]))
+    kl_line = next(line for line in text.splitlines() if "KL penalty" in line)
+    assert "clamped to +-10 nats straight through" in kl_line
+    errors = next(line for line in text.splitlines() if "agent errors" in line)
+    assert "a scored failure" in errors
+    text, _ = explain(load_config(GRPO, ["model.path=unused", "agent.on_agent_error=drop"]))
+    assert "dropped (agent.on_agent_error=drop" in text
+
+
+def test_a_difficulty_sampler_without_a_mixture_is_named_as_doing_nothing():
+    """Before: task.sampler=difficulty on one task was silently ignored."""
+    assert found("task.sampler=difficulty").get("task.sampler") == WARN
+    assert "task.sampler" not in found()
