@@ -26,7 +26,7 @@ from hybridrl.backends.megatron import moe
 from hybridrl.backends.megatron.parallel import destroy_model_parallel
 from hybridrl.data.batch import Batch
 from tests.backends.families import forced_routing_logits, load
-from tests.backends.megatron.reference import hf_logits, pg_loss, sequence_batch, token_logprobs
+from tests.backends.megatron.reference import hf_logits, numbers, pg_loss, sequence_batch, token_logprobs
 
 TEMPERATURE = 0.7
 LR = 1e-4
@@ -262,7 +262,7 @@ def _recompute(path: str, batch: Batch) -> list:
         engine = _engine(path, training=True, ep=2, lr=LR, recompute_activations=recompute)
         moe.set_mode(engine.model, "rollout")
         mine = batch.chunk(2)[engine.mesh.dp_rank(dist.get_rank())]
-        losses = [engine.train_step(mine, pg_loss)["loss"] for _ in range(2)]
+        losses = [numbers(engine.train_step(mine, pg_loss))["loss"] for _ in range(2)]
         runs[recompute] = (losses, {n: t.detach().clone() for n, t in engine.iter_hf_tensors()})
     (a, wa), (b, wb) = runs[False], runs[True]
     return _gather({"losses": [a, b], "weights_diff": max(float((wa[n] - wb[n]).abs().max()) for n in wa),
@@ -283,12 +283,12 @@ def checkpoint(out: Path, path: str, phase: str) -> None:
     mine = batch.chunk(2)[engine.mesh.dp_rank(dist.get_rank())]
     rec = {}
     if phase == "save":
-        rec["before"] = [engine.train_step(mine, pg_loss)["loss"] for _ in range(2)]
+        rec["before"] = [numbers(engine.train_step(mine, pg_loss))["loss"] for _ in range(2)]
         engine.save_checkpoint(out / "ckpt_ep2", extra={"policy_version": 2})
-        rec["next"] = engine.train_step(mine, pg_loss)
+        rec["next"] = numbers(engine.train_step(mine, pg_loss))
     else:
         rec["extra"] = engine.load_checkpoint(out / "ckpt_ep2")
-        rec["next"] = engine.train_step(mine, pg_loss)
+        rec["next"] = numbers(engine.train_step(mine, pg_loss))
     (out / f"ckpt_{phase}_rank{dist.get_rank()}.json").write_text(json.dumps(rec))
     dist.barrier()
     if phase == "save":

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hybridrl.algo.aggregation import AGGREGATIONS
 from hybridrl.backends.megatron import MegatronConfig, MegatronEngine
 from hybridrl.backends.megatron.parallel import destroy_model_parallel
-from tests.backends.megatron.reference import hf_logits, pg_loss, sequence_batch, token_logprobs
+from tests.backends.megatron.reference import hf_logits, numbers, pg_loss, sequence_batch, token_logprobs
 
 TEMPERATURE = 0.7
 DEVICE = os.environ.get("HYBRIDRL_TEST_DEVICE", "cpu")
@@ -239,23 +239,23 @@ def checkpoint(out: Path, model_dir: str, phase: str) -> None:
         rec = record[name] = {}
         if phase == "save":
             engine.save_checkpoint(out / f"ckpt_{name}_step0", extra={"policy_version": 0})
-            rec["before"] = [engine.train_step(mine, pg_loss)["loss"] for _ in range(2)]
+            rec["before"] = [numbers(engine.train_step(mine, pg_loss))["loss"] for _ in range(2)]
             for _ in range(1 + dist.get_rank()):        # every rank's generators at their own place
                 _draws()
             engine.save_checkpoint(out / f"ckpt_{name}", extra={"data_cursor": 42, "policy_version": 3})
             rec["draws"] = _draws()
-            rec["next"] = engine.train_step(mine, pg_loss)
+            rec["next"] = numbers(engine.train_step(mine, pg_loss))
         else:
             rec["extra"] = engine.load_checkpoint(out / f"ckpt_{name}")
             rec["num_steps"] = engine.num_steps
             rec["draws"] = _draws()
-            rec["next"] = engine.train_step(mine, pg_loss)
+            rec["next"] = numbers(engine.train_step(mine, pg_loss))
             if dist.get_world_size() == 2:
                 engine = fresh_engine()
                 rec["step0_extra"] = engine.load_checkpoint(out / f"ckpt_{name}_step0")
-                rec["from_step0"] = [engine.train_step(mine, pg_loss) for _ in range(3)]
+                rec["from_step0"] = [numbers(engine.train_step(mine, pg_loss)) for _ in range(3)]
                 engine = fresh_engine()
-                rec["never_saved"] = [engine.train_step(mine, pg_loss) for _ in range(3)]
+                rec["never_saved"] = [numbers(engine.train_step(mine, pg_loss)) for _ in range(3)]
     (out / f"{phase}_w{dist.get_world_size()}_rank{dist.get_rank()}.json").write_text(json.dumps(record))
     dist.barrier()
     if phase == "save":
@@ -347,7 +347,7 @@ def uneven(out: Path, model_dir: str, lr: str) -> None:
             if engine.is_output_rank:
                 rec["logprobs_vs_hf"] = float((lp["logprobs"] - ref_lp).abs().max())
             rec["bitwise_round_trip"] = all(torch.equal(t.cpu(), saved[n]) for n, t in engine.iter_hf_tensors())
-        rec[f"loss_pp{pp}"] = engine.train_step(mine, pg_loss)["loss"]
+        rec[f"loss_pp{pp}"] = numbers(engine.train_step(mine, pg_loss))["loss"]
         weights[pp] = {n: t.detach().cpu().clone() for n, t in engine.iter_hf_tensors()}
     rec["weights_max_diff"] = max(float((weights[world][n] - weights[1][n]).abs().max()) for n in weights[1])
     records = _gather_to_rank0(rec)

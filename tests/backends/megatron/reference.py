@@ -92,3 +92,9 @@ def assert_same_weights(a: dict, b: dict, what, *, lr: float, steps: int, tol: f
         diff = float((a[name] - b[name]).abs().max())
         bound = 2 * steps * lr * 1.01 if name.endswith("k_proj.bias") else tol
         assert diff < bound, (what, name, diff)
+
+
+def numbers(step_metrics: dict) -> dict:
+    """A training step's results without its timing (`grad_reduce_s`, the gradient reduction's seconds):
+    what a resumed or repeated step must reproduce bit for bit."""
+    return {k: v for k, v in step_metrics.items() if k != "grad_reduce_s"}
