@@ -297,3 +297,14 @@ def test_an_agent_error_is_a_scored_failure_and_no_request_is_dropped(tiny_token
     trajs, runner = run_agent(engine, tiny_tokenizer, silent, n=1)
     assert trajs[0].status == TrajectoryStatus.ABORTED and trajs[0].metadata["end_reason"] == \
         "agent error: the agent made no request" and trajs[0].prompt_ids and runner.counts["agent_errors"] == 1
+
+def test_the_first_agent_error_of_a_runner_prints_its_traceback_once(tiny_tokenizer, caplog):
+    """Three episodes whose agent raises: the first one's traceback is logged (the user sees the bug), the
+    later ones are counted as agent_errors without repeating it."""
+    engine = ScriptedEngine(tiny_tokenizer, calculator_oracle(tiny_tokenizer, calls=0))
+    with caplog.at_level("ERROR", logger="hybridrl.agent.episodes"):
+        trajs, runner = run_agent(engine, tiny_tokenizer, crashing, n=3)
+    assert runner.counts["agent_errors"] == 3 and all(t.status == TrajectoryStatus.FAILED for t in trajs)
+    shown = [r for r in caplog.records if "the agent raised in episode" in r.getMessage()]
+    assert len(shown) == 1
+    assert "Traceback (most recent call last)" in shown[0].getMessage() and "KeyError" in shown[0].getMessage()
