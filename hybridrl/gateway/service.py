@@ -29,6 +29,7 @@ reason, usage when asked, then `[DONE]`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -390,8 +391,10 @@ def _usage(prepared: Prepared, completion_tokens: int) -> dict[str, Any]:
 
 def _rid(episode: GatewayEpisode) -> str:
     """The id of the request about to be counted (its turn number: unique within the episode, even for
-    requests in flight at once; `Outcome.completion` names a completion by it)."""
-    return f"{abs(hash(episode.episode_id)) % 10**12:012d}-{episode.turns + 1}"
+    requests in flight at once; `Outcome.completion` names a completion by it). A digest of the episode id,
+    not `hash()`: the same id in every process and rerun (the interpreter salts string hashes)."""
+    digest = int(hashlib.blake2b(episode.episode_id.encode(), digest_size=8).hexdigest(), 16)
+    return f"{digest % 10**12:012d}-{episode.turns + 1}"
 
 
 def stream_chunks(response: dict[str, Any], *, include_usage: bool) -> list[str]:

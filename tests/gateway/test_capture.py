@@ -187,3 +187,4 @@ def test_completions_prompts_extend_by_text_or_ids(tiny_tokenizer):
     assert second.ids[:len(first.ids) + len(out)] == first.ids + out and second.kind == "extend"
     by_ids = cap.prepare_prompt(first.ids + out + template.encode("\n"))
     assert by_ids.kind == "extend" and by_ids.mask[len(first.ids):len(first.ids) + len(out)] == [1] * len(out)
+

@@ -214,3 +214,17 @@ def test_tool_code_in_the_sandbox_cannot_reach_the_gateway(tiny_tokenizer, netwo
     if network == "allowlist":
         assert "PROXY 403" in lines                      # the gateway is not a declared destination
     assert reached == 0
+
+
+def test_a_completion_id_is_the_same_in_every_process():
+    """Completion ids name the chain a reward belongs to (`Outcome.completion`): they must not depend on the
+    interpreter's salted string hashes (two processes, two PYTHONHASHSEEDs, the same ids)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from types import SimpleNamespace as N; from hybridrl.gateway.service import _rid; "
+            "print(_rid(N(episode_id='run-7/g3/e1', turns=2)))")
+    ids = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}
+    assert len(ids) == 1 and ids.pop().endswith("-3")
