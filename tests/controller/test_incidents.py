@@ -218,7 +218,7 @@ def test_a_learning_rate_that_collapses_the_policy_warns_of_the_drop_naming_the_
     for argv in (["assets", "tiny-model", *BASE_MODEL_ARGS, "--out", str(base)],
                  ["train", "recipes/calc_sft_cpu.yaml", f"model.path={base}", f"run.dir={sft}"],
                  ["train", "recipes/calc_grpo_cpu.yaml", f"model.path={sft / 'hf'}", f"run.dir={grpo}",
-                  "train.lr=1.0e-2", "trainer.total_steps=5", "trainer.validate_every=0", "trainer.checkpoint_every=0",
+                  "train.lr=1.0e-2", "train.lr_schedule=constant", "trainer.total_steps=5", "trainer.validate_every=0", "trainer.checkpoint_every=0",
                   "algo.drop_all_equal_groups=false", "incidents.drop_metric=reward/mean", "incidents.drop_by=0.1"]):
         proc = hybridrl(*argv)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
