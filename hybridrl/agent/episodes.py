@@ -217,6 +217,12 @@ class EpisodeRunner(Protocol):
                            task: Task | dict[str, Task], stop: asyncio.Event | None = None,
                            temperature: float | None = None, pause: PauseGate | None = None) -> list[Trajectory]: ...
 
+    async def admit(self, inst: TaskInstance, task: Task, attempt: int, group_id: str,
+                    stop: asyncio.Event | None, temperature: float | None,
+                    pause: PauseGate | None = None, saved: Any = None) -> Trajectory:
+        """One episode once a slot of `agent.max_concurrent_episodes` is free (what `run_attempts` does for
+        each attempt; collectors that launch episodes one at a time call it). `saved`: continue it."""
+
     def stats(self, wall_s: float | None = None) -> dict[str, Any]: ...
 
 
@@ -295,12 +301,13 @@ class EpisodeEngine:
         coros = []
         for inst, attempt, group_id in attempts:
             source = task if isinstance(task, Task) else task[inst.task]
-            coros.append(self._admit(inst, source, attempt, group_id, stop, temperature, pause))
+            coros.append(self.admit(inst, source, attempt, group_id, stop, temperature, pause))
         return list(await asyncio.gather(*coros))
 
-    async def _admit(self, inst: TaskInstance, task: Task, attempt: int, group_id: str,
-                     stop: asyncio.Event | None, temperature: float | None,
-                     pause: PauseGate | None = None, saved: Any = None) -> Trajectory:
+    async def admit(self, inst: TaskInstance, task: Task, attempt: int, group_id: str,
+                    stop: asyncio.Event | None, temperature: float | None,
+                    pause: PauseGate | None = None, saved: Any = None) -> Trajectory:
+        """See `EpisodeRunner.admit`."""
         queued = time.monotonic()
         loop = asyncio.get_running_loop()
         if self._slots is None or self._slots_loop is not loop:    # one limit per event loop

@@ -31,6 +31,7 @@ class _Actor:
 
     def __init__(self):
         self.model = _Model(2, lora=SimpleNamespace(enabled=True))
+        self.device, self.mesh, self.head = "cpu", None, "lm"
         self.passes = {"logprobs": 0, "train": 0}
         self.seen: list[tuple[bool, list[str]]] = []
 
