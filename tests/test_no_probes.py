@@ -1,5 +1,5 @@
 """No capability is found by probing: every `getattr(x, "literal", ...)` / `hasattr(x, "literal")` in
-hybridrl/ is listed in tests/probe_allowlist.txt (third-party objects, and the probes being removed),
+hybridrl/ is listed in tests/probe_allowlist.txt (third-party objects only),
 and no class forwards unknown attributes to another object (`def __getattr__` in a class body; a
 module's PEP 562 `__getattr__` of lazy exports is not a proxy)."""
 
