@@ -37,15 +37,17 @@ class Job:
     controller: Callable[[Any, "WorkerGroup"], Any]           # (config, group) -> result, on rank 0
     owns_run_dir: bool = False     # keeps run.json, checkpoints and resumes in run.dir (store/rundir.py)
     needs_model: bool = False      # refused without model.path
+    colocated_only: bool = False   # refused under a placement with the training and rollout ranks apart
 
 
 JOBS: Registry[Job] = Registry("job", key="run.job", row=Job)
 for _row in (
-    Job("selfcheck", Lazy("hybridrl.workers.selfcheck:SelfCheckWorker"), Lazy("hybridrl.workers.selfcheck:run_selfcheck")),
+    Job("selfcheck", Lazy("hybridrl.workers.selfcheck:SelfCheckWorker"), Lazy("hybridrl.workers.selfcheck:run_selfcheck"),
+        colocated_only=True),
     Job("rl", Lazy("hybridrl.controller.placements:make_worker"), Lazy("hybridrl.controller.trainer:train"),
         owns_run_dir=True, needs_model=True),
     Job("sft", Lazy("hybridrl.controller.sft:SFTWorker"), Lazy("hybridrl.controller.sft:run_sft"),
-        owns_run_dir=True, needs_model=True),
+        owns_run_dir=True, needs_model=True, colocated_only=True),
 ):
     JOBS.register(_row)
 
@@ -81,3 +83,8 @@ class RunConfig:
     def needs_model(self) -> bool:
         """A shipped job that trains a model (a job of your own is not imported to tell)."""
         return JOBS.known(self.job) and JOBS.get(self.job).needs_model
+
+    @property
+    def colocated_only(self) -> bool:
+        """A shipped job that runs colocated only (a job of your own is not imported to tell)."""
+        return JOBS.known(self.job) and JOBS.get(self.job).colocated_only

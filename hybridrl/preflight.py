@@ -335,14 +335,11 @@ def check_dtypes(cfg: Any) -> None:
 
 
 def check_engine_model(cfg: Any) -> None:
-    """The rollout engine can serve model.path: vLLM refuses mixture-of-experts models (the reason in
-    `backends.vllm.config.model_problem`)."""
-    if cfg.rollout.engine == "vllm":
-        from hybridrl.backends.vllm.config import model_dir_problem
-
-        problem = model_dir_problem(cfg.model.path)
-        if problem:
-            raise PreflightError(problem)
+    """The rollout engine can serve model.path (its row's `model_problem`: vLLM refuses mixture-of-experts
+    models, the reason in `backends.vllm.config.model_problem`)."""
+    problem = cfg.rollout.engine_row.model_problem(cfg.model.path)
+    if problem:
+        raise PreflightError(problem)
 
 
 def check_native_kernels(cfg: Any) -> list[str]:

@@ -35,7 +35,7 @@ import asyncio
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from hybridrl.agent.pause import PauseGate
 from hybridrl.agent.saved import HeldGroup, SavedEpisode, saveable
@@ -65,13 +65,25 @@ class CollectStats:
                 "stopped_by": self.stopped_by, "live_groups": list(self.live_groups)}
 
 
+class StepClock(Protocol):
+    """An engine whose steps run on the caller's event loop (the native engine's loop driver; its row's
+    `step_clock`): a number of steps is then a point every run reaches alike."""
+
+    def steps(self) -> int: ...
+
+    def has_work(self) -> bool: ...
+
+
 class PartialCollector:
     """Episodes of one engine kept across steps. `sum_over_ranks(values)` adds a list of floats over
-    every rank (a collective: every rank calls `collect` the same number of times)."""
+    every rank (a collective: every rank calls `collect` the same number of times). `clock`: the
+    engine's step clock, or None (slices measured in seconds)."""
 
     def __init__(self, runner: Any, task: Any, loop: asyncio.AbstractEventLoop, *, group_size: int,
-                 sum_over_ranks: Callable[[list[float]], list[float]], owns_engine: bool = True):
+                 sum_over_ranks: Callable[[list[float]], list[float]], owns_engine: bool = True,
+                 clock: StepClock | None = None):
         self.runner, self.task, self.loop = runner, task, loop
+        self.clock = clock
         self.group_size = group_size
         self.sum_over_ranks = sum_over_ranks
         self.owns_engine = owns_engine
@@ -116,7 +128,7 @@ class PartialCollector:
         self.gate.close()
         # with a step clock, the aborts are retried pass by pass (a pause of 5 ms would let the engine run a
         # number of steps that depends on the machine for a request that reached it between two aborts)
-        poll = 0.0 if step_clock(self.runner.engine) is not None else 0.005
+        poll = 0.0 if self.clock is not None else 0.005
         stats.interrupted = self.loop.run_until_complete(self.gate.quiesce(poll_s=poll))
         self._harvest()
         out = []
@@ -133,23 +145,23 @@ class PartialCollector:
 
     def _start(self, inst: Any, attempt: int, group_id: str, temperature: float | None,
                saved: SavedEpisode | None = None) -> None:
-        coro = self.runner._admit(inst, self.task, attempt, group_id, None, temperature, self.gate, saved)
+        coro = self.runner.admit(inst, self.task, attempt, group_id, None, temperature, self.gate, saved)
         task = self.loop.create_task(coro)
         self.live[task] = group_id
         self.attempts[task] = (inst, attempt, group_id)
 
     async def _slice(self, poll_s: float) -> None:
         """Run the held episodes until one ends or `POLL_STEPS` engine steps have run. Without a step
-        clock (see `step_clock`), or while every episode waits outside the engine (a tool in another
+        clock (`StepClock`), or while every episode waits outside the engine (a tool in another
         process), until one ends or `poll_s` seconds have passed."""
         tasks = list(self.live)
-        clock = step_clock(self.runner.engine)
+        clock = self.clock
         if clock is None:
             await asyncio.wait(tasks, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
             return
-        target, idle = clock() + POLL_STEPS, 0
-        while clock() < target and not any(t.done() for t in tasks):
-            idle = idle + 1 if not self.runner.engine.core.has_work() else 0
+        target, idle = clock.steps() + POLL_STEPS, 0
+        while clock.steps() < target and not any(t.done() for t in tasks):
+            idle = idle + 1 if not clock.has_work() else 0
             if idle > IDLE_SPINS:
                 await asyncio.wait(tasks, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
                 return
@@ -245,12 +257,3 @@ class PartialCollector:
         self.live.clear()
         self.attempts.clear()
 
-
-def step_clock(engine: Any) -> Callable[[], int] | None:
-    """The engine's step counter when its steps run on the caller's event loop (the native engine's
-    loop driver), so that a number of steps is a point every run reaches alike; else None."""
-    core = getattr(engine, "core", None)
-    counters = getattr(core, "counters", None)
-    if getattr(engine, "driver", None) != "loop" or not isinstance(counters, dict) or "steps" not in counters:
-        return None
-    return lambda: counters["steps"]

@@ -3,8 +3,8 @@
 A *front end* is a subclass of `EpisodeEngine` that implements `drive` (and, when it needs them,
 `start`, `release`, `outcome`): the built-in agent loop (`agent/loop.py`) parses actions from the
 policy's tokens; the OpenAI-compatible gateway (`gateway/runner.py`) serves the requests of an agent
-the user wrote. Front ends are rows of `FRONT_ENDS` (a name and where the class lives, imported when
-used); `episode_runner` picks one from the config. What they share is here:
+the user wrote. Front ends are entries of `envs/front_ends.py: FRONT_ENDS` (imported when used);
+`episode_runner` picks one from the config. What they share is here:
 
     run / run_attempts   `group_size` checked; one episode per (instance, attempt, group id), returned
                          in the order given (task-major: every attempt of a task, then the next)
@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import importlib
 import logging
 import time
 import traceback
@@ -46,6 +45,7 @@ from hybridrl.agent.pause import PauseGate, Slot
 from hybridrl.data.episode import EpisodeOutcome, TaskInstance
 from hybridrl.data.trace import close_turn, trace
 from hybridrl.data.trajectory import Trajectory, TrajectoryStatus, Truncation
+from hybridrl.envs.front_ends import FRONT_ENDS, front_end_name
 from hybridrl.envs.tasks.base import Task
 from hybridrl.rollout.protocol import FinishReason, GenerationOutput, SamplingParams
 
@@ -217,6 +217,12 @@ class EpisodeRunner(Protocol):
                            task: Task | dict[str, Task], stop: asyncio.Event | None = None,
                            temperature: float | None = None, pause: PauseGate | None = None) -> list[Trajectory]: ...
 
+    async def admit(self, inst: TaskInstance, task: Task, attempt: int, group_id: str,
+                    stop: asyncio.Event | None, temperature: float | None,
+                    pause: PauseGate | None = None, saved: Any = None) -> Trajectory:
+        """One episode once a slot of `agent.max_concurrent_episodes` is free (what `run_attempts` does for
+        each attempt; collectors that launch episodes one at a time call it). `saved`: continue it."""
+
     def stats(self, wall_s: float | None = None) -> dict[str, Any]: ...
 
 
@@ -295,12 +301,13 @@ class EpisodeEngine:
         coros = []
         for inst, attempt, group_id in attempts:
             source = task if isinstance(task, Task) else task[inst.task]
-            coros.append(self._admit(inst, source, attempt, group_id, stop, temperature, pause))
+            coros.append(self.admit(inst, source, attempt, group_id, stop, temperature, pause))
         return list(await asyncio.gather(*coros))
 
-    async def _admit(self, inst: TaskInstance, task: Task, attempt: int, group_id: str,
-                     stop: asyncio.Event | None, temperature: float | None,
-                     pause: PauseGate | None = None, saved: Any = None) -> Trajectory:
+    async def admit(self, inst: TaskInstance, task: Task, attempt: int, group_id: str,
+                    stop: asyncio.Event | None, temperature: float | None,
+                    pause: PauseGate | None = None, saved: Any = None) -> Trajectory:
+        """See `EpisodeRunner.admit`."""
         queued = time.monotonic()
         loop = asyncio.get_running_loop()
         if self._slots is None or self._slots_loop is not loop:    # one limit per event loop
@@ -603,57 +610,10 @@ async def race(fut: asyncio.Future, deadline: Callable[[], float], stop: asyncio
 
 
 # ---------------------------------------------------------------------------------------------------------
-# front ends: declared rows, picked from the config
-
-
-@dataclass(frozen=True)
-class FrontEnd:
-    """A door episodes come through: its name, where its `EpisodeEngine` subclass lives (imported when used)
-    and how it is built from the run's config (`build(cls, cfg, engine, tokenizer, tools, envs)`)."""
-
-    name: str
-    target: str                                  # "package.module:Class"
-    summary: str
-
-    def engine_class(self) -> type:
-        module, _, attr = self.target.partition(":")
-        cls = getattr(importlib.import_module(module), attr)
-        if not (isinstance(cls, type) and issubclass(cls, EpisodeEngine)):
-            raise TypeError(f"front end {self.name!r}: {self.target} is not an hybridrl.agent.episodes.EpisodeEngine")
-        return cls
-
-
-FRONT_ENDS: dict[str, FrontEnd] = {}
-
-
-def register_front_end(row: FrontEnd) -> FrontEnd:
-    other = FRONT_ENDS.get(row.name)
-    if other is not None and other != row:
-        raise ValueError(f"front end {row.name!r} is already registered ({other.target})")
-    FRONT_ENDS[row.name] = row
-    return row
-
-
-register_front_end(FrontEnd("loop", "hybridrl.agent.loop:AgentRunner",
-                            "the built-in agent loop: actions parsed from the policy's tokens"))
-register_front_end(FrontEnd("gateway", "hybridrl.gateway.runner:GatewayRunner",
-                            "an OpenAI-client agent (task.agent) through the OpenAI-compatible gateway"))
-
-
-def front_end_name(cfg: Any) -> str:
-    """The run's front end: `task.front_end` when set, else the gateway for `task.agent`, else the loop."""
-    named = cfg.task.front_end
-    if named:
-        return named
-    return "gateway" if cfg.task.agent else "loop"
+# front ends: envs/front_ends.py's registry, picked from the config
 
 
 def episode_runner(cfg: Any, engine: Any, tokenizer: Any, *, tools: Any, envs: Any = None) -> EpisodeEngine:
     """The rollout side's runner for this run's front end (one per rollout phase or rank)."""
-    name = front_end_name(cfg)
-    if name not in FRONT_ENDS and ":" in name:
-        register_front_end(FrontEnd(name, name, "a front end of your own"))
-    if name not in FRONT_ENDS:
-        raise ValueError(f"task.front_end={name!r}: no such front end (known: {sorted(FRONT_ENDS)}, or "
-                         "'package.module:Class' of your own)")
-    return FRONT_ENDS[name].engine_class().from_config(cfg, engine, tokenizer, tools=tools, envs=envs)
+    front_end = FRONT_ENDS.get(front_end_name(cfg), key="task.front_end")
+    return front_end.from_config(cfg, engine, tokenizer, tools=tools, envs=envs)

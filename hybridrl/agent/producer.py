@@ -199,7 +199,7 @@ class Producer:
         self._counts["launched_groups"] += 1
         self._counts["launched_episodes"] += len(group.attempts)
         for inst, attempt, group_id in group.attempts:
-            task = self.loop.create_task(self.runner._admit(inst, self.task, attempt, group_id, None, None))
+            task = self.loop.create_task(self.runner.admit(inst, self.task, attempt, group_id, None, None))
             task.add_done_callback(self._ended)
 
     def _ended(self, task: asyncio.Task) -> None:

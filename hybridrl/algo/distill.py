@@ -79,9 +79,8 @@ class DistillConfig:
 
 
 def enabled(cfg: Any) -> bool:
-    """Whether a root config distils (configs built without the section do not)."""
-    section = getattr(cfg, "distill", None)
-    return section is not None and section.enabled
+    """Whether a root config distils (its `distill` section names a teacher)."""
+    return cfg.distill.enabled
 
 
 # ---------------------------------------------------------------------------------------- the estimator

@@ -162,6 +162,7 @@ class PartialCollection:
         self.queue = GroupQueue(max_groups=tc.queue_max_groups, max_tokens=tc.queue_max_tokens,
                                 policy=tc.queue_policy) if tc.max_groups_per_step else None
         self.queued_instances: dict[str, dict] = {}
+        self.returned_instances: dict[str, dict] = {}   # group id -> its instance, for the groups returned this step
         self.blocked_launches = 0
         self.drawn: list[str] = []
 
@@ -194,7 +195,7 @@ class PartialCollection:
         stats += [out["stats"] for out in outs]
         trajectories = [t for out in outs for t in out["trajectories"]]
         returned = {g: self.in_flight.pop(g) for g in dict.fromkeys(t.group_id for t in trajectories)}
-        self._returned_instances.update(returned)
+        self.returned_instances.update(returned)
         if algo.stale == "requeue" and algo.max_policy_lag >= 0:
             stale = stale_groups(trajectories, self.run.version, algo.max_policy_lag)
             self.requeued += [returned[g] for g in returned if g in stale]
@@ -207,7 +208,7 @@ class PartialCollection:
         tc = self.cfg.trainer
         stats: list[dict] = []
         self.drawn = []
-        self._returned_instances: dict[str, dict] = {}
+        self.returned_instances = {}
         counts = {"stale/requeued_groups": 0.0, "stale/requeued_episodes": 0.0}
         want = max(0, tc.groups_in_flight - len(self.in_flight))
         if self.queue is not None and self.queue.policy == "block":   # every launched group must find room
@@ -301,7 +302,7 @@ class PartialCollection:
         taken += [members for _, members in fresh[:direct]]                 # ... then this step's
         for g, members in fresh[direct:]:
             self.queue.put(members, timeout=0)        # block: the launches left room for it
-            self.queued_instances[g] = self._returned_instances[g]
+            self.queued_instances[g] = self.returned_instances[g]
         queued = {m[0].group_id for m in self.queue.state()}
         self.queued_instances = {g: i for g, i in self.queued_instances.items() if g in queued}
         c = self.queue.counts

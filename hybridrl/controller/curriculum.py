@@ -96,7 +96,7 @@ def keep_shares(collection: Any, step: int, trajectories: list) -> tuple[list, d
     policy = collection.cfg.task.share_policy
     counts = {"share/held_groups": 0.0, "share/wait_rounds": 0.0, "share/wait_s": 0.0, "share/short_groups": 0.0,
               "share/launched_for_share": 0.0}
-    returned = getattr(collection, "_returned_instances", {})
+    returned = collection.returned_instances
     pool: list[tuple[dict, list]] = list(stream.held)                 # held from earlier steps: oldest first
     pool += [(returned.get(g, {}), members) for g, members in _by_group(trajectories).items()]
     if policy == "none":
@@ -123,7 +123,7 @@ def keep_shares(collection: Any, step: int, trajectories: list) -> tuple[list, d
                     stream.only = None
         counts["share/launched_for_share"] += len({e["group_id"] for e in launched})
         more = collection._collect(launched, 1, 0.0, [], Counter())
-        pool += [(collection._returned_instances.get(g, {}), m) for g, m in _by_group(more).items()]
+        pool += [(returned.get(g, {}), m) for g, m in _by_group(more).items()]
     counts["share/wait_rounds"] = float(rounds)
     counts["share/wait_s"] = time.perf_counter() - started if rounds else 0.0
     taken, held, took = [], [], Counter()

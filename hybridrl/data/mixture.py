@@ -52,10 +52,9 @@ def success(trajectory: Any) -> float:
 
 
 def scored(trajectory: Any) -> bool:
-    """Whether an episode says anything about the policy: INFRA_INVALID (a tool, engine or reward failure)
-    and ABORTED (cancelled) episodes do not, and never count as a prompt's failures."""
-    status = getattr(getattr(trajectory, "status", None), "value", getattr(trajectory, "status", None))
-    return status not in ("infra_invalid", "aborted")
+    """Whether an episode (a `Trajectory`) says anything about the policy: INFRA_INVALID (a tool, engine or
+    reward failure) and ABORTED (cancelled) episodes do not, and never count as a prompt's failures."""
+    return trajectory.status not in ("infra_invalid", "aborted")      # TrajectoryStatus is a str enum
 
 
 def deficit_order(weights: dict[str, float], counts: dict[str, float]) -> str:

@@ -53,7 +53,7 @@ class Placement:
 
 def check_split_roles(cfg: Any) -> None:
     """What training and rollout ranks apart need of the other sections, each refusal naming its key."""
-    if cfg.run.job in ("sft", "selfcheck"):
+    if cfg.run.colocated_only:
         raise ConfigValueError("placement.mode", f"run.job={cfg.run.job} runs colocated: a placement with the "
                                                  "roles apart is for RL (run.job=rl)")
     if cfg.algo.max_policy_lag < 0:

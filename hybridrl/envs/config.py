@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, check_range, items_of, knob
+from hybridrl.envs.front_ends import FRONT_ENDS
 
 # the episode budgets a task of a mixture may set for its own episodes (agent.* otherwise)
 BUDGET_KEYS = ("max_turns", "max_new_tokens_per_turn", "max_response_tokens", "max_episode_s")
@@ -59,7 +60,7 @@ class TaskConfig:
     agent: str = knob("", "an agent written with the OpenAI client, 'module:function' (async def run(client, "
                           "instance) -> reward | Outcome) or 'module:Class'; its episodes run through the gateway "
                           "(gateway.*) instead of the built-in agent loop. Empty: the built-in loop")
-    front_end: str = knob("", "the door episodes come through (hybridrl/agent/episodes.py FRONT_ENDS): loop (the "
+    front_end: str = knob("", "the door episodes come through (hybridrl/envs/front_ends.py FRONT_ENDS): loop (the "
                               "built-in agent loop) | gateway (an OpenAI-client agent, task.agent) | "
                               "'package.module:Class' of your own (an EpisodeEngine subclass). Empty: gateway when "
                               "task.agent is set, else loop")
@@ -117,9 +118,8 @@ class TaskConfig:
             self.options = registry.check_options(self.name, self.options)   # typed: "3" -> 3 for an int
         if self.agent:
             self._check_agent(registry)
-        if self.front_end and self.front_end not in ("loop", "gateway") and ":" not in self.front_end:
-            raise ConfigValueError("front_end", f"{self.front_end!r}: loop | gateway | 'package.module:Class' "
-                                                "(an hybridrl.agent.episodes.EpisodeEngine subclass)")
+        if self.front_end:
+            FRONT_ENDS.check("front_end", self.front_end, load=False)
         if self.front_end == "gateway" and not self.agent:
             raise ConfigValueError("front_end", "gateway runs an OpenAI-client agent: name it with task.agent")
 

@@ -186,7 +186,7 @@ def run_suite(suite: Suite, cfg: Any, model_dir: str | Path, result_path: Path, 
 
                 async def one(sampling, entry, inst, attempt):
                     runner = runners[sampling.name]
-                    t = await runner._admit(inst, tasks[entry], attempt, f"{inst.task_id}@{sampling.name}", None,
+                    t = await runner.admit(inst, tasks[entry], attempt, f"{inst.task_id}@{sampling.name}", None,
                                             sampling.temperature)
                     record = record_of(t, task=inst.task, sampling=sampling.name)
                     episodes.add(record)

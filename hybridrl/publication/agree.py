@@ -3,7 +3,7 @@
 A publication's collectives (the trainer's gathers while writing buckets, a transport's gathers and
 barriers) span ranks whose checks can differ: the rank that owns a rollout group's engine checks
 the engine's own spec (every checkpoint tensor, in the engine's dtype), a rank holding a stand-in
-checks the trainer's spec, a rank whose transport cannot read back refuses `verify=post_copy`.
+checks the trainer's spec.
 Decided alone, the ranks that refuse skip the collectives the others enter, and the group
 deadlocks; a rank that accepted after another refused would have to undo what it took.
 
@@ -26,17 +26,12 @@ import torch.distributed as dist
 from hybridrl.rollout.weight_spec import spec_problems
 
 
-def refusal(published: Mapping[str, tuple[tuple[int, ...], str]], engine: Any, transport: Any,
-            verify: str) -> str | None:
+def refusal(published: Mapping[str, tuple[tuple[int, ...], str]], engine: Any) -> str | None:
     """This rank's reason to refuse a publication of `published` ({HF name: (shape, dtype name)}) into
-    `engine` through `transport` (None: it accepts). Looks at nothing but local state."""
+    `engine` (None: it accepts). Looks at nothing but local state. (Whether the engine can read its
+    weights back for `publish.verify=post_copy` is its row's `reads_back_weights`, refused at load.)"""
     problems = spec_problems(published.items(), engine.weight_spec())
-    if problems:
-        return "; ".join(problems)
-    if verify == "post_copy" and not transport.verifies:
-        return (f"publish.verify=post_copy: {type(transport).__name__} cannot read the weights back from the "
-                "engine's storage; use publish.verify=structure")
-    return None
+    return "; ".join(problems) if problems else None
 
 
 @dataclass(frozen=True)

@@ -205,7 +205,7 @@ async def publish(source: WeightSource, *, engine, transport, cfg: PublishConfig
     specs = source.hf_group_specs()
     published = published_spec(specs)
     if verdict is None:
-        reason = refusal(published, engine, transport, cfg.verify)
+        reason = refusal(published, engine)
         verdict = agree(reason, peers) if peers is not None else local(reason)
     if verdict.refused:
         raise PublicationRefused(verdict.message(version))

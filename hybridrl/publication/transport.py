@@ -7,9 +7,10 @@
 
 A transport delivers one `FlatBucket` (a flat buffer with a view per tensor) for a policy
 version. With `digests`, the receiver reads the tensors back from its own storage after the copy
-and raises `WeightMismatch` naming those that differ; `verifies` says whether it can. A transport
-to separate rollout ranks (a broadcast of the flat buffer over a process group, then the
-receiving rank's `update_weights`) is one more file with these two members.
+and raises `WeightMismatch` naming those that differ (whether the engine can is its row's
+`reads_back_weights`, checked when the config loads). A transport to separate rollout ranks (a
+broadcast of the flat buffer over a process group, then the receiving rank's `update_weights`) is
+one more file with this member.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from hybridrl.publication.buckets import BucketPlan, FlatBucket, InPlaceBucket
 
 
 class WeightTransport(Protocol):
-    verifies: bool       # the receiver can hash its own storage after the copy (publish.verify=post_copy)
-
     async def send(self, bucket: FlatBucket, version: int, *, names: Sequence[str] | None = None,
                    digests: Mapping[str, str] | None = None) -> None:
         """Deliver the bucket (or only `names` of it: a retry) for policy `version`."""

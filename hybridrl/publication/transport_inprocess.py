@@ -31,8 +31,6 @@ class InProcessEngine(Protocol):
 
 
 class InProcessTransport(InPlaceTransport):
-    verifies = True
-
     def __init__(self, engine: InProcessEngine):
         self.engine = engine
 

@@ -7,7 +7,7 @@ rank 0 holds them whole) and every rollout rank. Per delivery:
                apply; the sender's digests) as a broadcast object, then the flat buffer itself in
                one broadcast
     receivers  views into the received buffer -> their engine's `update_weights(..., digests)`
-               (a buffer on the GPU goes whole to an engine's `load_bucket` when it has one:
+               (a buffer on the GPU goes whole to an engine's `load_bucket` when its row says it takes one:
                `delivery`), which copies into the engine's storage and reads it back (post_copy); then one
                all-reduce (MAX) of [mismatch flag per name, error flag, -policy version]
     sender     raises `WeightMismatch` for the names any receiver read back differently (the
@@ -48,8 +48,6 @@ class RemoteTarget:
 
 
 class BroadcastTransport:
-    verifies = True
-
     def __init__(self, peers: Peers, engine: RemoteTarget, device: torch.device):
         self.peers, self.engine, self.device = peers, engine, device
 
@@ -84,9 +82,10 @@ class BroadcastTransport:
 
 
 def receive_publication(peers: Peers, engine: Any, run: Callable[[Any], Any], *, src: int,
-                        device: torch.device) -> dict[str, Any]:
+                        device: torch.device, takes_buckets: bool = False) -> dict[str, Any]:
     """A rollout rank's side of one publication: apply every bucket the sender broadcasts to `engine`
-    (`run` awaits an engine coroutine wherever the engine's loop is) until the end header. Returns
+    (`run` awaits an engine coroutine wherever the engine's loop is) until the end header. `takes_buckets`:
+    the engine's row says it loads flat buckets (`RolloutEngineSpec.loads_flat_buckets`). Returns
     {'buckets', 'bytes', 'retried', 'error'}; `error` is the first exception applying a bucket (the
     sender was told; the caller raises it)."""
     object_device = device if device.type == "cuda" else torch.device("cpu")
@@ -105,7 +104,7 @@ def receive_publication(peers: Peers, engine: Any, run: Callable[[Any], Any], *,
         answer = torch.zeros(len(names) + 2, dtype=torch.float64)
         if out["error"] is None:
             try:
-                run(delivery(engine, flat, header))
+                run(delivery(engine, flat, header, takes_buckets=takes_buckets))
             except WeightMismatch as err:
                 bad = set(err.names)
                 for i, n in enumerate(names):
@@ -123,14 +122,14 @@ def receive_publication(peers: Peers, engine: Any, run: Callable[[Any], Any], *,
         out["retried"] += int(len(names) < len(header["entries"]))
 
 
-def delivery(engine: Any, flat: torch.Tensor, header: Mapping[str, Any]) -> Any:
+def delivery(engine: Any, flat: torch.Tensor, header: Mapping[str, Any], *, takes_buckets: bool = False) -> Any:
     """The engine coroutine that applies one received bucket. A buffer on the GPU goes whole to an engine
-    that takes flat buckets (`load_bucket`: vLLM hands it to its worker as one CUDA IPC handle, where
-    `update_weights` would have to read each tensor's bytes on the host); otherwise its views go to
-    `update_weights`."""
+    that takes flat buckets (`takes_buckets`: its `load_bucket`; vLLM hands it to its worker as one CUDA IPC
+    handle, where `update_weights` would have to read each tensor's bytes on the host); otherwise its views
+    go to `update_weights`."""
     names, digests = header["names"], header["digests"]
     digests = {n: digests[n] for n in names} if digests is not None else None
-    if flat.device.type != "cpu" and hasattr(engine, "load_bucket"):
+    if flat.device.type != "cpu" and takes_buckets:
         plan = BucketPlan(entries=[Entry(name, tuple(shape), dtype, start, end)
                                    for name, shape, dtype, start, end in header["entries"]])
         return engine.load_bucket(FlatBucket(plan, flat), header["version"], names=names, digests=digests)

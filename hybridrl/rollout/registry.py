@@ -21,6 +21,14 @@ def never(cfg: Any) -> bool:
     return False
 
 
+def no_clock(engine: Any) -> None:
+    return None
+
+
+def serves_any(model_dir: str) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class RolloutEngineSpec:
     """One rollout engine."""
@@ -38,6 +46,14 @@ class RolloutEngineSpec:
     remote_publication: bool           # a rollout rank of a placement with the roles apart can run it
     # a publication of this run (cfg) carries the LoRA adapters only: the engine applies them itself
     adapter_publication: Callable[[Any], bool] = never
+    # a received GPU bucket goes whole to its `load_bucket(bucket, version, names=, digests=)` (one flat buffer,
+    # not one tensor at a time through `update_weights`)
+    loads_flat_buckets: bool = False
+    # model.path -> why this engine cannot serve that HF directory (None: it can); preflight refuses the run
+    model_problem: Callable[[str], "str | None"] = serves_any
+    # this rank's engine -> its step clock (`agent.collector.StepClock`) when its steps run on the caller's
+    # event loop, so that partial collection slices by steps, not seconds; else None
+    step_clock: Callable[[Any], Any] = no_clock
     summary: str = ""                  # what `rollout.engine`'s help says of it
     section_help: str = ""             # the help of its sub-section
     single_rank: str = ""              # why it needs rollout.tp=1 (empty: any tensor-parallel size)

@@ -52,10 +52,10 @@ class Publisher:
         """Whether the parity probe checks this publication (the probe on, and the schedule says so)."""
         return bool(self.probe) and self.schedule.due(version)
 
-    def refusal(self, target: Any, transport: Any) -> str | None:
-        """This rank's reason to refuse publishing into `target` through `transport` (None: it accepts),
-        from local state only (`publication/agree.py`): what the ranks decide on together."""
-        return refusal(published_spec(self.source.hf_group_specs()), target, transport, self.cfg.publish.verify)
+    def refusal(self, target: Any) -> str | None:
+        """This rank's reason to refuse publishing into `target` (None: it accepts), from local state only
+        (`publication/agree.py`): what the ranks decide on together."""
+        return refusal(published_spec(self.source.hf_group_specs()), target)
 
     def publish(self, version: int, step: int, *, target: Any, transport: Any, run: Callable[[Any, str], Any],
                 peers: Any = None, verdict: Verdict | None = None) -> str | None:

@@ -153,7 +153,8 @@ class ReceivingEnd(RemotePublication):
         self.phases.switches += 1
         self.phases.arrive("publish")          # every rollout rank, before the publication's collectives
         with self.phases.phase("publish", waits_for="the weights from training rank 0") as rec:
-            got = receive_publication(self.peers, self.engine, self.rollout.run, src=0, device=self.ctx.device)
+            got = receive_publication(self.peers, self.engine, self.rollout.run, src=0, device=self.ctx.device,
+                                     takes_buckets=self.rollout.row.loads_flat_buckets)
             rec.bytes_moved = got["bytes"]
         if got["error"] is not None:
             raise got["error"]

@@ -158,7 +158,8 @@ class RolloutSide(Part):
         self.phases.require(Mode.ROLLOUT)
         if self.collector is None:
             self.collector = PartialCollector(self.runner, self.task, self.loop, owns_engine=self.owns_engine,
-                                              group_size=self.cfg.trainer.group_size, sum_over_ranks=self.everyone.sum)
+                                              group_size=self.cfg.trainer.group_size, sum_over_ranks=self.everyone.sum,
+                                              clock=self.row.step_clock(self.engine) if self.owns_engine else None)
         groups = list(dict.fromkeys(e["group_id"] for e in episodes))
         mine = {g for i, g in enumerate(groups) if i % self.mesh.dp_size == self.mesh.dp_rank(self.ctx.rank)}
         attempts = [(TaskInstance.from_dict(e["instance"]), int(e["attempt"]), e["group_id"])

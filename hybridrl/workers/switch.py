@@ -71,7 +71,7 @@ class ModeSwitch(Part):
             # whether the publication is refused before anything moves (`publication/agree.py`)
             votes = self.modes.arrive("offload", vote={
                 "stale": self.engine.policy_version != version,
-                "refusal": self.publisher.refusal(self.engine, self.transport)})
+                "refusal": self.publisher.refusal(self.engine)})
             published = any(v["stale"] for v in votes.values())
             self.train.offload()
             with self.modes.phase("publish", waits_for="the weights to reach the rollout engine") as rec:

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from hybridrl.agent.config import AgentConfig, ToolsConfig
-from hybridrl.agent.episodes import FRONT_ENDS, EpisodeEnd, EpisodeEngine, episode_runner, register_front_end
+from hybridrl.agent.episodes import EpisodeEnd, EpisodeEngine, episode_runner
 from hybridrl.agent.loop import AgentRunner
 from hybridrl.agent.tools.base import ToolBox
 from hybridrl.data.trajectory import TrajectoryStatus
+from hybridrl.envs.front_ends import FRONT_ENDS
 from hybridrl.envs.tasks import get_task
 from hybridrl.gateway import Outcome
 from hybridrl.gateway.config import GatewayConfig
@@ -156,8 +157,21 @@ def test_a_front_end_of_ones_own_is_a_row(moe_engine):
         return runner, await runner.run(task.validation_split(2), task=task, group_size=2)
 
     runner, trajs = asyncio.run(go())
-    assert isinstance(runner, EchoFrontEnd) and name in FRONT_ENDS
+    assert isinstance(runner, EchoFrontEnd) and FRONT_ENDS.known(name)
     assert [t.status for t in trajs] == [TrajectoryStatus.COMPLETED] * 4
     assert all(0 < t.num_policy_tokens <= 4 and t.rewards for t in trajs)      # scored by the task, as any door
-    with pytest.raises(ValueError, match="already registered"):
-        register_front_end(type(FRONT_ENDS["loop"])("loop", "somewhere:Else", "another"))
+    with pytest.raises(ValueError, match="takes the name 'loop' of a shipped front end"):
+        FRONT_ENDS.register(EchoFrontEnd, name="loop")
+
+
+def test_a_misspelled_front_end_is_refused_at_load_naming_the_key():
+    from hybridrl.config import ConfigError, load_config
+    from hybridrl.envs.config import TaskConfig
+
+    with pytest.raises(ConfigError, match=r"key 'task.front_end'.*did you mean 'loop'") as err:
+        load_config(None, ["task.front_end=lopo"])
+    assert "\n" not in str(err.value)
+    assert TaskConfig(front_end="somewhere.mine:Door").front_end == "somewhere.mine:Door"   # imported when run
+    with pytest.raises(ValueError, match="not a subclass of hybridrl.agent.episodes.EpisodeEngine") as err:
+        FRONT_ENDS.get(f"{__name__}:test_a_misspelled_front_end_is_refused_at_load_naming_the_key", key="task.front_end")
+    assert err.value.field == "task.front_end"

@@ -109,7 +109,7 @@ def test_explain_states_the_difficulty_samplers_reweighting():
                                     SimpleNamespace(name="guess_number", weight=2.0)],
                            share_policy="wait", sampler="difficulty", sampler_floor=0.25, sampler_window=8)
     lines = describe(SimpleNamespace(algo=cfg.algo, agent=cfg.agent, run=cfg.run, placement=cfg.placement,
-                                     trainer=cfg.trainer, task=task))
+                                     trainer=cfg.trainer, distill=cfg.distill, task=task))
     prompts = next(line for line in lines if line.startswith("prompts"))
     assert "reweights the objective, uncorrected" in prompts and "0.25 + 0.75 x N w_i / sum_j w_j" in prompts
     assert "calculator 1, guess_number 2" in prompts

@@ -40,6 +40,8 @@ def test_layers_and_overrides(tmp_path):
     ("runn:\n  name: x\n", "runn", ["unknown key", "did you mean 'run'"]),
     ("run: 3\n", "run", ["is a section", "expected a mapping"]),
     ("run:\n  job: nosuchjob\n", "run.job", ["expected one of"]),
+    ("rollout:\n  engine: sglang\npublish:\n  verify: post_copy\n", "publish.verify",
+     ["reads its weights back", "publish.verify=structure"]),      # the engine row's reads_back_weights
     ("trainer:\n  validation_size: 9\n", "trainer.validation_size", ["moved", "'task.validation_size'"]),
     ("sft:\n  tool_use_fraction: 0.5\n", "sft.tool_use_fraction", ["moved", "'task.sft_tool_use_fraction'"]),
 ])

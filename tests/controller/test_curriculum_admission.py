@@ -56,7 +56,7 @@ def test_a_quota_counts_the_groups_admission_keeps():
     pool = (_group("easy-0", "1", [1.0, 0.0]) + _group("hard-0", "1", [0.0, 0.0]) + _group("hard-1", "1", [0.0, 0.0])
             + _group("easy-1", "1", [0.0, 1.0]) + _group("easy-2", "1", [1.0, 0.0]) + _group("hard-2", "1", [1.0, 0.0]))
     collection = SimpleNamespace(run=SimpleNamespace(stream=stream, version=0), cfg=cfg, in_flight={},
-                                 _returned_instances={})
+                                 returned_instances={})
     taken, counts = curriculum.keep_shares(collection, 1, pool)
     trained = admitted(cfg, taken, 0).kept
     by_task = {name: len({t.group_id for t in trained if t.task_id.startswith(name)}) for name in ("easy", "hard")}

@@ -10,6 +10,7 @@ import pytest
 
 from hybridrl.data.episode import TaskInstance
 from hybridrl.data.mixture import MixtureStream, launch_step
+from hybridrl.data.trajectory import TrajectoryStatus
 
 
 def _instances(task: str, n: int) -> list[TaskInstance]:
@@ -19,7 +20,8 @@ def _instances(task: str, n: int) -> list[TaskInstance]:
 
 def _episode(task_id: str, solved: bool, group: str) -> SimpleNamespace:
     return SimpleNamespace(task_id=task_id, rewards={"correct": 1.0 if solved else 0.0}, reward=float(solved),
-                           response_ids=[1, 2, 3], timings={"total_s": 0.5}, group_id=group)
+                           response_ids=[1, 2, 3], timings={"total_s": 0.5}, group_id=group,
+                           status=TrajectoryStatus.COMPLETED)
 
 
 def test_uniform_draws_hold_the_declared_weights():

@@ -32,8 +32,6 @@ class GatherTransport:
     """The CUDA IPC transport's collectives on CPU: each rank's payload gathered to the owner (rank 0),
     the engine loads it, a barrier keeps the buffers alive."""
 
-    verifies = False
-
     def __init__(self, engine, group):
         self.engine, self.group, self.gathered = engine, group, 0
 

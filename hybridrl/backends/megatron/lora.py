@@ -362,16 +362,29 @@ def trainable_numel(model) -> tuple[int, int]:
 class BaseModel:
     """The actor's frozen base (adapters off) as a frozen engine: its `compute_logprobs` is the
     reference's, on the actor's own weights, routing on its own as a separate reference does (MoE:
-    `moe.own_routing`, the rollout's routes are not replayed in it). Counts its own passes; everything else is the actor's."""
+    `moe.own_routing`, the rollout's routes are not replayed in it). Counts its own passes; its layout
+    (device, mesh, head, which ranks return outputs, the data-parallel reductions) is the actor's."""
 
     training = False
 
     def __init__(self, actor):
         self.actor = actor
         self.passes = {"logprobs": 0, "train": 0}
+        self.device, self.mesh, self.head = actor.device, actor.mesh, actor.head
 
-    def __getattr__(self, name):          # layout, device, mesh, is_output_rank ...: the actor's
-        return getattr(self.actor, name)
+    @property
+    def is_loss_rank(self) -> bool:
+        return self.actor.is_loss_rank
+
+    @property
+    def is_output_rank(self) -> bool:
+        return self.actor.is_output_rank
+
+    def dp_sum(self, tensor):
+        return self.actor.dp_sum(tensor)
+
+    def dp_max(self, tensor):
+        return self.actor.dp_max(tensor)
 
     def compute_logprobs(self, batch, **kwargs):
         from hybridrl.backends.megatron import moe

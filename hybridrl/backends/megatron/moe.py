@@ -31,6 +31,7 @@ Metrics (`metrics`, over the global batch, real tokens only):
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Mapping
 
 import torch
@@ -106,7 +107,7 @@ class RoutingReplay:
                 router.is_aux_loss_enabled = hook.aux_loss_enabled           # (instance attributes: this router)
                 router.apply_z_loss = hook.apply_z_loss
                 hooks.append(hook)
-        model.routing_replays = hooks
+        attach(model, hooks)
         return hooks
 
     # -- no auxiliary losses on filler micro-batches -------------------------------------------
@@ -193,8 +194,18 @@ class RoutingReplay:
         self.filler = self.silent = False
 
 
+# model -> its sparse layers' hooks, in layer order (a model without any has no entry: dense, or a
+# separate reference model, which routes on its own)
+_INSTALLED: "weakref.WeakKeyDictionary[Any, list[RoutingReplay]]" = weakref.WeakKeyDictionary()
+
+
+def attach(model, hooks: list[RoutingReplay]) -> None:
+    """Make `hooks` the routing replay of `model` (what `replays(model)` returns)."""
+    _INSTALLED[model] = list(hooks)
+
+
 def replays(model) -> list[RoutingReplay]:
-    return list(getattr(model, "routing_replays", []))
+    return list(_INSTALLED.get(model, ()))
 
 
 def set_mode(model, mode: str) -> None:

@@ -6,7 +6,6 @@ Import-light on purpose (no torch): the config schema imports it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, knob
 
@@ -19,10 +18,6 @@ KERNELS = ("auto", "c", "torch")
 @dataclass(kw_only=True)
 class NativeEngineConfig:
     """The native torch engine: paged KV cache, continuous batching, prefix reuse."""
-
-    # what the config checks need to know of this engine (not knobs)
-    reads_back_weights: ClassVar[bool] = True     # publish.verify=post_copy: it hashes its own storage
-    remote_publication: ClassVar[bool] = True     # a rollout rank of the disaggregated placement can run it
 
     block_size: int = knob(16, "tokens per KV-cache block (the unit of paging and of prefix reuse)")
     kv_cache_mb: int = knob(256, "KV-cache budget in MiB, allocated (zeroed) at start and at wake_up; "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from hybridrl.config.fields import ConfigValueError, check_choice, knob
 
@@ -11,11 +11,6 @@ from hybridrl.config.fields import ConfigValueError, check_choice, knob
 @dataclass(kw_only=True)
 class SGLangConfig:
     """SGLang in-process engine, one per rollout TP group, colocated with the trainer."""
-
-    # what the config checks need to know of this engine (not knobs): its weights live in its scheduler
-    # processes in its own fused layout (no read-back), and arrive over CUDA IPC from a colocated trainer only
-    reads_back_weights: ClassVar[bool] = False
-    remote_publication: ClassVar[bool] = False
 
     mem_fraction_static: float = knob(0.6, "fraction of the GPU memory free at the engine's start (the trainer "
                                            "resident) for weights + KV cache: KV = fraction x free - weights")

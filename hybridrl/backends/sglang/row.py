@@ -11,6 +11,8 @@ ENGINE = RolloutEngineSpec(
     "sglang", engine=Lazy(_ENGINE), config=SGLangConfig,
     colocated_transport=Lazy(f"{_ENGINE}.colocated_transport"),
     releasable_tags=Lazy(f"{_ENGINE}.releasable_tags_for"),
+    # its weights live in its scheduler processes in its own fused layout (no read-back), and arrive over
+    # CUDA IPC from a colocated trainer only
     serves_before_publication=False, reads_back_weights=False, remote_publication=False,
     summary="GPU extra", section_help="the SGLang engine (GPU extra)",
 )

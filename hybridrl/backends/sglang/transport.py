@@ -8,7 +8,7 @@ TP rank i maps the buffer on its own GPU and shards the tensors itself. The buff
 (and unwritten) until every rank has passed the barrier after the load.
 
 SGLang's weights live in its scheduler processes in its own fused layout, so this transport
-cannot read them back after the copy (`verifies = False`): publish with `publish.verify=structure`;
+cannot read them back after the copy (its row: `reads_back_weights=False`): publish with `publish.verify=structure`;
 the parity probe checks the contents.
 """
 
@@ -33,8 +33,6 @@ def serialize_bucket(bucket: FlatBucket) -> bytes:
 
 
 class CudaIpcTransport:
-    verifies = False
-
     def __init__(self, engine: Any, group_ranks: list[int], group: dist.ProcessGroup | None):
         """`engine`: the SGLangEngine on the group's first rank, a FollowerEngine on the others
         (both get `load_serialized(payloads, names, version, load_format=...)`; only the owner gets payloads)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, knob
 
@@ -20,10 +20,6 @@ PLAIN_CPU_LOAD_FORMAT = "hybridrl_plain_cpu"      # the worker's CPU model loade
 @dataclass(kw_only=True)
 class VLLMConfig:
     """vLLM's V1 engine (its engine core and worker run in processes of their own), one per rollout rank."""
-
-    # what the config checks need to know of this engine (not knobs)
-    reads_back_weights: ClassVar[bool] = True     # publish.verify=post_copy: the worker hashes its own parameters
-    remote_publication: ClassVar[bool] = True     # a rollout rank of the disaggregated placement can run it
 
     dtype: str = knob("auto", "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | "
                               "float16")

@@ -15,8 +15,6 @@ from hybridrl.publication.buckets import FlatBucket
 
 
 class BucketRpcTransport:
-    verifies = True
-
     def __init__(self, engine: Any):
         self.engine = engine
 

@@ -15,18 +15,29 @@ import pytest
 pytest.importorskip("megatron.core")
 
 
+class _Model:
+    """Stands in for the GPTModel: `routers` are the replay hooks `moe.attach` installs."""
+
+    def __init__(self, routers: int, **fields):
+        from hybridrl.backends.megatron import moe
+
+        self.__dict__.update(fields)
+        self.routers = [SimpleNamespace(mode="rollout") for _ in range(routers)]
+        moe.attach(self, self.routers)
+
+
 class _Actor:
     """Stands in for the LoRA MegatronEngine: records the routers' replay mode at each forward."""
 
     def __init__(self):
-        self.model = SimpleNamespace(lora=SimpleNamespace(enabled=True),
-                                     routing_replays=[SimpleNamespace(mode="rollout") for _ in range(2)])
+        self.model = _Model(2, lora=SimpleNamespace(enabled=True))
+        self.device, self.mesh, self.head = "cpu", None, "lm"
         self.passes = {"logprobs": 0, "train": 0}
         self.seen: list[tuple[bool, list[str]]] = []
 
     def compute_logprobs(self, batch, **kwargs):
         self.passes["logprobs"] += 1
-        self.seen.append((self.model.lora.enabled, [h.mode for h in self.model.routing_replays]))
+        self.seen.append((self.model.lora.enabled, [h.mode for h in self.model.routers]))
         return {"logprobs": None}
 
     def compute_logits(self, batch):
@@ -48,9 +59,9 @@ def test_the_lora_base_reference_routes_on_its_own_and_the_actor_keeps_replaying
 def test_own_routing_restores_the_mode_after_an_error():
     from hybridrl.backends.megatron import moe
 
-    model = SimpleNamespace(routing_replays=[SimpleNamespace(mode="rollout")])
+    model = _Model(1)
     with pytest.raises(RuntimeError):
         with moe.own_routing(model):
-            assert model.routing_replays[0].mode == "off"
+            assert model.routers[0].mode == "off"
             raise RuntimeError("forward failed")
-    assert model.routing_replays[0].mode == "rollout"
+    assert model.routers[0].mode == "rollout"

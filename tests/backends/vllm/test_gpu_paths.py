@@ -168,6 +168,8 @@ def test_update_weights_with_device_tensors_sends_one_flat_bucket_and_reads_no_b
 
 def test_a_received_gpu_buffer_goes_whole_to_an_engine_that_takes_buckets():
     """The rollout rank's side of a disaggregated publication (`transport_remote.delivery`)."""
+    from hybridrl.rollout.registry import ENGINES
+
     header = {"version": 2, "names": ["w"], "digests": {"w": "d", "v": "e"},
               "entries": [("w", (2, 2), torch.float32, 0, 16), ("v", (2,), torch.float32, 16, 24)]}
     calls = []
@@ -179,10 +181,12 @@ def test_a_received_gpu_buffer_goes_whole_to_an_engine_that_takes_buckets():
         def update_weights(self, items, version, *, digests):
             calls.append(("update_weights", [n for n, _ in items], version, digests))
 
-    delivery(Engine(), torch.empty(24, dtype=torch.uint8, device="meta"), header)
-    delivery(Engine(), torch.zeros(24, dtype=torch.uint8), header)
+    assert ENGINES.get("vllm").loads_flat_buckets and not ENGINES.get("native").loads_flat_buckets
+    delivery(Engine(), torch.empty(24, dtype=torch.uint8, device="meta"), header, takes_buckets=True)
+    delivery(Engine(), torch.zeros(24, dtype=torch.uint8), header, takes_buckets=True)
+    delivery(Engine(), torch.empty(24, dtype=torch.uint8, device="meta"), header)       # an engine without it
     assert calls == [("load_bucket", "meta", ["v", "w"], 2, ["w"], {"w": "d"}),
-                     ("update_weights", ["w"], 2, {"w": "d"})]
+                     ("update_weights", ["w"], 2, {"w": "d"}), ("update_weights", ["w"], 2, {"w": "d"})]
 
 
 def test_the_worker_rebuild_of_a_pickled_handle_uses_the_uuid_mapping():
