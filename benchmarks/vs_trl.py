@@ -42,7 +42,8 @@ WORKLOAD = {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 32, "temp
             "clip_grad": 1.0, "seed": 0}
 OVERRIDES = ["agent.max_turns=1", f"agent.max_new_tokens_per_turn={WORKLOAD['max_new_tokens']}",
              f"agent.max_response_tokens={WORKLOAD['max_new_tokens']}", "algo.kl_coef=0.0",
-             "algo.norm_adv_by_std=false", "algo.drop_truncated=false"]
+             "algo.norm_adv_by_std=false", "algo.drop_truncated=false",
+             f"train.lr={WORKLOAD['lr']}", "train.lr_schedule=constant"]     # TRL's side: the same, constant
 WARMUP = 2
 
 
