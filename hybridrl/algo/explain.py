@@ -108,16 +108,24 @@ def findings(cfg: Any, *, train_size: int | None = None) -> list[Finding]:
     if stale and algo.max_policy_lag < 0:
         warn("algo.max_policy_lag", "no bound on the age of trained tokens: queued or waiting groups of any age "
                                     "train, corrected by the behaviour weight only; set algo.max_policy_lag")
+    return out + _prompt_findings(cfg, partial, train_size)
+
+
+def _prompt_findings(cfg: Any, partial: bool, train_size: int | None) -> list[Finding]:
+    """How a step draws its prompts: a sampler with nothing to choose between, a step larger than its split."""
+    out = []
     if cfg.task.sampler != "uniform" and not cfg.task.mixture:
-        warn("task.sampler", f"{cfg.task.sampler} draws prompts of a task.mixture; this run has one task, whose "
-                             "prompts are drawn uniformly (each once per epoch): the knob does nothing here; "
-                             "set task.mixture or leave task.sampler=uniform")
-    drawn = tc.groups_in_flight if partial else tc.prompts_per_step
+        out.append(Finding(WARN, "task.sampler", f"{cfg.task.sampler} draws prompts of a task.mixture; this run has "
+                                                 "one task, whose prompts are drawn uniformly (each once per epoch): "
+                                                 "the knob does nothing here; set task.mixture or leave "
+                                                 "task.sampler=uniform"))
+    drawn = cfg.trainer.groups_in_flight if partial else cfg.trainer.prompts_per_step
     size = train_size if train_size is not None else cfg.task.train_size
     if drawn > size:
-        refuse("trainer.prompts_per_step", f"a step draws {drawn} prompts from a train split of {size}: a prompt "
-                                           "would be drawn twice in one step (one merged group); raise "
-                                           "task.train_size or lower trainer.prompts_per_step / oversample")
+        out.append(Finding(REFUSE, "trainer.prompts_per_step", f"a step draws {drawn} prompts from a train split of "
+                                                               f"{size}: a prompt would be drawn twice in one step (one "
+                                                               "merged group); raise task.train_size or lower "
+                                                               "trainer.prompts_per_step / oversample"))
     return out
 
 
