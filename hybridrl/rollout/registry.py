@@ -38,6 +38,9 @@ class RolloutEngineSpec:
     remote_publication: bool           # a rollout rank of a placement with the roles apart can run it
     # a publication of this run (cfg) carries the LoRA adapters only: the engine applies them itself
     adapter_publication: Callable[[Any], bool] = never
+    # an engine of this run (cfg) takes a publication while requests run, without draining them: it applies
+    # the weights between two of its steps and continues each request as a new segment of the new version
+    updates_in_flight: Callable[[Any], bool] = never
     summary: str = ""                  # what `rollout.engine`'s help says of it
     section_help: str = ""             # the help of its sub-section
     single_rank: str = ""              # why it needs rollout.tp=1 (empty: any tensor-parallel size)

@@ -6,7 +6,7 @@ Import-light on purpose (no torch): the config schema imports it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, knob
 
@@ -96,3 +96,8 @@ class NativeEngineConfig:
                 "max_num_batched_tokens",
                 f"must be >= max_num_seqs ({self.max_num_seqs}) so that every running sequence can decode "
                 f"each step, got {self.max_num_batched_tokens}")
+
+
+def updates_in_flight(cfg: Any) -> bool:
+    """Whether this run's native engines take a publication without draining (`on_weight_update=continue`)."""
+    return cfg.rollout.engine_section.on_weight_update == "continue"
