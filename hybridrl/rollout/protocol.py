@@ -110,9 +110,11 @@ class GenerationOutput:
         """One output per version, in order (a segment each: its tokens, logprobs and version). The earlier
         ones end with WEIGHTS_UPDATED, the last with this output's reason; the routing record goes to the last,
         which covers every position (the latest record of a position wins)."""
-        if not self.version_starts:
-            return [self]
         bounds = [(0, self.policy_version), *self.version_starts]
+        while len(bounds) > 1 and bounds[-1][0] >= len(self.token_ids):    # an update after its last token
+            bounds.pop()
+        if len(bounds) == 1:
+            return [dataclasses.replace(self, version_starts=())] if self.version_starts else [self]
         parts = []
         for k, (start, version) in enumerate(bounds):
             end = bounds[k + 1][0] if k + 1 < len(bounds) else len(self.token_ids)
@@ -123,7 +125,7 @@ class GenerationOutput:
                 prompt_tokens=self.prompt_tokens + start,
                 cached_prompt_tokens=self.cached_prompt_tokens if k == 0 else 0, routed_experts=self.routed_experts if last else None,
                 version_starts=()))
-        return [p for p in parts if p.token_ids or p is parts[-1]]
+        return [p for p in parts if p.token_ids]
 
 
 # What an engine can release between modes and take back (`sleep(tags)` / `wake_up(tags)`); each

@@ -119,3 +119,5 @@ def test_an_output_splits_into_one_segment_per_version():
     assert [p.finish_reason for p in parts] == [FinishReason.WEIGHTS_UPDATED] * 2 + [FinishReason.STOP]
     assert [p.logprobs for p in parts] == [[-.1, -.2], [-.3, -.4], [-.5]]
     assert GenerationOutput("r", [1], [-.1], FinishReason.STOP, 0).by_version()[0].versions == [0]
+    late = GenerationOutput("r", [1, 2], [-.1, -.2], FinishReason.ABORT, 0, version_starts=((2, 1),))   # no token after
+    assert [(p.token_ids, p.policy_version, p.finish_reason) for p in late.by_version()] == [([1, 2], 0, FinishReason.ABORT)]
