@@ -439,6 +439,7 @@ class EngineCore:
             "kernels": self.kernels,
             "decode_attention_groups": self.runner.num_decode_groups,
             "weight_bytes": self.weights.num_bytes(),
+            "staged_weight_bytes": self.staged.num_bytes(),
             "adapter_bytes": self.lora.num_bytes() if self.lora is not None else 0,
             "max_model_len": self.max_model_len,
             "asleep": self.asleep,
