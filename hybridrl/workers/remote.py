@@ -190,7 +190,6 @@ class ReceivingEnd(RemotePublication):
                 self.peers.broadcast_object(outputs, self.first_rollout_rank, device=self.wire)
         return {}
 
-
     def _served(self) -> int:
         """The version this rank tells the sender it holds: staged whole counts (it lands at its step)."""
         return self.engine.staged_version if self.producer.in_flight else self.engine.policy_version
@@ -232,12 +231,14 @@ class StreamProducer(Part):
         """Until the engine serves `version` (staged whole): at its step while groups run; once none runs,
         at once (nothing can reach the step any more)."""
         engine = self.rollout.engine
-        while engine.policy_version < version:
-            if not self.producer.running():
+        served = asyncio.ensure_future(engine.serving(version))      # raises if applying it failed
+        released = False
+        while not served.done():
+            if not released and not self.producer.running():
                 await engine.hold_next_update(None)
-                await engine.serving(version)
-                break
-            await asyncio.sleep(0.002)
+                released = True
+            await asyncio.wait({served}, timeout=0.002)
+        served.result()
         self.update_due = False
 
     def no_update(self) -> None:

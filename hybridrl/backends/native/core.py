@@ -329,6 +329,15 @@ class EngineCore:
             self.counters["weight_tensors_mismatched"] += len(err.names)
             raise
 
+    def hold_update_at(self, step: int | None) -> None:
+        """Apply the next version staged whole exactly at engine step `step` (None: at once). A wait at the
+        step before counts as time held (`update_hold_s`)."""
+        if self._held_since is not None:
+            self.counters["update_hold_s"] += time.perf_counter() - self._held_since
+        self.hold_at, self._held_since = step, None
+        if self.held():                          # the step has come already, without the weights
+            self._held_since = time.perf_counter()
+
     def held(self) -> bool:
         """At the step a staged update is due, before its weights are staged whole: no step runs."""
         return self.hold_at is not None and self.counters["steps"] >= self.hold_at and self.staged.ready is None
@@ -362,9 +371,7 @@ class EngineCore:
         c["update_continued_requests"] += len(started)
         c["update_recompute_tokens"] += recompute
         c["update_apply_s"] += time.perf_counter() - t0
-        if self._held_since is not None:
-            c["update_hold_s"] += time.perf_counter() - self._held_since
-        self.hold_at, self._held_since = None, None
+        self.hold_update_at(None)
 
     def commit_in_place(self, names: Seq[str], version: int) -> None:
         """Count tensors a publisher wrote straight into `views` as arrived for `version` (no copy

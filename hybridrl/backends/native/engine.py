@@ -428,7 +428,7 @@ class NativeEngine:
                     core.abort_all(FinishReason.WEIGHTS_UPDATED, started_only=True)
                 self._pending_updates.append((items, version, digests, waiter))
             elif kind == "hold":
-                core.hold_at = args[0]
+                core.hold_update_at(args[0])
                 waiter.settle(None)
             elif kind == "serving":
                 self._version_waiters.append((args[0], waiter))
