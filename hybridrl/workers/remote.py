@@ -20,7 +20,7 @@ update's publication to land exactly `rollout.native.update_after_steps` engine 
 late, and applies them between two steps, each running request going on as a new segment of the new
 version. Nothing runs at a grant (a lag of at most 1), so that step, hence which tokens each version
 samples, is fixed by the run, not by when the weights arrived. Once no group runs, nothing can reach the
-step, and the version lands as soon as it is staged. Counters are read at each take (nothing runs
+step, and the version lands as soon as it is staged. Counters are read at such a grant (nothing runs
 then), not by waiting for the groups in flight to end (which would wait for the update).
 
 The controller calls `RemotePublication.publish` (both ends answer) and `StreamProducer.grant/take`.
@@ -207,7 +207,7 @@ class StreamProducer(Part):
         self.in_flight = cfg.rollout.engine_row.updates_in_flight(cfg)     # updates land on running groups
         self.after_steps = cfg.rollout.engine_section.update_after_steps if self.in_flight else 0
         self.update_due = False                   # a grant was made for groups an update will land on
-        self._counters: dict | None = None        # in_flight: the engine and agent counters at the last take
+        self._counters: dict | None = None        # in_flight: the engine and agent counters at the last grant
         rollout.settle = self._settle             # before counters are read
         if self.in_flight:                        # the groups an update landed on may still run at a validation
             rollout.alone = lambda: self.producer.quiesce(aborted=ctx.control.aborted, start=False)
@@ -215,8 +215,8 @@ class StreamProducer(Part):
 
     def _settle(self) -> dict | None:
         """What `RolloutSide.rollout_stats` reads: with an update due to land on the running groups, the
-        counters of the last take (waiting for the groups would wait for the update); else None, once no
-        group runs."""
+        counters at the grant that started them (waiting for the groups would wait for the update); else
+        None, once no group runs."""
         if self.update_due:
             return self._counters
         self.producer.quiesce(aborted=self.ctx.control.aborted)
@@ -262,6 +262,8 @@ class StreamProducer(Part):
         mine = [[(TaskInstance.from_dict(e["instance"]), int(e["attempt"]), e["group_id"]) for e in group]
                 for group in self._mine(groups)]
         hold = self.in_flight and update_follows
+        if hold:                 # nothing runs at a grant (a lag of at most 1): the counters are exact here
+            self._counters = self.rollout.counters()
         self.producer.grant(mine, floor, before=self._hold if hold else None)
         self.update_due = self.update_due or hold
 
@@ -276,8 +278,6 @@ class StreamProducer(Part):
         self.producer.lower_floor(floor)
         with self.rollout.phases.phase("take"):
             trajectories = self.producer.take(self._mine(group_ids), aborted=self.ctx.control.aborted)
-        if self.in_flight:                            # nothing runs now (a lag of at most 1): the counters are exact
-            self._counters = self.rollout.counters()
         self.rollout.stamp(trajectories)
         self.rollout.score(trajectories)
         return {"trajectories": trajectories, "stats": self._since_last_take()}
