@@ -407,6 +407,10 @@ class StreamCollection(PartialCollection):
         for step, (_, floor) in sorted(self.granted.items()):
             if floor <= self.serving:       # a floor no waiting group is above: lowers none of them
                 self.finished[step] = self._take(step, NO_LOWER_FLOOR, settle=True)
+        if self.cfg.rollout.engine_row.updates_in_flight(self.cfg):
+            # updates in flight count a step's own groups; those this checkpoint let end were never run by a
+            # resumed run, so they are counted in no step (the counters move past them here)
+            M.engine_metrics(self.wg.call(RolloutSide.rollout_stats), self.run)
         return {**self._prompts(), "finished": Blob(self.finished),
                 "waiting": {str(step): {"groups": groups, "floor": floor} for step, (groups, floor) in self.granted.items()}}
 

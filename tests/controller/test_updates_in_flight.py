@@ -118,3 +118,26 @@ def test_a_lag_above_one_is_refused_at_load_naming_the_key():
     assert "algo.max_policy_lag" in str(err.value) and "on_weight_update" in str(err.value)
     load_config(str(RECIPE), ["placement.mode=disaggregated", "placement.rollout_ranks=1", "model.path=/m",
                               "algo.max_policy_lag=2"])       # draining: any lag
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_with_updates_in_flight_trains_every_prompt_once_and_bitwise(tmp_path, model):
+    """Killed after the step-2 checkpoint and started again: the checkpoint's take lets the groups granted
+    ahead end on their version (the update's hold is dropped), and the resumed run is the uninterrupted one."""
+    from tests.controller.resume_checks import assert_every_drawn_prompt_trained_once, kill_after_checkpoint
+    from tests.controller.test_disaggregated import STREAM_TIMING
+    from tests.controller.test_rl_e2e import assert_same_run
+
+    common = [*IN_FLIGHT, f"model.path={model}", "trainer.total_steps=5", "trainer.checkpoint_every=2",
+              "rollout.native.update_after_steps=4"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    proc = hybridrl_train(RECIPE, *common, f"run.dir={straight}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    state = kill_after_checkpoint(RECIPE, [*common, f"run.dir={killed}"], killed, step=2)
+    held = set(state["collection"]["in_flight"])
+    assert held
+    proc = hybridrl_train(RECIPE, *common, f"run.dir={killed}", "trainer.resume=auto")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_every_drawn_prompt_trained_once(killed, 5, held)
+    assert_same_run(straight, killed, ignore=(*STREAM_TIMING, "engine/update_hold_s"))
+    assert sum(r["engine/updates_mid_request"] for r in read_metrics(straight) if r["step"] > 0) >= 2
