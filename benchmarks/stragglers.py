@@ -1,6 +1,7 @@
 """Stragglers: synchronous collection vs partial rollouts on a heavy-tailed workload, side by side.
 
     python benchmarks/stragglers.py --json OUT.json [--repeats 3 --steps 8]
+    python benchmarks/stragglers.py --stream --json OUT.json      # disaggregated: drain vs continue
 
 Workload (scripted engine: `hybridrl.agent.testing.ScriptedEngine`, a batched engine whose decode
 step takes `--step-latency` seconds whatever the batch; a colocated step = rollout, then a
@@ -15,7 +16,20 @@ simulated update of `--train-s` seconds during which nothing generates):
              complete; the rest are interrupted at a token boundary and continue at the next step
              on the next version (`agent/collector.py`, the code the trainer runs).
 
-The two modes run interleaved (`--repeats` each, fresh engine each run); medians and their ratio.
+The disaggregated placement on the same workload (`--stream`: one rollout "rank", the real producer of
+`agent/producer.py` on a loop in a thread of its own, and the controller's sequence of
+`StreamCollection` in the main thread, lag 1: publish (`--publish-s` on the wire), take step s, grant
+step s+1, a `--train-s` update while step s+1 generates, then the counters are read):
+    drain     today: the counters are read once nothing runs (the groups of step s+1 end on the version
+              they started on), then the publication lands on an idle engine;
+    continue  updates in flight (`rollout.native.on_weight_update=continue`): the publication lands on the
+              running groups between two decode steps; each running request spends one step recomputing
+              its prefix, then its tokens are a new segment of the new version.
+Reported per stream mode: admitted action tokens/s, the rollout idle share (wall time the engine had no
+request in flight, and time the producer had no group running), the trainer's wait, lag and the
+multi-version trajectories.
+
+The modes run interleaved (`--repeats` each, fresh engine each run); medians and their ratio.
 Reported per mode: admitted action tokens/s (policy tokens of the trajectories a step returns,
 per second of wall time: the effective yield), trained tokens/s under partial_policy=newest_segment
 (older segments are context), rollout and trainer idle time, interrupted / continued episodes,
@@ -163,6 +177,53 @@ def run_mode(mode: str, args, tokenizer, seed: int) -> dict:
             "admitted_reward_mean": statistics.fmean(t.reward for t in trajs) if trajs else None}
 
 
+def run_stream(mode: str, args, tokenizer, seed: int) -> dict:
+    """The disaggregated placement at lag 1, drain or continue (see the module doc)."""
+    from hybridrl.agent.producer import LoopThread, Producer
+
+    engine, runner, box = _setup(args, tokenizer, seed)
+    engine.continue_on_update = mode == "continue"
+    engine.abort_on_update = False
+    threads = LoopThread(name="bench-rollout")
+    producer = Producer(runner, get_task("calculator"), threads.loop)
+    groups = {step: [_attempts([inst], args.group_size, step) for inst in instances(args.prompts, (step - 1) * args.prompts)]
+              for step in range(1, args.steps + 2)}
+    admitted, lags, version, waited = [], Counter(), 0, 0.0
+    started = time.perf_counter()
+    try:
+        producer.grant(groups[1], floor=0)
+        for step in range(1, args.steps + 1):
+            if engine.policy_version != version:                          # publish: the weights on the wire,
+                time.sleep(args.publish_s)                                 # the engine drained or generating
+                threads.run(engine.update_weights([], version))
+            t0 = time.perf_counter()
+            out = producer.take([g[0][2] for g in groups[step]])             # take: the trainer waits here
+            waited += time.perf_counter() - t0
+            producer.grant(groups[step + 1], floor=version) if step < args.steps else None
+            for t in out:
+                lags[version - min(t.versions)] += 1
+            admitted += out
+            time.sleep(args.train_s)                                       # the update, while step s+1 generates
+            t0 = time.perf_counter()
+            if mode == "drain":
+                producer.quiesce()                                         # the counters, once nothing runs
+            waited += time.perf_counter() - t0
+            version += 1
+        wall = time.perf_counter() - started
+        stats = producer.stats()
+        busy = engine.stats()["busy_s"]
+    finally:
+        threads.run(box.close())
+        threads.stop()
+    tokens = sum(t.num_policy_tokens for t in admitted)
+    return {"wall_s": wall, "admitted_tokens": tokens, "admitted_tokens_per_s": tokens / wall,
+            "admitted_episodes": len(admitted), "rollout_idle_share": 1.0 - busy / wall,
+            "producer_idle_share": stats["idle_s"] / wall, "trainer_wait_s": waited,
+            "multi_version_episodes": sum(len(t.versions) > 1 for t in admitted),
+            "lag_histogram": {str(k): v for k, v in sorted(lags.items())},
+            "admitted_length": _dist([t.num_policy_tokens for t in admitted])}
+
+
 def _dist(xs):
     if not xs:
         return None
@@ -202,11 +263,17 @@ def main(argv=None) -> int:
     p.add_argument("--step-latency", type=float, default=0.004)
     p.add_argument("--train-s", type=float, default=0.3)
     p.add_argument("--poll-s", type=float, default=0.01)
+    p.add_argument("--publish-s", type=float, default=0.2,
+                   help="--stream: seconds a publication takes to reach the rollout rank")
+    p.add_argument("--stream", action="store_true",
+                   help="compare the disaggregated placement's drain with updates in flight (continue) instead")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     from benchmarks.agent_loop import _tiny_tokenizer
 
     tokenizer = _tiny_tokenizer()
+    if args.stream:
+        return stream_main(args, tokenizer)
     runs: dict[str, list[dict]] = {"sync": [], "partial": []}
     for r in range(args.repeats):                        # interleaved: the machine's load hits both alike
         for mode in ("sync", "partial"):
@@ -220,6 +287,33 @@ def main(argv=None) -> int:
               "ratio_admitted_partial_over_sync": med["partial"] / med["sync"],
               "median_trained_tokens_per_s": trained,
               "ratio_trained_partial_over_sync": trained["partial"] / trained["sync"],
+              "runs": runs}
+    try:
+        import os
+        result["load_average"] = os.getloadavg()
+    except OSError:
+        pass
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def stream_main(args, tokenizer) -> int:
+    runs: dict[str, list[dict]] = {"drain": [], "continue": []}
+    for r in range(args.repeats):                        # interleaved: the machine's load hits both alike
+        for mode in runs:
+            runs[mode].append(run_stream(mode, args, tokenizer, seed=r))
+            x = runs[mode][-1]
+            print(f"repeat {r} {mode}: {x['admitted_tokens_per_s']:.0f} admitted tokens/s, rollout idle "
+                  f"{x['rollout_idle_share']:.1%}", flush=True)
+    med = {m: {k: statistics.median(x[k] for x in runs[m]) for k in
+               ("admitted_tokens_per_s", "rollout_idle_share", "producer_idle_share", "trainer_wait_s")} for m in runs}
+    result = {"workload": {k: v for k, v in vars(args).items() if k != "json"},
+              "medians": med,
+              "ratio_admitted_continue_over_drain": med["continue"]["admitted_tokens_per_s"]
+              / med["drain"]["admitted_tokens_per_s"],
               "runs": runs}
     try:
         import os

@@ -16,8 +16,9 @@ the user wrote. Front ends are entries of `envs/front_ends.py: FRONT_ENDS` (impo
                          timings; the trajectory validated
     generate_turn        one assistant turn: requests to an engine until the turn ends, continued under
                          new weights or after a pause (each segment keeps its version, logprobs and
-                         routing record), a seed per (episode, turn, segment, choice), the wall clock
-                         and a stop request raced against it
+                         routing record; a request the engine itself continued under new weights is
+                         split into one segment per version), a seed per (episode, turn, segment,
+                         choice), the wall clock and a stop request raced against it
     score                the task's verifier on the outcome, or the agent's own reward
 
 How an episode ends: `drive` raises `EpisodeEnd(status, truncation, reason)`. An `AgentError` (the
@@ -501,9 +502,13 @@ class EpisodeEngine:
                                            sampling, rid)
             progress.segment += 1
             if out is not None and out.token_ids:
-                segments.append(out)
-                requests.append((rid, sampling))
+                for part in out.by_version():          # the engine applied new weights mid-request
+                    segments.append(part)
+                    requests.append((rid, sampling))
                 produced += len(out.token_ids)
+                if out.version_starts:
+                    ep.traj.metadata["weight_updates_mid_turn"] = (ep.traj.metadata.get("weight_updates_mid_turn", 0)
+                                                                   + len(out.version_starts))
             if cut or out is None:
                 return TurnOutput(segments, requests, out.finish_reason if out is not None else None,
                                   cut or "deadline")

@@ -100,11 +100,22 @@ class Producer:
 
     # ------------------------------------------------------------------ from the controller's thread
 
-    def grant(self, groups: Sequence[Sequence[tuple[Any, int, str]]], floor: int) -> None:
+    def grant(self, groups: Sequence[Sequence[tuple[Any, int, str]]], floor: int,
+              before: Callable[[], Coroutine] | None = None) -> None:
         """Each item: one group's attempts (instance, attempt, group id). Returns once the loop has
-        queued them and started those the served version admits."""
+        queued them and started those the served version admits. `before()` is awaited on the loop just
+        before, at the same point of the engine's steps (what a hold on the next update counts from)."""
         items = [_Group(g[0][2], list(g), floor) for g in groups if g]
-        self._on_loop(self._add, items)
+
+        async def go():
+            if before is not None:
+                await before()
+            self._add(items)
+        asyncio.run_coroutine_threadsafe(go(), self.loop).result()
+
+    def running(self) -> bool:
+        """Some group runs (read on the loop's thread)."""
+        return bool(self._running)
 
     def lower_floor(self, floor: int) -> None:
         """No waiting group needs a version newer than `floor` (the controller's admission bound now);
@@ -115,10 +126,12 @@ class Producer:
         """Start what the served version admits now (returns once started)."""
         self._on_loop(self._launch)
 
-    def quiesce(self, *, poll_s: float = 0.5, aborted: Callable[[], str | None] = lambda: None) -> None:
-        """Start what the served version admits, then wait until no group runs: before a publication
-        (every token of a group comes from the version it started on) and before counters are read."""
-        self.poke()
+    def quiesce(self, *, poll_s: float = 0.5, aborted: Callable[[], str | None] = lambda: None,
+                start: bool = True) -> None:
+        """Start what the served version admits (unless not `start`), then wait until no group runs: before a
+        publication (every token of a group comes from the version it started on) and before counters are read."""
+        if start:
+            self.poke()
         with self._cond:
             while self._busy:
                 self._raise_if_failed(aborted, "running groups to end")

@@ -57,6 +57,8 @@ class _Active:
     produced: list[int] = field(default_factory=list)
     first_token: float = 0.0
     abort_reason: FinishReason | None = None
+    version_starts: list[tuple[int, int]] = field(default_factory=list)   # continued across an update
+    recompute: int = 0                     # steps left recomputing its prefix under new weights
 
 
 class ScriptedEngine:
@@ -77,6 +79,9 @@ class ScriptedEngine:
         self._runner: asyncio.Task | None = None
         self.requests: list[RecordedRequest] = []
         self.abort_on_update = True
+        # an update lands between two decode steps instead: the requests running go on under the new version
+        # (their later tokens labelled with it, `version_starts`), after one step spent recomputing their prefix
+        self.continue_on_update = False
         self._stats = {"steps": 0, "busy_s": 0.0, "tokens": 0, "max_batch_seen": 0}
 
     @property
@@ -117,7 +122,14 @@ class ScriptedEngine:
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         for _ in named_tensors:
             pass
-        if self.abort_on_update:
+        if self.continue_on_update:
+            for active in self._active.values():
+                if active.produced:
+                    active.version_starts.append((len(active.produced), version))
+                else:
+                    active.version = version
+                active.recompute = 1
+        elif self.abort_on_update:
             for active in list(self._active.values()):
                 self._finish(active, FinishReason.WEIGHTS_UPDATED)
         self._version = version
@@ -159,6 +171,9 @@ class ScriptedEngine:
             for active in batch:
                 if active.future.done():
                     continue
+                if active.recompute:
+                    active.recompute -= 1
+                    continue
                 self._advance(active)
             self._stats["busy_s"] += time.monotonic() - started
 
@@ -191,6 +206,7 @@ class ScriptedEngine:
             request_id=active.rec.request_id, token_ids=list(active.produced),
             logprobs=[scripted_logprob(start + i, t) for i, t in enumerate(active.produced)],
             finish_reason=reason, policy_version=active.version, prompt_tokens=start,
+            version_starts=tuple(active.version_starts),
             timings=GenerationTimings(first_token_s=(active.first_token or now) - active.submitted,
                                       total_s=now - active.submitted),
             sampler_contract=SAMPLER_CONTRACT_VERSION)

@@ -348,20 +348,23 @@ class StreamCollection(PartialCollection):
         self.serving = 0                               # the version the rollout ranks serve (this step's)
         self.regrant: dict[int, tuple[list[list[dict]], int]] = {}   # a resumed run: grants to issue again
 
-    def _grant(self, step: int, floor: int) -> None:
+    def _grant(self, step: int, floor: int, update_follows: bool = False) -> None:
         episodes = self._launch(self.cfg.trainer.prompts_per_step, step, str(step))
         groups: dict[str, list[dict]] = {}
         for e in episodes:
             groups.setdefault(e["group_id"], []).append(e)
-        self._issue(step, list(groups.values()), floor)
+        self._issue(step, list(groups.values()), floor, update_follows)
 
-    def _issue(self, step: int, groups: list[list[dict]], floor: int) -> None:
-        self.wg.call(StreamProducer.grant, groups=groups, floor=floor)
+    def _issue(self, step: int, groups: list[list[dict]], floor: int, update_follows: bool = False) -> None:
+        """`update_follows`: this step's update is published before these groups are taken (it may land on
+        them while they run, with updates in flight: `workers/remote.py`)."""
+        self.wg.call(StreamProducer.grant, groups=groups, floor=floor, update_follows=update_follows)
         self.granted[step] = (groups, floor)
 
-    def _take(self, step: int, floor: int) -> list[dict]:
+    def _take(self, step: int, floor: int, settle: bool = False) -> list[dict]:
         groups, _ = self.granted.pop(step)
-        return self.wg.call(StreamProducer.take, group_ids=[g[0]["group_id"] for g in groups], floor=floor)
+        return self.wg.call(StreamProducer.take, group_ids=[g[0]["group_id"] for g in groups], floor=floor,
+                            settle=settle)
 
     def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
         version, total = self.run.version, self.cfg.trainer.total_steps
@@ -380,7 +383,7 @@ class StreamCollection(PartialCollection):
             self.in_flight.pop(g)
         for ahead in range(1, self.ahead + 1):         # the next steps' groups, while this one trains
             if step + ahead <= total and step + ahead not in self.granted and step + ahead not in self.finished:
-                self._grant(step + ahead, version + ahead - self.lag)
+                self._grant(step + ahead, version + ahead - self.lag, update_follows=True)
         self._record(step, trajectories)
         stats = [out["stats"] for out in outs if out["stats"]]
         deltas = {k: sum(s[k] for s in stats) for k in ("idle_s", "floor_waits", "launched_groups", "policy_tokens")}
@@ -404,7 +407,11 @@ class StreamCollection(PartialCollection):
         again as they were after a resume."""
         for step, (_, floor) in sorted(self.granted.items()):
             if floor <= self.serving:       # a floor no waiting group is above: lowers none of them
-                self.finished[step] = self._take(step, NO_LOWER_FLOOR)
+                self.finished[step] = self._take(step, NO_LOWER_FLOOR, settle=True)
+        if self.cfg.rollout.engine_row.updates_in_flight(self.cfg):
+            # updates in flight count a step's own groups; those this checkpoint let end were never run by a
+            # resumed run, so they are counted in no step (the counters move past them here)
+            M.engine_metrics(self.wg.call(RolloutSide.rollout_stats), self.run)
         return {**self._prompts(), "finished": Blob(self.finished),
                 "waiting": {str(step): {"groups": groups, "floor": floor} for step, (groups, floor) in self.granted.items()}}
 

@@ -121,7 +121,9 @@ def engine_metrics(per_rank: list[dict], run) -> dict[str, float]:
             # the gateway of task.agent episodes (hybridrl/gateway/runner.py)
             "template_drift", "token_drift", "gateway_splits", "gateway_branches", "budget_refusals", "agent_errors",
             "sampling_overridden", "untrained_policy_tokens",
-            "engine/steps", "step_time_s")      # the engines' busy time (cost accounting, the planner)
+            "engine/steps", "step_time_s",      # the engines' busy time (cost accounting, the planner)
+            # weights applied while requests ran (rollout.native.on_weight_update=continue)
+            "updates_mid_request", "update_continued_requests", "update_recompute_tokens", "update_hold_s")
     out = {k: float(v) for k, v in deltas.items() if any(k.endswith(s) for s in keep)}
     out.update(generation_latency(per_rank, deltas, totals))
     # the tool sandbox's isolation (root | userns | none): ranks running in each mode, every step

@@ -78,6 +78,12 @@ def check_streaming(cfg: Any) -> None:
     if cfg.trainer.dynamic_sampling:
         raise ConfigValueError("trainer.dynamic_sampling", "not available with the disaggregated placement yet: use "
                                                            "placement.mode=colocated")
+    if cfg.rollout.engine_row.updates_in_flight(cfg) and cfg.algo.max_policy_lag > 1:
+        raise ConfigValueError("algo.max_policy_lag", "with updates that do not drain (rollout.native.on_weight_update"
+                                                      "=continue) a publication lands a fixed number of engine steps "
+                                                      "after the last grant, which fixes what each version samples "
+                                                      "only when no group runs at a grant: set algo.max_policy_lag=1 "
+                                                      "(or 0), or on_weight_update=drain")
 
 
 PLACEMENTS: Registry[Placement] = Registry("placement", key="placement.mode", row=Placement)

@@ -82,12 +82,15 @@ class BroadcastTransport:
 
 
 def receive_publication(peers: Peers, engine: Any, run: Callable[[Any], Any], *, src: int,
-                        device: torch.device, takes_buckets: bool = False) -> dict[str, Any]:
+                        device: torch.device, takes_buckets: bool = False,
+                        served: Callable[[], int] | None = None) -> dict[str, Any]:
     """A rollout rank's side of one publication: apply every bucket the sender broadcasts to `engine`
     (`run` awaits an engine coroutine wherever the engine's loop is) until the end header. `takes_buckets`:
     the engine's row says it loads flat buckets (`RolloutEngineSpec.loads_flat_buckets`). Returns
     {'buckets', 'bytes', 'retried', 'error'}; `error` is the first exception applying a bucket (the
-    sender was told; the caller raises it)."""
+    sender was told; the caller raises it). `served()`: the version to confirm to the sender (default the
+    engine's; an engine that stages an update in flight confirms the version it holds verified)."""
+    served = served or (lambda: engine.policy_version)
     object_device = device if device.type == "cuda" else torch.device("cpu")
     buffer: torch.Tensor | None = None
     out: dict[str, Any] = {"buckets": 0, "bytes": 0, "retried": 0, "error": None}
@@ -114,7 +117,7 @@ def receive_publication(peers: Peers, engine: Any, run: Callable[[Any], Any], *,
                 out["error"] = err
         if out["error"] is not None:
             answer[-2] = 1.0
-        answer[-1] = -float(engine.policy_version)
+        answer[-1] = -float(served())
         answer = answer.to(object_device)
         peers.all_reduce(answer, op=dist.ReduceOp.MAX)
         out["buckets"] += 1

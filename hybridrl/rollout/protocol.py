@@ -10,6 +10,7 @@ versioned so that a trainer can check it recomputes the same quantity.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
@@ -81,7 +82,7 @@ class GenerationOutput:
     token_ids: list[int]           # generated ids only (not the prompt)
     logprobs: list[float]          # one per generated id, per the sampler contract
     finish_reason: FinishReason
-    policy_version: int            # the weights every token of this output was generated with
+    policy_version: int            # the weights the first token of this output was generated with
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     timings: GenerationTimings = field(default_factory=GenerationTimings)
@@ -90,6 +91,41 @@ class GenerationOutput:
     # engine computed (all but the last output token); None for dense models / engines without it
     routed_experts: Any = None
     sampler_contract: int = SAMPLER_CONTRACT_VERSION
+    # an engine that applies new weights between its steps while the request runs (the native engine's
+    # on_weight_update=continue): (index into token_ids, version) where each later version's tokens begin,
+    # in order; empty when every token is `policy_version`'s. `by_version` splits such an output.
+    version_starts: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def versions(self) -> list[int]:
+        """The policy version of every generated token."""
+        out, version, starts = [], self.policy_version, list(self.version_starts)
+        for i in range(len(self.token_ids)):
+            while starts and starts[0][0] <= i:
+                version = starts.pop(0)[1]
+            out.append(version)
+        return out
+
+    def by_version(self) -> list["GenerationOutput"]:
+        """One output per version, in order (a segment each: its tokens, logprobs and version). The earlier
+        ones end with WEIGHTS_UPDATED, the last with this output's reason; the routing record goes to the last,
+        which covers every position (the latest record of a position wins)."""
+        bounds = [(0, self.policy_version), *self.version_starts]
+        while len(bounds) > 1 and bounds[-1][0] >= len(self.token_ids):    # an update after its last token
+            bounds.pop()
+        if len(bounds) == 1:
+            return [dataclasses.replace(self, version_starts=())] if self.version_starts else [self]
+        parts = []
+        for k, (start, version) in enumerate(bounds):
+            end = bounds[k + 1][0] if k + 1 < len(bounds) else len(self.token_ids)
+            last = k + 1 == len(bounds)
+            parts.append(dataclasses.replace(
+                self, token_ids=self.token_ids[start:end], logprobs=self.logprobs[start:end], policy_version=version,
+                finish_reason=self.finish_reason if last else FinishReason.WEIGHTS_UPDATED,
+                prompt_tokens=self.prompt_tokens + start,
+                cached_prompt_tokens=self.cached_prompt_tokens if k == 0 else 0, routed_experts=self.routed_experts if last else None,
+                version_starts=()))
+        return [p for p in parts if p.token_ids]
 
 
 # What an engine can release between modes and take back (`sleep(tags)` / `wake_up(tags)`); each
@@ -112,8 +148,9 @@ class RolloutEngine(Protocol):
       with `digests` (the sender's `tensor_digest` of each tensor) the engine reads every tensor
       back from its own storage after the copy and counts only the matching ones as arrived,
       raising `WeightMismatch` naming the others; requests in flight either finish on the version
-      they started with or end with FinishReason.WEIGHTS_UPDATED (the backend says which); no
-      token is ever generated from a partly updated model.
+      they started with, end with FinishReason.WEIGHTS_UPDATED, or (an engine that can) go on under
+      the new weights with their later tokens labelled by `version_starts` (the backend says which);
+      no token is ever generated from a partly updated model.
     - `sleep(tags)`: releases the named memory (`releasable_tags` says which the engine can);
       requests in flight end with FinishReason.ABORT first. Released weights are gone: the
       version becomes -1 until a whole version is published again. `wake_up(tags)` takes the

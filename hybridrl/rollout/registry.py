@@ -54,6 +54,9 @@ class RolloutEngineSpec:
     # this rank's engine -> its step clock (`agent.collector.StepClock`) when its steps run on the caller's
     # event loop, so that partial collection slices by steps, not seconds; else None
     step_clock: Callable[[Any], Any] = no_clock
+    # an engine of this run (cfg) takes a publication while requests run, without draining them: it applies
+    # the weights between two of its steps and continues each request as a new segment of the new version
+    updates_in_flight: Callable[[Any], bool] = never
     summary: str = ""                  # what `rollout.engine`'s help says of it
     section_help: str = ""             # the help of its sub-section
     single_rank: str = ""              # why it needs rollout.tp=1 (empty: any tensor-parallel size)

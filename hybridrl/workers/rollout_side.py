@@ -84,8 +84,11 @@ class RolloutSide(Part):
         self.everyone = Reducer.over_peers(ctx.control_peers)
         self.probe_counts: dict[str, float] = {}    # engine counters spent on parity probes (not episodes)
         # what must end before counters are read: the disaggregated producer's running groups (their
-        # progress at an arbitrary moment is timing), set by `StreamProducer`
-        self.settle: Callable[[], None] = lambda: None
+        # progress at an arbitrary moment is timing), set by `StreamProducer`; it may instead give the
+        # counters of a moment when nothing ran
+        self.settle: Callable[[], dict | None] = lambda: None
+        # what lets a call's episodes run alone on the engine (`rollout`), set by `StreamProducer`
+        self.alone: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------ construction
 
@@ -131,6 +134,7 @@ class RolloutSide(Part):
         from hybridrl.data.episode import TaskInstance
 
         self.phases.require(Mode.ROLLOUT)
+        self.alone()                     # a validation beside the disaggregated groups: they end first
         if not self.owns_engine:
             return None                  # the group's first rank runs its episodes
         real = episodes.num_valid
@@ -246,7 +250,11 @@ class RolloutSide(Part):
     @register(dispatch=ON_ROLLOUT_RANKS)
     def rollout_stats(self) -> dict:
         """Engine and agent-loop counters of this rank (cumulative), read once nothing runs (`settle`)."""
-        self.settle()
+        settled = self.settle()
+        return settled if settled is not None else self.counters()
+
+    def counters(self) -> dict:
+        """Engine and agent-loop counters of this rank now (cumulative; parity probes left out)."""
         pool = self.tools.pool
         engine = self.run_sync(lambda: dict(self.engine.stats()))
         engine.update({k: engine[k] - v for k, v in self.probe_counts.items() if k in engine})

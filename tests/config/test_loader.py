@@ -148,7 +148,7 @@ PINNED_KEYS = [
     "train.lora.rank", "train.lora.alpha", "train.lora.dropout", "train.lora.target_modules",
     "rollout.engine", "rollout.tp", "rollout.native.block_size", "rollout.native.kv_cache_mb", "rollout.native.num_blocks", "rollout.native.max_num_seqs", "rollout.native.keep_kv_cache",
     "rollout.native.max_num_batched_tokens", "rollout.native.max_model_len", "rollout.native.enable_prefix_caching", "rollout.native.dtype",
-    "rollout.native.seed", "rollout.native.on_weight_update", "rollout.native.watermark_blocks", "rollout.native.driver", "rollout.native.kernels",
+    "rollout.native.seed", "rollout.native.on_weight_update", "rollout.native.update_after_steps", "rollout.native.watermark_blocks", "rollout.native.driver", "rollout.native.kernels",
     "rollout.native.speculative_tokens", "rollout.native.speculative_ngram_min", "rollout.native.speculative_ngram_max",
     "rollout.sglang.mem_fraction_static", "rollout.sglang.dtype", "rollout.sglang.enable_memory_saver",
     "rollout.sglang.load_format", "rollout.sglang.base_port", "rollout.sglang.context_length", "rollout.sglang.cuda_graph",

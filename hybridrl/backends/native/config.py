@@ -6,10 +6,11 @@ Import-light on purpose (no torch): the config schema imports it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, knob
 
-IN_FLIGHT_POLICIES = ("drain", "abort")
+IN_FLIGHT_POLICIES = ("drain", "abort", "continue")
 DRIVERS = ("auto", "loop", "thread")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "c", "torch")
@@ -35,7 +36,17 @@ class NativeEngineConfig:
     seed: int = knob(0, "engine seed: requests without SamplingParams.seed get seed = hash(seed, request_id)")
     on_weight_update: str = knob(
         "drain", "requests in flight when new weights arrive: drain (they finish on the version they started "
-                 "with, then the copy happens) | abort (they end now with finish_reason weights_updated)")
+                 "with, then the copy happens) | abort (they end now with finish_reason weights_updated) | "
+                 "continue (no request waits: the buckets are staged beside the live weights and the whole "
+                 "version is copied in between two engine steps; each running request keeps the tokens it has, "
+                 "its prefix KV is recomputed under the new weights and its next tokens are a new segment of "
+                 "the new version; costs one staged copy of the published tensors)")
+    update_after_steps: int = knob(
+        32, "on_weight_update=continue in the disaggregated placement: a publication is applied exactly this "
+            "many engine steps after the rollout rank's last grant of groups (waiting there if the weights are "
+            "late, or as soon as they are staged once no group runs), so which tokens each version samples "
+            "does not depend on when the weights arrived; 0 = at the first step after they arrive "
+            "(timing-dependent)")
     watermark_blocks: int = knob(1, "free blocks kept in reserve when admitting a request (fewer preemptions)")
     keep_kv_cache: bool = knob(
         False, "keep the KV cache allocated while the engine sleeps (a mode switch then neither frees nor re-zeroes "
@@ -68,6 +79,7 @@ class NativeEngineConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("on_weight_update", self.on_weight_update, IN_FLIGHT_POLICIES)
         check_choice("driver", self.driver, DRIVERS)
+        check_positive("update_after_steps", self.update_after_steps, allow_zero=True)
         check_choice("kernels", self.kernels, KERNELS)
         check_positive("speculative_tokens", self.speculative_tokens, allow_zero=True)
         check_positive("speculative_ngram_min", self.speculative_ngram_min)
@@ -80,3 +92,8 @@ class NativeEngineConfig:
                 "max_num_batched_tokens",
                 f"must be >= max_num_seqs ({self.max_num_seqs}) so that every running sequence can decode "
                 f"each step, got {self.max_num_batched_tokens}")
+
+
+def updates_in_flight(cfg: Any) -> bool:
+    """Whether this run's native engines take a publication without draining (`on_weight_update=continue`)."""
+    return cfg.rollout.engine_section.on_weight_update == "continue"

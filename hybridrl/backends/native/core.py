@@ -25,6 +25,7 @@ from hybridrl.backends.native.latency import LatencyLog
 from hybridrl.backends.native.runner import ModelRunner
 from hybridrl.backends.native.sampler import request_seed
 from hybridrl.backends.native.scheduler import Scheduler, Sequence, SeqStatus
+from hybridrl.backends.native.staging import StagedWeights
 from hybridrl.backends.model_spec import ModelSpec
 from hybridrl.backends.native.weights import ModelWeights, hf_views, load_checkpoint
 from hybridrl.publication.digest import tensor_digests
@@ -107,11 +108,20 @@ class EngineCore:
         self.requests: dict[str, Sequence] = {}
         self.publication = Publication(self.views, policy_version)     # the version and what has arrived
         self.scheduler.version = policy_version
+        if cfg.on_weight_update == "continue" and spec.is_moe:
+            raise ValueError("rollout.native.on_weight_update=continue: a mixture-of-experts model's routing record "
+                             "of the tokens sampled before an update would be overwritten when their KV is "
+                             "recomputed; use drain (or abort) with this model")
+        self.staged = StagedWeights(self.views, policy_version)        # on_weight_update=continue
+        self.hold_at: int | None = None            # a staged version is applied exactly at this step count
+        self._held_since: float | None = None
         self.asleep = False
         self.counters = {"steps": 0, "step_time_s": 0.0, "requests_finished": 0, "requests_aborted": 0,
                          "weight_updates": 0, "weight_tensors_copied": 0, "weight_tensors_in_place": 0,
                          "weight_tensors_mismatched": 0, "prefix_cache_invalidations": 0,
-                         "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+                         "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "weight_tensors_staged": 0,
+                         "updates_mid_request": 0, "update_continued_requests": 0, "update_recompute_tokens": 0,
+                         "update_apply_s": 0.0, "update_hold_s": 0.0}
         self.latency = LatencyLog()
 
     @classmethod
@@ -165,7 +175,7 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def has_work(self) -> bool:
-        return not self.asleep and self.scheduler.has_work()
+        return not self.asleep and not self.held() and self.scheduler.has_work()
 
     @torch.no_grad()
     def step(self) -> list[Sequence]:
@@ -203,6 +213,8 @@ class EngineCore:
                 self.scheduler.trim(seq)
         self.counters["steps"] += 1
         self.counters["step_time_s"] += time.perf_counter() - t0
+        if self.counters["steps"] == self.hold_at and self.staged.ready is None:
+            self._held_since = time.perf_counter()        # at the update's step, before its weights: wait
         return finished
 
     def _verified(self, seq: Sequence, tokens: list[int], logprobs: list[float],
@@ -267,6 +279,7 @@ class EngineCore:
             policy_version=seq.version if seq.started else self.policy_version,
             prompt_tokens=seq.prompt_len,
             cached_prompt_tokens=seq.cached_prompt_tokens,
+            version_starts=tuple(seq.version_starts),
             routed_experts=seq.routed_experts,
             timings=GenerationTimings(
                 queued_s=(seq.t_scheduled - t0) if seq.t_scheduled else 0.0,
@@ -302,6 +315,63 @@ class EngineCore:
             self.counters["weight_tensors_mismatched"] += len(bad)
             raise WeightMismatch(bad, f"update_weights v{version}: {len(bad)} tensor(s) read back from the engine's "
                                       f"storage differ from the sender's digest: {bad[:5]}")
+
+    # -- weights without draining (on_weight_update=continue) --------------------------------------------
+
+    def stage_update(self, items: Seq[tuple[str, torch.Tensor]], version: int,
+                     digests: Mapping[str, str] | None = None) -> bool:
+        """Stage validated tensors beside the live weights (`staging.py`); True once `version` is staged whole."""
+        self.publication.check(version)
+        self.counters["weight_tensors_staged"] += len(items)
+        try:
+            return self.staged.stage(items, version, digests)
+        except WeightMismatch as err:
+            self.counters["weight_tensors_mismatched"] += len(err.names)
+            raise
+
+    def hold_update_at(self, step: int | None) -> None:
+        """Apply the next version staged whole exactly at engine step `step` (None: at once). A wait at the
+        step before counts as time held (`update_hold_s`)."""
+        if self._held_since is not None:
+            self.counters["update_hold_s"] += time.perf_counter() - self._held_since
+        self.hold_at, self._held_since = step, None
+        if self.held():                          # the step has come already, without the weights
+            self._held_since = time.perf_counter()
+
+    def held(self) -> bool:
+        """At the step a staged update is due, before its weights are staged whole: no step runs."""
+        return self.hold_at is not None and self.counters["steps"] >= self.hold_at and self.staged.ready is None
+
+    def update_due(self) -> bool:
+        """A version is staged whole and its step has come (no step is set: at once)."""
+        return self.staged.ready is not None and (self.hold_at is None or self.counters["steps"] >= self.hold_at)
+
+    def apply_staged(self) -> None:
+        """Between two steps: every request that has started gives back its KV and waits, in its order, to be
+        computed again under the new weights (`Scheduler.requeue_running`); the staged version is copied into
+        the live weights and read back; each started request's later tokens are a new segment of it."""
+        t0 = time.perf_counter()
+        items, version, digests = self.staged.take()
+        started = [s for s in self.requests.values() if s.started]
+        recompute = sum(s.num_computed for s in self.scheduler.running)
+        self.scheduler.requeue_running()
+        try:
+            self.apply_update(items, version, digests)
+        except WeightMismatch as err:         # read back differently from storage: copy those once more
+            self.apply_update([(n, t) for n, t in items if n in set(err.names)], version, digests)
+        for seq in started:
+            if seq.num_generated == 0:
+                seq.version = version
+            elif seq.version_starts and seq.version_starts[-1][0] == seq.num_generated:
+                seq.version_starts[-1] = (seq.num_generated, version)
+            else:
+                seq.version_starts.append((seq.num_generated, version))
+        c = self.counters
+        c["updates_mid_request"] += bool(started)
+        c["update_continued_requests"] += len(started)
+        c["update_recompute_tokens"] += recompute
+        c["update_apply_s"] += time.perf_counter() - t0
+        self.hold_update_at(None)
 
     def commit_in_place(self, names: Seq[str], version: int) -> None:
         """Count tensors a publisher wrote straight into `views` as arrived for `version` (no copy
@@ -376,6 +446,7 @@ class EngineCore:
             "kernels": self.kernels,
             "decode_attention_groups": self.runner.num_decode_groups,
             "weight_bytes": self.weights.num_bytes(),
+            "staged_weight_bytes": self.staged.num_bytes(),
             "adapter_bytes": self.lora.num_bytes() if self.lora is not None else 0,
             "max_model_len": self.max_model_len,
             "asleep": self.asleep,

@@ -24,6 +24,16 @@ the new version. The version advances only when every tensor of `weight_spec()` 
 for it (several calls may stream one version in buckets); until then nothing is generated.
 While asleep, a publisher in this process may instead write into the engine's own tensors
 (`writable_views`) and then count them as arrived (`commit_in_place`): one copy, not two.
+
+With `on_weight_update="continue"` no request waits for an update: the buckets are staged beside
+the live weights (`staging.py`, read back there) while steps go on, and once the version is staged
+whole it is copied in between two steps (`EngineCore.apply_staged`): each running request has
+finished the token of the last step on the old version, gives back its KV, is computed again under
+the new weights (a prefill of its prompt and tokens so far) and samples its next tokens from them,
+labelled with the new version (`GenerationOutput.version_starts`). Keeping the stale KV instead
+would make the new segment's behaviour policy neither version, so it is recomputed. Where the
+update lands may be fixed in engine steps (`hold_next_update`): a caller that needs runs to be
+reproducible applies it at a step count, not at the moment it arrived.
 """
 
 from __future__ import annotations
@@ -92,6 +102,7 @@ class NativeEngine:
         self._cv = threading.Condition()
         self._commands: list[tuple] = []
         self._pending_updates: list[tuple[list, int, _Waiter]] = []
+        self._version_waiters: list[tuple[int, _Waiter]] = []   # `serving` calls, settled when the version is served
         self._waiters: dict[str, _Waiter] = {}          # touched by whoever runs the core
         self._inflight: set[str] = set()                # request ids between generate() and its answer
         self._inflight_lock = threading.Lock()
@@ -237,7 +248,8 @@ class NativeEngine:
         while the engine is asleep with no update queued, when nothing reads the weights; None
         otherwise, or when a name is not one it accepts (the caller then sends buckets)."""
         views = self._core.views
-        if not self._asleep or self._pending_updates or any(n not in views for n in names):
+        if (not self._asleep or self._pending_updates or self._core.staged.busy
+                or any(n not in views for n in names)):
             return None
         return {n: views[n] for n in names}
 
@@ -249,6 +261,28 @@ class NativeEngine:
             raise ValueError(f"commit_in_place: {unknown[:5]} are not tensors this engine holds")
         self._core.publication.check(version)
         await self._call("commit", list(names), version)
+
+    @property
+    def steps(self) -> int:
+        """Engine steps run so far (the clock `hold_next_update` counts in)."""
+        return self._core.counters["steps"]
+
+    @property
+    def staged_version(self) -> int:
+        """The newest version this engine holds verified: served, or staged whole and waiting for its step
+        (`on_weight_update=continue`); what a publisher may count as delivered."""
+        ready = self._core.staged.ready
+        return ready if ready is not None else self.policy_version
+
+    async def hold_next_update(self, at_step: int | None) -> None:
+        """With on_weight_update=continue: apply the next version staged whole exactly when the engine has run
+        `at_step` steps (`steps`), waiting there if it has not arrived by then; None: at the first step
+        boundary after it is staged. The hold ends with that update (or `hold_next_update(None)`)."""
+        await self._call("hold", at_step)
+
+    async def serving(self, version: int) -> None:
+        """Return once the engine serves `version` or newer (a staged version is applied at its step)."""
+        await self._call("serving", version)
 
     async def sleep(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
         """Release the tagged memory: "kv_cache" aborts every request in flight (FinishReason.ABORT)
@@ -383,6 +417,9 @@ class NativeEngine:
                 found = core.abort(args[0], args[1])
                 if waiter is not None:
                     waiter.settle(found)
+            elif kind == "update" and core.cfg.on_weight_update == "continue":
+                core.stage_update(args[0], args[1], args[2])
+                waiter.settle(None)
             elif kind == "update":
                 items, version, digests = args[0], args[1], args[2]
                 core.publication.check(version)
@@ -390,6 +427,11 @@ class NativeEngine:
                 if core.cfg.on_weight_update == "abort":
                     core.abort_all(FinishReason.WEIGHTS_UPDATED, started_only=True)
                 self._pending_updates.append((items, version, digests, waiter))
+            elif kind == "hold":
+                core.hold_update_at(args[0])
+                waiter.settle(None)
+            elif kind == "serving":
+                self._version_waiters.append((args[0], waiter))
             elif kind == "commit":
                 core.commit_in_place(args[0], args[1])
                 waiter.settle(None)
@@ -412,6 +454,8 @@ class NativeEngine:
 
     def _apply_ready_updates(self) -> None:
         core = self._core
+        if core.update_due():
+            self._apply_staged()
         while self._pending_updates and core.scheduler.num_started() == 0:
             items, version, digests, waiter = self._pending_updates.pop(0)
             try:
@@ -421,16 +465,38 @@ class NativeEngine:
                 waiter.settle(error=err)
         if not self._pending_updates and core.publication.pending is None:
             core.scheduler.admit_new = True
+        if self._version_waiters:
+            waiting, self._version_waiters = self._version_waiters, []
+            for version, waiter in waiting:
+                if core.policy_version >= version:
+                    waiter.settle(None)
+                else:
+                    self._version_waiters.append((version, waiter))
+
+    def _apply_staged(self) -> None:
+        """A staged version's step has come: apply it (a failure fails every request: the weights may be
+        partly written, and the `serving` callers hear why)."""
+        try:
+            self._core.apply_staged()
+        except Exception as err:  # noqa: BLE001
+            log.exception("native engine: applying a staged version failed; failing the requests in flight")
+            self._fail(err)
+            for _, waiter in self._version_waiters:
+                waiter.settle(error=err)
+            self._version_waiters.clear()
 
     def _step(self) -> None:
         try:
             self._core.step()
         except Exception as err:  # noqa: BLE001 - fail the requests, keep serving
             log.exception("native engine: a step failed; failing the requests in flight")
-            for seq in self._core.fail_all(err):
-                waiter = self._waiters.pop(seq.request_id, None)
-                if waiter is not None:
-                    waiter.settle(error=RuntimeError(f"native engine step failed: {err!r}"))
+            self._fail(err)
+
+    def _fail(self, err: BaseException) -> None:
+        for seq in self._core.fail_all(err):
+            waiter = self._waiters.pop(seq.request_id, None)
+            if waiter is not None:
+                waiter.settle(error=RuntimeError(f"native engine step failed: {err!r}"))
 
     def _deliver(self, seq: Sequence) -> None:
         waiter = self._waiters.pop(seq.request_id, None)
@@ -441,5 +507,8 @@ class NativeEngine:
         self._core.abort_all(FinishReason.ABORT)
         for *_, waiter in self._pending_updates:
             waiter.settle(error=RuntimeError("the native engine was closed before the update was applied"))
+        for _, waiter in self._version_waiters:
+            waiter.settle(error=RuntimeError("the native engine was closed before the version was served"))
         self._pending_updates.clear()
+        self._version_waiters.clear()
         self._core.runner.free_kv()

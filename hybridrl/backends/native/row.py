@@ -34,6 +34,7 @@ ENGINE = RolloutEngineSpec(
     releasable_tags=Lazy(f"{_ENGINE}.releasable_tags_for"),
     serves_before_publication=True, reads_back_weights=True, remote_publication=True,
     adapter_publication=Lazy(f"{_ENGINE}.adapter_publication"), step_clock=step_clock,
+    updates_in_flight=Lazy("hybridrl.backends.native.config:updates_in_flight"),
     summary="pure torch, CPU or GPU; the CPU default",
     section_help="the native engine: KV cache, batching, prefix reuse",
 )

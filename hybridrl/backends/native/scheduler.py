@@ -60,6 +60,7 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     routed_experts: Any = None                       # [positions, moe_layers, top_k] ids, read at finish (MoE)
+    version_starts: list[tuple[int, int]] = field(default_factory=list)   # (output index, version) after an update
     t_submit: float = field(default_factory=time.monotonic)
     t_scheduled: float | None = None
     t_first_token: float | None = None
@@ -230,6 +231,15 @@ class Scheduler:
         seq.num_preemptions += 1
         self.counters.preemptions += 1
         self.waiting.appendleft(seq)
+
+    def requeue_running(self) -> None:
+        """New weights: every running sequence releases its blocks (its KV is stale) and waits at the head of
+        the queue, in running order, to be computed again; its tokens and logprobs are kept."""
+        for seq in reversed(self.running):
+            self._release(seq)
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
+        self.running = []
 
     def _release(self, seq: Sequence) -> None:
         self.pool.release(reversed(seq.blocks))
