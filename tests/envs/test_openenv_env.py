@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -131,10 +136,49 @@ def test_a_server_killed_mid_episode_leaves_it_invalid_and_the_next_runs_on_a_ne
     assert len(served) == 1 and served != {pid} and openenv.SERVERS[APP].proc.pid in served   # a new server
 
 
+@pytest.fixture
+def served(logdir):
+    """The example's server started here, as a user would run it: uvicorn on a loopback port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OPENENV_GUESS_LOG": str(logdir / "url_steps.jsonl")}
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--host", "127.0.0.1", "--port", str(port),
+                             "--log-level", "warning", "--app-dir", f"{ROOT}/recipes/envs", "openenv_guess:app"],
+                            env=env, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    yield port, proc
+    proc.kill()
+    proc.wait()
+
+
+def test_episodes_against_a_server_named_by_url_are_scored_by_its_rewards(served, game, tokenizer, tmp_path,
+                                                                          logdir):
+    port, proc = served
+    task = get_task("openenv", load_config(None, ["task.name=openenv",
+                                                  f"task.options.url=http://127.0.0.1:{port}"]).task)
+    instances = task.train_split(3)
+    engine, trajectories = play(tokenizer, task, instances, lambda inst, turn: moves(game, inst)[turn],
+                                tmp_path / "envs.sqlite")
+    check_tokens(engine, trajectories)
+    assert [t.status for t in trajectories] == [S.COMPLETED] * 3 and [t.reward for t in trajectories] == [1.0] * 3
+    log = [json.loads(line) for line in (logdir / "url_steps.jsonl").read_text().splitlines()]
+    assert {s["pid"] for s in log} == {proc.pid}               # the user's server played them, none started here
+    assert len(log) == sum(t.turns for t in trajectories)
+
+
 @pytest.mark.parametrize("options, match", [
     ([f"task.options.app={ROOT}/recipes/envs/nope.py:app"], "not module:app"),
     ([f"task.options.app={APP}", "task.options.url=ws://127.0.0.1:1"], "not both"),
     (["task.options.url=ws://example.org:80"], "loopback"),
+    (["task.options.url=ws://127.0.0.1.example.org:80"], "loopback"),
+    (["task.options.url=ftp://127.0.0.1:80"], "a ws or wss or http or https URL"),
 ])
 def test_bad_options_are_refused_at_load(options, match):
     with pytest.raises(ConfigError, match=match):
