@@ -126,7 +126,8 @@ class {cls}Environment(Environment[{cls}Action, {cls}Observation, State]):
         return self._state
 
 
-app = create_app({cls}Environment, {cls}Action, {cls}Observation, env_name="{name}")
+# sessions at once: as many as the episodes hybridrl plays at once (agent.max_concurrent_episodes)
+app = create_app({cls}Environment, {cls}Action, {cls}Observation, env_name="{name}", max_concurrent_envs=64)
 '''
 
 OPENENV_TASK = '''\

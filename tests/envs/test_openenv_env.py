@@ -67,17 +67,22 @@ def moves(game, inst):
     return ["50", str(secret if inst.metadata["seed"] % 3 else secret % 100 + 1), str(secret)]
 
 
-def play(tokenizer, task, instances, respond, db):
-    order = iter(instances)             # one episode at a time, in order (the prompts are all the same)
+def play(tokenizer, task, instances, respond, db, *, concurrent=1):
+    """The episodes through the agent loop; with concurrent=1 one at a time, in order, so `respond` may know
+    the instance (the prompts are all the same), else at once, `respond` getting None."""
+    order = iter(instances)
     current = []
 
     def responder(ids, turn):
+        if concurrent > 1:
+            return f"<answer>{respond(None, turn)}</answer>"
         if turn == 0:
             current[:] = [next(order)]
         return f"<answer>{respond(current[0], turn)}</answer>"
 
     engine = RecordingEngine(tokenizer, responder, max_model_len=1 << 16)
-    agent = AgentConfig(max_turns=3, max_new_tokens_per_turn=64, max_response_tokens=1024, max_concurrent_episodes=1)
+    agent = AgentConfig(max_turns=3, max_new_tokens_per_turn=64, max_response_tokens=1024,
+                        max_concurrent_episodes=concurrent)
 
     async def go():
         async with ToolBox([]) as box:
@@ -158,16 +163,26 @@ def served(logdir):
     proc.wait()
 
 
-def test_episodes_against_a_server_named_by_url_are_scored_by_its_rewards(served, game, tokenizer, tmp_path,
-                                                                          logdir):
+def test_episodes_against_a_server_named_by_url_run_at_once_scored_by_its_rewards(served, game, tokenizer,
+                                                                                 tmp_path, logdir):
+    """Eight episodes at once (the example takes 64 sessions), each move the same for all: 50, 25, 75."""
     port, proc = served
     task = get_task("openenv", load_config(None, ["task.name=openenv",
                                                   f"task.options.url=http://127.0.0.1:{port}"]).task)
-    instances = task.train_split(3)
-    engine, trajectories = play(tokenizer, task, instances, lambda inst, turn: moves(game, inst)[turn],
-                                tmp_path / "envs.sqlite")
+    instances = task.train_split(8)
+    guesses = ["50", "25", "75"]
+    engine, trajectories = play(tokenizer, task, instances, lambda inst, turn: guesses[turn],
+                                tmp_path / "envs.sqlite", concurrent=8)
     check_tokens(engine, trajectories)
-    assert [t.status for t in trajectories] == [S.COMPLETED] * 3 and [t.reward for t in trajectories] == [1.0] * 3
+    for inst, traj in zip(instances, trajectories):
+        env, total, turns = game.GuessEnvironment(), 0.0, 0            # the same moves on the environment itself
+        env.reset(seed=inst.metadata["seed"])
+        for move in guesses:
+            obs = env.step(game.GuessAction(message=move))
+            total, turns = total + obs.reward, turns + 1
+            if obs.done:
+                break
+        assert traj.status in (S.COMPLETED, S.TRUNCATED) and (traj.reward, traj.turns) == (total, turns)
     log = [json.loads(line) for line in (logdir / "url_steps.jsonl").read_text().splitlines()]
     assert {s["pid"] for s in log} == {proc.pid}               # the user's server played them, none started here
     assert len(log) == sum(t.turns for t in trajectories)

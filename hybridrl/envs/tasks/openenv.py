@@ -151,6 +151,11 @@ class OpenEnvEnvironment:
     def _send(self, message: dict[str, Any]) -> dict[str, Any]:
         self.ws.send(json.dumps(message))
         reply = json.loads(self.ws.recv(timeout=self.spec["step_timeout_s"]))
+        if reply.get("type") == "error" and reply.get("data", {}).get("code") == "CAPACITY_REACHED":
+            raise RuntimeError(f"the OpenEnv server takes {reply['data'].get('max_sessions')} sessions at once and "
+                               "hybridrl plays up to agent.max_concurrent_episodes episodes at once: give its "
+                               "create_app max_concurrent_envs=64 (and SUPPORTS_CONCURRENT_SESSIONS = True), or "
+                               "lower agent.max_concurrent_episodes")
         if reply.get("type") != "observation":
             raise RuntimeError(f"the OpenEnv server answered {message['type']} with {reply}")
         return reply["data"]
