@@ -219,3 +219,26 @@ def test_init_task_from_openenv_scaffolds_an_environment_and_its_recipe(tmp_path
     assert env.step(module.GameAction(message=f"it is {secret - 1}")).message == "higher"
     won = env.step(module.GameAction(message=str(secret)))
     assert (won.reward, won.done) == (1.0, True)
+
+
+def test_the_sft_games_are_played_by_the_example_environments_rules(game):
+    """recipes/data/openenv_guess.jsonl (recipes/openenv_guess_sft_cpu.yaml): each row's observations are what the
+    environment answers its moves, laid out as an episode reaches the model."""
+    from hybridrl.envs.tasks.openenv import PROMPT
+
+    rows = [json.loads(line) for line in (ROOT / "recipes/data/openenv_guess.jsonl").read_text().splitlines()]
+    wins = 0
+    for row in rows[:200]:
+        messages, env = row["messages"], game.GuessEnvironment()
+        start = env.reset(seed=0)
+        env.secret = int(row["answer"])
+        assert messages[:2] == [{"role": "user", "content": PROMPT}, {"role": "user", "content": start.message}]
+        moves, hints = messages[2::2], messages[3::2]
+        assert {m["role"] for m in moves} == {"assistant"} and 1 <= len(moves) <= game.MAX_GUESSES
+        for i, move in enumerate(moves):
+            obs = env.step(game.GuessAction(message=move["content"]))
+            if i < len(hints):
+                assert hints[i] == {"role": "user", "content": obs.message}
+        assert obs.done
+        wins += obs.reward
+    assert 0.6 < wins / 200 < 0.95            # the weaker strategy of most rows leaves RL something to find
