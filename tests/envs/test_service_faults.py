@@ -121,6 +121,17 @@ def test_client_retries_a_reset_refused_for_a_locked_database(paths):
     assert executions(log) == [{"n": 3}]
 
 
+def test_a_service_opens_a_made_database_while_another_process_holds_its_write_lock(paths):
+    db, log = paths
+    lease = service(db).reset("counter", counter_instance(log), seed=0)
+    locker = hold_write_lock(db)                      # e.g. the other rank's episodes
+    try:
+        other = service(db, busy_timeout_s=0.05)      # a validation's service: no write needed to open it
+        assert other.episode(lease.episode_id)["last_seq"] == 0
+    finally:
+        release_lock(locker)
+
+
 def test_a_result_that_is_not_json_is_a_recorded_failure_never_executed_again(paths):
     db, log = paths
     svc = service(db)
