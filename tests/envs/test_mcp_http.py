@@ -54,16 +54,18 @@ def serve(port: int) -> subprocess.Popen:
 def http_box():
     port = free_port()
     procs = [serve(port)]
-    cfg = ToolsConfig(pool_size=1, warm=0, audit_log="", kill_switch="",
-                      mcp=[{"name": "arith", "url": f"http://127.0.0.1:{port}/mcp"}])
     loop = asyncio.new_event_loop()
-    tools = loop.run_until_complete(ToolBox.from_config(cfg, names=["arith_add", "arith_multiply"]).start())
-    yield loop, tools, port, procs
-    loop.run_until_complete(tools.close())
-    loop.close()
-    for proc in procs:
-        proc.kill()
-        proc.wait()
+    try:
+        cfg = ToolsConfig(pool_size=1, warm=0, audit_log="", kill_switch="",
+                          mcp=[{"name": "arith", "url": f"http://127.0.0.1:{port}/mcp"}])
+        tools = loop.run_until_complete(ToolBox.from_config(cfg, names=["arith_add", "arith_multiply"]).start())
+        yield loop, tools, port, procs
+        loop.run_until_complete(tools.close())
+    finally:
+        loop.close()
+        for proc in procs:                # the servers this module started, whatever happened
+            proc.kill()
+            proc.wait()
 
 
 def call(loop, tools, name, **arguments):

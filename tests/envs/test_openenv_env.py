@@ -158,9 +158,11 @@ def served(logdir):
             break
         except OSError:
             time.sleep(0.1)
-    yield port, proc
-    proc.kill()
-    proc.wait()
+    try:
+        yield port, proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_episodes_against_a_server_named_by_url_run_at_once_scored_by_its_rewards(served, game, tokenizer,
