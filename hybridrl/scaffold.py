@@ -23,6 +23,8 @@ import re
 import sys
 from pathlib import Path
 
+from hybridrl.scaffold_recipes import GRPO_BODY
+
 # The base model of the walk-through: the CPU demo's (`hybridrl demo`), made locally.
 BASE_MODEL = "--arch qwen2 --hidden 192 --layers 4 --heads 6 --kv-heads 2 --intermediate 512 --seed 0"
 
@@ -147,35 +149,7 @@ GRPO = '''\
   validation_size: 128
   options:
     max_feet: 999
-train:
-  micro_batch_size: 32
-  lr: 5.0e-5
-  lr_schedule: constant
-  weight_decay: 0.0
-  clip_grad: 1.0
-rollout:
-  native:
-    kv_cache_mb: 64
-agent:
-  max_turns: 3
-  max_new_tokens_per_turn: 32
-  max_response_tokens: 96
-  temperature: 1.0
-tools:
-  pool_size: 1
-  warm: 0
-algo:
-  advantage: grpo
-  norm_adv_by_std: false
-  kl_coef: 0.0
-trainer:
-  total_steps: 20
-  prompts_per_step: 16
-  group_size: 8
-  validate_every: 5
-  checkpoint_every: 10
-  keep_checkpoints: 1
-'''
+''' + GRPO_BODY
 
 DATA_ROWS = [
     {"messages": [{"role": "user", "content": "How many minutes are 2 h 15 min?"},
@@ -253,8 +227,8 @@ DATA_STAGES = {   # stage: (what, command, job, model.path, body)
             "runs/{name}/base        # an HF model directory (a tiny one: hybridrl assets tiny-model --out DIR)",
             DATA_SFT),
     "grpo": ("GRPO on the file's prompts, scored by the function", "train", "rl", "runs/{name}/sft/hf",
-             "train:" + GRPO.split("train:", 1)[1].replace(
-                 "prompts_per_step: 16", "prompts_per_step: 2       # at most the train rows: 16 once you have many"))
+             GRPO_BODY.replace("prompts_per_step: 16",
+                               "prompts_per_step: 2       # at most the train rows: 16 once you have many"))
 }
 
 STAGES = {   # stage: (what, command, job, model.path, body)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from hybridrl.scaffold import NAME, module_path
+from hybridrl.scaffold_recipes import GRPO_BODY
 
 AGENT = '''\
 """{title}: an agent written with the OpenAI client (made by `hybridrl init agent {name}`; make it yours).
@@ -94,36 +95,9 @@ gateway:
   # asked in the format it knows; a chat model trained with one wants true.
   render_tools: {render_tools}
   tool_parser: auto             # hermes | llama3 | actions | none | auto (from the chat template)
-train:
-  micro_batch_size: 32
-  max_tokens_per_micro_batch: 2048
-  lr: 5.0e-5
-  lr_schedule: constant
-  weight_decay: 0.0
-  clip_grad: 1.0
-rollout:
-  native:
-    kv_cache_mb: 64
-agent:
-  max_turns: 3                  # the budgets are enforced at the gateway (is_budget_error in the agent)
-  max_new_tokens_per_turn: 32
-  max_response_tokens: 96
-  temperature: 1.0              # what episodes are sampled at, whatever the request says
-tools:
-  pool_size: 1
-  warm: 0
-algo:
-  advantage: grpo
-  norm_adv_by_std: false
-  kl_coef: 0.0
-trainer:
-  total_steps: 20
-  prompts_per_step: 16
-  group_size: 8
-  validate_every: 5
-  checkpoint_every: 10
-  keep_checkpoints: 1
-'''
+# agent.*: the budgets are enforced at the gateway (is_budget_error in the agent); agent.temperature is what
+# episodes are sampled at, whatever the request says.
+''' + GRPO_BODY
 
 DEMO_SFT = "runs/demo/sft/hf"
 

@@ -18,6 +18,8 @@ import json
 import re
 from pathlib import Path
 
+from hybridrl.scaffold_recipes import GRPO_BODY
+
 NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 VERIFIERS_ENV = '''\
@@ -124,7 +126,8 @@ class {cls}Environment(Environment[{cls}Action, {cls}Observation, State]):
         return self._state
 
 
-app = create_app({cls}Environment, {cls}Action, {cls}Observation, env_name="{name}")
+# sessions at once: as many as the episodes hybridrl plays at once (agent.max_concurrent_episodes)
+app = create_app({cls}Environment, {cls}Action, {cls}Observation, env_name="{name}", max_concurrent_envs=64)
 '''
 
 OPENENV_TASK = '''\
@@ -164,36 +167,6 @@ task:
     tools: [calculator]
 '''
 
-GRPO = '''\
-train:
-  micro_batch_size: 32
-  lr: 5.0e-5
-  lr_schedule: constant
-  weight_decay: 0.0
-  clip_grad: 1.0
-rollout:
-  native:
-    kv_cache_mb: 64
-agent:
-  max_turns: 3
-  max_new_tokens_per_turn: 32
-  max_response_tokens: 96
-  temperature: 1.0
-tools:
-  pool_size: 1
-  warm: 0
-algo:
-  advantage: grpo
-  norm_adv_by_std: false
-  kl_coef: 0.0
-trainer:
-  total_steps: 20
-  prompts_per_step: 16
-  group_size: 8
-  validate_every: 5
-  checkpoint_every: 10
-  keep_checkpoints: 1
-'''
 
 MCP_TASK = '''\
 task:
@@ -234,10 +207,11 @@ def write_env(name: str, directory: Path, source: str, *, force: bool = False) -
         raise FileExistsError(f"{existing[0]} exists (--force overwrites)")
     directory.mkdir(parents=True, exist_ok=True)
     task = {"verifiers": VERIFIERS_TASK, "mcp": MCP_TASK, "openenv": OPENENV_TASK}[source]
-    body = GRPO
+    body = GRPO_BODY
     if source == "openenv":
         files["env"].write_text(OPENENV_ENV.format(**fields))
-        body = GRPO.replace(GRPO[GRPO.index("agent:"):GRPO.index("tools:")], "")    # the task's own agent budgets
+        agent = GRPO_BODY[GRPO_BODY.index("agent:"):GRPO_BODY.index("tools:")]
+        body = GRPO_BODY.replace(agent, "")                      # the task's own agent budgets (OPENENV_TASK)
     elif source == "verifiers":
         files["env"].write_text(VERIFIERS_ENV.format(**fields))
     else:

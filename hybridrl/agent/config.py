@@ -115,8 +115,9 @@ class ToolsConfig:
     python: str = knob("", "interpreter for tools (empty: the base interpreter of this Python)")
     calculator_max_chars: int = knob(256, "longest expression the calculator accepts")
     mcp: list[dict[str, Any]] = knob(
-        help="MCP tool servers, each {name, command, env, timeout_s, memory_mb, visible_paths}: started inside "
-             "the sandbox, their tools offered as NAME_TOOL (docs/environments.md)", factory=list)
+        help="MCP tool servers, each {name, command | url, env, timeout_s, memory_mb, visible_paths}: a stdio "
+             "command started inside the sandbox, or the url of a streamable HTTP server running on loopback; "
+             "their tools offered as NAME_TOOL (docs/environments.md)", factory=list)
 
     def __post_init__(self) -> None:
         for name in ("pool_size", "cpu_s", "memory_mb", "max_processes", "max_open_files", "max_file_mb",

@@ -5,6 +5,7 @@
         - name: arith                                        # its tools are arith_add, arith_multiply, ...
           command: [python, recipes/envs/mcp_arith_server.py]   # a stdio MCP server (python: the tools' interpreter)
           timeout_s: 10                                      # one call
+        - {name: notes, url: "http://127.0.0.1:8765/mcp"}   # or a server already running, on loopback (HTTP)
     task:
       options: {tools: [arith_add, arith_multiply]}         # instances name the tools they may call
 
@@ -13,21 +14,26 @@ egress policy and audit of a python tool call, in a sandbox of its own that live
 slot reserved for it; `memory_mb` its own). Its root holds the system paths of every sandbox plus, read-only,
 the files its command names, this interpreter's site-packages (where `mcp` / `fastmcp` are) and
 `visible_paths`. Its stdin and stdout are the MCP stdio transport (newline-delimited JSON-RPC), spoken by the
-`mcp` package's own `ClientSession`: `initialize`, `list_tools` (each tool's name, description and input
-schema become a `ToolSpec`: the OpenAI tool schema the model is shown, and the arguments the agent loop
-checks), `call_tool`. A server's tool `add` is the hybridrl tool `arith_add` (server name, `_`, tool name); an
-instance names the ones it may call, and a named tool the server does not list is an error at start.
+`mcp` package's own `ClientSession`. A server named by `url` instead is one already running on this
+machine's loopback (anything else is refused when the config loads), reached over MCP's streamable HTTP
+transport; it is the user's process, which hybridrl neither starts nor sandboxes. Either way the session runs
+`initialize`, `list_tools` (each tool's name, description and input schema become a `ToolSpec`: the OpenAI
+tool schema the model is shown, and the arguments the agent loop checks) and `call_tool`. A server's tool
+`add` is the hybridrl tool `arith_add` (server name, `_`, tool name); an instance names the ones it may call,
+and a named tool the server does not list is an error at start.
 
 A call is the model's to lose, never the infrastructure's: a call that runs past `timeout_s`, a server that
 floods stdout (a line over `tools.max_output_bytes`) or dies, is a tool error the model sees (`ok=False`), and
 the server is restarted (in a fresh sandbox) for the next call. A server that cannot be started again is an
 infrastructure error (the episode is never trained on). What the server writes to stderr is kept within the
-sandbox's output budget and discarded.
+sandbox's output budget and discarded. A `url` server that fails a call is reconnected (a new session) for the
+next one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -35,11 +41,13 @@ import re
 import shlex
 import site
 from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 from hybridrl.agent.actions import ToolSpec
 from hybridrl.agent.tools.base import ToolResult
 from hybridrl.config.fields import ConfigValueError
+from hybridrl.envs.config import check_loopback_url
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +58,8 @@ NAME = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,31}$")      # no "_": a tool name sp
 @dataclass(kw_only=True)
 class McpServerConfig:
     name: str
-    command: list[str]
+    command: list[str] = field(default_factory=list)     # a stdio server, started in the sandbox
+    url: str = ""                      # or a streamable HTTP server already running on loopback
     env: dict[str, str] = field(default_factory=dict)
     timeout_s: float = 10.0            # one call
     start_timeout_s: float = 60.0      # start, initialize, list the tools
@@ -59,23 +68,30 @@ class McpServerConfig:
 
 
 def check_servers(entries: list[Any]) -> list[dict[str, Any]]:
-    """`tools.mcp` checked (names, commands, numbers, the package installed); ConfigValueError naming the key."""
+    """`tools.mcp` checked (names, a command or a loopback url, numbers, the package installed);
+    ConfigValueError naming the key."""
     out, names = [], set()
+    known = {f.name for f in dataclasses.fields(McpServerConfig)}
     for i, entry in enumerate(entries):
         key = f"mcp[{i}]"
-        known = {f.name for f in dataclasses.fields(McpServerConfig)}
-        if not isinstance(entry, dict) or set(entry) - known or not {"name", "command"} <= set(entry):
-            raise ConfigValueError(key, f"must be {{name, command, env, timeout_s, start_timeout_s, memory_mb, "
-                                        f"visible_paths}} with name and command, got {entry!r}")
-        command = entry["command"]
+        if not isinstance(entry, dict) or set(entry) - known or "name" not in entry:
+            raise ConfigValueError(key, f"must be {{name, command | url, env, timeout_s, start_timeout_s, memory_mb, "
+                                        f"visible_paths}} with a name, got {entry!r}")
+        command = entry.get("command") or []
         command = shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
-        server = McpServerConfig(**{**entry, "command": command, "env": {str(k): str(v) for k, v in
-                                                                         dict(entry.get("env") or {}).items()}})
+        server = McpServerConfig(**{**entry, "command": command, "url": str(entry.get("url") or ""),
+                                    "env": {str(k): str(v) for k, v in dict(entry.get("env") or {}).items()}})
         if not NAME.match(str(server.name)) or server.name in names:
             raise ConfigValueError(f"{key}.name", f"{server.name!r}: a distinct name of letters, digits and '-' "
                                                   "(no '_': the tools are NAME_TOOL)")
-        if not command:
-            raise ConfigValueError(f"{key}.command", "the server's command line, e.g. [python, my_server.py]")
+        if command and server.url:
+            raise ConfigValueError(key, "give a command (a stdio server hybridrl starts in the sandbox) or a url "
+                                        "(a streamable HTTP server running on loopback), not both")
+        if not (command or server.url):
+            raise ConfigValueError(f"{key}.command", "the server's command line, e.g. [python, my_server.py] (or "
+                                                     "url: the address of one running on loopback)")
+        if server.url:
+            check_loopback_url(f"{key}.url", server.url, ("http", "https"))
         for knob_name in ("timeout_s", "start_timeout_s", "memory_mb"):
             if not float(getattr(server, knob_name)) > 0:
                 raise ConfigValueError(f"{key}.{knob_name}", f"must be > 0, got {getattr(server, knob_name)}")
@@ -160,18 +176,10 @@ class McpServer:
 
     async def _own(self, ready: asyncio.Future, stop: asyncio.Event) -> None:
         """The task that holds the session's context (the mcp package's task group lives in one task)."""
-        import anyio
         from mcp import ClientSession
 
-        python = self.pool.python
-        argv, env, expose = launch(self.cfg, python)
-        sbx = await self.pool.start_server(argv, env=env, expose=expose, memory_mb=self.cfg.memory_mb)
-        self.sbx = sbx
-        read_w, read_r = anyio.create_memory_object_stream(0)
-        write_w, write_r = anyio.create_memory_object_stream(0)
-        pumps = [asyncio.ensure_future(_from_server(sbx, read_w)), asyncio.ensure_future(_to_server(sbx, write_r))]
         try:
-            async with ClientSession(read_r, write_w) as session:
+            async with self._transport() as (read, write), ClientSession(read, write) as session:
                 await session.initialize()
                 self.tools = {t.name: t for t in (await session.list_tools()).tools}
                 self.session = session
@@ -179,15 +187,45 @@ class McpServer:
                 await stop.wait()
         except BaseException as err:  # noqa: BLE001 - handed to whoever waits for the start
             if not ready.done():
-                stderr = bytes(sbx.pipes["stderr"][1].buf[-2000:]).decode("utf-8", "replace").strip()
-                ready.set_exception(RuntimeError(f"MCP server {self.cfg.name!r} ({' '.join(argv)}) did not start "
-                                                 f"in the sandbox: {type(err).__name__}: {err}"
-                                                 + (f"; its stderr ends: {stderr}" if stderr else "")))
+                ready.set_exception(RuntimeError(self._start_failure(err)))
         finally:
             self.session = None
+
+    @contextlib.asynccontextmanager
+    async def _transport(self) -> AsyncIterator[tuple[Any, Any]]:
+        """The session's (read, write) streams: a streamable HTTP connection to `url`, or the stdio of a server
+        started in a sandbox of its own (stopped when the session ends)."""
+        if self.cfg.url:
+            from mcp.client.streamable_http import streamable_http_client
+
+            async with streamable_http_client(self.cfg.url) as streams:
+                yield streams
+            return
+        import anyio
+
+        argv, env, expose = launch(self.cfg, self.pool.python)
+        self.sbx = None
+        sbx = self.sbx = await self.pool.start_server(argv, env=env, expose=expose, memory_mb=self.cfg.memory_mb)
+        read_w, read_r = anyio.create_memory_object_stream(0)
+        write_w, write_r = anyio.create_memory_object_stream(0)
+        pumps = [asyncio.ensure_future(_from_server(sbx, read_w)), asyncio.ensure_future(_to_server(sbx, write_r))]
+        try:
+            yield read_r, write_w
+        finally:
             for pump in pumps:
                 pump.cancel()
             await self.pool.stop_server(sbx)
+
+    def _start_failure(self, err: BaseException) -> str:
+        while isinstance(err, BaseExceptionGroup) and err.exceptions:      # the mcp package's task groups
+            err = err.exceptions[0]
+        if self.cfg.url:
+            return (f"MCP server {self.cfg.name!r} at {self.cfg.url} did not answer (is it running?): "
+                    f"{type(err).__name__}: {err}")
+        stderr = bytes(self.sbx.pipes["stderr"][1].buf[-2000:]).decode("utf-8", "replace").strip() \
+            if self.sbx is not None else ""
+        return (f"MCP server {self.cfg.name!r} ({' '.join(self.cfg.command)}) did not start in the sandbox: "
+                f"{type(err).__name__}: {err}" + (f"; its stderr ends: {stderr}" if stderr else ""))
 
     async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
         session, generation = await self._ready()
@@ -203,20 +241,20 @@ class McpServer:
 
     async def _ready(self) -> tuple[Any, int]:
         async with self._lock:
-            if self.session is None or self.sbx is None or not self.sbx.alive:
+            if self.session is None or (not self.cfg.url and (self.sbx is None or not self.sbx.alive)):
                 await self.stop()
                 await self.start()
             return self.session, self.generation
 
     async def _failed(self, generation: int, kind: str, why: str) -> ToolResult:
         """The call is a tool error; the server it ran on is ended (the next call starts a fresh one)."""
-        if self.sbx is not None and self.sbx.budget.overflow.is_set():
+        if not self.cfg.url and self.sbx is not None and self.sbx.budget.overflow.is_set():
             kind, why = "floods", f"the server wrote more than {self.pool.cfg.max_output_bytes} bytes at once"
         self.counts[kind] += 1
         async with self._lock:
             if generation == self.generation:
                 await self.stop()
-        if self.pool.audit is not None:
+        if self.pool is not None and self.pool.audit is not None:
             self.pool.audit.record("mcp_server_failed", server=self.cfg.name, failure=kind, reason=why)
         log.warning("MCP server %s: %s (restarted for the next call)", self.cfg.name, why)
         return ToolResult(f"error: {why}", False, f"{kind}: {why}")
@@ -285,7 +323,8 @@ class McpServers:
     def tool(self, name: str) -> McpTool:
         entry, own = server_of(self.box.cfg, name)
         if entry["name"] not in self.servers:
-            self.servers[entry["name"]] = McpServer(McpServerConfig(**entry), self.box.sandbox_pool())
+            pool = None if entry["url"] else self.box.sandbox_pool()     # a url server is not started here
+            self.servers[entry["name"]] = McpServer(McpServerConfig(**entry), pool)
         tool = McpTool(name, self.servers[entry["name"]], own)
         self.tools.append(tool)
         return tool

@@ -6,7 +6,8 @@ session then asks `action_status` for its idempotency key; only if the service h
 does it send the step again (same key, same sequence number), up to `max_retries` times. A step
 the service answers with a retryable refusal (a locked database before or after executing,
 another service process executing it) is sent again under the same key after a short backoff:
-the service guarantees the key executes at most once. A step in doubt (its executor died
+the service guarantees the key executes at most once. A reset refused for a locked database (before its
+transaction, so nothing was written) is sent again the same way. A step in doubt (its executor died
 mid-step) or recorded as failed raises: the episode is an infrastructure failure.
 """
 
@@ -18,7 +19,7 @@ import time
 from typing import Any
 
 from hybridrl.envs.config import EnvServiceConfig
-from hybridrl.envs.service import EnvService, EnvServiceError, Lease, RetryableStepError, StepReply
+from hybridrl.envs.service import DatabaseBusy, EnvService, EnvServiceError, Lease, RetryableStepError, StepReply
 from hybridrl.data.episode import TaskInstance, Transition
 from hybridrl.envs.tasks.base import Task
 
@@ -41,8 +42,17 @@ class LeasedEnvSession:
         return self.lease.episode_id if self.lease else None
 
     async def reset(self) -> str | None:
-        self.lease = await asyncio.to_thread(self.service.reset, self.task, self.instance, self.seed,
-                                             episode_key=self.episode_key)
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                self.lease = await asyncio.to_thread(self.service.reset, self.task, self.instance, self.seed,
+                                                     episode_key=self.episode_key)
+                break
+            except DatabaseBusy as err:           # refused before its transaction began: nothing was written
+                if attempt == self.cfg.max_retries:
+                    raise
+                self.retries += 1
+                log.warning("env reset %s (attempt %d): %s; retrying", self.episode_key, attempt + 1, err)
+                await asyncio.sleep(min(0.05 * 2 ** attempt, 2.0))
         # The agent loop runs an episode from its first turn: after a crash it sends the same actions
         # under the same keys again (seq 1, 2, ...), answered from the record up to `recorded`.
         self.recorded = self.lease.last_seq

@@ -162,3 +162,31 @@ class EnvServiceConfig:
         check_positive("busy_timeout_s", self.busy_timeout_s)
         check_positive("step_timeout_s", self.step_timeout_s)
         check_positive("max_retries", self.max_retries, allow_zero=True)
+
+
+def check_loopback_url(key: str, url: str, schemes: tuple[str, ...]) -> str:
+    """`url` when it is SCHEME://HOST[:PORT][/PATH] with a loopback HOST (127.0.0.0/8, ::1, localhost): the
+    servers a run reaches by URL are its own machine's. ConfigValueError naming `key` otherwise."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    example = f"{schemes[0]}://127.0.0.1:PORT/..."
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as err:
+        raise ConfigValueError(key, f"{url!r} is not a URL ({err}): {example}") from None
+    if parts.scheme not in schemes or not parts.hostname:
+        raise ConfigValueError(key, f"{url!r}: a {' or '.join(schemes)} URL, {example}")
+    host = parts.hostname
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback or parts.username or parts.password:
+        raise ConfigValueError(key, f"{url!r}: only a server on this machine's loopback is reached by URL "
+                                    f"(127.0.0.1, ::1 or localhost, no credentials), e.g. {example}; a server "
+                                    f"elsewhere: run it here, or put a loopback proxy in front of it")
+    if port == 0:
+        raise ConfigValueError(key, f"{url!r}: port 0 is not a server's port")
+    return url

@@ -213,9 +213,10 @@ class EnvService:
                                   timeout=busy_timeout_s)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+        if self._schema() == (SCHEMA_VERSION, 1):
+            return          # another process made it: a read, so no wait for the write lock its episodes hold
         with self._transaction():
-            version = self.db.execute("PRAGMA user_version").fetchone()[0]
-            has_tables = self.db.execute("SELECT count(*) FROM sqlite_master WHERE name = 'episodes'").fetchone()[0]
+            version, has_tables = self._schema()
             if has_tables and version != SCHEMA_VERSION:
                 raise EnvServiceError(f"{self.db_path} was written by an older hybridrl (schema {version}, this "
                                       f"one needs {SCHEMA_VERSION}); move it aside or set env.db_path elsewhere")
@@ -223,6 +224,11 @@ class EnvService:
                 if statement.strip():
                     self.db.execute(statement)
             self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def _schema(self) -> tuple[int, int]:
+        """(the database's schema version, whether it has the episodes table)."""
+        return (self.db.execute("PRAGMA user_version").fetchone()[0],
+                self.db.execute("SELECT count(*) FROM sqlite_master WHERE name = 'episodes'").fetchone()[0])
 
     @classmethod
     def from_config(cls, cfg, **kwargs) -> "EnvService":

@@ -63,4 +63,6 @@ class GuessEnvironment(Environment[GuessAction, GuessObservation, State]):
         return self._state
 
 
-app = create_app(GuessEnvironment, GuessAction, GuessObservation, env_name="guess")
+# One session per concurrent episode: openenv's default is a single session, and hybridrl plays up to
+# agent.max_concurrent_episodes (64) at once.
+app = create_app(GuessEnvironment, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=64)

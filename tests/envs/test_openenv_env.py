@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -62,17 +67,22 @@ def moves(game, inst):
     return ["50", str(secret if inst.metadata["seed"] % 3 else secret % 100 + 1), str(secret)]
 
 
-def play(tokenizer, task, instances, respond, db):
-    order = iter(instances)             # one episode at a time, in order (the prompts are all the same)
+def play(tokenizer, task, instances, respond, db, *, concurrent=1):
+    """The episodes through the agent loop; with concurrent=1 one at a time, in order, so `respond` may know
+    the instance (the prompts are all the same), else at once, `respond` getting None."""
+    order = iter(instances)
     current = []
 
     def responder(ids, turn):
+        if concurrent > 1:
+            return f"<answer>{respond(None, turn)}</answer>"
         if turn == 0:
             current[:] = [next(order)]
         return f"<answer>{respond(current[0], turn)}</answer>"
 
     engine = RecordingEngine(tokenizer, responder, max_model_len=1 << 16)
-    agent = AgentConfig(max_turns=3, max_new_tokens_per_turn=64, max_response_tokens=1024, max_concurrent_episodes=1)
+    agent = AgentConfig(max_turns=3, max_new_tokens_per_turn=64, max_response_tokens=1024,
+                        max_concurrent_episodes=concurrent)
 
     async def go():
         async with ToolBox([]) as box:
@@ -131,10 +141,61 @@ def test_a_server_killed_mid_episode_leaves_it_invalid_and_the_next_runs_on_a_ne
     assert len(served) == 1 and served != {pid} and openenv.SERVERS[APP].proc.pid in served   # a new server
 
 
+@pytest.fixture
+def served(logdir):
+    """The example's server started here, as a user would run it: uvicorn on a loopback port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OPENENV_GUESS_LOG": str(logdir / "url_steps.jsonl")}
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--host", "127.0.0.1", "--port", str(port),
+                             "--log-level", "warning", "--app-dir", f"{ROOT}/recipes/envs", "openenv_guess:app"],
+                            env=env, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    try:
+        yield port, proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_episodes_against_a_server_named_by_url_run_at_once_scored_by_its_rewards(served, game, tokenizer,
+                                                                                 tmp_path, logdir):
+    """Eight episodes at once (the example takes 64 sessions), each move the same for all: 50, 25, 75."""
+    port, proc = served
+    task = get_task("openenv", load_config(None, ["task.name=openenv",
+                                                  f"task.options.url=http://127.0.0.1:{port}"]).task)
+    instances = task.train_split(8)
+    guesses = ["50", "25", "75"]
+    engine, trajectories = play(tokenizer, task, instances, lambda inst, turn: guesses[turn],
+                                tmp_path / "envs.sqlite", concurrent=8)
+    check_tokens(engine, trajectories)
+    for inst, traj in zip(instances, trajectories):
+        env, total, turns = game.GuessEnvironment(), 0.0, 0            # the same moves on the environment itself
+        env.reset(seed=inst.metadata["seed"])
+        for move in guesses:
+            obs = env.step(game.GuessAction(message=move))
+            total, turns = total + obs.reward, turns + 1
+            if obs.done:
+                break
+        assert traj.status in (S.COMPLETED, S.TRUNCATED) and (traj.reward, traj.turns) == (total, turns)
+    log = [json.loads(line) for line in (logdir / "url_steps.jsonl").read_text().splitlines()]
+    assert {s["pid"] for s in log} == {proc.pid}               # the user's server played them, none started here
+    assert len(log) == sum(t.turns for t in trajectories)
+
+
 @pytest.mark.parametrize("options, match", [
     ([f"task.options.app={ROOT}/recipes/envs/nope.py:app"], "not module:app"),
     ([f"task.options.app={APP}", "task.options.url=ws://127.0.0.1:1"], "not both"),
     (["task.options.url=ws://example.org:80"], "loopback"),
+    (["task.options.url=ws://127.0.0.1.example.org:80"], "loopback"),
+    (["task.options.url=ftp://127.0.0.1:80"], "a ws or wss or http or https URL"),
 ])
 def test_bad_options_are_refused_at_load(options, match):
     with pytest.raises(ConfigError, match=match):
@@ -160,3 +221,26 @@ def test_init_task_from_openenv_scaffolds_an_environment_and_its_recipe(tmp_path
     assert env.step(module.GameAction(message=f"it is {secret - 1}")).message == "higher"
     won = env.step(module.GameAction(message=str(secret)))
     assert (won.reward, won.done) == (1.0, True)
+
+
+def test_the_sft_games_are_played_by_the_example_environments_rules(game):
+    """recipes/data/openenv_guess.jsonl (recipes/openenv_guess_sft_cpu.yaml): each row's observations are what the
+    environment answers its moves, laid out as an episode reaches the model."""
+    from hybridrl.envs.tasks.openenv import PROMPT
+
+    rows = [json.loads(line) for line in (ROOT / "recipes/data/openenv_guess.jsonl").read_text().splitlines()]
+    wins = 0
+    for row in rows[:200]:
+        messages, env = row["messages"], game.GuessEnvironment()
+        start = env.reset(seed=0)
+        env.secret = int(row["answer"])
+        assert messages[:2] == [{"role": "user", "content": PROMPT}, {"role": "user", "content": start.message}]
+        moves, hints = messages[2::2], messages[3::2]
+        assert {m["role"] for m in moves} == {"assistant"} and 1 <= len(moves) <= game.MAX_GUESSES
+        for i, move in enumerate(moves):
+            obs = env.step(game.GuessAction(message=move["content"]))
+            if i < len(hints):
+                assert hints[i] == {"role": "user", "content": obs.message}
+        assert obs.done
+        wins += obs.reward
+    assert 0.6 < wins / 200 < 0.95            # the weaker strategy of most rows leaves RL something to find

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -96,6 +97,39 @@ def test_client_retries_a_locked_database_under_the_same_key(paths):
     session, transition = asyncio.run(go())
     assert transition.observation == "total 7" and session.seq == 2
     assert executions(log) == [{"n": 3}, {"n": 4}]
+
+
+def test_client_retries_a_reset_refused_for_a_locked_database(paths):
+    db, log = paths
+    svc = service(db, busy_timeout_s=0.05)
+    cfg = EnvServiceConfig(db_path=str(db), max_retries=50)
+    locker = hold_write_lock(db)                      # another process holds the write lock
+
+    async def go():
+        session = LeasedEnvSession(svc, "counter", counter_instance(log), 0, "run/ep/0", cfg)
+        reset = asyncio.create_task(session.reset())
+        while session.retries < 2 and not reset.done():    # refused at least twice while the lock is held
+            await asyncio.sleep(0.02)
+        release_lock(locker)
+        await reset
+        return session, await session.step({"n": 3})
+
+    session, transition = asyncio.run(go())
+    assert transition.observation == "total 3" and session.seq == 1
+    with sqlite3.connect(db) as conn:                 # one episode, however many tries
+        assert conn.execute("SELECT count(*) FROM episodes").fetchone()[0] == 1
+    assert executions(log) == [{"n": 3}]
+
+
+def test_a_service_opens_a_made_database_while_another_process_holds_its_write_lock(paths):
+    db, log = paths
+    lease = service(db).reset("counter", counter_instance(log), seed=0)
+    locker = hold_write_lock(db)                      # e.g. the other rank's episodes
+    try:
+        other = service(db, busy_timeout_s=0.05)      # a validation's service: no write needed to open it
+        assert other.episode(lease.episode_id)["last_seq"] == 0
+    finally:
+        release_lock(locker)
 
 
 def test_a_result_that_is_not_json_is_a_recorded_failure_never_executed_again(paths):

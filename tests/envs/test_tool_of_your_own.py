@@ -59,9 +59,7 @@ def responder(tokenizer, *, start=None, tool="days_between"):
     return respond
 
 
-def test_episodes_call_the_tool_in_the_agent_loop(user_dir, monkeypatch, tiny_models):
-    from transformers import AutoTokenizer
-
+def test_episodes_call_the_tool_in_the_agent_loop(user_dir, monkeypatch, tokenizer):
     from hybridrl.agent.loop import AgentRunner
     from hybridrl.agent.testing import ScriptedEngine
     from hybridrl.agent.tools import ToolBox, tool_names
@@ -73,7 +71,6 @@ def test_episodes_call_the_tool_in_the_agent_loop(user_dir, monkeypatch, tiny_mo
     cfg = load_config(str(user_dir / "dates.yaml"))               # imports dates.py: the tool registers
     assert "days_between" in tool_names()
     task = get_task(cfg.task.name, cfg.task)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_models("qwen2"))
     instances = task.validation_split(4)
 
     def run(respond):

@@ -4,7 +4,7 @@
       name: openenv
       options:
         app: recipes/envs/openenv_guess.py:app    # module:app or file.py:app: hybridrl starts the server
-        # url: ws://127.0.0.1:8000               # or a server already running on loopback
+        # url: http://127.0.0.1:8000             # or a server already running on loopback (ws:// too)
         action_field: message                    # the action's text field (the turn's <answer>, else the turn)
         observation_field: message               # what the model reads of an observation
 
@@ -29,6 +29,7 @@ import atexit
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -42,6 +43,7 @@ from typing import Any
 
 from hybridrl.config.fields import ConfigValueError
 from hybridrl.data.episode import EpisodeOutcome, TaskInstance, Transition
+from hybridrl.envs.config import check_loopback_url
 from hybridrl.envs.tasks.base import Task, split_of
 from hybridrl.envs.tasks.registry import register_task
 from hybridrl.reward import RewardResult
@@ -140,7 +142,8 @@ class OpenEnvEnvironment:
 
         timeout = self.spec["step_timeout_s"]
         if self.spec["url"]:
-            self.ws = connect(self.spec["url"].rstrip("/") + "/ws", open_timeout=timeout)
+            url = re.sub(r"^http", "ws", self.spec["url"].rstrip("/"))        # the server's session socket
+            self.ws = connect(url + "/ws", open_timeout=timeout)
         else:
             server = server_for(self.spec["app"], self.spec["start_timeout_s"])
             self.ws = unix_connect(server.socket_path, "ws://localhost/ws", open_timeout=timeout)
@@ -148,6 +151,11 @@ class OpenEnvEnvironment:
     def _send(self, message: dict[str, Any]) -> dict[str, Any]:
         self.ws.send(json.dumps(message))
         reply = json.loads(self.ws.recv(timeout=self.spec["step_timeout_s"]))
+        if reply.get("type") == "error" and reply.get("data", {}).get("code") == "CAPACITY_REACHED":
+            raise RuntimeError(f"the OpenEnv server takes {reply['data'].get('max_sessions')} sessions at once and "
+                               "hybridrl plays up to agent.max_concurrent_episodes episodes at once: give its "
+                               "create_app max_concurrent_envs=64 (and SUPPORTS_CONCURRENT_SESSIONS = True), or "
+                               "lower agent.max_concurrent_episodes")
         if reply.get("type") != "observation":
             raise RuntimeError(f"the OpenEnv server answered {message['type']} with {reply}")
         return reply["data"]
@@ -199,7 +207,7 @@ class OpenEnvEnvironment:
 @dataclass(kw_only=True)
 class OpenEnvOptions:
     app: str = ""                     # module:app | file.py:app (started by hybridrl)
-    url: str = ""                     # ws://127.0.0.1:PORT of a running server (loopback only)
+    url: str = ""                     # ws:// or http://127.0.0.1:PORT of a running server (loopback only)
     prompt: str = PROMPT
     action_field: str = "message"
     observation_field: str = "message"
@@ -211,8 +219,8 @@ class OpenEnvOptions:
             return                    # the environment service builds the task without options: checked at use
         if self.app and self.url:
             raise ConfigValueError("url", "give app (hybridrl starts the server) or url (one running), not both")
-        if self.url and not self.url.startswith(("ws://127.", "ws://localhost", "ws://[::1]")):
-            raise ConfigValueError("url", f"{self.url!r}: a server on loopback, ws://127.0.0.1:PORT")
+        if self.url:
+            check_loopback_url("url", self.url, ("ws", "wss", "http", "https"))
         if self.app and (":" not in self.app or (self.app.split(":")[0].endswith(".py")
                                                  and not Path(self.app.split(":")[0]).is_file())):
             raise ConfigValueError("app", f"{self.app!r} is not module:app or an existing file.py:app")
