@@ -47,7 +47,7 @@ def test_inspect_shows_a_gateway_episode_turn_by_turn(tmp_path, tiny_tokenizer, 
 
     inspect_main(argparse.Namespace(run_dir=str(tmp_path), trajectory=t.trajectory_id, step=None, failed=False,
                                     tool_errors=False, lagged=False, reward=None, limit=50, json=False, html=None,
-                                    episodes=12))
+                                    episodes=12, timeline=False, steps=None, out=None))
     text = capsys.readouterr().out
     assert "no turn was parsed" not in text and "0 tool executions" not in text
     assert "4. environment: 0 transitions, 2 tool executions (2 tool results in the conversation)" in text

@@ -28,7 +28,8 @@ def _value_batch(seed: int) -> Batch:
 def _critic_step(wg, seed: int) -> tuple[dict, list]:
     batch = _value_batch(seed)
     batch.set("values", wg.call(TrainSide.compute_values, batch)["values"])
-    update = wg.call(TrainSide.train_critic, batch)[0]
+    update = {k: v for k, v in wg.call(TrainSide.train_critic, batch)[0].items()
+              if k != "grad_reduce_s"}                    # timing: not a number a resumed step reproduces
     return update, wg.call(TrainSide.compute_values, batch)["values"].tolist()
 
 
