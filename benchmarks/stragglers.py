@@ -288,15 +288,20 @@ def main(argv=None) -> int:
               "median_trained_tokens_per_s": trained,
               "ratio_trained_partial_over_sync": trained["partial"] / trained["sync"],
               "runs": runs}
+    return report(result, args.json)
+
+
+def report(result: dict, json_path: str | None) -> int:
+    """The load average beside the result; the result without its runs on stdout, whole in `json_path`."""
     try:
         import os
         result["load_average"] = os.getloadavg()
     except OSError:
         pass
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
@@ -315,16 +320,7 @@ def stream_main(args, tokenizer) -> int:
               "ratio_admitted_continue_over_drain": med["continue"]["admitted_tokens_per_s"]
               / med["drain"]["admitted_tokens_per_s"],
               "runs": runs}
-    try:
-        import os
-        result["load_average"] = os.getloadavg()
-    except OSError:
-        pass
-    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return report(result, args.json)
 
 
 if __name__ == "__main__":
