@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from hybridrl.demo import BASE_MODEL_ARGS  # noqa: E402  (the demo's base model)
+from hybridrl.demo import build_base_model  # noqa: E402  (the demo's base model)
 
 STAGES = ("rollout", "reward", "prep", "train", "sync")
 
@@ -34,11 +34,7 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="hybridrl-e2e-") as tmp:
-        model = args.model
-        if model is None:
-            model = str(Path(tmp) / "model")
-            subprocess.run([sys.executable, "-m", "hybridrl", "assets", "tiny-model", *BASE_MODEL_ARGS, "--out", model],
-                           check=True, capture_output=True)
+        model = args.model or build_base_model(Path(tmp) / "model")
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "hybridrl", "train", args.recipe, f"model.path={model}", f"run.dir={run_dir}",
                f"trainer.total_steps={args.steps}", "trainer.validate_every=0", "trainer.checkpoint_every=0",

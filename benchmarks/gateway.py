@@ -55,7 +55,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from hybridrl.demo import BASE_MODEL_ARGS  # noqa: E402  (the demo's base model)
+from hybridrl.demo import build_base_model  # noqa: E402  (the demo's base model)
 
 MODES = ("direct", "gateway", "gateway_inline")
 TARGET_ADDED_MS = 5.0
@@ -547,9 +547,7 @@ def main() -> int:
                          "leave it out for the demo's base model, built for the run")
     with tempfile.TemporaryDirectory(prefix="hybridrl-gateway-bench-") as tmp:
         if args.what == "overhead" and args.model is None:
-            args.model = str(Path(tmp) / "model")
-            subprocess.run([sys.executable, "-m", "hybridrl", "assets", "tiny-model", *BASE_MODEL_ARGS, "--out",
-                            args.model], check=True, capture_output=True, cwd=ROOT)
+            args.model = build_base_model(Path(tmp) / "model")
         result = overhead(args) if args.what == "overhead" else step(args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))

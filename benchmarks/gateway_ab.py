@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from hybridrl.demo import BASE_MODEL_ARGS  # noqa: E402  (the demo's base model)
+from hybridrl.demo import build_base_model  # noqa: E402  (the demo's base model)
 
 
 def run(checkout: Path, model: str, steps: int, out: Path) -> dict:
@@ -48,11 +48,7 @@ def main() -> int:
     sides = {"base": Path(args.base).resolve(), "head": Path(args.head).resolve()}
     runs: dict[str, list[dict]] = {"base": [], "head": []}
     with tempfile.TemporaryDirectory(prefix="hybridrl-gateway-ab-") as tmp:
-        model = args.model and str(Path(args.model).resolve())
-        if model is None:
-            model = str(Path(tmp) / "model")
-            subprocess.run([sys.executable, "-m", "hybridrl", "assets", "tiny-model", *BASE_MODEL_ARGS, "--out", model],
-                           check=True, capture_output=True, cwd=ROOT)
+        model = str(Path(args.model).resolve()) if args.model else build_base_model(Path(tmp) / "model")
         for i in range(args.repeats):
             for side in (("base", "head") if i % 2 == 0 else ("head", "base")):
                 r = run(sides[side], model, args.steps, Path(tmp) / f"{side}{i}.json")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from hybridrl.demo import BASE_MODEL_ARGS  # noqa: E402  (the demo's base model)
+from hybridrl.demo import build_base_model  # noqa: E402  (the demo's base model)
 
 
 def run_once(recipe: str, model: str, run_dir: Path, steps: int, store: bool, overrides: list[str]) -> dict:
@@ -76,11 +76,7 @@ def main() -> int:
     load_before = os.getloadavg()
     runs = []
     with tempfile.TemporaryDirectory(prefix="hybridrl-store-") as tmp:
-        model = args.model
-        if model is None:
-            model = str(Path(tmp) / "model")
-            subprocess.run([sys.executable, "-m", "hybridrl", "assets", "tiny-model", *BASE_MODEL_ARGS, "--out", model],
-                           check=True, capture_output=True)
+        model = args.model or build_base_model(Path(tmp) / "model")
         for r in range(args.repeats):
             for store in ((True, False) if r % 2 == 0 else (False, True)):
                 run = run_once(args.recipe, model, Path(tmp) / f"run{r}-{'on' if store else 'off'}", args.steps,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from hybridrl.demo import BASE_MODEL_ARGS  # noqa: E402  (the demo's base model)
+from hybridrl.demo import build_base_model  # noqa: E402  (the demo's base model)
 
 ARMS = {"off": [], "traces": ["telemetry.traces=file"], "bare": ["telemetry.timeline=false"]}
 
@@ -66,11 +66,7 @@ def main() -> int:
     runs = []
     names = list(ARMS)
     with tempfile.TemporaryDirectory(prefix="hybridrl-tracing-") as tmp:
-        model = args.model
-        if model is None:
-            model = str(Path(tmp) / "model")
-            subprocess.run([sys.executable, "-m", "hybridrl", "assets", "tiny-model", *BASE_MODEL_ARGS, "--out", model],
-                           check=True, capture_output=True)
+        model = args.model or build_base_model(Path(tmp) / "model")
         for r in range(args.repeats):
             for arm in names[r % len(names):] + names[: r % len(names)]:
                 run = run_once(args.recipe, model, Path(tmp) / f"run{r}-{arm}", args.steps, arm, args.overrides)

@@ -39,6 +39,15 @@ GRPO_RECIPE = recipe_path("calc_grpo_cpu")
 BASE_MODEL_ARGS = ("--arch", "qwen2", "--hidden", "192", "--layers", "4", "--heads", "6", "--kv-heads", "2",
                    "--intermediate", "512", "--seed", "0")
 STAGE_NAMES = ("sft", "grpo")
+
+
+def build_base_model(out: str | Path) -> str:
+    """The demo's base model written to `out` by this checkout's `hybridrl assets tiny-model` (the benchmarks'
+    default model); returns the path."""
+    subprocess.run([sys.executable, "-m", "hybridrl", "assets", "tiny-model", *BASE_MODEL_ARGS, "--out", str(out)],
+                   check=True, capture_output=True, cwd=Path(__file__).resolve().parents[1])
+    return str(out)
+
 RESERVED = ("run.dir", "model.path")          # the demo sets these itself
 LOG_TAIL = 40
 
