@@ -77,3 +77,13 @@ def ledger_rewards(tmp_path, trajectories) -> dict[str, dict[str, float]]:
                        rollout_version=0, version_after=1, metrics={})
     db = sqlite3.connect(tmp_path / "ledger" / "index.sqlite")
     return {row[0]: json.loads(row[1]) for row in db.execute("SELECT id, rewards FROM trajectories")}
+
+
+def load_file(path, name: str):
+    """The user's module at `path`, imported under `name` (as a recipe names it `file.py:ATTR`)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -14,7 +14,7 @@ import pytest
 from hybridrl.config import ConfigError, load_config
 from hybridrl.data.trajectory import TrajectoryStatus as S
 from hybridrl.envs.tasks import get_task
-from tests.envs.episodes import check_tokens, ledger_rewards, run_scripted
+from tests.envs.episodes import check_tokens, ledger_rewards, load_file, run_scripted
 
 SCORE = '''
 import re
@@ -81,16 +81,13 @@ def policy(inst, turn):
 
 
 def test_episodes_are_scored_by_the_users_function(files, tokenizer, tmp_path_factory):
-    import importlib.util
-
+    
     task = get_task("data", data_cfg())
     instances = task.train_split(12)
     engine, trajectories = run_scripted(tokenizer, task, instances, policy)
     check_tokens(engine, trajectories)
     stored = ledger_rewards(tmp_path_factory.mktemp("ledger"), trajectories)
-    spec = importlib.util.spec_from_file_location("toy_score_direct", files / "toy_score.py")
-    user = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(user)
+    user = load_file(files / "toy_score.py", "toy_score_direct")
     seen = set()
     for inst, traj in zip(instances, trajectories):
         last = [r for r in engine.sampled if r.startswith(traj.trajectory_id + "/")][-1]

@@ -23,7 +23,7 @@ from hybridrl.config.fields import ConfigValueError
 from hybridrl.data.episode import TaskInstance
 from hybridrl.data.trajectory import TrajectoryStatus as S
 from tests.envs.episodes import RecordingEngine, check_tokens
-from tests.envs.test_mcp_tools import ArithTask
+from tests.envs.test_mcp_tools import ArithTask, multiply_through_the_agent_loop
 from tests.launch import ROOT
 
 pytest.importorskip("fastmcp", reason="pip install -e .[mcp]")
@@ -78,17 +78,7 @@ def test_an_episode_calls_a_tool_of_a_server_on_loopback_http(http_box, tokenize
     spec = tools.specs["arith_multiply"]
     assert spec.description == "The product a * b of two integers."
     assert spec.parameters["properties"] == {"a": {"type": "integer"}, "b": {"type": "integer"}}
-    inst = TaskInstance(task="mcp_arith", task_id="h1", messages=({"role": "user", "content": "6 * 7?"},),
-                        reference="42", tools=("arith_multiply",))
-    replies = ['<tool_call>{"name": "arith_multiply", "arguments": {"a": 6, "b": 7}}</tool_call>', "<answer>42</answer>"]
-    engine = RecordingEngine(tokenizer, lambda ids, turn: replies[turn], max_model_len=1 << 16)
-    runner = AgentRunner(engine, tokenizer, agent_cfg=AgentConfig(max_turns=3), tools=tools, run_id="mcp-http")
-    [traj] = loop.run_until_complete(runner.run([inst], task=ArithTask(load_config(None, []).task)))
-    check_tokens(engine, [traj])
-    assert traj.status == S.COMPLETED and traj.reward == 1.0
-    assert [(c.name, c.ok) for c in traj.tool_calls] == [("arith_multiply", True)]
-    assert "42" in tokenizer.decode([i for i, m in zip(traj.response_ids, traj.response_mask) if not m])
-
+    multiply_through_the_agent_loop(loop, tools, tokenizer, "mcp-http")
 
 def test_a_server_that_dies_is_a_tool_error_then_an_infra_error_until_it_is_back(http_box):
     loop, tools, port, procs = http_box

@@ -95,19 +95,25 @@ class ArithTask(Task):
         return RewardResult().add("correct", float(outcome.answer == instance.reference), "test@1")
 
 
-def test_an_episode_calls_an_mcp_tool_through_the_agent_loop(box, tokenizer):
-    loop, tools, _ = box
-    inst = TaskInstance(task="mcp_arith", task_id="m1", messages=({"role": "user", "content": "6 * 7?"},),
+def multiply_through_the_agent_loop(loop, tools, tokenizer, run_id: str) -> None:
+    """One episode "6 * 7?" whose model calls arith_multiply then answers: the tool's result reaches the
+    model as an observation, the trajectory's tokens are the engine's, the reward is the task's."""
+    inst = TaskInstance(task="mcp_arith", task_id=run_id, messages=({"role": "user", "content": "6 * 7?"},),
                         reference="42", tools=("arith_multiply",))
     replies = ['<tool_call>{"name": "arith_multiply", "arguments": {"a": 6, "b": 7}}</tool_call>', "<answer>42</answer>"]
     engine = RecordingEngine(tokenizer, lambda ids, turn: replies[turn], max_model_len=1 << 16)
-    runner = AgentRunner(engine, tokenizer, agent_cfg=AgentConfig(max_turns=3), tools=tools, run_id="mcp")
+    runner = AgentRunner(engine, tokenizer, agent_cfg=AgentConfig(max_turns=3), tools=tools, run_id=run_id)
     [traj] = loop.run_until_complete(runner.run([inst], task=ArithTask(load_config(None, []).task)))
     check_tokens(engine, [traj])
     assert traj.status == S.COMPLETED and traj.reward == 1.0
     assert [(c.name, c.ok) for c in traj.tool_calls] == [("arith_multiply", True)]
     observation = [i for i, m in zip(traj.response_ids, traj.response_mask) if not m]
     assert "42" in tokenizer.decode(observation)
+
+
+def test_an_episode_calls_an_mcp_tool_through_the_agent_loop(box, tokenizer):
+    loop, tools, _ = box
+    multiply_through_the_agent_loop(loop, tools, tokenizer, "mcp")
 
 
 def test_a_hostile_server_is_contained_and_restarted(box, tmp_path):

@@ -26,7 +26,7 @@ from hybridrl.data.trajectory import TrajectoryStatus as S
 from hybridrl.envs.client import LeasedEnvProvider
 from hybridrl.envs.service import EnvService
 from hybridrl.envs.tasks import get_task
-from tests.envs.episodes import RecordingEngine, check_tokens, ledger_rewards
+from tests.envs.episodes import RecordingEngine, check_tokens, ledger_rewards, load_file
 from tests.launch import ROOT
 
 pytest.importorskip("openenv.core", reason="pip install -e .[openenv]")
@@ -36,12 +36,7 @@ APP = f"{ROOT}/recipes/envs/openenv_guess.py:app"
 
 @pytest.fixture(scope="module")
 def game():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("openenv_guess_test", APP.rpartition(":")[0])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(APP.rpartition(":")[0], "openenv_guess_test")
 
 
 @pytest.fixture(scope="module")
@@ -203,8 +198,7 @@ def test_bad_options_are_refused_at_load(options, match):
 
 
 def test_init_task_from_openenv_scaffolds_an_environment_and_its_recipe(tmp_path, monkeypatch):
-    import importlib.util
-
+    
     from hybridrl.scaffold_envs import write_env
 
     monkeypatch.chdir(tmp_path)
@@ -212,9 +206,7 @@ def test_init_task_from_openenv_scaffolds_an_environment_and_its_recipe(tmp_path
     cfg = load_config(files["grpo"])
     assert cfg.task.name == "openenv" and cfg.task.options["app"] == "game_env.py:app" and cfg.agent.max_turns == 7
     [inst] = get_task("openenv", cfg.task).train_split(1)
-    spec = importlib.util.spec_from_file_location("game_env", files["env"])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_file(files["env"], "game_env")
     env = module.GameEnvironment()
     env.reset(seed=inst.metadata["seed"])
     secret = random.Random(inst.metadata["seed"]).randint(1, 100)

@@ -6,7 +6,6 @@ the ledger, the eval taskset as validation, and the refusals at load. One module
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import sys
 
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from hybridrl.config import ConfigError, load_config
 from hybridrl.data.trajectory import TrajectoryStatus as S
 from hybridrl.envs.tasks import get_task
-from tests.envs.episodes import check_tokens, ledger_rewards, run_scripted
+from tests.envs.episodes import check_tokens, ledger_rewards, load_file, run_scripted
 from tests.launch import ROOT
 
 vf = pytest.importorskip("verifiers.v1", reason="pip install -e .[verifiers]")
@@ -30,10 +29,7 @@ def cfg(*extra):
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("vf_arith_test", ENV.rpartition(":")[0])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(ENV.rpartition(":")[0], "vf_arith_test")
 
 
 @pytest.fixture(scope="module")
