@@ -1,5 +1,6 @@
-"""Plug-in points from outside the package: a toy rollout engine, a toy model family and a toy front end
-(tests/plugins/toy_plugins.py, one row or class each) run a real RL job together, one torchrun rank."""
+"""Plug-in points from outside the package: a toy rollout engine, a toy training engine (with its own `train`
+section), a toy model family and a toy front end (tests/plugins/toy_plugins.py, one row or class each) run a
+real RL job together, one torchrun rank."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def toy_run(tmp_path_factory, tiny_models):
     run_dir = base / "run"
     proc = hybridrl_train(RECIPE, f"model.path={model}", f"run.dir={run_dir}", "distributed.nproc_per_node=1",
                           "trainer.total_steps=1", "trainer.prompts_per_step=2", f"rollout.engine={TOY}:ENGINE",
-                          f"model.family={TOY}:FAMILY", f"task.front_end={TOY}:ToyLoop")
+                          f"train.engine={TOY}:TRAIN", "train.toy_mark=7", f"model.family={TOY}:FAMILY",
+                          f"task.front_end={TOY}:ToyLoop")
     assert proc.returncode == 0, proc.stderr[-6000:]
     return run_dir
 
@@ -42,6 +44,7 @@ def test_a_toy_engine_family_and_front_end_run_an_rl_job(toy_run):
 
     rows = read_metrics(toy_run)
     assert [r["step"] for r in rows] == [0, 1] and rows[1]["train/updated"] == 1 and rows[1]["episodes"] == 8
+    assert rows[1]["train/toy_mark"] == 7.0                 # the toy training engine ran, reading its own section
     (shard,) = (toy_run / "ledger" / "data").glob("step_*1.parquet")
     trajs = pq.read_table(shard).to_pylist()
     assert len(trajs) == 8
@@ -61,3 +64,21 @@ def test_the_toy_family_is_one_row_found_by_its_architecture():
         family_of({"architectures": ["NopeForCausalLM"]})
     with pytest.raises(ConfigValueError, match="not an hybridrl.backends.families.ModelFamily"):
         register_family(f"{TOY}:ToyLoop")
+
+
+def test_the_train_section_is_the_selected_training_engines_own(tmp_path):
+    from hybridrl.backends.megatron.config import MegatronConfig
+    from hybridrl.config import ConfigError, load_config
+    from tests.plugins.toy_plugins import ToyTrainConfig
+
+    model = f"model.path={tmp_path}"
+    assert type(load_config(RECIPE, [model]).train) is MegatronConfig
+    cfg = load_config(RECIPE, [model, f"train.engine={TOY}:TRAIN", "train.toy_mark=3", "train.lr=2e-5"])
+    assert type(cfg.train) is ToyTrainConfig and cfg.train.toy_mark == 3.0 and cfg.train.lr == 2e-5
+    recipe = tmp_path / "recipe.yaml"                      # the engine named in a recipe, its knob overridden
+    recipe.write_text(RECIPE.read_text() + f"\ntrain:\n  engine: {TOY}:TRAIN\n")
+    assert load_config(recipe, [model, "train.toy_mark=4"]).train.toy_mark == 4.0
+    with pytest.raises(ConfigError, match=r"section 'train' has no 'toy_mark'"):
+        load_config(RECIPE, [model, "train.toy_mark=3"])            # Megatron's section has no such knob
+    with pytest.raises(ConfigError, match=r"train.engine.*unknown training engine 'megatrn'.*did you mean 'megatron'"):
+        load_config(RECIPE, [model, "train.engine=megatrn"])

@@ -41,10 +41,17 @@ def load_config(
     schema: type | None = None,
     configs_dir: Path | None = CONFIGS_DIR,
 ) -> Any:
-    """Resolve and validate a config; returns an instance of `schema` (dataclasses all the way; the root
-    `Config` by default)."""
-    schema = schema or root()
-    merged, sources = _merge_layers(recipe, overrides, schema=schema, configs_dir=configs_dir)
+    """Resolve and validate a config; returns an instance of `schema` (dataclasses all the way; by default
+    the root `Config` whose `train` section is the class of the training engine the layers select)."""
+    layers = _read_layers(recipe, overrides, configs_dir, schema or root())
+    if schema is None:
+        engine = _train_engine(layers)
+        schema = root(engine)
+        layers = [(source, layer) for source, layer, section_file in layers
+                  if section_file != "train" or _engine_of(layer, source) in (None, engine)]
+    else:
+        layers = [(source, layer) for source, layer, _ in layers]
+    merged, sources = _merge_layers(layers, schema)
     try:
         missing = sorted(OmegaConf.missing_keys(merged))
     except OmegaConfBaseException as err:
@@ -105,10 +112,9 @@ def defaults_yaml(schema: type | None = None) -> dict[str, str]:
 # merging
 
 
-def _merge_layers(recipe, overrides, *, schema, configs_dir):
-    merged = OmegaConf.structured(schema)
-    sources: dict[str, str] = {}
-    layers: list[tuple[str, DictConfig]] = []
+def _read_layers(recipe, overrides, configs_dir, schema) -> list[tuple[str, DictConfig, str | None]]:
+    """(source, layer, the section a configs/<section>.yaml holds, else None), lowest first."""
+    layers: list[tuple[str, DictConfig, str | None]] = []
     if configs_dir is not None and configs_dir.is_dir():
         for f in dataclasses.fields(schema):
             path = configs_dir / f"{f.name}.yaml"
@@ -118,12 +124,47 @@ def _merge_layers(recipe, overrides, *, schema, configs_dir):
                 if extra:
                     raise ConfigError(f"holds section '{sorted(extra)[0]}'; it may only hold '{f.name}'",
                                       source=_display(path))
-                layers.append((_display(path), layer))
+                layers.append((_display(path), layer, f.name))
     if recipe is not None:
         path = Path(recipe)
-        layers.append((_display(path), _read_yaml(path)))
+        layers.append((_display(path), _read_yaml(path), None))
     if overrides:
-        layers.append((COMMAND_LINE, _parse_overrides(overrides)))
+        layers.append((COMMAND_LINE, _parse_overrides(overrides), None))
+    return layers
+
+
+def _train_engine(layers: Sequence[tuple[str, DictConfig, str | None]]) -> str | None:
+    """The `train.engine` the highest layer that sets it names (None: none does, the default engine), checked
+    against the training engines' registry here, so that an unknown one names its layer. A configs/train.yaml
+    written for another engine than the selected one is left out (it documents that engine's knobs)."""
+    from hybridrl.training.registry import train_section
+
+    chosen = None
+    for source, layer, _ in layers:
+        engine = _engine_of(layer, source)
+        if engine is None:
+            continue
+        try:
+            train_section(engine)
+        except ConfigValueError as err:
+            raise ConfigError(str(err), key="train.engine", source=source) from None
+        chosen = engine
+    return chosen
+
+
+def _engine_of(layer: DictConfig, source: str) -> str | None:
+    try:
+        engine = OmegaConf.select(layer, "train.engine", default=None)
+    except OmegaConfBaseException:
+        raise ConfigError("is a section; expected a mapping", key="train", source=source) from None
+    if isinstance(engine, (DictConfig, list)) or OmegaConf.is_list(engine):
+        raise ConfigError(f"expected str, got {type(engine).__name__}", key="train.engine", source=source)
+    return None if engine is None else str(engine)
+
+
+def _merge_layers(layers: Sequence[tuple[str, DictConfig]], schema: type):
+    merged = OmegaConf.structured(schema)
+    sources: dict[str, str] = {}
     for source, layer in layers:
         try:
             merged = OmegaConf.merge(merged, layer)

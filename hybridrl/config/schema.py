@@ -62,20 +62,25 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _class(target: str) -> type:
-    """A section's class: the class `target` names, or what the function it names returns (`train`: the
-    training engine's row's). Not a plug-in point (the table is ours), so no registry: the config package
-    imports nothing outside itself."""
+def _class(target: str, train_engine: str | None) -> type:
+    """A section's class: the class `target` names, or what the function it names returns for the run's
+    training engine (`train`: that engine's row's section). Not a plug-in point (the table is ours), so no
+    registry: the config package imports nothing outside itself."""
     module, _, attr = target.partition(":")
     found = vars(importlib.import_module(module))[attr]
-    return found if isinstance(found, type) else found()
+    return found if isinstance(found, type) else found(train_engine)
+
+
+def root(train_engine: str | None = None) -> type:
+    """The root class `Config` of a run whose `train.engine` is `train_engine` (None: the default engine):
+    a keyword-only dataclass with one field per registered section, whose `__post_init__` runs the checks
+    across sections. One class per set of section classes (the default engine named or not: the same)."""
+    return _assemble(tuple(_class(target, train_engine) for _, target, _ in SECTIONS))
 
 
 @functools.cache
-def root() -> type:
-    """The root class `Config`: a keyword-only dataclass with one field per registered section, whose
-    `__post_init__` runs the checks across sections."""
-    fields = [(name, _class(target), section(_class(target), help)) for name, target, help in SECTIONS]
+def _assemble(classes: tuple[type, ...]) -> type:
+    fields = [(name, cls, section(cls, help)) for (name, _, help), cls in zip(SECTIONS, classes)]
     cls = dataclasses.make_dataclass("Config", fields, kw_only=True,
                                      namespace={"__doc__": "The whole run.", "__post_init__": check_across})
     cls.__module__ = __name__

@@ -43,9 +43,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from hybridrl.algo.filters import admit, informative_groups, stale_groups
 from hybridrl.controller import curriculum
@@ -203,6 +203,21 @@ class PartialCollection:
             counts["stale/requeued_episodes"] += sum(t.group_id in stale for t in trajectories)
             trajectories = [t for t in trajectories if t.group_id not in stale]
         return trajectories
+
+    def launch_for(self, lacking: Mapping[str, int], step: int, label: str) -> tuple[list[Trajectory], int]:
+        """`task.share_policy=wait`: launch `lacking[task]` more groups of each task short of its share of the
+        step, then collect what completes first (at least one group, these or any in flight);
+        (those trajectories, the number of groups launched)."""
+        stream = self.run.stream
+        launched: list[dict] = []
+        for name, n in lacking.items():
+            stream.only = name
+            try:
+                launched += self._launch(n, step, label)
+            finally:
+                stream.only = None
+        more = self._collect(launched, 1, 0.0, [], Counter())
+        return more, len({e["group_id"] for e in launched})
 
     def rollout(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
         tc = self.cfg.trainer

@@ -112,17 +112,11 @@ def keep_shares(collection: Any, step: int, trajectories: list) -> tuple[list, d
         if not short or rounds >= collection.cfg.task.share_max_wait_rounds:
             break
         rounds += 1
-        launched = []
         flying = Counter(stream.task_of[inst["task_id"]] for inst in collection.in_flight.values())
-        for name, missing in short.items():
-            if flying[name] < missing:            # nothing (enough) of it in flight: launch what it lacks
-                stream.only = name
-                try:
-                    launched += collection._launch(missing - flying[name], step, f"{step}.w{rounds}")
-                finally:
-                    stream.only = None
-        counts["share/launched_for_share"] += len({e["group_id"] for e in launched})
-        more = collection._collect(launched, 1, 0.0, [], Counter())
+        # nothing (enough) of a short task in flight: launch what it lacks
+        lacking = {name: missing - flying[name] for name, missing in short.items() if flying[name] < missing}
+        more, launched = collection.launch_for(lacking, step, f"{step}.w{rounds}")
+        counts["share/launched_for_share"] += launched
         pool += [(returned.get(g, {}), m) for g, m in _by_group(more).items()]
     counts["share/wait_rounds"] = float(rounds)
     counts["share/wait_s"] = time.perf_counter() - started if rounds else 0.0

@@ -34,9 +34,9 @@ ENGINES: Registry[TrainEngineSpec] = Registry("training engine", key="engine", r
 })
 
 
-def train_section() -> type:
-    """The class of the `train` section: the default engine's (every shipped engine reads it)."""
-    return ENGINES.get(DEFAULT).config
+def train_section(engine: str | None = None) -> type:
+    """The class of the `train` section: the row's of `engine` (`train.engine`; None: the default engine)."""
+    return ENGINES.get(engine or DEFAULT, key="train.engine").config
 
 
 def engine_class(name: str) -> Any:

@@ -1,21 +1,28 @@
-"""A toy rollout engine, a toy model family and a toy front end defined outside the package (what a
-user's module holds), each one row, named in a config as
+"""A toy rollout engine, a toy training engine, a toy model family and a toy front end defined outside
+the package (what a user's module holds), each one row, named in a config as
 
     rollout.engine=tests.plugins.toy_plugins:ENGINE
+    train.engine=tests.plugins.toy_plugins:TRAIN      (its own `train` section: `train.toy_mark`)
     model.family=tests.plugins.toy_plugins:FAMILY
     task.front_end=tests.plugins.toy_plugins:ToyLoop
 
-Each leaves its mark on the trajectories it touches (their metadata), so a run shows all three were
-used: the front end stamps its name, the engine it drove and the family that engine's model is of."""
+Each leaves its mark on what it touches, so a run shows all four were used: the front end stamps on the
+trajectories its name, the engine it drove and the family that engine's model is of; the training engine
+reports its section's `toy_mark` with every optimizer step (metrics `train/toy_mark`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from hybridrl.agent.loop import AgentRunner
+from hybridrl.backends.megatron.config import MegatronConfig
+from hybridrl.config import knob
 from hybridrl.backends.families import ModelFamily
 from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.backends.native.engine import NativeEngine
 from hybridrl.registry import Lazy
 from hybridrl.rollout.registry import RolloutEngineSpec
+from hybridrl.training.registry import TrainEngineSpec
 
 _ENGINE = "hybridrl.backends.native.engine:NativeEngine"
 
@@ -52,3 +59,14 @@ class ToyLoop(AgentRunner):
         super().finish(ep)
         ep.traj.metadata["toy"] = {"front_end": type(self).__name__, "engine": type(self.engine).__name__,
                                    "family": self.engine.family()}
+
+
+@dataclass
+class ToyTrainConfig(MegatronConfig):
+    """Megatron's knobs and one of the toy engine's own."""
+
+    engine: str = knob("tests.plugins.toy_plugins:TRAIN", "the training engine")
+    toy_mark: float = knob(0.0, "reported with every optimizer step as train/toy_mark")
+
+
+TRAIN = TrainEngineSpec("toytrain", engine=Lazy("tests.plugins.toy_train:ToyTrainEngine"), config=ToyTrainConfig)
