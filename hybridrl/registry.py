@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import os
 import pkgutil
 import sys
@@ -82,6 +83,31 @@ def load(target: str, *, key: str = "", purpose: str = "") -> Any:
     if found is None:
         raise ConfigValueError(key, f"module {module_name!r} ({getattr(module, '__file__', '?')}) has no {attr!r}")
     return found
+
+
+def load_function(spec: str, *, key: str, purpose: str) -> Callable[..., Any]:
+    """The function `module:function` (imported from the working directory or PYTHONPATH) or
+    `path/to/file.py:function` (that file, executed as a module of its own) names; ConfigValueError naming
+    `key` when the spec is malformed, the file is missing, its import fails or it has no such function."""
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise ConfigValueError(key, f"{spec!r} is not 'module:function' or 'path/to/file.py:function'")
+    try:
+        if where.endswith(".py"):
+            if not Path(where).is_file():
+                raise FileNotFoundError(f"no file {where} (relative paths are from {Path.cwd()})")
+            file_spec = importlib.util.spec_from_file_location(f"_hybridrl_user_{Path(where).stem}", where)
+            module = importlib.util.module_from_spec(file_spec)
+            file_spec.loader.exec_module(module)
+        else:
+            importable_from_cwd()
+            module = importlib.import_module(where)
+    except Exception as err:  # noqa: BLE001 - the user's module: any import error is theirs to see
+        raise ConfigValueError(key, f"cannot load {where!r} for {purpose}: {one_line(err)}") from None
+    fn = vars(module).get(attr)
+    if not callable(fn):
+        raise ConfigValueError(key, f"{where!r} has no function {attr!r} (for {purpose})")
+    return fn
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,6 @@ not depend on the file's order or on the split sizes; identical prompts are one 
 from __future__ import annotations
 
 import hashlib
-import importlib
-import importlib.util
 import inspect
 import json
 import math
@@ -151,28 +149,9 @@ def demonstrations(path: str, validation_fraction: float = 0.0, *, key: str = "d
 
 def load_score(spec: str, key: str = "score") -> Callable[..., Any]:
     """`module:function` (importable from the working directory or PYTHONPATH) or `file.py:function`."""
-    from hybridrl.envs.tasks.registry import importable_from_cwd
+    from hybridrl.registry import load_function
 
-    where, sep, attr = spec.rpartition(":")
-    if not sep or not where or not attr:
-        raise ConfigValueError(key, f"{spec!r} is not 'module:function' or 'path/to/file.py:function'")
-    try:
-        if where.endswith(".py"):
-            if not Path(where).is_file():
-                raise FileNotFoundError(f"no file {where} (from {Path.cwd()})")
-            spec_ = importlib.util.spec_from_file_location(f"_hybridrl_score_{Path(where).stem}", where)
-            module = importlib.util.module_from_spec(spec_)
-            spec_.loader.exec_module(module)
-        else:
-            importable_from_cwd()
-            module = importlib.import_module(where)
-    except Exception as err:  # noqa: BLE001 - the user's module: any import error is theirs to see
-        raise ConfigValueError(key, f"cannot load {where!r} for the score function: {type(err).__name__}: "
-                                    f"{err}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigValueError(key, f"{where!r} has no function {attr!r}")
-    return fn
+    return load_function(spec, key=key, purpose="the score function")
 
 
 def call_score(fn: Callable[..., Any], solution: str, ground_truth: Any, info: dict, data_source: str) -> Any:

@@ -30,18 +30,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib
-import importlib.util
 import random
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hybridrl.config.fields import ConfigValueError, check_range
 from hybridrl.data.episode import EpisodeOutcome, TaskInstance
 from hybridrl.envs.tasks.base import Task
 from hybridrl.envs.tasks.registry import register_task
+from hybridrl.registry import load_function
 from hybridrl.reward import RewardResult
 
 INSTALL = "pip install -e .[verifiers]   (or pip install 'verifiers>=0.4,<0.5')"
@@ -60,12 +58,11 @@ def package():
 def load_taskset(spec: str, kwargs: dict[str, Any], key: str = "environment") -> Any:
     """The `vf.Taskset` of `spec` called with `kwargs` (see the module doc); ConfigValueError naming `key`."""
     vf = package()
-    where, sep, attr = spec.rpartition(":")
     try:
-        if not sep:
+        if ":" not in spec:
             config_type = vf.taskset_config_type(spec)
             return vf.load_taskset(config_type.model_validate({**kwargs, "id": spec}))
-        made = _function(where, attr, key)(**kwargs)
+        made = load_function(spec, key=key, purpose="the verifiers environment")(**kwargs)
     except ConfigValueError:
         raise
     except Exception as err:  # noqa: BLE001 - the user's environment: its error is theirs to see
@@ -77,25 +74,6 @@ def load_taskset(spec: str, kwargs: dict[str, Any], key: str = "environment") ->
         raise ConfigValueError(key, f"{spec} returned {type(made).__name__}, not a verifiers Taskset or Env "
                                     "(verifiers.v1)")
     return made
-
-
-def _function(where: str, attr: str, key: str) -> Any:
-    from hybridrl.registry import importable_from_cwd
-
-    if where.endswith(".py"):
-        if not Path(where).is_file():
-            raise ConfigValueError(key, f"no file {where} (relative paths are from {Path.cwd()})")
-        name = f"_hybridrl_vf_{Path(where).stem}"
-        spec = importlib.util.spec_from_file_location(name, where)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        importable_from_cwd()
-        module = importlib.import_module(where)
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigValueError(key, f"{where!r} has no function {attr!r}")
-    return fn
 
 
 def held_out(key: str, fraction: float) -> bool:
