@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from hybridrl.config.fields import ConfigValueError, check_positive, knob
+from hybridrl.backends.native.config import DTYPES
+from hybridrl.config.fields import ConfigValueError, check_choice, check_positive, knob
 
 
 @dataclass(kw_only=True)
@@ -16,6 +17,9 @@ class ReplicasConfig:
     """Rollout replicas: native engines in processes of their own (`hybridrl replica`), outside the training
     ranks' process group, reached over HTTP."""
 
+    dtype: str = knob("auto", "the dtype the replicas hold the weights in (each one's rollout.native.dtype, the same "
+                              "values; a replica in another is refused when it joins): auto | float32 | bfloat16 | "
+                              "float16; auto = float32 on CPU, bfloat16 on CUDA, decided by distributed.device")
     urls: list[str] = knob(
         help="replica base URLs known at start (http://host:port); a URL that stops answering is dropped, and a "
              "process answering there again later joins at the next publication", factory=list)
@@ -29,6 +33,7 @@ class ReplicasConfig:
                                            "counts as lost (its request goes to another replica)")
 
     def __post_init__(self) -> None:
+        check_choice("dtype", self.dtype, DTYPES)
         for url in self.urls:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:

@@ -35,7 +35,7 @@ from hybridrl.backends.replicas import wire
 from hybridrl.backends.replicas.config import ReplicasConfig
 from hybridrl.rollout.protocol import GenerationOutput, SamplingParams, check_tags
 from hybridrl.rollout.versions import NO_WEIGHTS, Publication
-from hybridrl.rollout.weight_spec import WeightMismatch, validate_named_tensors
+from hybridrl.rollout.weight_spec import WeightMismatch, dtype_name, validate_named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,6 @@ class ReplicasEngine:
         self._client_loop: Any = None
         self._spec: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None    # the first replica's
         info = self._first_info()
-        self._spec = {n: (tuple(shape), getattr(torch, dtype)) for n, (shape, dtype) in info["weight_spec"].items()}
         self.eos_token_ids = tuple(info["eos_token_ids"])
         self.max_model_len = int(info["max_model_len"])
         self.vocab_size = int(info["vocab_size"])
@@ -212,21 +211,32 @@ class ReplicasEngine:
                     continue     # being written, or not a registration
         return list(dict.fromkeys(u.rstrip("/") for u in urls))
 
-    def _join(self, url: str, info: Mapping[str, Any]) -> bool:
-        """Take a replica that answered `info` at `url` into the pool (weights still to come)."""
+    def _join(self, url: str, info: Mapping[str, Any]) -> None:
+        """Take a replica that answered `info` at `url` into the pool (weights still to come), unless it serves
+        another model than the run's (refused for good: its instance counts as lost, the reason logged)."""
         instance = info["instance"]
         if instance in self.lost or instance in self.live:
-            return False
-        spec = self._spec
-        theirs = {n: (tuple(s), d) for n, (s, d) in info["weight_spec"].items()}
-        if spec is not None and theirs != {n: (s, str(d).replace("torch.", "")) for n, (s, d) in spec.items()}:
-            raise RuntimeError(f"replica {instance} at {url} serves a model of another shape than the run's: start "
-                               f"it with --model {self.model or 'the run model.path'}")
+            return
+        problem = self._misfit(info)
+        if problem is not None:
+            self.lost[instance] = problem
+            log.error("rollout replica %s at %s refused: %s", instance, url, problem)
+            return
         self.live[instance] = Replica(url, instance)
         self.counts["replicas_joined"] += 1
         log.info("replica %s (%s) joined the pool (%d live); it serves once it holds a whole published version",
                  instance, url, len(self.live))
-        return True
+
+    def _misfit(self, info: Mapping[str, Any]) -> str | None:
+        """Why a replica cannot serve this run (None: it can): another model's shapes, or another dtype."""
+        theirs = {n: (tuple(s), d) for n, (s, d) in info["weight_spec"].items()}
+        if self._spec is not None and theirs != {n: (s, dtype_name(d)) for n, (s, d) in self._spec.items()}:
+            return f"it serves a model of another shape than the run's: start it with --model {self.model or 'model.path'}"
+        dtypes = {d for _, d in theirs.values()}
+        if self.cfg.dtype != "auto" and dtypes != {self.cfg.dtype}:
+            return (f"its weights are {sorted(dtypes)}, rollout.replicas.dtype={self.cfg.dtype}: start it with "
+                    f"rollout.native.dtype={self.cfg.dtype}")
+        return None
 
     def _first_info(self) -> dict[str, Any]:
         """At start: wait (up to wait_s) for min_live replicas; the first one's description of the model."""
@@ -242,8 +252,11 @@ class ReplicasEngine:
                         info = client.get(f"{url}/info").raise_for_status().json()
                     except httpx.HTTPError:
                         continue
-                    first = first or info
                     self._join(url, info)
+                    if first is None and info["instance"] in self.live:    # the model as the first replica has it
+                        first = info
+                        self._spec = {n: (tuple(shape), getattr(torch, dtype))
+                                      for n, (shape, dtype) in info["weight_spec"].items()}
                 if len(self.live) >= self.cfg.min_live or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
