@@ -12,7 +12,8 @@ processes outside the training ranks' process group. Losing one never restarts t
                     bucket the pool is refreshed: replicas that registered (or answer at a configured URL)
                     since join it and receive that whole version before they serve (none serves weights it
                     did not receive from this trainer: the engine starts at version -1)
-    sleep / wake_up nothing to release: the replicas do not share the trainer's memory
+    sleep / wake_up nothing to release: the replicas do not share the trainer's memory (`sleep(())` ends the
+                    requests in flight with ABORT)
 
 Which replica runs a request depends on timing; what it samples does not (same weights, the request's seed),
 except for the last bits that batch composition can move in any engine.
@@ -33,7 +34,7 @@ import torch
 
 from hybridrl.backends.replicas import wire
 from hybridrl.backends.replicas.config import ReplicasConfig
-from hybridrl.rollout.protocol import GenerationOutput, SamplingParams, check_tags
+from hybridrl.rollout.protocol import KV_CACHE, GenerationOutput, SamplingParams, check_tags
 from hybridrl.rollout.versions import NO_WEIGHTS, Publication
 from hybridrl.rollout.weight_spec import WeightMismatch, dtype_name, validate_named_tensors
 
@@ -174,10 +175,13 @@ class ReplicasEngine:
             raise WeightMismatch(sorted(mismatched), f"publication v{version}: {len(mismatched)} tensor(s) read back "
                                                      f"on a replica differ from what was sent")
 
-    async def sleep(self, tags: Iterable[str] = ()) -> None:
+    async def sleep(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
+        """Nothing to release (the replicas hold no memory of the trainer's: `sleep(())`); requests in flight end
+        with ABORT, as the protocol says."""
         check_tags(self, tags)
+        await asyncio.gather(*[self._abort_on(replica, request_id) for request_id, replica in list(self._where.items())])
 
-    async def wake_up(self, tags: Iterable[str] = ()) -> None:
+    async def wake_up(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
         check_tags(self, tags)
 
     def writable_views(self, names: Sequence[str]) -> None:
