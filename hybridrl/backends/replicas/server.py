@@ -16,7 +16,8 @@ serves the model directory's weights as loaded, but the client sends it no reque
 whole version from the trainer: a replica joins at the trainer's next publication.
 
 The HTTP stack is the gateway's (Starlette on uvicorn), on the engine's event loop: the native engine's loop
-driver runs its steps there between requests.
+driver runs its steps there between requests. Import-light (the CLI builds its parser from `add_arguments`):
+torch comes with the engine.
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ import sys
 import uuid
 from pathlib import Path
 from typing import Any
-
-from hybridrl.backends.replicas import wire
 
 log = logging.getLogger("hybridrl.replica")
 
@@ -73,6 +72,8 @@ class ReplicaServer:
                                 for n, (shape, dtype) in engine.weight_spec().items()}}
 
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        from hybridrl.backends.replicas import wire
+
         self.requests += 1
         if self.requests == self.kill_at_request:
             log.warning("replica %s: request %d (%s) arrived: killing myself (--kill-at-request)", self.instance,
@@ -86,6 +87,8 @@ class ReplicaServer:
         return wire.output_to_json(out)
 
     async def weights(self, payload: bytes) -> dict[str, Any]:
+        from hybridrl.backends.replicas import wire
+
         named, version, digests = wire.read_weights(payload)
         await self.engine.update_weights(named, version, digests=digests)
         whole = self.engine.policy_version == version and self.engine.stats()["pending_version"] is None

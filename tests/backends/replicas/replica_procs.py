@@ -52,9 +52,9 @@ class ReplicaProc:
                 self.proc.wait()
 
 
-def start_replica(model: Path, registry: Path, log: Path, *args: str) -> ReplicaProc:
+def start_replica(model: Path, registry: Path, log: Path, *args: str, kv_cache_mb: int = 8) -> ReplicaProc:
     cmd = [sys.executable, "-m", "hybridrl", "replica", "--model", str(model), "--registry", str(registry), *args,
-           "rollout.native.kv_cache_mb=8"]
+           f"rollout.native.kv_cache_mb={kv_cache_mb}"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env_with_repo(), stdout=out, stderr=subprocess.STDOUT)
     return ReplicaProc(proc, log, registry)
