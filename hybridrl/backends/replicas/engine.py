@@ -48,6 +48,10 @@ class ReplicaLost(Exception):
     """A replica that stopped answering."""
 
 
+class ReplicaTimeout(ReplicaLost):
+    """A replica that answered nothing within request_timeout_s (lost whether or not it still answers /info)."""
+
+
 @dataclass
 class Replica:
     url: str
@@ -121,7 +125,7 @@ class ReplicasEngine:
             try:
                 out = await self._generate_on(replica, body)
             except ReplicaLost as err:
-                if await self._still_there(replica):      # the connection failed, not the replica
+                if not isinstance(err, ReplicaTimeout) and await self._still_there(replica):   # the connection failed
                     await self._abort_on(replica, request_id)
                     continue
                 self._lose(replica, str(err))
@@ -339,7 +343,7 @@ class ReplicasEngine:
         try:
             return await self._http().post(f"{replica.url}{path}", **kwargs)
         except httpx.TimeoutException as err:
-            raise ReplicaLost(f"no answer to {path} within {self.cfg.request_timeout_s:g} s") from err
+            raise ReplicaTimeout(f"no answer to {path} within {self.cfg.request_timeout_s:g} s") from err
         except httpx.TransportError as err:
             raise ReplicaLost(f"{type(err).__name__} on {path}: {err}") from err
 

@@ -113,3 +113,23 @@ def test_no_replica_left_names_what_to_start(tmp_path):
     with pytest.raises(RuntimeError, match=r"no rollout replica is live .*python -m hybridrl replica --model M "
                                            r"--registry"):
         ReplicasEngine(ReplicasConfig(registry=str(tmp_path), wait_s=0), registry=tmp_path, model="M")
+
+
+def test_a_hung_replica_is_lost_after_the_request_timeout(pool, tiny_models):
+    """A replica that stops answering without closing its connections (SIGSTOP) is lost once a request waited
+    request_timeout_s on it; its requests go to the other replica. (Last: it leaves the pool's late replica
+    stopped until the fixture ends.)"""
+    late, survivor = pool["late"], pool["survivor"]
+    registry = late.registry
+    engine = ReplicasEngine(ReplicasConfig(registry=str(registry), min_live=2, wait_s=30, request_timeout_s=5),
+                            registry=registry)
+    _publish(engine, _weights(tiny_models("llama"), shift=0.02), 2)
+    late.proc.send_signal(signal.SIGSTOP)
+    try:
+        outs = _generate(engine, "hung")
+    finally:
+        late.proc.send_signal(signal.SIGCONT)
+    assert [o.policy_version for o in outs] == [2] * NUM_REQUESTS
+    assert engine.stats()["replicas_lost"] == 1 and late.wait_registered()["instance"] in engine.lost
+    assert "no answer to /generate within 5 s" in engine.lost[late.wait_registered()["instance"]]
+    assert survivor.wait_registered()["instance"] in engine.live
