@@ -22,9 +22,11 @@ except for the last bits that batch composition can move in any engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +35,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from hybridrl.backends.replicas import wire
+from hybridrl.backends.native.sampler import request_seed
 from hybridrl.backends.replicas.config import ReplicasConfig
 from hybridrl.rollout.protocol import KV_CACHE, GenerationOutput, SamplingParams, check_tags
 from hybridrl.rollout.versions import NO_WEIGHTS, Publication
@@ -72,11 +75,15 @@ class ReplicasEngine:
         self.live: dict[str, Replica] = {}       # instance -> replica, in the order they joined
         self.lost: dict[str, str] = {}           # instance -> why (never taken back)
         self.counts: Counter = Counter()
-        self._where: dict[str, Replica] = {}     # request id -> the replica running it
+        self._where: dict[str, Replica] = {}     # request id on the wire -> the replica running it
+        # the ids this client's requests carry on the replicas: several clients (one per trainer rank) share
+        # a pool, and a request's id must be unique on its replica
+        self._tag = uuid.uuid4().hex[:12]
         self._aborts: set[asyncio.Task] = set()
         self._client: Any = None
         self._client_loop: Any = None
         self._spec: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None    # the first replica's
+        self._seed = 0                    # the replicas' rollout.native.seed (the same on each): the first one's
         info = self._first_info()
         self.eos_token_ids = tuple(info["eos_token_ids"])
         self.max_model_len = int(info["max_model_len"])
@@ -118,15 +125,17 @@ class ReplicasEngine:
         """On a live replica serving the current version; again on another when that one is lost."""
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        if sampling.seed is None:         # the seed the native engine would draw for it, whichever replica runs it
+            sampling = dataclasses.replace(sampling, seed=request_seed(self._seed, request_id))
         body = {"token_ids": [int(t) for t in token_ids], "sampling": wire.sampling_to_json(sampling),
-                "request_id": request_id}
+                "request_id": self._wire_id(request_id)}
         for _ in range(MAX_ATTEMPTS):
             replica = self._pick()
             try:
                 out = await self._generate_on(replica, body)
             except ReplicaLost as err:
                 if not isinstance(err, ReplicaTimeout) and await self._still_there(replica):   # the connection failed
-                    await self._abort_on(replica, request_id)
+                    await self._abort_on(replica, body["request_id"])
                     continue
                 self._lose(replica, str(err))
                 self.counts["requests_resubmitted"] += 1
@@ -137,13 +146,14 @@ class ReplicasEngine:
             self.counts["decode_tokens"] += len(out.token_ids)
             self.counts["prefill_tokens"] += out.prompt_tokens - out.cached_prompt_tokens
             self.counts["prefix_hit_tokens"] += out.cached_prompt_tokens
-            return out
+            return dataclasses.replace(out, request_id=request_id)
         raise RuntimeError(f"request {request_id}: its connection to a replica failed {MAX_ATTEMPTS} times while the "
                            "replica still answered; check the network between the trainer and the replicas")
 
     async def abort(self, request_id: str) -> bool:
-        replica = self._where.get(request_id)
-        return await self._abort_on(replica, request_id) if replica is not None else False
+        wire_id = self._wire_id(request_id)
+        replica = self._where.get(wire_id)
+        return await self._abort_on(replica, wire_id) if replica is not None else False
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
                              digests: Mapping[str, str] | None = None) -> None:
@@ -206,6 +216,9 @@ class ReplicasEngine:
             except RuntimeError:
                 pass  # its loop is gone: the sockets close with it
 
+    def _wire_id(self, request_id: str) -> str:
+        return f"{self._tag}/{request_id}"
+
     # -- the pool -----------------------------------------------------------------------------
 
     def _candidates(self) -> list[str]:
@@ -240,6 +253,9 @@ class ReplicasEngine:
         theirs = {n: (tuple(s), d) for n, (s, d) in info["weight_spec"].items()}
         if self._spec is not None and theirs != {n: (s, dtype_name(d)) for n, (s, d) in self._spec.items()}:
             return f"it serves a model of another shape than the run's: start it with --model {self.model or 'model.path'}"
+        if self._spec is not None and int(info["seed"]) != self._seed:
+            return (f"its rollout.native.seed is {info['seed']}, the pool's {self._seed}: start it with "
+                    f"rollout.native.seed={self._seed} (a request without a seed samples by it)")
         dtypes = {d for _, d in theirs.values()}
         if self.cfg.dtype != "auto" and dtypes != {self.cfg.dtype}:
             return (f"its weights are {sorted(dtypes)}, rollout.replicas.dtype={self.cfg.dtype}: start it with "
@@ -262,7 +278,7 @@ class ReplicasEngine:
                         continue
                     self._join(url, info)
                     if first is None and info["instance"] in self.live:    # the model as the first replica has it
-                        first = info
+                        first, self._seed = info, int(info["seed"])
                         self._spec = {n: (tuple(shape), getattr(torch, dtype))
                                       for n, (shape, dtype) in info["weight_spec"].items()}
                 if len(self.live) >= self.cfg.min_live or time.monotonic() > deadline:

@@ -66,7 +66,7 @@ class ReplicaServer:
         engine = self.engine
         return {"instance": self.instance, "pid": os.getpid(), "policy_version": engine.policy_version,
                 "eos_token_ids": list(engine.eos_token_ids), "max_model_len": engine.max_model_len,
-                "vocab_size": engine.vocab_size, "served": self.served,
+                "vocab_size": engine.vocab_size, "seed": engine.config.seed, "served": self.served,
                 "versions_served": {str(k): v for k, v in sorted(self.versions_served.items())},
                 "weight_spec": {n: [list(shape), str(dtype).replace("torch.", "")]
                                 for n, (shape, dtype) in engine.weight_spec().items()}}

@@ -115,15 +115,27 @@ def test_no_replica_left_names_what_to_start(tmp_path):
         ReplicasEngine(ReplicasConfig(registry=str(tmp_path), wait_s=0), registry=tmp_path, model="M")
 
 
-def test_a_hung_replica_is_lost_after_the_request_timeout(pool, tiny_models):
-    """A replica that stops answering without closing its connections (SIGSTOP) is lost once a request waited
-    request_timeout_s on it; its requests go to the other replica. (Last: it leaves the pool's late replica
-    stopped until the fixture ends.)"""
-    late, survivor = pool["late"], pool["survivor"]
+def test_two_clients_share_the_pool_and_a_hung_replica_is_lost_after_the_request_timeout(pool, tiny_models):
+    """Two clients (two trainer ranks) publish the same version to the pool and send the same request ids at
+    once: each gets its own answers. Then a replica that stops answering without closing its connections
+    (SIGSTOP) is lost once a request waited request_timeout_s on it; its requests go to the other replica.
+    (Last: it leaves the pool's late replica stopped until the fixture ends.)"""
+    late, survivor, first = pool["late"], pool["survivor"], pool["engine"]
     registry = late.registry
     engine = ReplicasEngine(ReplicasConfig(registry=str(registry), min_live=2, wait_s=30, request_timeout_s=5),
                             registry=registry)
-    _publish(engine, _weights(tiny_models("llama"), shift=0.02), 2)
+    weights = _weights(tiny_models("llama"), shift=0.02)
+    _publish(first, weights, 2)
+    _publish(engine, weights, 2)
+    sampled = SamplingParams(max_new_tokens=6, ignore_eos=True)           # no seed: drawn from the request id
+
+    async def both():
+        return await asyncio.gather(*[e.generate([3, 5, 7], sampled, f"same-{i}") for e in (first, engine)
+                                      for i in range(NUM_REQUESTS)])
+
+    outs = asyncio.run(both())
+    assert [o.request_id for o in outs] == [f"same-{i}" for i in range(NUM_REQUESTS)] * 2
+    assert [o.token_ids for o in outs[:NUM_REQUESTS]] == [o.token_ids for o in outs[NUM_REQUESTS:]]
     late.proc.send_signal(signal.SIGSTOP)
     try:
         outs = _generate(engine, "hung")
