@@ -1,5 +1,5 @@
 """The replicas engine against the shared rollout-engine contract (tests/rollout/engine_contract.py): every
-answer crosses HTTP from a real replica process. Each test gets a fresh replica (a replica's versions only
+answer crosses HTTP from a real replica process (a subprocess). Each test gets a fresh replica (a replica's versions only
 grow), and the client publishes the model directory's weights as v0 first: it serves nothing it did not
 publish."""
 

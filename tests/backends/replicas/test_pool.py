@@ -1,4 +1,4 @@
-"""The replica pool with real replica processes: a replica SIGKILLed while it holds requests loses none of
+"""The replica pool with real replica processes (each a subprocess running `hybridrl replica`): a replica SIGKILLed while it holds requests loses none of
 them (they are answered by the other, the same tokens), and a replica started afterwards joins at the next
 publication, receives that whole version, then serves."""
 
