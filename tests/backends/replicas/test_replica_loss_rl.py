@@ -1,6 +1,9 @@
 """An RL job whose rollouts run on two replica processes (`rollout.engine=replicas`), one of which is
 SIGKILLed mid-step: the job (one training rank) never restarts, finishes every step with every episode, trains
-no trajectory twice, and a replacement started after the loss joins at the next publication and serves it."""
+no trajectory twice, leases no environment twice, and a replacement started after the loss joins at the next
+publication and serves it. The task is stateful (guess_number, through the run's environment service); the
+tiny random model never answers in its format, so its episodes take no environment step: the service's record
+shows each episode leased (reset) and closed once, not actions."""
 
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ def run(tmp_path_factory, tiny_models):
             p.wait_registered()
         cmd = [sys.executable, "-m", "hybridrl", "train", str(RECIPE), f"model.path={rl_model}", f"run.dir={run_dir}",
                "distributed.nproc_per_node=1", f"trainer.total_steps={STEPS}", "rollout.engine=replicas",
+               "task.name=guess_number",
                # each publication waits for two replicas: the replacement's join is then a fact, not a race
                "rollout.replicas.min_live=2", "rollout.replicas.wait_s=300"]
         with (base / "train.log").open("w") as out:
@@ -57,7 +61,7 @@ def rows_of(run) -> list[dict]:
     return read_metrics(run["dir"])
 
 
-@pytest.mark.slow        # three replica processes and a 4-step RL job: ~40 s on a quiet 2-core machine
+@pytest.mark.slow        # three replica processes and a 4-step RL job: ~20 s on a quiet 2-core machine
 def test_the_run_survives_a_replica_killed_mid_step(run):
     import pyarrow.parquet as pq
 
@@ -74,6 +78,12 @@ def test_the_run_survives_a_replica_killed_mid_step(run):
     ids = [t["id"] for shard in sorted((run["dir"] / "ledger" / "data").glob("step_*.parquet"))
            for t in pq.read_table(shard, columns=["id"]).to_pylist()]
     assert len(ids) == STEPS * EPISODES and len(set(ids)) == len(ids)        # none trained twice, none lost
+    import sqlite3
+
+    with sqlite3.connect(run["dir"] / "envs.sqlite") as con:
+        kinds = [k for (k,) in con.execute("SELECT kind FROM events")]
+    episodes = STEPS * EPISODES + sum(r.get("val/episodes", 0) for r in rows)
+    assert kinds.count("reset") == kinds.count("close") == episodes      # no episode started again
 
 
 @pytest.mark.slow
