@@ -409,7 +409,8 @@ class ReplicasEngine:
         sent = [(n, t) for n, t in items if n in replica.missing]
         if not sent:
             return
-        payload = wire.weights_payload(sent, version, None if digests is None else {n: digests[n] for n, _ in sent})
+        payload = wire.weights_payload(sent, version, None if digests is None else {n: digests[n] for n, _ in sent},
+                                       client=self._tag)
         try:
             answer = _answer(await self._post(replica, "/weights", content=payload), replica)
         except WeightMismatch as err:       # the others were verified there

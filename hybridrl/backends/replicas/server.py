@@ -61,6 +61,7 @@ class ReplicaServer:
         self.served = 0              # and were answered
         self.versions_served: dict[int, int] = {}     # policy version -> requests answered on it
         self.received: int | None = None              # the last version it holds whole from the trainer
+        self.publisher = ""                           # the client that sent the last bucket
 
     def info(self) -> dict[str, Any]:
         engine = self.engine
@@ -89,13 +90,26 @@ class ReplicaServer:
     async def weights(self, payload: bytes) -> dict[str, Any]:
         from hybridrl.backends.replicas import wire
 
-        named, version, digests = wire.read_weights(payload)
+        named, version, digests, client = wire.read_weights(payload)
+        await self._new_trainer(client, version)
         await self.engine.update_weights(named, version, digests=digests)
         whole = self.engine.policy_version == version and self.engine.stats()["pending_version"] is None
         if whole and self.received != version:
             self.received = version
             log.info("replica %s: received policy version %d from the trainer, serving it", self.instance, version)
         return {"instance": self.instance, "policy_version": self.engine.policy_version}
+
+    async def _new_trainer(self, client: str, version: int) -> None:
+        """A version older than the one held, from another client than the last publisher: a trainer started
+        again (resumed from an earlier checkpoint) while this replica lived on. Its versions count from there:
+        the engine forgets its version (it serves nothing until that whole version arrived)."""
+        stats = self.engine.stats()
+        held = max(stats["policy_version"], stats["pending_version"] if stats["pending_version"] is not None else -1)
+        if client != self.publisher and version < held:
+            log.info("replica %s: a new trainer publishes v%d, older than the v%d held: its versions count from there",
+                     self.instance, version, held)
+            await self.engine.run_in_engine(_forget_version)
+        self.publisher = client
 
     def app(self) -> Any:
         from starlette.applications import Starlette
@@ -139,6 +153,10 @@ class ReplicaServer:
         return Starlette(routes=[route("/info", info, "GET"), route("/generate", generate, "POST"),
                                  route("/abort", abort, "POST"), route("/weights", weights, "POST"),
                                  route("/stats", stats, "GET")])
+
+
+def _forget_version(core: Any) -> None:
+    core.publication.forget()
 
 
 def register(registry: Path, instance: str, url: str, model: str) -> Path:

@@ -6,7 +6,7 @@
                            mixture-of-experts model as base64 bytes with its shape and dtype
     a weight bucket        the safetensors format: an 8-byte header length, a JSON header (each tensor's
                            dtype, shape and byte range; `__metadata__` holds the version and the sender's
-                           digests), then the bytes. Written here rather than by `safetensors.torch.save`,
+                           digests and the sending client's id), then the bytes. Written here rather than by `safetensors.torch.save`,
                            which refuses tensors that share storage, as a bucket's views of one flat buffer do
 """
 
@@ -72,9 +72,9 @@ def output_from_json(body: Mapping[str, Any]) -> GenerationOutput:
 
 
 def weights_payload(named: Iterable[tuple[str, torch.Tensor]], version: int,
-                    digests: Mapping[str, str] | None) -> bytes:
+                    digests: Mapping[str, str] | None, client: str = "") -> bytes:
     """One bucket (or the part of it being sent again) as a safetensors file's bytes."""
-    header: dict[str, Any] = {"__metadata__": {"version": str(version),
+    header: dict[str, Any] = {"__metadata__": {"version": str(version), "client": client,
                                                "digests": json.dumps(dict(digests)) if digests is not None else ""}}
     parts, offset = [], 0
     for name, tensor in named:
@@ -89,8 +89,9 @@ def weights_payload(named: Iterable[tuple[str, torch.Tensor]], version: int,
     return struct.pack("<Q", len(head)) + head + body
 
 
-def read_weights(payload: bytes) -> tuple[list[tuple[str, torch.Tensor]], int, dict[str, str] | None]:
-    """(named tensors in the order sent, version, the sender's digests or None) of `weights_payload`'s bytes."""
+def read_weights(payload: bytes) -> tuple[list[tuple[str, torch.Tensor]], int, dict[str, str] | None, str]:
+    """(named tensors in the order sent, version, the sender's digests or None, the client) of
+    `weights_payload`'s bytes."""
     from safetensors.torch import load
 
     (size,) = struct.unpack("<Q", payload[:8])
@@ -98,4 +99,4 @@ def read_weights(payload: bytes) -> tuple[list[tuple[str, torch.Tensor]], int, d
     meta = header.pop("__metadata__")
     tensors = load(payload)
     digests = json.loads(meta["digests"]) if meta["digests"] else None
-    return [(name, tensors[name]) for name in header], int(meta["version"]), digests
+    return [(name, tensors[name]) for name in header], int(meta["version"]), digests, meta.get("client", "")

@@ -118,8 +118,7 @@ def test_no_replica_left_names_what_to_start(tmp_path):
 def test_two_clients_share_the_pool_and_a_hung_replica_is_lost_after_the_request_timeout(pool, tiny_models):
     """Two clients (two trainer ranks) publish the same version to the pool and send the same request ids at
     once: each gets its own answers. Then a replica that stops answering without closing its connections
-    (SIGSTOP) is lost once a request waited request_timeout_s on it; its requests go to the other replica.
-    (Last: it leaves the pool's late replica stopped until the fixture ends.)"""
+    (SIGSTOP) is lost once a request waited request_timeout_s on it; its requests go to the other replica."""
     late, survivor, first = pool["late"], pool["survivor"], pool["engine"]
     registry = late.registry
     engine = ReplicasEngine(ReplicasConfig(registry=str(registry), min_live=2, wait_s=30, request_timeout_s=5),
@@ -145,3 +144,17 @@ def test_two_clients_share_the_pool_and_a_hung_replica_is_lost_after_the_request
     assert engine.stats()["replicas_lost"] == 1 and late.wait_registered()["instance"] in engine.lost
     assert "no answer to /generate within 5 s" in engine.lost[late.wait_registered()["instance"]]
     assert survivor.wait_registered()["instance"] in engine.live
+
+
+def test_a_trainer_started_again_publishes_from_an_earlier_version(pool, tiny_models):
+    """A trainer resumed from an earlier checkpoint while the replicas lived on: a new client publishes v0 to
+    replicas holding v2 (published by the test before), and they take it (and serve v0's weights again)."""
+    registry = pool["survivor"].registry
+    engine = ReplicasEngine(ReplicasConfig(registry=str(registry), min_live=2, wait_s=30), registry=registry)
+    _publish(engine, _weights(tiny_models("llama")), 0)
+    again = _generate(engine, "resumed")
+    assert engine.policy_version == 0 and all(o.policy_version == 0 for o in again)
+    assert [o.token_ids for o in again] == [o.token_ids for o in pool["reference"]]
+    for replica in (pool["survivor"], pool["late"]):
+        assert "a new trainer publishes v0, older than the v2 held" in replica.log.read_text()
+        assert replica.info()["policy_version"] == 0
