@@ -5,6 +5,7 @@ publication, receives that whole version, then serves."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 
 import pytest
@@ -115,6 +116,7 @@ def test_no_replica_left_names_what_to_start(tmp_path):
         ReplicasEngine(ReplicasConfig(registry=str(tmp_path), wait_s=0), registry=tmp_path, model="M")
 
 
+@pytest.mark.slow                 # waits out a 5 s request timeout
 def test_two_clients_share_the_pool_and_a_hung_replica_is_lost_after_the_request_timeout(pool, tiny_models):
     """Two clients (two trainer ranks) publish the same version to the pool and send the same request ids at
     once: each gets its own answers. Then a replica that stops answering without closing its connections
@@ -148,7 +150,7 @@ def test_two_clients_share_the_pool_and_a_hung_replica_is_lost_after_the_request
 
 def test_a_trainer_started_again_publishes_from_an_earlier_version(pool, tiny_models):
     """A trainer resumed from an earlier checkpoint while the replicas lived on: a new client publishes v0 to
-    replicas holding v2 (published by the test before), and they take it (and serve v0's weights again)."""
+    replicas holding v1 or v2 (the tests before published them), and they take it (and serve v0's weights again)."""
     registry = pool["survivor"].registry
     engine = ReplicasEngine(ReplicasConfig(registry=str(registry), min_live=2, wait_s=30), registry=registry)
     _publish(engine, _weights(tiny_models("llama")), 0)
@@ -156,5 +158,5 @@ def test_a_trainer_started_again_publishes_from_an_earlier_version(pool, tiny_mo
     assert engine.policy_version == 0 and all(o.policy_version == 0 for o in again)
     assert [o.token_ids for o in again] == [o.token_ids for o in pool["reference"]]
     for replica in (pool["survivor"], pool["late"]):
-        assert "a new trainer publishes v0, older than the v2 held" in replica.log.read_text()
+        assert re.search(r"a new trainer publishes v0, older than the v[12] held", replica.log.read_text())
         assert replica.info()["policy_version"] == 0
