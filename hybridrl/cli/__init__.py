@@ -17,6 +17,7 @@ given the same way everywhere: as the first positional argument or with --config
     hybridrl gateway check [RECIPE] [--socket S | --url U --key K]   the gateway's attack set, PASS/FAIL each
     hybridrl score --model D --input I --output O [--tp T --pp P]   per-token logprobs (parity checks)
     hybridrl generate --model D --input I --output O --max-new-tokens N   token ids or text in, samples out
+    hybridrl replica --model D [--registry DIR]   a rollout replica for rollout.engine=replicas (HTTP)
     hybridrl chat MODEL                        text in, text out (chat template applied)
     hybridrl eval RECIPE [--model DIR] [-n N]  greedy and sampled accuracy on the validation split + a verdict
     hybridrl eval SUITE --model DIR | --run RUN_DIR [--checkpoints all|last|N,M] [--compare]   a suite (configs/eval/)
@@ -243,6 +244,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_replica(args: argparse.Namespace) -> int:
+    from hybridrl.backends.replicas.server import main
+
+    return main(args)
+
+
 def _cmd_chat(args: argparse.Namespace) -> int:
     from hybridrl.chat import main
 
@@ -360,6 +367,8 @@ _COMMANDS = (
      _cmd_score),
     ("generate", "sample from an HF model with a rollout engine (token ids or text in, JSONL)",
      "hybridrl.cli.generate:add_arguments", _cmd_generate),
+    ("replica", "a rollout replica: a native engine behind HTTP for a run with rollout.engine=replicas",
+     "hybridrl.backends.replicas.server:add_arguments", _cmd_replica),
     ("inspect", "the run ledger of an RL run: trajectories, lineage, trace questions, HTML",
      "hybridrl.inspect.cli:add_arguments", _cmd_inspect),
     ("eval", "a suite (configs/eval/) on a model or a run's checkpoints; or, given a recipe, greedy and sampled "

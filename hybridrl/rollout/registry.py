@@ -66,6 +66,7 @@ ENGINES: Registry[RolloutEngineSpec] = Registry("rollout engine", key="engine", 
     "native": "hybridrl.backends.native.row:ENGINE",
     "sglang": "hybridrl.backends.sglang.row:ENGINE",
     "vllm": "hybridrl.backends.vllm.row:ENGINE",
+    "replicas": "hybridrl.backends.replicas.row:ENGINE",
 })
 
 

@@ -156,6 +156,8 @@ PINNED_KEYS = [
     "rollout.vllm.dtype", "rollout.vllm.kv_cache_mb", "rollout.vllm.max_num_seqs", "rollout.vllm.max_num_batched_tokens",
     "rollout.vllm.max_model_len", "rollout.vllm.enable_prefix_caching", "rollout.vllm.enforce_eager", "rollout.vllm.threads",
     "rollout.vllm.gpu_memory_utilization", "rollout.vllm.enable_sleep_mode", "rollout.vllm.log_level",
+    "rollout.replicas.dtype", "rollout.replicas.urls", "rollout.replicas.registry", "rollout.replicas.min_live",
+    "rollout.replicas.wait_s", "rollout.replicas.connect_timeout_s", "rollout.replicas.request_timeout_s",
     "publish.bucket_mb", "publish.verify", "publish.parity_prompts", "publish.parity_tokens", "publish.parity_every",
     "publish.parity_tolerance", "hybrid.spill_optimizer", "hybrid.offload_deadline_s", "hybrid.publish_deadline_s",
     "hybrid.wake_deadline_s", "hybrid.sleep_deadline_s", "hybrid.reload_deadline_s", "hybrid.drain_deadline_s",

@@ -1,0 +1,39 @@
+"""What crosses HTTP between the client and a replica reads back bit for bit: a bucket's views of one flat
+buffer (bfloat16 and float32) with the version, digests and client; an output with a mixture-of-experts
+routing record, per-token version starts and logprobs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from hybridrl.backends.replicas import wire
+from hybridrl.rollout.protocol import FinishReason, GenerationOutput, GenerationTimings, SamplingParams
+
+
+def test_a_bucket_of_views_of_one_buffer_reads_back_bit_for_bit():
+    flat = torch.randn(64).to(torch.bfloat16)
+    named = [("a.weight", flat[:24].view(4, 6)), ("b.weight", flat[24:40]),
+             ("c.weight", torch.randn(3, 5, dtype=torch.float32))]
+    payload = wire.weights_payload(named, 7, {"a.weight": "d1", "b.weight": "d2", "c.weight": "d3"}, client="x1")
+    back, version, digests, client = wire.read_weights(payload)
+    assert (version, digests, client) == (7, {"a.weight": "d1", "b.weight": "d2", "c.weight": "d3"}, "x1")
+    assert [n for n, _ in back] == ["a.weight", "b.weight", "c.weight"]
+    for (_, sent), (_, got) in zip(named, back):
+        assert got.dtype == sent.dtype and got.shape == sent.shape
+        assert torch.equal(got.contiguous().view(-1).view(torch.uint8), sent.contiguous().view(-1).view(torch.uint8))
+    assert wire.read_weights(wire.weights_payload(named[:1], 0, None))[2] is None
+
+
+def test_an_output_and_its_sampling_read_back_the_same():
+    out = GenerationOutput(request_id="r/1", token_ids=[5, 9, 2], logprobs=[-0.1234567890123, -2.5, -1e-9],
+                           finish_reason=FinishReason.STOP, policy_version=3, prompt_tokens=11, cached_prompt_tokens=4,
+                           timings=GenerationTimings(0.1, 0.2, 0.3), version_starts=((2, 4),),
+                           routed_experts=torch.randint(0, 8, (13, 2, 2), dtype=torch.int8))
+    back = wire.output_from_json(wire.output_to_json(out))
+    assert torch.equal(back.routed_experts, out.routed_experts)
+    assert dataclasses.replace(back, routed_experts=None) == dataclasses.replace(out, routed_experts=None)
+    assert back.versions == [3, 3, 4]
+    sampling = SamplingParams(max_new_tokens=9, temperature=0.7, top_k=5, top_p=0.9, seed=12, stop_token_ids=(3, 4))
+    assert wire.sampling_from_json(wire.sampling_to_json(sampling)) == sampling
