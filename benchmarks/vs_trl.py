@@ -29,9 +29,11 @@ the speed-up (TRL's step time / hybridrl's) per pair and its median, and the loa
 every run; per run also the rollout's tokens/s (completion tokens / generation seconds), the
 training's tokens/s (the step's prompt + completion tokens, counted as TRL's padded-free rows have
 them, / training seconds) and every process's peak resident memory (VmHWM, polled). With `--base
-CHECKOUT` (another checkout of hybridrl, run with this interpreter and its own package first on the
-path) each round runs three sides, the order rotating, and reports that checkout's speed-up over TRL
-and this one's over it (`head_vs_base`), all from the same run.
+CHECKOUT` (another checkout of hybridrl, run with this interpreter, its own package first on the path
+and this checkout's recipe) each round runs three sides, the order rotating, and reports that
+checkout's speed-up over TRL and this one's over it (`head_vs_base`), all from the same run; `--no-trl`
+leaves TRL out (with `--base`: the two checkouts alone, alternating). Trailing KEY=VALUE arguments
+are recipe overrides for hybridrl's sides (e.g. `distributed.nproc_per_node=1`).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ SIZES = {"100m": ("--hidden", "768", "--layers", "12", "--heads", "12", "--kv-he
          "500m": ("--hidden", "896", "--layers", "24", "--heads", "14", "--kv-heads", "2", "--intermediate", "4864")}
 SIZE_WORKLOAD = {"prompts_per_step": 4, "group_size": 4}
 PHASES = ("time/T_rollout", "time/T_reward", "time/T_prep", "time/T_train", "time/T_sync", "time/T_update",
-          "time/T_old", "time/T_ref")
+          "time/T_old", "time/T_ref", "time/grad_reduce_s")
 
 
 def install_trl(venv: Path) -> None:
@@ -233,7 +235,7 @@ def _order(i: int, sides: list[str]) -> list[str]:
 def compare(model: str, args: argparse.Namespace, settings: dict, extra: list[str]) -> dict:
     """The interleaved pairs (or rounds of three with --base) on one model; the summary over them."""
     venv, base = Path(args.trl_venv), Path(args.base).resolve() if args.base else None
-    sides = ["hybridrl", "trl"] + (["base"] if base else [])
+    sides = ["hybridrl"] + ([] if args.no_trl else ["trl"]) + (["base"] if base else [])
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     with tempfile.TemporaryDirectory(prefix="hybridrl-vs-trl-") as tmp:
         tmp = Path(tmp)
@@ -258,28 +260,27 @@ def _peak_per_process(r: dict) -> float:
 
 def summarize(runs: dict[str, list[dict]], work: dict, args: argparse.Namespace, extra: list[str],
               base: Path | None) -> dict:
-    speedups = [t["step_s"] / h["step_s"] for h, t in zip(runs["hybridrl"], runs["trl"])]
     med = lambda side, key: statistics.median(r[key] for r in runs[side])  # noqa: E731
+    t_sync = lambda side: statistics.median(r["stage_times"]["T_sync"] / r["step_s"] for r in runs[side])  # noqa: E731
     result = {"model": work["model"], "workload": {k: work[k] for k in (*WORKLOAD, "micro_batch_size")},
               "prompt_tokens_mean": work["prompt_tokens_mean"], "hybridrl_overrides": [*OVERRIDES, *extra],
               "steps": args.steps, "warmup_steps": WARMUP, "pairs": args.pairs,
-              "median_step_s": {side: med(side, "step_s") for side in runs},
-              "speedup_per_pair": speedups, "speedup_median": statistics.median(speedups),
-              "hybridrl_T_sync_share": statistics.median(r["stage_times"]["T_sync"] / r["step_s"]
-                                                         for r in runs["hybridrl"]),
-              "rollout_tokens_per_s": {side: med(side, "rollout_tokens_per_s") for side in ("hybridrl", "trl")},
-              "train_tokens_per_s": {side: med(side, "train_tokens_per_s") for side in ("hybridrl", "trl")},
+              "median_step_s": {side: med(side, "step_s") for side in runs}, "hybridrl_T_sync_share": t_sync("hybridrl"),
+              "rollout_tokens_per_s": {side: med(side, "rollout_tokens_per_s") for side in runs},
+              "train_tokens_per_s": {side: med(side, "train_tokens_per_s") for side in runs},
               "peak_rss_mb_per_process": {side: statistics.median(_peak_per_process(r) for r in runs[side])
-                                          for side in ("hybridrl", "trl")},
+                                          for side in runs},
               "runs": runs}
+    if "trl" in runs:
+        speedups = [t["step_s"] / h["step_s"] for h, t in zip(runs["hybridrl"], runs["trl"])]
+        result.update({"speedup_per_pair": speedups, "speedup_median": statistics.median(speedups)})
     if base is not None:
-        base_speedups = [t["step_s"] / b["step_s"] for b, t in zip(runs["base"], runs["trl"])]
         head_vs_base = [b["step_s"] / h["step_s"] for h, b in zip(runs["hybridrl"], runs["base"])]
-        result.update({"base": str(base), "base_speedup_per_pair": base_speedups,
-                       "base_speedup_median": statistics.median(base_speedups), "head_vs_base_per_pair": head_vs_base,
-                       "head_vs_base_median": statistics.median(head_vs_base),
-                       "base_T_sync_share": statistics.median(r["stage_times"]["T_sync"] / r["step_s"]
-                                                              for r in runs["base"])})
+        result.update({"base": str(base), "head_vs_base_per_pair": head_vs_base,
+                       "head_vs_base_median": statistics.median(head_vs_base), "base_T_sync_share": t_sync("base")})
+    if base is not None and "trl" in runs:
+        base_speedups = [t["step_s"] / b["step_s"] for b, t in zip(runs["base"], runs["trl"])]
+        result.update({"base_speedup_per_pair": base_speedups, "base_speedup_median": statistics.median(base_speedups)})
     return result
 
 
@@ -299,6 +300,8 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--base", default=None, help="another hybridrl checkout to run beside this one (same interpreter)")
+    ap.add_argument("--no-trl", action="store_true", help="hybridrl alone (with --base: this checkout against that one)")
+    ap.add_argument("overrides", nargs="*", help="recipe overrides for hybridrl's sides (KEY=VALUE)")
     args = ap.parse_args()
     sizes = [s for s in (args.model_size or "").split(",") if s]
     if bool(sizes) == bool(args.model):
@@ -308,7 +311,7 @@ def main() -> int:
     if args.steps <= WARMUP:
         raise SystemExit(f"--steps must exceed the {WARMUP} warm-up steps")
     venv = Path(args.trl_venv)
-    if not (venv / "bin" / "python").exists():
+    if not args.no_trl and not (venv / "bin" / "python").exists():
         if not args.install_trl:
             raise SystemExit(f"no TRL environment at {venv}: pass --install-trl to create it (pip, a few minutes), "
                              "or --trl-venv DIR for one you have")
@@ -316,12 +319,12 @@ def main() -> int:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     if not sizes:
-        result = compare(str(Path(args.model).resolve()), args, WORKLOAD, [])
+        result = compare(str(Path(args.model).resolve()), args, WORKLOAD, args.overrides)
         out.write_text(json.dumps(result, indent=1))
         print(json.dumps({k: result[k] for k in HEADLINE if k in result}, indent=1))
         return 0
     results: dict[str, dict] = {}
-    extra = [f"trainer.{k}={v}" for k, v in SIZE_WORKLOAD.items()]
+    extra = [f"trainer.{k}={v}" for k, v in SIZE_WORKLOAD.items()] + args.overrides
     for size in sizes:
         results[size] = compare(sized_model(size, Path(args.models_dir)), args, {**WORKLOAD, **SIZE_WORKLOAD}, extra)
         out.write_text(json.dumps({"sizes": results}, indent=1))      # each size's record as soon as it is measured
