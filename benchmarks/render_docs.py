@@ -15,6 +15,7 @@ One record per measured result, one JSON object each (the file's stem is its `be
     date, commit    str, optional: when it was measured, the commit that recorded it
     target          str, optional: the target it was measured against
     interpretation  str, optional: at most a sentence or two on what the figures mean
+    profile         [str], optional: what a profile of the measured step found, one finding an item
 
     figure          {"unit": str, and one of "value": number | "values": [number] | "range": [lo, hi];
                      optional "spread": [lo, hi] beside "value", optional "note": str}
@@ -39,7 +40,7 @@ BEGIN = "<!-- BEGIN figures: rendered by `python benchmarks/render_docs.py` from
 END = "<!-- END figures -->"
 
 REQUIRED = {"benchmark": str, "title": str, "command": (str, list), "machine": str, "notes": str, "figures": dict}
-OPTIONAL = {"order": int, "date": str, "commit": str, "target": str, "interpretation": str}
+OPTIONAL = {"order": int, "date": str, "commit": str, "target": str, "interpretation": str, "profile": list}
 FIGURE_KEYS = {"unit", "value", "values", "range", "spread", "note"}
 NO_SPACE_UNITS = {"x", "%"}
 
@@ -88,6 +89,8 @@ def record_problems(name: str, rec) -> list[str]:
         problems.append(f"{name}: 'benchmark' must be the file's stem, {name!r}")
     if isinstance(rec.get("command"), list) and not all(isinstance(c, str) for c in rec["command"]):
         problems.append(f"{name}: 'command' is a string or a list of strings")
+    if isinstance(rec.get("profile"), list) and not (rec["profile"] and all(isinstance(p, str) for p in rec["profile"])):
+        problems.append(f"{name}: 'profile' is a non-empty list of strings (one finding each)")
     if "date" in rec and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", str(rec["date"])):
         problems.append(f"{name}: 'date' is YYYY-MM-DD")
     if "commit" in rec and not re.fullmatch(r"[0-9a-f]{7,40}", str(rec["commit"])):
@@ -175,11 +178,14 @@ def _tables_of_groups(groups: dict) -> list[dict]:
 
 
 def render_record(rec: dict) -> str:
-    """One benchmark's section: heading, interpretation, figures, how to reproduce, where and when."""
+    """One benchmark's section: heading, interpretation, figures, the profile's findings, how to reproduce,
+    where and when."""
     lines = [f"### {rec['title']}", ""]
     if rec.get("interpretation"):
         lines += [rec["interpretation"], ""]
     lines += figures_tables(rec["figures"]) + [""]
+    if rec.get("profile"):
+        lines += ["What the profile found:", "", *(f"- {p}" for p in rec["profile"]), ""]
     commands = rec["command"] if isinstance(rec["command"], list) else [rec["command"]]
     lines += ["Reproduce:", "", "```bash", *commands, "```", ""]
     facts = [f"**Machine**: {rec['machine']}."]

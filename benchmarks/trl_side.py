@@ -7,7 +7,9 @@ the workload file carries the model directory, the prompts (rendered with the mo
 template), their reference answers and the settings both sides share. The reward is the calculator
 task's: 1 for `<answer>V</answer>` with V numerically equal to the reference, plus the format
 reward's weight for a single well-formed answer; its cost is negligible beside generation and the
-update either way. Reports the wall time of every optimizer step (one generation batch each).
+update either way. Reports the wall time of every optimizer step (one generation batch each), the
+seconds of it spent in `generate` (TRL's own generation, timed around the trainer's single-turn
+generation call), and the process's peak resident memory.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import resource
 import time
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
@@ -52,10 +55,12 @@ def main() -> int:
 
     torch.manual_seed(w["seed"])
     steps: list[float] = []
+    generate_s: list[float] = []
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, *_, **__):
             self.t0 = time.perf_counter()
+            generate_s.append(0.0)
 
         def on_step_end(self, *_, **__):
             steps.append(time.perf_counter() - self.t0)
@@ -75,11 +80,22 @@ def main() -> int:
     data = Dataset.from_list([{"prompt": p, "reference": r} for p, r in zip(w["prompts"], w["references"])])
     trainer = GRPOTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
                           reward_funcs=reward_fn(w["format_weight"]), callbacks=[StepClock()])
+    generate = trainer._generate_single_turn
+
+    def timed_generate(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            generate_s[-1] += time.perf_counter() - t0
+
+    trainer._generate_single_turn = timed_generate
     trainer.train()
     logged = trainer.state.log_history
     json.dump({"step_s": steps, "reward": [row["reward"] for row in logged if "reward" in row],
                "completion_tokens": [row["completions/mean_length"] for row in logged if "completions/mean_length" in row],
-               "torch_threads": torch.get_num_threads()},
+               "generate_s": generate_s, "torch_threads": torch.get_num_threads(),
+               "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
               open(args.json, "w"), indent=1)
     return 0
 

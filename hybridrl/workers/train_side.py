@@ -26,7 +26,7 @@ from typing import Any
 from hybridrl.data.batch import Batch
 from hybridrl.distributed.dispatch import DPSplit, OneToAll
 from hybridrl.training import registry
-from hybridrl.training.protocol import TRAIN_MEMORY_TAGS
+from hybridrl.training.protocol import OPTIMIZER, TRAIN_MEMORY_TAGS
 from hybridrl.workers.base import Part, register
 from hybridrl.workers.modes import Mode, Phases
 from hybridrl.workers.rl_step import Objective, update_policy
@@ -141,11 +141,17 @@ class TrainSide(Part):
         return out
 
     def offload(self) -> None:
-        """Optimizer state and gradients leave (phases `offload`, `critic_offload`)."""
+        """Optimizer state and gradients leave (phases `offload`, `critic_offload`). On a CPU device they
+        leave only with `hybrid.spill_optimizer`: without it the optimizer state stays in the process, and
+        the gradient buffers stay with it: freed, their 4 bytes a parameter would be faulted back in and
+        zeroed page by page at every reload (the largest part of T_sync at 100M parameters and up,
+        docs/benchmarks.md), while freeing them lowers the process's peak only where the KV cache the
+        rollout allocates outweighs training's activations."""
+        tags = TRAIN_MEMORY_TAGS if self.ctx.device.type != "cpu" or self.spill_dir is not None else (OPTIMIZER,)
         for prefix, engine in self.trained():
             spill = self.spill_dir if self.spill_dir is None or not prefix else self.spill_dir / "critic"
             with self.phases.phase(f"{prefix}offload") as rec:
-                rec.bytes_moved = engine.offload(TRAIN_MEMORY_TAGS, spill_dir=spill)
+                rec.bytes_moved = engine.offload(tags, spill_dir=spill)
 
     def reload(self, *, timed: bool = True) -> None:
         """They come back (phases `reload`, `critic_reload`; `timed=False` after a failed switch: no
