@@ -111,10 +111,11 @@ def run_bench(cfg, wg) -> dict:
     spill = cfg.hybrid.spill_optimizer or wg.ctx.device.type == "cuda"
     # what a full switch cannot avoid: the weights into each engine; optimizer state out and back
     # when it leaves the device (GPU: to pinned host memory; CPU: spilled to a file); the gradient
-    # buffers re-created (written once, zeroed) after being released for the rollout phase
+    # buffers re-created (written once, zeroed) after being released for the rollout phase, which
+    # happens only where they leave (a CPU device keeps them unless the optimizer spills)
     must_move = {"weights_into_engine": sizes["weight_bytes"],
                  "optimizer_out_and_back": 2 * sizes["optimizer_bytes_held"] if spill else 0,
-                 "gradient_buffers_restored": sizes["grad_bytes_held"]}
+                 "gradient_buffers_restored": sizes["grad_bytes_held"] if spill else 0}
     floor = sum(must_move.values()) / bandwidth
     switch_s = sum(phases[p]["median_s"] for p in SWITCH_PHASES if p in phases)
     return {

@@ -135,17 +135,16 @@ def _read_layers(recipe, overrides, configs_dir, schema) -> list[tuple[str, Dict
 
 def _train_engine(layers: Sequence[tuple[str, DictConfig, str | None]]) -> str | None:
     """The `train.engine` the highest layer that sets it names (None: none does, the default engine), checked
-    against the training engines' registry here, so that an unknown one names its layer. A configs/train.yaml
-    written for another engine than the selected one is left out (it documents that engine's knobs)."""
-    from hybridrl.training.registry import train_section
-
+    against the training engines' registry here (through the section table, `root`), so that an unknown one
+    names its layer. A configs/train.yaml written for another engine than the selected one is left out (it
+    documents that engine's knobs)."""
     chosen = None
     for source, layer, _ in layers:
         engine = _engine_of(layer, source)
         if engine is None:
             continue
         try:
-            train_section(engine)
+            root(engine)
         except ConfigValueError as err:
             raise ConfigError(str(err), key="train.engine", source=source) from None
         chosen = engine

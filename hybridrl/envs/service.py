@@ -184,6 +184,24 @@ def default_make_env(task: str, instance: TaskInstance) -> Environment:
     return env
 
 
+def _enter_wal(db: sqlite3.Connection, timeout_s: float) -> None:
+    """Put the database in write-ahead-log mode (it stays so, in the file). Every rank opens the service at
+    start: switching a new file to WAL takes an exclusive lock, and SQLite answers "database is locked" at
+    once, without waiting out the busy timeout, when two connections would otherwise deadlock on that
+    upgrade; so a file already in WAL is left alone and a refused switch is tried again until `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        try:
+            if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err) or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
 class EnvService:
     """Thread-safe (one lock); call from asyncio through `asyncio.to_thread` (see `client.py`).
     Several processes may open one database: the write lock and the intent rows keep them exact."""
@@ -211,7 +229,7 @@ class EnvService:
         SERVICES[self.owner] = self
         self.db = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None,
                                   timeout=busy_timeout_s)
-        self.db.execute("PRAGMA journal_mode=WAL")
+        _enter_wal(self.db, busy_timeout_s)
         self.db.execute(f"PRAGMA synchronous={synchronous.upper()}")
         if self._schema() == (SCHEMA_VERSION, 1):
             return          # another process made it: a read, so no wait for the write lock its episodes hold

@@ -14,9 +14,10 @@ class HybridConfig:
     """Mode-switch behaviour of the hybrid worker."""
 
     spill_optimizer: bool = knob(
-        False, "on a CPU device, write optimizer state to <run.dir>/offload during rollout and free it (the "
-               "rollout phase then holds no optimizer memory; costs a file write + read per switch). On GPUs "
-               "optimizer state always moves to pinned host memory.")
+        False, "on a CPU device, write optimizer state to <run.dir>/offload during rollout and free it and the "
+               "gradient buffers (the rollout phase then holds neither; costs a file write + read and the "
+               "buffers' re-creation per switch; off, both stay in the process). On GPUs optimizer state "
+               "always moves to pinned host memory and the gradient buffers are released.")
     offload_deadline_s: float = knob(300.0, "deadline of the offload phase (optimizer state and gradients "
                                             "leave the device); past it the run fails naming the rank")
     publish_deadline_s: float = knob(600.0, "deadline of publishing the weights into the rollout engine")

@@ -261,3 +261,30 @@ def test_reset_with_a_reused_episode_key_and_a_different_episode_is_refused(path
     assert [k for k, _ in svc.events(first.episode_id)].count("reset_conflict") == 3
     with pytest.raises(LeaseError):
         svc.step(first.episode_id, "forged", {"n": 2}, seq_no=3, idempotency_key="c")
+
+
+class _RefusesWal(sqlite3.Connection):
+    """A connection whose first `refusals` attempts at the journal mode get SQLite's immediate "database is
+    locked" (what a second connection gets while the last one to close a WAL database cleans it up, or
+    while two connections would deadlock on the switch: no busy handler runs)."""
+
+    refusals = 0
+
+    def execute(self, sql, *args):
+        if sql.startswith("PRAGMA journal_mode") and type(self).refusals > 0:
+            type(self).refusals -= 1
+            raise sqlite3.OperationalError("database is locked")
+        return super().execute(sql, *args)
+
+
+def test_a_refused_switch_to_wal_is_tried_again_within_the_busy_timeout(paths, tmp_path):
+    from hybridrl.envs.service import _enter_wal
+
+    db = sqlite3.connect(tmp_path / "fresh.sqlite", factory=_RefusesWal, isolation_level=None)
+    _RefusesWal.refusals = 3
+    _enter_wal(db, timeout_s=5.0)
+    assert _RefusesWal.refusals == 0 and db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    other = sqlite3.connect(tmp_path / "other.sqlite", factory=_RefusesWal, isolation_level=None)
+    _RefusesWal.refusals = 10**6                       # never free: the refusal surfaces after the timeout
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        _enter_wal(other, timeout_s=0.2)
