@@ -98,6 +98,7 @@ def hybridrl(*argv: str, cwd, timeout: float = 600) -> subprocess.CompletedProce
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow              # two real runs (SFT, GRPO) of the walk-through: ~20 s of the default suite
 def test_the_newcomer_walkthrough_runs_as_written(tmp_path, monkeypatch, fresh_modules, capsys):
     """Every line of the walk-through, in order, in an empty directory, with fewer steps: the SFT
     and GRPO lines launch real ranks; the others run in process."""
@@ -168,6 +169,7 @@ def test_the_walkthrough_as_written_gains_25_validation_points_within_15_minutes
     assert total < 15 * 60, seconds
 
 
+@pytest.mark.slow              # a scaffolded task trained by real ranks: ~17 s
 def test_init_task_from_data_scaffolds_a_data_task_that_runs(tmp_path, monkeypatch, capsys):
     """`--from data`: two rows, a score function and two recipes; the task reads the rows, scores with
     the function, and a miniature SFT (on the file) + GRPO run with real ranks."""

@@ -143,6 +143,7 @@ agent: {max_turns: 3, max_new_tokens_per_turn: 12, max_response_tokens: 40}
 """
 
 
+@pytest.mark.slow              # evaluates every checkpoint of the shared run: ~11 s (tests/evaluate covers eval runs)
 def test_eval_of_a_runs_checkpoints_is_its_validation_and_pass_at_k_counts_the_samples(reference, tmp_path):
     """`hybridrl eval SUITE --run RUN --checkpoints 2,4 --compare` on the run's own held-out instances under
     its episode budgets: greedy accuracy is the trainer's validation at those steps; pass@k is the share of

@@ -34,6 +34,7 @@ def _grpo(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@pytest.mark.slow              # a distillation job with a teacher on real ranks: ~9 s
 def test_distillation_advantage_equals_an_independent_computation_from_both_models(tmp_path, tiny_models, hf_model):
     student, teacher = tiny_models("qwen2", init_std=0.1), tiny_models("qwen2", init_std=0.1, layers=3)
     proc = hybridrl_train(RECIPE, "run.job=tests.workers.distill_jobs:DISTILL", f"model.path={student}",
