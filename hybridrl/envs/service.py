@@ -202,6 +202,7 @@ def _enter_wal(db: sqlite3.Connection, timeout_s: float) -> None:
         time.sleep(delay)
         delay = min(delay * 2, 0.2)
 
+
 class EnvService:
     """Thread-safe (one lock); call from asyncio through `asyncio.to_thread` (see `client.py`).
     Several processes may open one database: the write lock and the intent rows keep them exact."""
