@@ -8,7 +8,7 @@
 Two loops where `gateway.http_thread` is set: the HTTP side (everything here but generation) runs on
 the server's loop (its own thread, `server.HttpServer`); generation runs on the loop of the episode's
 engine (`GatewayEpisode.loop`, where the runner opened it), handed over whole, once per request, by
-`on_loop` (on one loop, the default, it is a plain await). What both sides touch of an
+`on_loop` (on one loop, the default, a task of that loop). What both sides touch of an
 episode is its counters and flags (single writes), and the close: a completion is committed under the
 episode's lock, and the runner closes the episode under it, so a trajectory is never built from a
 capture that is being extended.
@@ -64,13 +64,13 @@ class ClientGone(GatewayError):
                          code="client_closed")
 
 
-async def on_loop(loop: asyncio.AbstractEventLoop | None, coro: Any) -> Any:
-    """Await `coro` on `loop` (the engine's) from whichever loop this runs on: directly when it is this
-    one, else through `run_coroutine_threadsafe` (the engine's loop wakes for it; cancelling the awaiting
-    task cancels the coroutine there)."""
+def on_loop(loop: asyncio.AbstractEventLoop | None, coro: Any) -> asyncio.Future:
+    """`coro` run on `loop` (the engine's), as a future of the calling loop: a task when `loop` is this one,
+    else the result of `run_coroutine_threadsafe` (the engine's loop wakes for it). Cancelling the future
+    cancels the coroutine where it runs."""
     if loop is None or loop is asyncio.get_running_loop():
-        return await coro
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+        return asyncio.ensure_future(coro)
+    return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
 
 
 class Gone(Protocol):
@@ -305,25 +305,24 @@ class GatewayService:
         return tuple(out)
 
 
-async def _unless_gone(coro: Any, gone: Gone | None, episode: GatewayEpisode) -> Any:
-    """`coro`'s result, or ClientGone (the coroutine cancelled: its requests are aborted) when the client goes
-    away first."""
-    task = asyncio.ensure_future(coro)
+async def _unless_gone(work: asyncio.Future, gone: Gone | None, episode: GatewayEpisode) -> Any:
+    """`work`'s result, or ClientGone (`work` cancelled: its requests are aborted) when the client goes away
+    first."""
     if gone is None:
-        return await task
+        return await work
     # Raced against the connection's own disconnect event, not polled on a timer: a poll's wake-ups would
     # decide, by the clock, on which turn of the loop the answer goes back and so when the agent's next
-    # request reaches the engine (which requests share a batch).
+    # request reaches the engine (which requests share a batch). The watch cancels the work when it fires;
+    # the answer goes back on the turn the work finishes (no wait for the cancelled watch).
     watch = asyncio.ensure_future(gone.wait())
+    watch.add_done_callback(lambda _: work.cancel())
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if not watch.done() or watch.cancelled():          # this request itself was cancelled
+            raise
     finally:
         watch.cancel()
-        await asyncio.gather(watch, return_exceptions=True)
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
     episode.counts["disconnected"] += 1
     raise ClientGone()
 

@@ -11,6 +11,7 @@ request whose text is longer than `gateway.max_request_chars` is refused before 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Mapping
 
 from hybridrl.agent.actions import nesting_depth
@@ -21,6 +22,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "functio
 _NUMBERS = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 _INTEGERS = ("n", "max_tokens", "max_completion_tokens", "seed", "top_k", "top_logprobs")
 _FLAGS = ("stream", "echo", "parallel_tool_calls")
+# JSON's \\u escape of a UTF-16 surrogate (U+D800-U+DFFF): the only way a UTF-8 body can hold one (a
+# false positive, an escaped backslash before "ud8..", only costs the full walk)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -28,17 +32,24 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and nesting_depth(raw.decode("utf-8", "replace")) > MAX_DEPTH:
         raise GatewayError(400, f"the request body is nested deeper than {MAX_DEPTH} levels")
     try:
-        body = json.loads(raw)
+        text: str | None = raw.decode("utf-8-sig")   # decoded UTF-8 holds no lone surrogate: the codec refuses one
+    except UnicodeDecodeError:
+        text = None                              # UTF-16/32 (json.loads reads those too), or not text at all
+    try:
+        body = json.loads(raw if text is None else text)
     except (ValueError, RecursionError):
         raise GatewayError(400, "the request body is not JSON") from None
     if not isinstance(body, dict):
         raise GatewayError(400, "the request body must be a JSON object")
-    _check_text(body, "body")
+    if text is None or _SURROGATE_ESCAPE.search(text):     # else no string of it can hold a lone surrogate
+        _check_text(body, "body")
     return body
 
 
-def check_request(body: Mapping[str, Any], *, chat: bool, max_chars: int) -> None:
-    """Types of every field the gateway reads, and the request's text length (before tokenizing)."""
+def check_request(body: Mapping[str, Any], *, chat: bool, max_chars: int, body_bytes: int | None = None) -> None:
+    """Types of every field the gateway reads, and the request's text length (before tokenizing). `body_bytes`,
+    the body's size, bounds its text (a character of a JSON string is at least one byte of the body): the
+    text is counted only in a body larger than `max_chars`."""
     for key in _NUMBERS:
         if body.get(key) is not None and not _is_number(body[key]):
             raise GatewayError(400, f"'{key}' must be a number, got {_kind(body[key])}", param=key)
@@ -57,7 +68,8 @@ def check_request(body: Mapping[str, Any], *, chat: bool, max_chars: int) -> Non
         _check_messages(body.get("messages"))
         _check_tools(body.get("tools"))
         _check_tool_choice(body.get("tool_choice"))
-    size = _text_size(body.get("messages") if chat else body.get("prompt"))
+    size = 0 if body_bytes is not None and body_bytes <= max_chars else \
+        _text_size(body.get("messages") if chat else body.get("prompt"))
     if size > max_chars:
         raise GatewayError(400, f"the request holds {size} characters of text, more than gateway.max_request_chars="
                                 f"{max_chars}: it cannot fit the model's context", type="budget_exceeded",

@@ -183,6 +183,36 @@ def test_a_client_that_hangs_up_mid_stream_trains_nothing_of_it(tiny_tokenizer):
     assert runner.service.counts["client_closed"] == 1 and runner.service.counts["errors"] == 0
 
 
+
+def test_asking_whether_the_client_has_gone_never_waits_and_leaves_no_waiter_behind():
+    """ClientWatch() answers from what the server already holds: a receive() that would wait is closed at
+    once (no waiter left on the server's event), one that answers at once is read; wait() ends on the
+    disconnect and later polls say gone without asking again."""
+    from types import SimpleNamespace
+
+    from hybridrl.gateway.server import ClientWatch
+
+    async def main():
+        event, asked = asyncio.Event(), []
+
+        async def receive():
+            asked.append(1)
+            if not event.is_set():
+                await event.wait()
+            return {"type": "http.disconnect"}
+
+        watch = ClientWatch(SimpleNamespace(receive=receive))
+        assert await watch() is False and len(event._waiters) == 0 and len(asked) == 1
+        waiting = asyncio.ensure_future(watch.wait())
+        await asyncio.sleep(0)
+        assert not waiting.done() and len(event._waiters) == 1
+        event.set()
+        await waiting
+        assert await watch() is True and len(asked) == 2          # known gone: not asked again
+        assert await ClientWatch(SimpleNamespace(receive=receive))() is True
+
+    asyncio.run(main())
+
 # ------------------------------------------------------------------------------------------------- the model's output
 
 

@@ -100,3 +100,37 @@ def test_special_tokens_in_every_role_with_a_llama3_template(tmp_path, styled, c
     assert rows["special"] == (1, {"special_tokens:system": "FAIL", "special_tokens:user": "FAIL",   # the opt-out
                                    "special_tokens:tool": "PASS", "special_tokens:ipython": "PASS"}), rows
     # a tool's output is made text whatever the setting
+
+
+@pytest.mark.parametrize("escape", ["\\ud800", "\\uDFFF", "\\uDbFf"])
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-8-sig", "utf-16", "utf-32"])
+def test_a_lone_surrogate_is_refused_wherever_it_is_and_however_the_body_is_encoded(escape, encoding):
+    """The body's text is walked only when it can hold a lone surrogate (an escape, or a body that is not
+    UTF-8): in a value, a key or a list, escaped in any case, in every encoding json.loads reads."""
+    from hybridrl.gateway.episodes import GatewayError
+    from hybridrl.gateway.validate import parse_body
+    for body in (f'{{"messages": [{{"role": "user", "content": "a{escape}b"}}]}}',
+                 f'{{"metadata": {{"k{escape}": 1}}}}', f'{{"stop": ["x", "{escape}"]}}'):
+        with pytest.raises(GatewayError, match="lone surrogate"):
+            parse_body(body.encode(encoding))
+    pair = '{"messages": [{"role": "user", "content": "\\ud83d\\ude00 \\\\ud800 \\u00e9"}]}'
+    assert parse_body(pair.encode(encoding))["messages"][0]["content"] == "\U0001F600 \\ud800 \u00e9"
+
+
+def test_the_request_text_limit_counts_the_text_whenever_the_body_could_hold_more():
+    """The body's size bounds its text: a body within gateway.max_request_chars is not walked, a larger one is,
+    and its text over the limit is refused naming the knob (escapes make a body longer than its text)."""
+    from hybridrl.gateway.episodes import GatewayError
+    from hybridrl.gateway.validate import check_request, parse_body
+    for text, refused in (("x" * 97, True), ("\u00e9" * 30, False), ("x" * 96, False)):   # + "user": 101, 34, 100
+        raw = json.dumps({"messages": [{"role": "user", "content": text}]}).encode()
+        body = parse_body(raw)
+        assert len(raw) > 100
+        if refused:
+            with pytest.raises(GatewayError, match="max_request_chars=100"):
+                check_request(body, chat=True, max_chars=100, body_bytes=len(raw))
+        else:
+            check_request(body, chat=True, max_chars=100, body_bytes=len(raw))
+    check_request({"messages": [{"role": "user", "content": "x" * 101}]}, chat=True, max_chars=200, body_bytes=150)
+    with pytest.raises(GatewayError, match="max_request_chars=100"):
+        check_request({"messages": [{"role": "user", "content": "x" * 101}]}, chat=True, max_chars=100)
