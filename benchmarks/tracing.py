@@ -11,7 +11,8 @@ Arms (run in a rotating order each repeat, so drift in the machine's load falls 
 A step's time here is the whole loop's wall time per step: the difference of consecutive steps'
 `time/logged_at` (it includes the ledger's write and the hand-off to the tracer, which run after
 `time/step_s` is measured), over the steps after the second. Reported: the median per arm and the
-ratios traces/off and off/bare (target: traces within 3% of off).
+ratios traces/off and off/bare (target: traces within 3% of off), and per repeat each arm's median over
+off's median in the same repeat (its median over the repeats: drift between repeats cancels).
 """
 
 from __future__ import annotations
@@ -70,20 +71,27 @@ def main() -> int:
         for r in range(args.repeats):
             for arm in names[r % len(names):] + names[: r % len(names)]:
                 run = run_once(args.recipe, model, Path(tmp) / f"run{r}-{arm}", args.steps, arm, args.overrides)
-                runs.append(run)
+                runs.append(run | {"repeat": r})
                 print(f"repeat {r} {arm:6s}: median loop step {statistics.median(run['loop_s']):.3f}s", flush=True)
     median = {arm: statistics.median(s for r in runs if r["arm"] == arm for s in r["loop_s"]) for arm in names}
     ratio = median["traces"] / median["off"]
+    # per repeat, each arm's median against off's in the same repeat: drift between repeats cancels
+    paired = {f"{arm}_over_off": [statistics.median(a["loop_s"]) / statistics.median(o["loop_s"])
+                                  for a in runs if a["arm"] == arm for o in runs
+                                  if o["arm"] == "off" and o["repeat"] == a["repeat"]] for arm in ("traces", "bare")}
     result = {"recipe": args.recipe, "model": args.model or "demo base model (built)", "steps": args.steps,
               "repeats": args.repeats, "overrides": args.overrides, "load_avg_before": load_before,
               "load_avg_after": os.getloadavg(), "loop_s_median": median,
               "traces_over_off": ratio, "off_over_bare": median["off"] / median["bare"],
+              "per_repeat": paired, "per_repeat_median": {k: statistics.median(v) for k, v in paired.items()},
               "target_traces_over_off": 1.03, "target_met": ratio <= 1.03, "runs": runs}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"loop step (median): off {median['off']:.3f}s, traces {median['traces']:.3f}s, bare {median['bare']:.3f}s; "
           f"traces/off {ratio:.3f} (target <= 1.03: {'met' if ratio <= 1.03 else 'MISSED'}), off/bare "
-          f"{result['off_over_bare']:.3f}; load {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
+          f"{result['off_over_bare']:.3f}; per repeat (median): traces/off "
+          f"{result['per_repeat_median']['traces_over_off']:.3f}, bare/off {result['per_repeat_median']['bare_over_off']:.3f}"
+          f"; load {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     return 0
 
 

@@ -261,3 +261,54 @@ def test_traces_reach_an_otlp_endpoint(tmp_path, scripted_episodes):
         trace_ids |= {s.trace_id.hex() for r in request.resource_spans for sc in r.scope_spans for s in sc.spans
                       if s.name == "episode"}
     assert trace_ids == {"0" * 16 + t.trace_id for t in trajs}
+
+
+def test_the_trace_files_json_is_what_the_sdks_otlp_encoder_makes():
+    """The file exporter's own OTLP JSON against the SDK's protobuf encoder + protobuf's JSON mapping (ids as
+    hex): parents, links, events, every attribute type, an error status, two scopes, a remote parent."""
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.common")
+    import base64
+
+    from google.protobuf.json_format import MessageToDict
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+    from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
+
+    from hybridrl.telemetry.otel import otlp_json
+
+    class Keep(SpanExporter):
+        spans: list = []
+
+        def export(self, spans):
+            self.spans.extend(spans)
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "hybridrl", "hybridrl.run": "r"}))
+    provider.add_span_processor(SimpleSpanProcessor(Keep()))
+    tracer, other = provider.get_tracer("hybridrl"), provider.get_tracer("other", "1.2")
+    root = tracer.start_span("episode", start_time=10, attributes={
+        "s": "x", "i": 2 ** 40, "f": 0.25, "b": True, "ls": ["a", "b"], "li": [1, 2], "lf": [0.5], "lb": [False]})
+    child = tracer.start_span("turn 0", context=trace.set_span_in_context(root), start_time=11)
+    child.add_event("token", {"n": 3}, timestamp=12)
+    child.set_status(Status(StatusCode.ERROR, "it failed"))
+    child.end(end_time=13)
+    linked = other.start_span("update", start_time=14, links=[trace.Link(root.get_span_context(), {"why": "trained"})])
+    linked.set_status(Status(StatusCode.OK))
+    linked.end(end_time=15)
+    remote = SpanContext(trace_id=7, span_id=9, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    tracer.start_span("from afar", context=trace.set_span_in_context(trace.NonRecordingSpan(remote)),
+                      start_time=16).end(end_time=17)
+    root.end(end_time=18)
+
+    want = MessageToDict(encode_spans(Keep.spans))
+    for resource in want["resourceSpans"]:
+        for scope in resource["scopeSpans"]:
+            for span in scope["spans"]:
+                for ids in [span, *span.get("links", [])]:
+                    for key in ("traceId", "spanId", "parentSpanId"):
+                        if key in ids:
+                            ids[key] = base64.b64decode(ids[key]).hex()
+    assert len(Keep.spans) == 4 and otlp_json(Keep.spans) == want
