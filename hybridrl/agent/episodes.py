@@ -147,6 +147,7 @@ class Episode:
     env_return: float = 0.0
     messages: list[dict[str, str]] = field(default_factory=list)   # the episode's chat, as the model saw it
     own_reward: float | None = None         # an agent's own reward (the verifier is then not asked)
+    stopper: asyncio.Future | None = field(default=None, repr=False)   # see stop_waiter
 
     @property
     def top_p(self) -> float:
@@ -155,6 +156,13 @@ class Episode:
     @property
     def top_k(self) -> int:
         return self.cfg.top_k
+
+    def stop_waiter(self) -> asyncio.Future | None:
+        """One wait on the run's stop for the whole episode, raced by each of its requests and tool calls (a
+        wait of their own would be a task made and cancelled a request); cancelled when the episode ends."""
+        if self.stop is not None and self.stopper is None:
+            self.stopper = asyncio.ensure_future(self.stop.wait())
+        return self.stopper
 
     def deadline_at(self) -> float:
         """The wall-clock deadline, moved by the time spent paused behind a gate."""
@@ -350,6 +358,8 @@ class EpisodeEngine:
             log.warning("episode %s failed: %s", traj.trajectory_id, err, exc_info=True)
             self._end(ep, TrajectoryStatus.INFRA_INVALID, None, f"{type(err).__name__}: {err}")
         finally:
+            if ep.stopper is not None:
+                ep.stopper.cancel()
             if pause is not None:
                 pause.running.pop(traj.trajectory_id, None)
             close_turn(ep)
@@ -537,7 +547,7 @@ class EpisodeEngine:
         if ep.pause is not None:
             ep.pause.in_flight.add(rid)
         try:
-            which = await race(request, ep.deadline_at, ep.stop)
+            which = await race(request, ep.deadline_at, ep.stop_waiter())
             if which == "done":
                 out = request.result()
             else:
@@ -582,7 +592,7 @@ async def within_budget(ep: Episode, awaitable: Any, timing: str) -> Any:
     runs out (TRUNCATED) or a stop is requested (ABORTED); its time goes to ep.timings[timing]."""
     started = time.monotonic()
     fut = asyncio.ensure_future(awaitable)
-    which = await race(fut, ep.deadline_at, ep.stop)
+    which = await race(fut, ep.deadline_at, ep.stop_waiter())
     ep.timings[timing] += time.monotonic() - started
     if which != "done":
         fut.cancel()
@@ -592,26 +602,20 @@ async def within_budget(ep: Episode, awaitable: Any, timing: str) -> Any:
     return fut.result()
 
 
-async def race(fut: asyncio.Future, deadline: Callable[[], float], stop: asyncio.Event | None) -> str:
-    """Wait for `fut` until the deadline or a stop request: "done" | "deadline" | "stop". The deadline is
-    read again when the wait times out (a pause moves it)."""
-    waiters = {fut}
-    stopper = asyncio.ensure_future(stop.wait()) if stop is not None else None
-    if stopper is not None:
-        waiters.add(stopper)
-    try:
-        while True:
-            timeout = max(0.0, deadline() - time.monotonic())
-            done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            if done or time.monotonic() >= deadline():
-                break
-    finally:
-        if stopper is not None:
-            stopper.cancel()
+async def race(fut: asyncio.Future, deadline: Callable[[], float], stopped: asyncio.Future | None) -> str:
+    """Wait for `fut` until the deadline or `stopped` (a future done once a stop is requested, which the
+    caller owns): "done" | "deadline" | "stop". The deadline is read again when the wait times out (a pause
+    moves it)."""
+    waiters = {fut} if stopped is None else {fut, stopped}
+    while True:
+        timeout = max(0.0, deadline() - time.monotonic())
+        done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if done or time.monotonic() >= deadline():
+            break
     if fut in done:
         fut.result()          # re-raise an engine / tool exception here
         return "done"
-    return "stop" if stopper is not None and stopper in done else "deadline"
+    return "stop" if stopped is not None and stopped in done else "deadline"
 
 
 # ---------------------------------------------------------------------------------------------------------
