@@ -62,8 +62,8 @@ def overhead(args, sides: dict[str, Path]) -> dict:
                        "added_cpu_ms": r["by_agents"][a]["added_cpu_ms"]["gateway"]["median_of_repeats"]}
                    for a in agents}
             runs[side].append(row)
-            print(f"repeat {i} {side}: " + "  ".join(f"{a} agents +{v['added_ms']:.2f} ms, cpu +{v['added_cpu_ms']:.3f} ms"
-                                                    for a, v in row.items()), flush=True)
+            print(f"repeat {i} {side}: " + "  ".join(
+                f"{a} agents +{v['added_ms']:.2f} ms, cpu +{v['added_cpu_ms']:.3f} ms" for a, v in row.items()), flush=True)
     med = {side: {a: {k: statistics.median(row[a][k] for row in rs) for k in ("added_ms", "added_cpu_ms")}
                   for a in agents} for side, rs in runs.items()}
     return {"what": "overhead", "repeats": args.repeats, "inner_repeats": args.inner_repeats, "agents": args.agents,

@@ -90,7 +90,8 @@ def main() -> int:
     print(f"loop step (median): off {median['off']:.3f}s, traces {median['traces']:.3f}s, bare {median['bare']:.3f}s; "
           f"traces/off {ratio:.3f} (target <= 1.03: {'met' if ratio <= 1.03 else 'MISSED'}), off/bare "
           f"{result['off_over_bare']:.3f}; per repeat (median): traces/off "
-          f"{result['per_repeat_median']['traces_over_off']:.3f}, bare/off {result['per_repeat_median']['bare_over_off']:.3f}"
+          f"{result['per_repeat_median']['traces_over_off']:.3f}, "
+          f"bare/off {result['per_repeat_median']['bare_over_off']:.3f}"
           f"; load {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     return 0
 

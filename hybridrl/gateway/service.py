@@ -38,9 +38,9 @@ from typing import Any, Awaitable, Protocol, Sequence
 from hybridrl.data.trajectory import ToolCallRecord, Truncation
 from hybridrl.gateway.capture import Prepared, TemplateError
 from hybridrl.gateway.episodes import BudgetExceeded, GatewayEpisode, GatewayError
-from hybridrl.gateway.routing import Replica, Router
+from hybridrl.gateway.routing import Router
 from hybridrl.gateway.toolcalls import ParsedTurn, TurnParser
-from hybridrl.rollout.protocol import FinishReason, SamplingParams
+from hybridrl.rollout.protocol import FinishReason
 
 MAX_CHOICES = 16
 _REFUSED = ("frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty")

@@ -116,9 +116,11 @@ def _otlp_span(span) -> dict:
         out["links"] = [{"traceId": f"{link.context.trace_id:032x}", "spanId": f"{link.context.span_id:016x}",
                          **({"attributes": _otlp_attributes(link.attributes)} if link.attributes else {}),
                          "flags": _otlp_flags(link.context)} for link in span.links]
-    status = span.status
-    out["status"] = {} if status.status_code.name == "UNSET" else {
-        "code": f"STATUS_CODE_{status.status_code.name}", **({"message": status.description} if status.description else {})}
+    status, out["status"] = span.status, {}
+    if status.status_code.name != "UNSET":
+        out["status"]["code"] = f"STATUS_CODE_{status.status_code.name}"
+        if status.description:
+            out["status"]["message"] = status.description
     out["flags"] = _otlp_flags(parent)
     return out
 
