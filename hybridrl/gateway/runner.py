@@ -27,7 +27,7 @@ import time
 from functools import lru_cache, partial
 from typing import Any, Callable
 
-from hybridrl.agent.episodes import AgentError, Episode, EpisodeEnd, EpisodeEngine
+from hybridrl.agent.episodes import AgentError, Episode, EpisodeEnd, EpisodeEngine, race
 from hybridrl.data.trace import generate_event, trace
 from hybridrl.data.trajectory import TrajectoryStatus, Truncation
 from hybridrl.envs.agent_spec import load_agent
@@ -163,22 +163,16 @@ class GatewayRunner(EpisodeEngine):
     async def _wait_for(self, episode: GatewayEpisode, agent: asyncio.Future) -> bool:
         """Whether the agent returned within the episode's wall clock (+ gateway.agent_grace_s); on a stop or
         past the clock it is cancelled."""
-        waiters = {agent} | ({asyncio.ensure_future(episode.stop.wait())} if episode.stop is not None else set())
         grace = self.gateway_cfg.agent_grace_s
         try:
-            while True:
-                timeout = max(0.0, episode.deadline_at() + grace - time.monotonic())
-                done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                if done or time.monotonic() >= episode.deadline_at() + grace:
-                    break
-        finally:
-            for w in waiters - {agent}:
-                w.cancel()
-        if agent in done:
+            which = await race(agent, lambda: episode.deadline_at() + grace, episode.stop_waiter())
+        except Exception:  # noqa: BLE001 - the agent's own error: `drive` reads it from the future
+            return True
+        if which == "done":
             return True
         agent.cancel()
         await asyncio.gather(agent, return_exceptions=True)
-        if episode.stop is not None and episode.stop.is_set():
+        if which == "stop" or (episode.stop is not None and episode.stop.is_set()):
             raise EpisodeEnd(TrajectoryStatus.ABORTED, reason="stop requested")
         episode.truncate(Truncation.WALL_CLOCK, "the agent did not return within agent.max_episode_s + "
                                                 "gateway.agent_grace_s")

@@ -3,6 +3,7 @@ engine: multi-turn tool calls with exact tokens and logprobs, streaming, budgets
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
@@ -181,6 +182,30 @@ def test_the_wall_clock_aborts_the_request_and_keeps_its_tokens(tiny_tokenizer):
     t = trajs[0]
     assert t.status == TrajectoryStatus.TRUNCATED and t.truncation == Truncation.WALL_CLOCK
     assert 0 < sum(t.response_mask) < 200 and t.timings["total_s"] < 10
+
+
+def test_an_agent_that_never_returns_is_cut_at_its_clock_and_a_stop_aborts_it(tiny_tokenizer):
+    """The agent's own wait after a request (none in flight): past agent.max_episode_s + gateway.agent_grace_s the
+    episode is TRUNCATED(wall_clock); a stop requested while it waits ABORTs it, saying so."""
+    engine = ScriptedEngine(tiny_tokenizer, lambda ids, turn: "x")
+    stop = asyncio.Event()
+
+    async def sleeper(client, instance):
+        await client.chat.completions.create(model="policy", messages=list(instance.messages))
+        await asyncio.sleep(30)
+
+    async def stopped(client, instance):
+        await client.chat.completions.create(model="policy", messages=list(instance.messages))
+        asyncio.get_running_loop().call_later(0.2, stop.set)
+        await asyncio.sleep(30)
+
+    [late], _ = run_agent(engine, tiny_tokenizer, sleeper, n=1, agent_cfg=cfg(max_episode_s=2),
+                          gateway_cfg=gateway(agent_grace_s=0.5))
+    assert late.status == TrajectoryStatus.TRUNCATED and late.truncation == Truncation.WALL_CLOCK, late.metadata
+    assert 2 < late.timings["total_s"] < 10
+    [gone], _ = run_agent(engine, tiny_tokenizer, stopped, n=1, agent_cfg=cfg(max_episode_s=60), stop=stop)
+    assert gone.status == TrajectoryStatus.ABORTED and gone.metadata["end_reason"] == "stop requested"
+    assert gone.timings["total_s"] < 10
 
 
 async def leaking(client, instance):
