@@ -86,11 +86,8 @@ def main() -> int:
     args = ap.parse_args()
     sides = {"base": Path(args.base).resolve(), "head": Path(args.head).resolve()}
     if args.what == "overhead":
-        result = {"base": str(sides["base"]), "head": str(sides["head"])} | overhead(args, sides)
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        print(json.dumps({k: result[k] for k in ("median", "head_over_base")}, indent=1))
-        return 0
+        return write(args.json, {"base": str(sides["base"]), "head": str(sides["head"])} | overhead(args, sides),
+                     "head_over_base")
     runs: dict[str, list[dict]] = {"base": [], "head": []}
     with tempfile.TemporaryDirectory(prefix="hybridrl-gateway-ab-") as tmp:
         model = str(Path(args.model).resolve()) if args.model else build_base_model(Path(tmp) / "model")
@@ -108,9 +105,14 @@ def main() -> int:
     result = {"base": str(sides["base"]), "head": str(sides["head"]), "repeats": args.repeats, "steps": args.steps,
               "median": med, "head_ratio_over_base_ratio": med["head"]["ratio_agent_over_builtin"]
               / med["base"]["ratio_agent_over_builtin"], "runs": runs}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("median", "head_ratio_over_base_ratio")}, indent=1))
+    return write(args.json, result, "head_ratio_over_base_ratio")
+
+
+def write(path: str, result: dict, verdict: str) -> int:
+    """The result as JSON at `path`; its medians and `verdict` printed."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("median", verdict)}, indent=1))
     return 0
 
 

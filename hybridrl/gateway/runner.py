@@ -172,7 +172,7 @@ class GatewayRunner(EpisodeEngine):
             return True
         agent.cancel()
         await asyncio.gather(agent, return_exceptions=True)
-        if which == "stop" or (episode.stop is not None and episode.stop.is_set()):
+        if episode.stop is not None and episode.stop.is_set():     # "stop", or a stop as the clock ran out
             raise EpisodeEnd(TrajectoryStatus.ABORTED, reason="stop requested")
         episode.truncate(Truncation.WALL_CLOCK, "the agent did not return within agent.max_episode_s + "
                                                 "gateway.agent_grace_s")

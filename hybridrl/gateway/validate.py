@@ -29,12 +29,13 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 def parse_body(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 that says what is wrong with it."""
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and nesting_depth(raw.decode("utf-8", "replace")) > MAX_DEPTH:
-        raise GatewayError(400, f"the request body is nested deeper than {MAX_DEPTH} levels")
     try:
         text: str | None = raw.decode("utf-8-sig")   # decoded UTF-8 holds no lone surrogate: the codec refuses one
     except UnicodeDecodeError:
         text = None                              # UTF-16/32 (json.loads reads those too), or not text at all
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and \
+            nesting_depth(text if text is not None else raw.decode("utf-8", "replace")) > MAX_DEPTH:
+        raise GatewayError(400, f"the request body is nested deeper than {MAX_DEPTH} levels")
     try:
         body = json.loads(raw if text is None else text)
     except (ValueError, RecursionError):

@@ -167,8 +167,12 @@ class RunTracer:
         import random
 
         from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import ReadableSpan
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+        from opentelemetry.trace import SpanContext, TraceFlags
 
+        self._readable, self._context = ReadableSpan, SpanContext        # made per span: looked up once here
+        self._sampled = TraceFlags(TraceFlags.SAMPLED)
         self.share = cfg.trace_sample
         if cfg.traces == "file":
             self.path: Path | None = Path(run_dir) / TRACE_FILE
@@ -218,14 +222,11 @@ class RunTracer:
               attributes: dict | None = None, links: tuple = ()) -> Any:
         """A finished span of `trace_id` under `parent` (a SpanContext, None for a root), appended to `made`;
         returns its context (the parent of the spans under it)."""
-        from opentelemetry.sdk.trace import ReadableSpan
-        from opentelemetry.trace import SpanContext, TraceFlags
-
-        context = SpanContext(trace_id, self._rng.getrandbits(64) or 1, is_remote=False,
-                              trace_flags=TraceFlags(TraceFlags.SAMPLED))
-        made.append(ReadableSpan(name, context, parent, resource=self.resource, attributes=attributes or {},
-                                 links=links, instrumentation_scope=self.scope, start_time=_ns(start),
-                                 end_time=_ns(end)))
+        context = self._context(trace_id, self._rng.getrandbits(64) or 1, is_remote=False,
+                                trace_flags=self._sampled)
+        made.append(self._readable(name, context, parent, resource=self.resource, attributes=attributes or {},
+                                   links=links, instrumentation_scope=self.scope, start_time=_ns(start),
+                                   end_time=_ns(end)))
         return context
 
     def _step_trace(self, step: int, current, metrics: dict, made: list):
