@@ -70,6 +70,7 @@ from typing import Any, Callable, Iterator
 
 from hybridrl.data.episode import TaskInstance, Transition
 from hybridrl.envs.protocol import Environment
+from hybridrl.envs.service_db import ensure_schema, open_database
 from hybridrl.envs.service_owners import SERVICES, local_owner, local_return, owner_alive, start_time
 from hybridrl.envs.service_types import (  # noqa: F401  (the service's API, importable from here)
     DatabaseBusy,
@@ -90,47 +91,6 @@ from hybridrl.envs.service_types import (  # noqa: F401  (the service's API, imp
 )
 
 log = logging.getLogger(__name__)
-
-SCHEMA_VERSION = 2
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS episodes (
-    episode_id TEXT PRIMARY KEY,
-    episode_key TEXT UNIQUE,
-    task TEXT NOT NULL,
-    instance TEXT NOT NULL,
-    seed INTEGER NOT NULL,
-    token_hash TEXT NOT NULL,
-    lease_expires REAL NOT NULL,
-    status TEXT NOT NULL,
-    last_seq INTEGER NOT NULL DEFAULT 0,
-    state TEXT NOT NULL,
-    observation TEXT,
-    error TEXT,
-    created REAL NOT NULL,
-    updated REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS episodes_by_lease ON episodes (status, lease_expires);
-CREATE TABLE IF NOT EXISTS transitions (
-    episode_id TEXT NOT NULL,
-    seq_no INTEGER NOT NULL,
-    idempotency_key TEXT NOT NULL,
-    action TEXT NOT NULL,
-    phase TEXT NOT NULL,              -- pending | committed | failed
-    owner TEXT NOT NULL,              -- the service process that claimed it (host:pid:start:nonce)
-    result TEXT,                      -- committed: the transition
-    error TEXT,                       -- failed: why
-    created REAL NOT NULL,
-    PRIMARY KEY (episode_id, seq_no),
-    UNIQUE (episode_id, idempotency_key)
-);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    time REAL NOT NULL,
-    episode_id TEXT,
-    kind TEXT NOT NULL,
-    detail TEXT
-);
-"""
 
 ACTIVE, DONE, CLOSED, RECLAIMED, FAILED = "active", "done", "closed", "reclaimed", "failed"
 PENDING, COMMITTED = "pending", "committed"
@@ -184,25 +144,6 @@ def default_make_env(task: str, instance: TaskInstance) -> Environment:
     return env
 
 
-def _enter_wal(db: sqlite3.Connection, timeout_s: float) -> None:
-    """Put the database in write-ahead-log mode (it stays so, in the file). Every rank opens the service at
-    start: switching a new file to WAL takes an exclusive lock, and SQLite answers "database is locked" at
-    once, without waiting out the busy timeout, when two connections would otherwise deadlock on that
-    upgrade; so a file already in WAL is left alone and a refused switch is tried again until `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.005
-    while True:
-        try:
-            if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-                db.execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError as err:
-            if "locked" not in str(err) or time.monotonic() + delay > deadline:
-                raise
-        time.sleep(delay)
-        delay = min(delay * 2, 0.2)
-
-
 class EnvService:
     """Thread-safe (one lock); call from asyncio through `asyncio.to_thread` (see `client.py`).
     Several processes may open one database: the write lock and the intent rows keep them exact."""
@@ -228,26 +169,8 @@ class EnvService:
 
         self.audit = open_log(audit_log)
         SERVICES[self.owner] = self
-        self.db = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None,
-                                  timeout=busy_timeout_s)
-        _enter_wal(self.db, busy_timeout_s)
-        self.db.execute(f"PRAGMA synchronous={synchronous.upper()}")
-        if self._schema() == (SCHEMA_VERSION, 1):
-            return          # another process made it: a read, so no wait for the write lock its episodes hold
-        with self._transaction():
-            version, has_tables = self._schema()
-            if has_tables and version != SCHEMA_VERSION:
-                raise EnvServiceError(f"{self.db_path} was written by an older hybridrl (schema {version}, this "
-                                      f"one needs {SCHEMA_VERSION}); move it aside or set env.db_path elsewhere")
-            for statement in SCHEMA.split(";"):
-                if statement.strip():
-                    self.db.execute(statement)
-            self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-
-    def _schema(self) -> tuple[int, int]:
-        """(the database's schema version, whether it has the episodes table)."""
-        return (self.db.execute("PRAGMA user_version").fetchone()[0],
-                self.db.execute("SELECT count(*) FROM sqlite_master WHERE name = 'episodes'").fetchone()[0])
+        self.db = open_database(self.db_path, synchronous=synchronous, busy_timeout_s=busy_timeout_s)
+        ensure_schema(self.db, self.db_path, self._transaction)
 
     @classmethod
     def from_config(cls, cfg, **kwargs) -> "EnvService":

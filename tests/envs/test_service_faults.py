@@ -278,13 +278,13 @@ class _RefusesWal(sqlite3.Connection):
 
 
 def test_a_refused_switch_to_wal_is_tried_again_within_the_busy_timeout(paths, tmp_path):
-    from hybridrl.envs.service import _enter_wal
+    from hybridrl.envs.service_db import enter_wal
 
     db = sqlite3.connect(tmp_path / "fresh.sqlite", factory=_RefusesWal, isolation_level=None)
     _RefusesWal.refusals = 3
-    _enter_wal(db, timeout_s=5.0)
+    enter_wal(db, timeout_s=5.0)
     assert _RefusesWal.refusals == 0 and db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     other = sqlite3.connect(tmp_path / "other.sqlite", factory=_RefusesWal, isolation_level=None)
     _RefusesWal.refusals = 10**6                       # never free: the refusal surfaces after the timeout
     with pytest.raises(sqlite3.OperationalError, match="locked"):
-        _enter_wal(other, timeout_s=0.2)
+        enter_wal(other, timeout_s=0.2)
