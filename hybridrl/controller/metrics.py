@@ -125,7 +125,7 @@ def engine_metrics(per_rank: list[dict], run) -> dict[str, float]:
             # weights applied while requests ran (rollout.native.on_weight_update=continue)
             "updates_mid_request", "update_continued_requests", "update_recompute_tokens", "update_hold_s",
             # the replica pool (rollout.engine=replicas)
-            "replicas_lost", "replicas_joined", "requests_resubmitted")
+            "replicas_lost", "replicas_joined", "requests_resubmitted", "tokens_resumed")
     out = {k: float(v) for k, v in deltas.items() if any(k.endswith(s) for s in keep)}
     out.update(generation_latency(per_rank, deltas, totals))
     # the tool sandbox's isolation (root | userns | none): ranks running in each mode, every step

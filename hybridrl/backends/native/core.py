@@ -162,13 +162,18 @@ class EngineCore:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def make_sequence(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> Sequence:
+    def make_sequence(self, prompt: list[int], sampling: SamplingParams, request_id: str,
+                      generated: tuple[list[int], list[float]] = ((), ())) -> Sequence:
+        """`generated`: output tokens (and their logprobs) a request already has, from another engine with the
+        same weights; it goes on from there, the next token drawn with the uniform of its output index (so
+        the tokens are those one uninterrupted request would have drawn)."""
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop.update(self.spec.eos_token_ids)
         seed = sampling.seed if sampling.seed is not None else request_seed(self.cfg.seed, request_id)
-        return Sequence(request_id=request_id, tokens=list(prompt), prompt_len=len(prompt), params=sampling,
-                        seed=seed, stop_ids=frozenset(stop), max_len=self.max_model_len)
+        ids, logprobs = generated
+        return Sequence(request_id=request_id, tokens=[*prompt, *ids], prompt_len=len(prompt), params=sampling,
+                        seed=seed, stop_ids=frozenset(stop), max_len=self.max_model_len, logprobs=list(logprobs))
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq

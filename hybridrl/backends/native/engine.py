@@ -194,12 +194,18 @@ class NativeEngine:
 
     # -- the protocol -------------------------------------------------------------------------
 
-    async def generate(self, token_ids: Seq[int], sampling: SamplingParams, request_id: str) -> GenerationOutput:
+    async def generate(self, token_ids: Seq[int], sampling: SamplingParams, request_id: str, *,
+                       generated: tuple[Seq[int], Seq[float]] = ((), ())) -> GenerationOutput:
         """Generate from a prompt of token ids; returns the new ids, their logprobs, why it stopped and
-        the policy version of every token. Cancelling the awaiting task aborts the request."""
+        the policy version of every token. Cancelling the awaiting task aborts the request.
+
+        `generated`: the output tokens and logprobs the request already has (a replica that served it
+        was lost): it goes on from them, drawing each next token as the uninterrupted request would
+        have (its output index's uniform, `sampler.py`); the answer holds them and what follows."""
         prompt = self._check_prompt(token_ids, request_id)
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        generated = self._check_generated(prompt, generated, sampling, request_id)
         self._check_open()
         if self._asleep:
             raise RuntimeError("the native engine is asleep: call wake_up() before generate()")
@@ -213,7 +219,7 @@ class NativeEngine:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
             self._inflight.add(request_id)
         try:
-            seq = core.make_sequence(prompt, sampling, request_id)
+            seq = core.make_sequence(prompt, sampling, request_id, generated)
             waiter = _Waiter()
             self._submit(("add", seq, waiter))
             try:
@@ -224,6 +230,17 @@ class NativeEngine:
         finally:
             with self._inflight_lock:
                 self._inflight.discard(request_id)
+
+    def progress(self, request_id: str) -> tuple[list[int], list[float], int, tuple[tuple[int, int], ...]] | None:
+        """What a running request has generated so far: its output ids and their logprobs, the version of
+        its first token and where later versions begin (None: not running here). Read from any thread:
+        a token is appended before its logprob, so the ids are cut at the logprobs' length."""
+        seq = self._core.requests.get(request_id)
+        if seq is None:
+            return None
+        logprobs = list(seq.logprobs)
+        ids = seq.tokens[seq.prompt_len:seq.prompt_len + len(logprobs)]
+        return ids, logprobs, seq.version if seq.started else self._core.policy_version, tuple(seq.version_starts)
 
     async def abort(self, request_id: str) -> bool:
         """End a request now (FinishReason.ABORT, with the tokens it has). False if unknown or finished."""
@@ -343,6 +360,17 @@ class NativeEngine:
             raise ValueError(f"request {request_id!r}: token id {prompt[bad]} at position {bad} is outside the "
                              f"vocabulary [0, {vocab})")
         return prompt
+
+    def _check_generated(self, prompt: list[int], generated: tuple[Seq[int], Seq[float]], sampling: SamplingParams,
+                         request_id: str) -> tuple[list[int], list[float]]:
+        ids = self._check_prompt(generated[0], request_id) if len(generated[0]) else []
+        logprobs = [float(x) for x in generated[1]]
+        if len(ids) != len(logprobs):
+            raise ValueError(f"request {request_id!r}: {len(ids)} generated tokens but {len(logprobs)} logprobs")
+        if ids and (len(ids) >= sampling.max_new_tokens or len(prompt) + len(ids) >= self._core.max_model_len):
+            raise ValueError(f"request {request_id!r}: its {len(ids)} generated tokens leave nothing to generate "
+                             f"(max_new_tokens {sampling.max_new_tokens}, max_model_len {self._core.max_model_len})")
+        return ids, logprobs
 
     def _submit(self, command: tuple, *, drive: bool = True) -> None:
         if self._thread is not None:

@@ -2,11 +2,16 @@
 processes outside the training ranks' process group. Losing one never restarts the training ranks.
 
     generate        to the live replica with the fewest requests in flight, among those serving the current
-                    version. A replica that stops answering (connection refused or reset, or nothing back
+                    version; the answer streams back (the tokens generated so far, every 50 ms, then the
+                    output). A replica that stops answering (connection refused or reset, or nothing back
                     within request_timeout_s) is lost for good; the request goes to another live replica
-                    with the same request id, sampling parameters and seed, from its prompt. Generation is
-                    pure: the agent loop applies actions in the trainer's process once the output is back,
-                    so a request lost with its replica has applied nothing, and its trajectory is built once
+                    with the same request id, sampling parameters and seed, and the tokens (and logprobs)
+                    the lost one had streamed back: it goes on from them, drawing each next token with the
+                    uniform of its output index, so the tokens are those of an uninterrupted request (up to
+                    the last bits batch composition moves), each labelled with the version that sampled
+                    it. Generation is pure: the agent loop applies actions in the trainer's process once
+                    the output is back, so a request lost with its replica has applied nothing, and its
+                    trajectory is built once
     update_weights  each bucket goes to every live replica, which copies it and (with digests) reads it back;
                     the version switches here once every live replica holds all of it. At a version's first
                     bucket the pool is refreshed: replicas that registered (or answer at a configured URL)
@@ -128,20 +133,27 @@ class ReplicasEngine:
         if sampling.seed is None:         # the seed the native engine would draw for it, whichever replica runs it
             sampling = dataclasses.replace(sampling, seed=request_seed(self._seed, request_id))
         body = {"token_ids": [int(t) for t in token_ids], "sampling": wire.sampling_to_json(sampling),
-                "request_id": self._wire_id(request_id)}
+                "request_id": self._wire_id(request_id), "stream": True}
+        saved = Saved()
         for _ in range(MAX_ATTEMPTS):
             replica = self._pick()
+            if saved.token_ids:
+                body["resume"] = {"token_ids": saved.token_ids, "logprobs": saved.logprobs}
             try:
-                out = await self._generate_on(replica, body)
+                out = await self._generate_on(replica, body, saved)
             except ReplicaLost as err:
                 if not isinstance(err, ReplicaTimeout) and await self._still_there(replica):   # the connection failed
                     await self._abort_on(replica, body["request_id"])
                     continue
                 self._lose(replica, str(err))
                 self.counts["requests_resubmitted"] += 1
-                log.warning("request %s: replica %s (%s) lost mid-request; submitting it again to another replica "
-                            "(%d live)", request_id, replica.instance, replica.url, len(self.live))
+                log.warning("request %s: replica %s (%s) lost mid-request; going on on another replica from the %d "
+                            "tokens it generated (%d live)", request_id, replica.instance, replica.url,
+                            len(saved.token_ids), len(self.live))
                 continue
+            if "resume" in body:
+                self.counts["tokens_resumed"] += len(body["resume"]["token_ids"])
+                out = saved.before(out)
             self.counts["requests"] += 1
             self.counts["decode_tokens"] += len(out.token_ids)
             self.counts["prefill_tokens"] += out.prompt_tokens - out.cached_prompt_tokens
@@ -379,12 +391,32 @@ class ReplicasEngine:
         info = await self._info(replica.url)
         return info is not None and info["instance"] == replica.instance
 
-    async def _generate_on(self, replica: Replica, body: dict[str, Any]) -> GenerationOutput:
+    async def _generate_on(self, replica: Replica, body: dict[str, Any], saved: "Saved") -> GenerationOutput:
+        """The request on `replica`, its answer streamed: what it generated so far goes into `saved` as it
+        comes, so that another replica can go on from there if this one is lost."""
+        import httpx
+
         request_id = body["request_id"]
         self._where[request_id] = replica
         replica.in_flight += 1
         try:
-            response = await self._post(replica, "/generate", json=body)
+            async with self._http().stream("POST", f"{replica.url}/generate", json=body) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    _answer(response, replica)
+                async for line in response.aiter_lines():
+                    message = json.loads(line)
+                    if "saved" in message:
+                        saved.add(message["saved"])
+                    elif "output" in message:
+                        return wire.output_from_json(message["output"])
+                    else:
+                        _refusal(message["status"], message["error"], replica)
+            raise ReplicaLost("/generate's answer ended before its output")
+        except httpx.TimeoutException as err:
+            raise ReplicaTimeout(f"no answer to /generate within {self.cfg.request_timeout_s:g} s") from err
+        except httpx.TransportError as err:
+            raise ReplicaLost(f"{type(err).__name__} on /generate: {err}") from err
         except asyncio.CancelledError:
             task = asyncio.get_running_loop().create_task(self._abort_on(replica, request_id))
             self._aborts.add(task)
@@ -393,7 +425,6 @@ class ReplicasEngine:
         finally:
             replica.in_flight -= 1
             self._where.pop(request_id, None)
-        return wire.output_from_json(_answer(response, replica))
 
     async def _abort_on(self, replica: Replica, request_id: str) -> bool:
         try:
@@ -425,9 +456,56 @@ def _answer(response: Any, replica: Replica) -> dict[str, Any]:
     if response.status_code == 200:
         return response.json()
     body = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
-    error = body.get("error", response.text[:500])
-    if response.status_code == 409:
-        raise WeightMismatch(body["mismatch"], f"replica {replica.instance}: {error}")
-    if response.status_code == 400:
+    _refusal(response.status_code, body.get("error", response.text[:500]), replica, body.get("mismatch"))
+
+
+def _refusal(status: int, error: str, replica: Replica, mismatch: list[str] | None = None) -> None:
+    if status == 409:
+        raise WeightMismatch(mismatch, f"replica {replica.instance}: {error}")
+    if status == 400:
         raise ValueError(f"replica {replica.instance}: {error}")
     raise RuntimeError(f"replica {replica.instance} ({replica.url}) failed: {error}")
+
+
+@dataclass
+class Saved:
+    """What a request generated on replicas that were lost: its output tokens and their logprobs (as the
+    replicas streamed them), the version of the first and where later versions begin."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    policy_version: int = NO_WEIGHTS
+    version_starts: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, line: Mapping[str, Any]) -> None:
+        """One streamed line: the tokens from index `start` on, with the versions of the replica's output."""
+        start, ids = int(line["start"]), [int(t) for t in line["token_ids"]]
+        if start != len(self.token_ids):
+            raise ReplicaLost(f"a replica streamed tokens from index {start}, {len(self.token_ids)} were saved")
+        self._label(int(line["policy_version"]), line["version_starts"], start, start + len(ids))
+        self.token_ids += ids
+        self.logprobs += [float(x) for x in line["logprobs"]]
+
+    def before(self, out: GenerationOutput) -> GenerationOutput:
+        """The answer of the replica that went on from here (its tokens and logprobs hold the saved ones),
+        labelled with the saved tokens' versions, then its own."""
+        n = len(self.token_ids)
+        if out.token_ids[:n] != self.token_ids:
+            raise RuntimeError(f"request {out.request_id}: the replica that went on from {n} saved tokens answered "
+                               "other ones in their place")
+        self._label(out.policy_version, out.version_starts, n, len(out.token_ids))
+        return dataclasses.replace(out, logprobs=self.logprobs + list(out.logprobs[n:]),
+                                   policy_version=self.policy_version, version_starts=tuple(self.version_starts))
+
+    def _label(self, first: int, starts: Sequence[Sequence[int]], lo: int, hi: int) -> None:
+        """Take a replica's versions (`first` from index 0, then `starts`) for output indices [lo, hi)."""
+        bounds = [(0, first), *((int(i), int(v)) for i, v in starts)]
+        for k, (index, version) in enumerate(bounds):
+            end = bounds[k + 1][0] if k + 1 < len(bounds) else hi
+            if end <= lo or index >= max(hi, lo + 1):
+                continue
+            at = max(index, lo)
+            if at == 0:
+                self.policy_version = version
+            elif version != (self.version_starts[-1][1] if self.version_starts else self.policy_version):
+                self.version_starts.append((at, version))

@@ -4,7 +4,9 @@ process group. The trainer's `ReplicasEngine` is its client.
     hybridrl replica --model HF_DIR [--port P] [--registry RUN_DIR/replicas] [--config RECIPE] [rollout.native.k=v]
 
     GET  /info       who it is (an id of this process), the version it serves, its weight spec, counts
-    POST /generate   token ids, sampling parameters, request id -> a GenerationOutput (wire.py)
+    POST /generate   token ids, sampling parameters, request id (and the tokens a lost replica generated
+                     for it, to go on from) -> a GenerationOutput (wire.py); with "stream": JSON lines of
+                     the tokens generated so far while it runs, then the output
     POST /abort      a request id -> whether it was running
     POST /weights    one bucket (safetensors bytes, the version and digests in its metadata): copied into the
                      engine and read back there; 409 names the tensors that differ
@@ -32,11 +34,12 @@ import socket
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 log = logging.getLogger("hybridrl.replica")
 
 EXIT_USAGE = 2
+STREAM_EVERY_S = 0.05       # how often a streamed request reports the tokens it generated since
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,14 +52,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="recipe YAML whose rollout.native section configures the engine")
     parser.add_argument("--kill-at-request", type=int, default=0, metavar="N",
                         help="fault injection: SIGKILL this replica when its N-th generation request arrives (tests)")
+    parser.add_argument("--kill-after-tokens", type=int, default=0, metavar="T",
+                        help="with --kill-at-request: SIGKILL it once that request has streamed T tokens back, "
+                             "not at its arrival (tests)")
     parser.add_argument("overrides", nargs="*", help="rollout.native.key=value")
 
 
 class ReplicaServer:
     """The routes over one engine."""
 
-    def __init__(self, engine: Any, *, instance: str, kill_at_request: int = 0):
-        self.engine, self.instance, self.kill_at_request = engine, instance, kill_at_request
+    def __init__(self, engine: Any, *, instance: str, kill_at_request: int = 0, kill_after_tokens: int = 0):
+        self.engine, self.instance = engine, instance
+        self.kill_at_request, self.kill_after_tokens = kill_at_request, kill_after_tokens
         self.requests = 0            # generation requests that arrived
         self.served = 0              # and were answered
         self.versions_served: dict[int, int] = {}     # policy version -> requests answered on it
@@ -75,17 +82,66 @@ class ReplicaServer:
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
         from hybridrl.backends.replicas import wire
 
+        self._arrived(body)
+        return wire.output_to_json(await self._generate(body))
+
+    async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[str]:
+        """The request's answer as JSON lines: {"saved": ...} while it runs (the tokens since the last line with
+        their logprobs and versions; the newest token is held back, as it may end the request), then
+        {"output": ...}, or {"error": ..., "status": ...}. What a client saw saved survives this process:
+        another replica goes on from it (`generate(generated=...)`)."""
+        from hybridrl.backends.replicas import wire
+
+        number = self._arrived(body)
+        doomed = number == self.kill_at_request and self.kill_after_tokens > 0
+        task = asyncio.ensure_future(self._generate(body))
+        sent = len((body.get("resume") or {}).get("token_ids", ()))      # what the client holds already
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.0 if doomed else STREAM_EVERY_S)   # doomed: every step
+                progress = None if task.done() else self.engine.progress(body["request_id"])
+                if progress is None or len(progress[0]) - 1 <= sent:
+                    continue
+                ids, logprobs, version, starts = progress
+                upto = len(ids) - 1
+                yield _line({"saved": {"start": sent, "token_ids": ids[sent:upto], "logprobs": logprobs[sent:upto],
+                                       "policy_version": version, "version_starts": [list(v) for v in starts]}})
+                sent = upto
+                if doomed and sent >= self.kill_after_tokens:
+                    await asyncio.sleep(0.1)            # the line on its way before the process goes
+                    self._die(f"request {number} ({body['request_id']}) streamed {sent} tokens")
+            yield _line({"output": wire.output_to_json(task.result())})
+        except (ValueError, KeyError, TypeError) as err:
+            yield _line({"error": f"{type(err).__name__}: {err}", "status": 400})
+        except Exception as err:  # noqa: BLE001 - the client hears why; the replica serves on
+            log.exception("replica %s: /generate failed", self.instance)
+            yield _line({"error": f"{type(err).__name__}: {err}", "status": 500})
+        finally:
+            if not task.done():                         # the client went away: the request ends with it
+                task.cancel()
+
+    def _arrived(self, body: dict[str, Any]) -> int:
+        """Count a generation request; the fault injection's kill at arrival. Returns its number."""
         self.requests += 1
-        if self.requests == self.kill_at_request:
-            log.warning("replica %s: request %d (%s) arrived: killing myself (--kill-at-request)", self.instance,
-                        self.requests, body.get("request_id"))
-            logging.shutdown()
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.requests == self.kill_at_request and not self.kill_after_tokens:
+            self._die(f"request {self.requests} ({body.get('request_id')}) arrived")
+        return self.requests
+
+    def _die(self, when: str) -> None:
+        log.warning("replica %s: %s: killing myself (--kill-at-request)", self.instance, when)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    async def _generate(self, body: dict[str, Any]) -> Any:
+        from hybridrl.backends.replicas import wire
+
+        resume = body.get("resume") or {}
         out = await self.engine.generate(body["token_ids"], wire.sampling_from_json(body["sampling"]),
-                                         body["request_id"])
+                                         body["request_id"],
+                                         generated=(resume.get("token_ids", ()), resume.get("logprobs", ())))
         self.served += 1
         self.versions_served[out.policy_version] = self.versions_served.get(out.policy_version, 0) + 1
-        return wire.output_to_json(out)
+        return out
 
     async def weights(self, payload: bytes) -> dict[str, Any]:
         from hybridrl.backends.replicas import wire
@@ -114,14 +170,15 @@ class ReplicaServer:
     def app(self) -> Any:
         from starlette.applications import Starlette
         from starlette.requests import Request
-        from starlette.responses import JSONResponse
+        from starlette.responses import JSONResponse, Response, StreamingResponse
         from starlette.routing import Route
 
         from hybridrl.rollout.weight_spec import WeightMismatch
 
-        async def guarded(handler, request: Request) -> JSONResponse:
+        async def guarded(handler, request: Request) -> Response:
             try:
-                return JSONResponse(await handler(request))
+                answer = await handler(request)
+                return answer if isinstance(answer, Response) else JSONResponse(answer)
             except WeightMismatch as err:
                 return JSONResponse({"error": str(err), "mismatch": err.names}, status_code=409)
             except (ValueError, KeyError, TypeError) as err:
@@ -133,8 +190,11 @@ class ReplicaServer:
         async def info(request: Request) -> dict:
             return self.info()
 
-        async def generate(request: Request) -> dict:
-            return await self.generate(await request.json())
+        async def generate(request: Request) -> Any:
+            body = await request.json()
+            if body.get("stream"):
+                return StreamingResponse(self.generate_stream(body), media_type="application/x-ndjson")
+            return await self.generate(body)
 
         async def abort(request: Request) -> dict:
             return {"found": await self.engine.abort((await request.json())["request_id"])}
@@ -146,13 +206,17 @@ class ReplicaServer:
             return {k: v for k, v in self.engine.stats().items() if k != "latency"}
 
         def route(path: str, handler, method: str) -> Route:
-            async def endpoint(request: Request) -> JSONResponse:
+            async def endpoint(request: Request) -> Response:
                 return await guarded(handler, request)
             return Route(path, endpoint, methods=[method])
 
         return Starlette(routes=[route("/info", info, "GET"), route("/generate", generate, "POST"),
                                  route("/abort", abort, "POST"), route("/weights", weights, "POST"),
                                  route("/stats", stats, "GET")])
+
+
+def _line(message: dict[str, Any]) -> str:
+    return json.dumps(message) + "\n"
 
 
 def _forget_version(core: Any) -> None:
@@ -219,7 +283,8 @@ def main(args: argparse.Namespace) -> int:
 
     instance = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     engine = NativeEngine.from_pretrained(args.model, cfg, device=args.device)
-    server = ReplicaServer(engine, instance=instance, kill_at_request=args.kill_at_request)
+    server = ReplicaServer(engine, instance=instance, kill_at_request=args.kill_at_request,
+                           kill_after_tokens=args.kill_after_tokens)
     try:
         asyncio.run(serve(server, host=args.host, port=args.port, model=str(args.model),
                           registry=Path(args.registry) if args.registry else None))

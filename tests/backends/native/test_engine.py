@@ -57,6 +57,29 @@ def test_a_follow_up_turn_reuses_the_previous_turn(tiny_models, make_engine):
     assert second.cached_prompt_tokens == len(prompt) + len(first.token_ids) - 1
 
 
+def test_a_request_going_on_from_tokens_it_has_draws_what_the_uninterrupted_one_drew(tiny_models, make_engine):
+    """A lost replica's request sent again with the tokens and logprobs it had streamed back (`generated`): the
+    answer holds them and goes on with the tokens of the uninterrupted request (sampled, seeded: each token's
+    uniform is its output index's), on another engine with the same weights. Nothing to go on to is refused."""
+    model = tiny_models("qwen2")
+    prompt = prompts_of([13], seed=5)[0]
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    whole = generate_all(make_engine(model), [prompt], sp)[0]
+    other = make_engine(model)
+
+    async def go_on(n, request_id):
+        return await other.generate(prompt, sp, request_id, generated=(whole.token_ids[:n], whole.logprobs[:n]))
+
+    for n in (1, 6, 15):
+        out = asyncio.run(go_on(n, f"on-{n}"))
+        assert out.token_ids == whole.token_ids and out.logprobs[:n] == whole.logprobs[:n]
+        torch.testing.assert_close(out.logprobs, whole.logprobs, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="16 generated tokens leave nothing to generate"):
+        asyncio.run(go_on(16, "done"))
+    with pytest.raises(ValueError, match="2 generated tokens but 1 logprobs"):
+        asyncio.run(other.generate(prompt, sp, "odd", generated=([3, 4], [-1.0])))
+
+
 @DRIVERS
 def test_64_concurrent_requests_with_arrivals_and_a_live_event_loop(driver, tiny_models, hf_model, make_engine):
     model_dir = tiny_models("llama", **PARITY)

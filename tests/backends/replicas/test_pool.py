@@ -1,6 +1,7 @@
-"""The replica pool with real replica processes (each a subprocess running `hybridrl replica`): a replica SIGKILLed while it holds requests loses none of
-them (they are answered by the other, the same tokens), and a replica started afterwards joins at the next
-publication, receives that whole version, then serves."""
+"""The replica pool with real replica processes (each a subprocess running `hybridrl replica`): a replica
+SIGKILLed while it generates loses none of its requests (the other replica goes on from the tokens each had
+streamed back: the same tokens as an uninterrupted request), and a replica started afterwards joins at the
+next publication, receives that whole version, then serves."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from hybridrl.rollout.protocol import SamplingParams
 from tests.backends.replicas.replica_procs import start_replica
 
 NUM_REQUESTS = 6
+NEW_TOKENS = 24
+KILL_AFTER = 5              # tokens the doomed replica's 2nd request streams back before it dies
 
 
 def _weights(model_dir, shift: float = 0.0) -> list[tuple[str, torch.Tensor]]:
@@ -40,23 +43,23 @@ def _publish(engine: ReplicasEngine, weights, version: int) -> None:
 
 
 def _generate(engine: ReplicasEngine, tag: str) -> list:
-    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-
+    """Sampled (temperature 1), each request with its own seed: the same seeds whatever the tag."""
     async def go():
-        return await asyncio.gather(*[engine.generate([3, 5, 7 + i], greedy, f"{tag}-{i}")
-                                      for i in range(NUM_REQUESTS)])
+        return await asyncio.gather(*[engine.generate([3, 5, 7 + i], SamplingParams(
+            max_new_tokens=NEW_TOKENS, temperature=1.0, seed=100 + i, ignore_eos=True), f"{tag}-{i}")
+            for i in range(NUM_REQUESTS)])
 
     return asyncio.run(go())
 
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory, tiny_models):
-    """Two replicas, the second killing itself (SIGKILL) when its 2nd request arrives, and a client over them
-    that published v0; after the run of the first requests, a third replica joins at v1."""
+    """Two replicas, the second killing itself (SIGKILL) once its 2nd request streamed KILL_AFTER tokens back,
+    and a client over them that published v0; after the run of the first requests, a third replica joins at v1."""
     base = tmp_path_factory.mktemp("replicas")
     model, registry = tiny_models("llama"), base / "registry"
     survivor = start_replica(model, registry, base / "a.log")
-    doomed = start_replica(model, registry, base / "b.log", "--kill-at-request", "2")
+    doomed = start_replica(model, registry, base / "b.log", "--kill-at-request", "2", "--kill-after-tokens", str(KILL_AFTER))
     procs = [survivor, doomed]
     try:
         for p in procs:
@@ -83,14 +86,16 @@ def pool(tmp_path_factory, tiny_models):
             p.stop()
 
 
-def test_a_replica_killed_mid_request_loses_no_request(pool):
+def test_a_replica_killed_mid_request_loses_no_request_and_no_token_it_streamed(pool):
     assert pool["doomed"].proc.returncode == -signal.SIGKILL
-    assert "arrived: killing myself" in pool["doomed"].log.read_text()
+    assert re.search(rf"request 2 \(\S+\) streamed {KILL_AFTER} tokens: killing myself", pool["doomed"].log.read_text())
     stats = pool["after_loss"]
     assert stats["replicas_lost"] == 1 and stats["replicas_live"] == 1 and stats["requests_resubmitted"] >= 1
     assert stats["requests"] == NUM_REQUESTS
+    # the survivor went on from what the doomed replica had streamed: its request 2's KILL_AFTER tokens at least
+    assert KILL_AFTER <= stats["tokens_resumed"] < stats["requests_resubmitted"] * NEW_TOKENS
     for out, ref in zip(pool["first"], pool["reference"]):
-        assert out.policy_version == 0 and len(out.token_ids) == 6
+        assert out.policy_version == 0 and out.version_starts == () and len(out.token_ids) == NEW_TOKENS
         assert out.token_ids == ref.token_ids        # the same answer, wherever it ran (batch composition moves
         torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=0, atol=1e-5)   # a logprob's last bits)
 

@@ -1,5 +1,5 @@
 """An RL job whose rollouts run on two replica processes (`rollout.engine=replicas`), one of which is
-SIGKILLed mid-step: the job (one training rank) never restarts, finishes every step with every episode, trains
+SIGKILLed mid-step (mid-request: the survivor goes on from the tokens it streamed back): the job (one training rank) never restarts, finishes every step with every episode, trains
 no trajectory twice, leases no environment twice, and a replacement started after the loss joins at the next
 publication and serves it. The task is stateful (guess_number, through the run's environment service); the
 tiny random model never answers in its format, so its episodes take no environment step: the service's record
@@ -22,6 +22,7 @@ from tests.launch import ROOT, env_with_repo
 STEPS = 4
 EPISODES = 4 * 4                 # rl_tiny: prompts_per_step x group_size
 KILL_AT = 12                     # the doomed replica's 12th generation request: inside the run's first steps
+KILL_AFTER = 3                   # once that request streamed 3 tokens back: the survivor goes on from them
 
 
 MODES = {"sync": [],
@@ -37,7 +38,8 @@ def run(request, tmp_path_factory, tiny_models):
     base = tmp_path_factory.mktemp(f"replica_loss_{request.param}")
     run_dir, registry = base / "run", base / "run" / "replicas"
     survivor = start_replica(rl_model, registry, base / "a.log")
-    doomed = start_replica(rl_model, registry, base / "b.log", "--kill-at-request", str(KILL_AT))
+    doomed = start_replica(rl_model, registry, base / "b.log", "--kill-at-request", str(KILL_AT),
+                           "--kill-after-tokens", str(KILL_AFTER))
     procs = [survivor, doomed]
     try:
         for p in procs:
@@ -50,7 +52,7 @@ def run(request, tmp_path_factory, tiny_models):
         with (base / "train.log").open("w") as out:
             train = subprocess.Popen(cmd, cwd=ROOT, env=env_with_repo(), stdout=out, stderr=subprocess.STDOUT)
         try:
-            doomed.proc.wait(timeout=600)                  # it kills itself when its KILL_AT-th request arrives
+            doomed.proc.wait(timeout=600)                  # it kills itself during its KILL_AT-th request
             late = start_replica(rl_model, registry, base / "c.log")
             procs.append(late)
             train.wait(timeout=600)
@@ -75,13 +77,14 @@ def test_the_run_survives_a_replica_killed_mid_step(run):
     assert run["rc"] == 0, run["log"][-6000:]
     assert run["doomed"].proc.returncode == -signal.SIGKILL
     assert f"request {KILL_AT} (" in run["doomed"].log.read_text()
-    assert "lost mid-request; submitting it again to another replica" in run["log"]
+    assert re.search(r"lost mid-request; going on on another replica from the \d+ tokens it generated", run["log"])
     rows = rows_of(run)
     assert [r["step"] for r in rows] == list(range(STEPS + 1))
     for r in rows[1:]:
         assert r["episodes"] == EPISODES and r["mismatch/max_abs"] < 1e-4
     assert sum(r.get("engine/replicas_lost", 0) for r in rows) == 1
     assert sum(r.get("engine/requests_resubmitted", 0) for r in rows) >= 1
+    assert sum(r.get("engine/tokens_resumed", 0) for r in rows) >= KILL_AFTER    # not generated again
     ids = [t["id"] for shard in sorted((run["dir"] / "ledger" / "data").glob("step_*.parquet"))
            for t in pq.read_table(shard, columns=["id"]).to_pylist()]
     assert len(ids) == STEPS * EPISODES and len(set(ids)) == len(ids)        # none trained twice, none lost
