@@ -100,7 +100,9 @@ def test_a_paused_episode_keeps_its_leased_environment_through_a_long_update(tok
     # The lease must outlive one turn (a generate and a step: ~0.1 s quiet, several times that on a
     # loaded machine); the update below outlives three leases.
     ttl = 2.0
-    svc = EnvService(tmp_path / "envs.sqlite", lease_ttl_s=ttl)
+    # synchronous=normal: no fsync per commit. With full, a renewal's commit stalled by another job's disk
+    # writes (the suite's checkpoints) can outlast the lease, and that is not what is tested here
+    svc = EnvService(tmp_path / "envs.sqlite", lease_ttl_s=ttl, synchronous="normal")
     engine = ScriptedEngine(tokenizer, bisect, step_latency_s=0.01)
     runner = AgentRunner(engine, tokenizer, agent_cfg=AgentConfig(max_turns=8), tools=ToolBox([]), run_id="r",
                          envs=LeasedEnvProvider(svc, EnvServiceConfig(db_path=str(svc.db_path), lease_ttl_s=ttl)))

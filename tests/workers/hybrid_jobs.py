@@ -81,7 +81,7 @@ def _train_once(wg, vocab: int, seed: int = 0) -> dict:
     return wg.call(TrainSide.train_step, batch)[0]
 
 
-def publish_then_sample(cfg, wg):
+def publish_then_sample(cfg, wg) -> dict:
     wg.call(ModeSwitch.enter_rollout, version=0, step=0)
     before = wg.call(RolloutSide.sample, prompts=PROMPTS, max_new_tokens=8)
     wg.call(ModeSwitch.enter_train)
@@ -89,32 +89,44 @@ def publish_then_sample(cfg, wg):
     switch = wg.call(ModeSwitch.enter_rollout, version=1, step=1)
     after = wg.call(RolloutSide.sample, prompts=PROMPTS, max_new_tokens=8)
     wg.call(TrainSide.export_hf, out_dir=str(Path(cfg.run.dir) / "hf"))
-    _write(cfg, {"prompts": PROMPTS, "before": before, "after": after, "switch": switch, "update": update})
+    result = {"prompts": PROMPTS, "before": before, "after": after, "switch": switch, "update": update}
+    _write(cfg, result)
+    return result
 
 
 CORRUPTED = "model.layers.0.mlp.down_proj.weight"
 
 
-def corrupted_publication(cfg, wg):
+def corrupted_publication(cfg, wg, result: dict | None = None, first: int = 0):
+    """From version `first` (sampled at it already when `result` holds what was written so far): a damaged
+    copy of version first + 1 is copied again; every copy of first + 2 damaged stops the step."""
     link = link_of(cfg, wg)
-    link.to_rollout(0, 0)
-    v0 = wg.call(RolloutSide.sample, prompts=PROMPTS, max_new_tokens=8)
+    if result is None:
+        link.to_rollout(first, first)
+        result = {"v0": wg.call(RolloutSide.sample, prompts=PROMPTS, max_new_tokens=8)}
+    else:
+        result["v0"] = result["after"]
     link.to_train()
     _train_once(wg, vocab=500)
     wg.call(CopyDamage.set_fault, name=CORRUPTED, times=1)     # one bad copy: copied again, verified
-    retried = link.to_rollout(1, 1)
+    retried = link.to_rollout(first + 1, first + 1)
     v1 = wg.call(RolloutSide.sample, prompts=PROMPTS, max_new_tokens=8)
     link.to_train()
     _train_once(wg, vocab=500, seed=1)
     wg.call(CopyDamage.set_fault, name=CORRUPTED, times=-1)    # every copy bad: the step stops
     try:
-        link.to_rollout(2, 2)
+        link.to_rollout(first + 2, first + 2)
         failure = None
     except WorkerGroupError as err:
         failure = str(err)
-    _write(cfg, {"v0": v0, "retried": retried, "v1": v1, "failure": failure})
+    _write(cfg, {**result, "retried": retried, "v1": v1, "failure": failure})
     if failure:
         raise RuntimeError("expected failure recorded")   # the group is aborted after a worker error
+
+
+def publish_then_corrupt(cfg, wg):
+    """PUBLISH's run, then the damaged copies from its version 1 on (one job for both tests: one start)."""
+    corrupted_publication(cfg, wg, publish_then_sample(cfg, wg), first=1)
 
 
 def memory(cfg, wg):
@@ -130,7 +142,7 @@ def memory(cfg, wg):
 
 
 PUBLISH = Job("publish", build_colocated, publish_then_sample)
-CORRUPT = Job("corrupt", faulty_worker, corrupted_publication)
+PUBLISH_THEN_CORRUPT = Job("publish_then_corrupt", faulty_worker, publish_then_corrupt)
 MEMORY = Job("memory", build_colocated, memory)
 
 

@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill-at-request", type=int, default=0, metavar="N",
                         help="fault injection: SIGKILL this replica when its N-th generation request arrives (tests)")
     parser.add_argument("--kill-after-tokens", type=int, default=0, metavar="T",
-                        help="with --kill-at-request: SIGKILL it once that request has streamed T tokens back, "
-                             "not at its arrival (tests)")
+                        help="with --kill-at-request N: SIGKILL it once a request from the N-th on has streamed "
+                             "T tokens back, not at the N-th's arrival (tests)")
     parser.add_argument("overrides", nargs="*", help="rollout.native.key=value")
 
 
@@ -93,7 +93,8 @@ class ReplicaServer:
         from hybridrl.backends.replicas import wire
 
         number = self._arrived(body)
-        doomed = number == self.kill_at_request and self.kill_after_tokens > 0
+        # the first request from the N-th on to stream T tokens (one that ends sooner spares it)
+        doomed = self.kill_after_tokens > 0 and number >= self.kill_at_request > 0
         task = asyncio.ensure_future(self._generate(body))
         sent = len((body.get("resume") or {}).get("token_ids", ()))      # what the client holds already
         try:

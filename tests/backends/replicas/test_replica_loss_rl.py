@@ -22,7 +22,7 @@ from tests.launch import ROOT, env_with_repo
 STEPS = 4
 EPISODES = 4 * 4                 # rl_tiny: prompts_per_step x group_size
 KILL_AT = 12                     # the doomed replica's 12th generation request: inside the run's first steps
-KILL_AFTER = 3                   # once that request streamed 3 tokens back: the survivor goes on from them
+KILL_AFTER = 3                   # once a request from that one on streamed 3 tokens back: the survivor goes on from them
 
 
 MODES = {"sync": [],
