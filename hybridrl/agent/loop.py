@@ -38,7 +38,8 @@ from hybridrl.agent.actions import ActionError, ActionParser, ToolAuthorizer, To
 from hybridrl.agent.chat import ChatFormat
 from hybridrl.agent.config import AgentConfig
 from hybridrl.agent.env_sessions import EnvProvider
-from hybridrl.agent.episodes import Episode, EpisodeEnd, EpisodeEngine, TurnOutput, within_budget
+from hybridrl.agent.episodes import Episode, EpisodeEnd, EpisodeEngine, within_budget
+from hybridrl.agent.turns import TurnOutput
 from hybridrl.agent.tools.base import ToolBox
 from hybridrl.data.episode import TaskInstance
 from hybridrl.data.trace import close_turn, generate_event, trace

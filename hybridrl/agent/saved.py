@@ -32,7 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridrl.agent.episodes import Episode, TurnProgress
+from hybridrl.agent.episodes import Episode
+from hybridrl.agent.turns import TurnProgress
 from hybridrl.data.episode import TaskInstance
 from hybridrl.data.trajectory import Trajectory
 

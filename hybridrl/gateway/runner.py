@@ -27,7 +27,8 @@ import time
 from functools import lru_cache, partial
 from typing import Any, Callable
 
-from hybridrl.agent.episodes import AgentError, Episode, EpisodeEnd, EpisodeEngine, race
+from hybridrl.agent.episodes import AgentError, Episode, EpisodeEnd, EpisodeEngine
+from hybridrl.agent.turns import race
 from hybridrl.data.trace import generate_event, trace
 from hybridrl.data.trajectory import TrajectoryStatus, Truncation
 from hybridrl.envs.agent_spec import load_agent
