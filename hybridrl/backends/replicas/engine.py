@@ -13,7 +13,9 @@ processes outside the training ranks' process group. Losing one never restarts t
                     the output is back, so a request lost with its replica has applied nothing, and its
                     trajectory is built once
     update_weights  each bucket goes to every live replica, which copies it and (with digests) reads it back;
-                    the version switches here once every live replica holds all of it. At a version's first
+                    the version switches here once every live replica holds all of it. Only the job's rank 0
+                    uploads (with a registry): the other ranks' clients wait for it to say which replicas
+                    hold the version (handoff.py), so a replica receives each version once, not once per rank. At a version's first
                     bucket the pool is refreshed: replicas that registered (or answer at a configured URL)
                     since join it and receive that whole version before they serve (none serves weights it
                     did not receive from this trainer: the engine starts at version -1)
@@ -39,7 +41,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from hybridrl.backends.replicas import wire
+from hybridrl.backends.replicas import handoff, wire
 from hybridrl.backends.native.sampler import request_seed
 from hybridrl.backends.replicas.config import ReplicasConfig
 from hybridrl.rollout.protocol import KV_CACHE, GenerationOutput, SamplingParams, check_tags
@@ -74,9 +76,13 @@ class ReplicasEngine:
 
     releasable_tags = frozenset()      # nothing of the trainer's memory is held
 
-    def __init__(self, cfg: ReplicasConfig, *, registry: str | Path | None = None, model: str = ""):
+    def __init__(self, cfg: ReplicasConfig, *, registry: str | Path | None = None, model: str = "",
+                 uploads: bool = True, job: str = ""):
+        """`uploads=False` (a trainer rank other than 0, with a registry): this client sends no weights; it
+        takes the replicas rank 0's client published each version to (handoff.py), for `job`."""
         self.cfg, self.model = cfg, model
         self.registry = Path(registry) if registry else None
+        self.uploads, self.job = uploads or self.registry is None, job
         self.live: dict[str, Replica] = {}       # instance -> replica, in the order they joined
         self.lost: dict[str, str] = {}           # instance -> why (never taken back)
         self.counts: Counter = Counter()
@@ -100,7 +106,8 @@ class ReplicasEngine:
     @classmethod
     def for_rank(cls, cfg: Any, ctx: Any) -> "ReplicasEngine":
         section = cfg.rollout.replicas
-        return cls(section, registry=section.registry or None, model=cfg.model.path)
+        return cls(section, registry=section.registry or None, model=cfg.model.path, uploads=ctx.rank == 0,
+                   job=handoff.job_key())
 
     @classmethod
     def releasable_tags_for(cls, cfg: Any) -> frozenset[str]:
@@ -177,6 +184,9 @@ class ReplicasEngine:
         self._publication.check(version)
         if digests is not None and set(digests) < {n for n, _ in items}:
             raise ValueError("update_weights: digests must cover every tensor of the call")
+        if not self.uploads:
+            await self._follow([n for n, _ in items], version)
+            return
         if self._publication.pending != version:       # a version's first bucket: the pool is refreshed here
             await self._refresh_pool()
             for replica in self.live.values():
@@ -197,9 +207,33 @@ class ReplicasEngine:
                                  version)
         if self._publication.version == version:
             self._check_switched(version)
+            if self.registry is not None and self.job:        # the other ranks' clients take it from here
+                handoff.write_published(self.registry, version, self.job,
+                                        [(r.instance, r.url) for r in self.live.values()])
         if mismatched:
             raise WeightMismatch(sorted(mismatched), f"publication v{version}: {len(mismatched)} tensor(s) read back "
                                                      f"on a replica differ from what was sent")
+
+    async def _follow(self, names: list[str], version: int) -> None:
+        """A client that does not upload: the version's last bucket waits until rank 0's client says which
+        replicas hold it, verified (joining those it did not know), then switches to it."""
+        if not self._publication.completes(names, version):
+            self._publication.arrive(names, version)
+            return
+        published = await handoff.wait_published(self.registry, version, self.job,
+                                                 self.cfg.wait_s + self.cfg.request_timeout_s)
+        for instance, url in published:
+            if instance not in self.live and instance not in self.lost:
+                info = await self._info(url)
+                if info is not None and info["instance"] == instance:
+                    self._join(url, info)
+        holding = {instance for instance, _ in published}
+        for replica in self.live.values():     # one rank 0 did not publish to serves nothing here until it does
+            replica.version = version if replica.instance in holding else NO_WEIGHTS
+        if not any(r.version == version for r in self.live.values()):
+            raise RuntimeError(f"publication v{version}: none of the replicas rank 0 published it to answers this "
+                               f"rank ({', '.join(url for _, url in published) or 'none named'})")
+        self._publication.arrive(names, version)
 
     async def sleep(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
         """Nothing to release (the replicas hold no memory of the trainer's: `sleep(())`); requests in flight end

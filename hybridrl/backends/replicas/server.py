@@ -69,12 +69,14 @@ class ReplicaServer:
         self.versions_served: dict[int, int] = {}     # policy version -> requests answered on it
         self.received: int | None = None              # the last version it holds whole from the trainer
         self.publisher = ""                           # the client that sent the last bucket
+        self.weight_bytes = 0                         # bytes of weight buckets received (cumulative)
 
     def info(self) -> dict[str, Any]:
         engine = self.engine
         return {"instance": self.instance, "pid": os.getpid(), "policy_version": engine.policy_version,
                 "eos_token_ids": list(engine.eos_token_ids), "max_model_len": engine.max_model_len,
                 "vocab_size": engine.vocab_size, "seed": engine.config.seed, "served": self.served,
+                "weight_bytes": self.weight_bytes,
                 "versions_served": {str(k): v for k, v in sorted(self.versions_served.items())},
                 "weight_spec": {n: [list(shape), str(dtype).replace("torch.", "")]
                                 for n, (shape, dtype) in engine.weight_spec().items()}}
@@ -148,6 +150,7 @@ class ReplicaServer:
         from hybridrl.backends.replicas import wire
 
         named, version, digests, client = wire.read_weights(payload)
+        self.weight_bytes += len(payload)
         await self._new_trainer(client, version)
         await self.engine.update_weights(named, version, digests=digests)
         whole = self.engine.policy_version == version and self.engine.stats()["pending_version"] is None

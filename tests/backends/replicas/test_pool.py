@@ -116,6 +116,45 @@ def test_a_replacement_joins_at_the_next_publication_and_serves_that_version(poo
     assert all(o.logprobs != r.logprobs for o, r in zip(pool["joined"], pool["reference"]))
 
 
+def test_only_rank_0_uploads_and_the_other_ranks_take_its_word(pool, tiny_models):
+    """Two clients of one job (two trainer ranks) publish v2 at once: only rank 0's uploads (each replica
+    receives the version's bytes once, not twice); rank 1's waits for its word (`.published.json`), takes
+    the replicas it names and serves v2 from them. A word left by another job is not taken."""
+    from hybridrl.backends.replicas import handoff
+
+    registry = pool["late"].registry
+    cfg = ReplicasConfig(registry=str(registry), min_live=2, wait_s=30)
+    rank0 = ReplicasEngine(cfg, registry=registry, uploads=True, job="job-a")
+    rank1 = ReplicasEngine(cfg, registry=registry, uploads=False, job="job-a")
+    stranger = ReplicasEngine(ReplicasConfig(registry=str(registry), wait_s=0, request_timeout_s=0.3),
+                              registry=registry, uploads=False, job="job-b")
+    weights = _weights(tiny_models("llama"), shift=0.03)
+    before = [p.info()["weight_bytes"] for p in (pool["survivor"], pool["late"])]
+
+    async def both():
+        digests = tensor_digests(weights)
+        half = len(weights) // 2
+
+        async def publish(engine):
+            for part in (weights[:half], weights[half:]):
+                await engine.update_weights(part, 2, digests={n: digests[n] for n, _ in part})
+        await asyncio.gather(publish(rank1), publish(rank0))           # rank 1 gets there first
+
+    asyncio.run(both())
+    received = [p.info()["weight_bytes"] - b for p, b in zip((pool["survivor"], pool["late"]), before)]
+    model_bytes = sum(t.numel() * t.element_size() for _, t in weights)
+    assert all(model_bytes <= r < 1.5 * model_bytes for r in received), (received, model_bytes)
+    assert rank0.policy_version == rank1.policy_version == 2 and len(rank1.live) == 2
+    said = handoff.read_published(registry)
+    assert said["job"] == "job-a" and said["version"] == 2 and len(said["replicas"]) == 2
+    outs = [_generate(e, f"rank{i}") for i, e in enumerate((rank0, rank1))]
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    assert all(o.policy_version == 2 for o in outs[1])
+    with pytest.raises(RuntimeError, match=r"publication v2: the uploading rank \(rank 0\) did not say it "
+                                           r"published it .* within 0.3 s"):
+        asyncio.run(stranger.update_weights(weights, 2))
+
+
 def test_no_replica_left_names_what_to_start(tmp_path):
     with pytest.raises(RuntimeError, match=r"no rollout replica is live .*python -m hybridrl replica --model M "
                                            r"--registry"):
