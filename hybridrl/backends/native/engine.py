@@ -231,15 +231,17 @@ class NativeEngine:
             with self._inflight_lock:
                 self._inflight.discard(request_id)
 
-    def progress(self, request_id: str) -> tuple[list[int], list[float], int, tuple[tuple[int, int], ...]] | None:
-        """What a running request has generated so far: its output ids and their logprobs, the version of
-        its first token and where later versions begin (None: not running here). Read from any thread:
-        a token is appended before its logprob, so the ids are cut at the logprobs' length."""
+    def progress(self, request_id: str, start: int = 0) -> tuple[list[int], list[float], int,
+                                                               tuple[tuple[int, int], ...]] | None:
+        """What a running request has generated so far, from output index `start` on: those ids and their
+        logprobs, the version of its first token and where later versions begin (None: not running here).
+        Read from any thread: a token is appended before its logprob, so the ids are cut at the logprobs'."""
         seq = self._core.requests.get(request_id)
         if seq is None:
             return None
-        logprobs = list(seq.logprobs)
-        ids = seq.tokens[seq.prompt_len:seq.prompt_len + len(logprobs)]
+        logprobs = seq.logprobs[start:]
+        begin = seq.prompt_len + start
+        ids = seq.tokens[begin:begin + len(logprobs)]
         return ids, logprobs, seq.version if seq.started else self._core.policy_version, tuple(seq.version_starts)
 
     async def abort(self, request_id: str) -> bool:

@@ -102,14 +102,13 @@ class ReplicaServer:
         try:
             while not task.done():
                 await asyncio.wait({task}, timeout=0.0 if doomed else STREAM_EVERY_S)   # doomed: every step
-                progress = None if task.done() else self.engine.progress(body["request_id"])
-                if progress is None or len(progress[0]) - 1 <= sent:
+                progress = None if task.done() else self.engine.progress(body["request_id"], sent)
+                if progress is None or len(progress[0]) <= 1:
                     continue
                 ids, logprobs, version, starts = progress
-                upto = len(ids) - 1
-                yield _line({"saved": {"start": sent, "token_ids": ids[sent:upto], "logprobs": logprobs[sent:upto],
+                yield _line({"saved": {"start": sent, "token_ids": ids[:-1], "logprobs": logprobs[:-1],
                                        "policy_version": version, "version_starts": [list(v) for v in starts]}})
-                sent = upto
+                sent += len(ids) - 1
                 if doomed and sent >= self.kill_after_tokens:
                     await asyncio.sleep(0.1)            # the line on its way before the process goes
                     self._die(f"request {number} ({body['request_id']}) streamed {sent} tokens")
