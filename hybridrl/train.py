@@ -23,7 +23,7 @@ from typing import Sequence
 
 from hybridrl.controller import interrupts
 from hybridrl.config import ConfigError, load_config
-from hybridrl.host_memory import choose_pages
+from hybridrl.host_memory import choose_blas_path, choose_pages
 from hybridrl.telemetry.logs import setup_logging
 
 log = logging.getLogger("hybridrl.train")
@@ -140,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rundir.record_origin(args.config, args.overrides)
     interrupts.configure(cfg)
     choose_pages(roles_apart=cfg.placement.disaggregated)      # before torch allocates anything
+    choose_blas_path()                                          # before its first matrix product
     return run(cfg)
 
 

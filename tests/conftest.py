@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from hybridrl.host_memory import choose_blas_path
+
 ROOT = Path(__file__).resolve().parents[1]
+
+choose_blas_path()      # this process multiplies on the MKL path the CLI's and the ranks' processes use
 
 
 def pytest_addoption(parser):

@@ -417,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from hybridrl.envs.tasks.registry import importable_from_cwd
-    from hybridrl.host_memory import choose_pages
+    from hybridrl.host_memory import choose_blas_path, choose_pages
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -435,6 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.recipe_args = [*args.recipe_args, *extra]
     importable_from_cwd()          # task.name=module:Class from the working directory, as on the ranks
     choose_pages()                 # in-process commands; the ranks of a run choose for their placement
+    choose_blas_path()             # before the first matrix product; inherited by every process started
     return args.func(args)
 
 
