@@ -15,10 +15,11 @@ processes outside the training ranks' process group. Losing one never restarts t
     update_weights  each bucket goes to every live replica, which copies it and (with digests) reads it back;
                     the version switches here once every live replica holds all of it. Only the job's rank 0
                     uploads (with a registry): the other ranks' clients wait for it to say which replicas
-                    hold the version (handoff.py), so a replica receives each version once, not once per rank. At a version's first
-                    bucket the pool is refreshed: replicas that registered (or answer at a configured URL)
-                    since join it and receive that whole version before they serve (none serves weights it
-                    did not receive from this trainer: the engine starts at version -1)
+                    hold the version (handoff.py), so a replica receives each version once, not once per
+                    rank. At a version's first bucket the pool is refreshed: replicas that registered (or
+                    answer at a configured URL) since join it and receive that whole version before they
+                    serve (none serves weights it did not receive from this trainer: the engine starts at
+                    version -1)
     sleep / wake_up nothing to release: the replicas do not share the trainer's memory (`sleep(())` ends the
                     requests in flight with ABORT)
 

@@ -1,7 +1,7 @@
 """An RL job whose rollouts run on two replica processes (`rollout.engine=replicas`), one of which is
-SIGKILLed mid-step (mid-request: the survivor goes on from the tokens it streamed back): the job (one training rank) never restarts, finishes every step with every episode, trains
-no trajectory twice, leases no environment twice, and a replacement started after the loss joins at the next
-publication and serves it. The task is stateful (guess_number, through the run's environment service); the
+SIGKILLed mid-step (mid-request: the survivor goes on from the tokens it streamed back): the job (one
+training rank) never restarts, finishes every step with every episode, trains no trajectory twice, leases no
+environment twice, and a replacement started after the loss joins at the next publication and serves it. The task is stateful (guess_number, through the run's environment service); the
 tiny random model never answers in its format, so its episodes take no environment step: the service's record
 shows each episode leased (reset) and closed once, not actions."""
 
@@ -22,7 +22,7 @@ from tests.launch import ROOT, env_with_repo
 STEPS = 4
 EPISODES = 4 * 4                 # rl_tiny: prompts_per_step x group_size
 KILL_AT = 12                     # the doomed replica's 12th generation request: inside the run's first steps
-KILL_AFTER = 3                   # once a request from that one on streamed 3 tokens back: the survivor goes on from them
+KILL_AFTER = 3                   # once a request (that one or a later one) streamed 3 tokens back
 
 
 MODES = {"sync": [],
