@@ -44,6 +44,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # this checkout's package, whatever the venv has installed
 
+from hybridrl.host_memory import choose_blas_path  # noqa: E402
+
+# MKL's path as the hybridrl CLI sets it (both sides of the comparison alike); MKL_CBWR= keeps MKL's own
+choose_blas_path()
+
 SIZES = {
     # name: TinyModelSpec overrides. "demo" is the architecture of the CPU calculator demo's base
     # model (hybridrl.demo.BASE_MODEL_ARGS); "h128" its earlier, smaller one.

@@ -52,6 +52,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hybridrl.host_memory import choose_blas_path  # noqa: E402
+
+# MKL's path as the hybridrl CLI sets it, for TRL's side too (it inherits this environment); MKL_CBWR= keeps
+# MKL's own path on both
+choose_blas_path()
+
 RECIPE = ROOT / "recipes" / "calc_grpo_cpu.yaml"
 WORKLOAD = {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 32, "temperature": 1.0, "lr": 5e-5,
             "clip_grad": 1.0, "seed": 0}
