@@ -33,8 +33,8 @@ def choose_pages(*, roles_apart: bool = False) -> None:
 # rows (a decode step: one row per running sequence) on a slower one unless told otherwise. Measured on
 # a 2-core AMD EPYC (AVX-512, torch 2.13's MKL 2024.2), one linear layer of 4864 x 896 float32: 8 rows
 # 1.64-2.40 ms -> 1.10-1.30 ms, 16 rows 2.10 -> 1.57 ms; a training-sized product (600 rows, forward and
-# backward) unchanged; `benchmarks/generation.py` at ~100M parameters, batch 16: the native engine 129 ->
-# 182 tokens/s (docs/native-engine.md). MKL_CBWR pins the path (its conditional numerical
+# backward) unchanged; `benchmarks/generation.py` at ~100M parameters, batch 16: the native engine 115 ->
+# 162 tokens/s, medians of 4 alternating runs (docs/native-engine.md). MKL_CBWR pins the path (its conditional numerical
 # reproducibility: the same bits run to run on that path). Read at MKL's first call.
 _MKL_PATH = "AVX512"
 
@@ -42,7 +42,8 @@ _MKL_PATH = "AVX512"
 def cpu_flags() -> tuple[str, set[str]]:
     """(vendor id, flags) of this machine's first processor, from /proc/cpuinfo (Linux; else empty)."""
     try:
-        text = open("/proc/cpuinfo").read(1 << 16)
+        with open("/proc/cpuinfo") as cpuinfo:
+            text = cpuinfo.read(1 << 16)        # the first processor's block is a few KiB
     except OSError:
         return "", set()
     fields = dict(line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)

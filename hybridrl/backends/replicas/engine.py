@@ -30,6 +30,7 @@ except for the last bits that batch composition can move in any engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -38,7 +39,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -400,15 +401,21 @@ class ReplicasEngine:
             self._client_loop = loop
         return self._client
 
-    async def _post(self, replica: Replica, path: str, **kwargs: Any) -> Any:
+    @contextlib.contextmanager
+    def _answering(self, path: str) -> Iterator[None]:
+        """httpx's timeouts and transport failures on `path` as the replica's loss."""
         import httpx
 
         try:
-            return await self._http().post(f"{replica.url}{path}", **kwargs)
+            yield
         except httpx.TimeoutException as err:
             raise ReplicaTimeout(f"no answer to {path} within {self.cfg.request_timeout_s:g} s") from err
         except httpx.TransportError as err:
             raise ReplicaLost(f"{type(err).__name__} on {path}: {err}") from err
+
+    async def _post(self, replica: Replica, path: str, **kwargs: Any) -> Any:
+        with self._answering(path):
+            return await self._http().post(f"{replica.url}{path}", **kwargs)
 
     async def _info(self, url: str) -> dict[str, Any] | None:
         import httpx
@@ -429,29 +436,12 @@ class ReplicasEngine:
     async def _generate_on(self, replica: Replica, body: dict[str, Any], saved: "Saved") -> GenerationOutput:
         """The request on `replica`, its answer streamed: what it generated so far goes into `saved` as it
         comes, so that another replica can go on from there if this one is lost."""
-        import httpx
-
         request_id = body["request_id"]
         self._where[request_id] = replica
         replica.in_flight += 1
         try:
-            async with self._http().stream("POST", f"{replica.url}/generate", json=body) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    _answer(response, replica)
-                async for line in response.aiter_lines():
-                    message = json.loads(line)
-                    if "saved" in message:
-                        saved.add(message["saved"])
-                    elif "output" in message:
-                        return wire.output_from_json(message["output"])
-                    else:
-                        _refusal(message["status"], message["error"], replica)
-            raise ReplicaLost("/generate's answer ended before its output")
-        except httpx.TimeoutException as err:
-            raise ReplicaTimeout(f"no answer to /generate within {self.cfg.request_timeout_s:g} s") from err
-        except httpx.TransportError as err:
-            raise ReplicaLost(f"{type(err).__name__} on /generate: {err}") from err
+            with self._answering("/generate"):
+                return await self._stream(replica, body, saved)
         except asyncio.CancelledError:
             task = asyncio.get_running_loop().create_task(self._abort_on(replica, request_id))
             self._aborts.add(task)
@@ -460,6 +450,22 @@ class ReplicasEngine:
         finally:
             replica.in_flight -= 1
             self._where.pop(request_id, None)
+
+    async def _stream(self, replica: Replica, body: dict[str, Any], saved: "Saved") -> GenerationOutput:
+        """POST /generate with "stream": each line of what it generated goes into `saved`; the output."""
+        async with self._http().stream("POST", f"{replica.url}/generate", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                _answer(response, replica)
+            async for line in response.aiter_lines():
+                message = json.loads(line)
+                if "saved" in message:
+                    saved.add(message["saved"])
+                elif "output" in message:
+                    return wire.output_from_json(message["output"])
+                else:
+                    _refusal(message["status"], message["error"], replica)
+        raise ReplicaLost("/generate's answer ended before its output")
 
     async def _abort_on(self, replica: Replica, request_id: str) -> bool:
         try:
@@ -537,7 +543,7 @@ class Saved:
         bounds = [(0, first), *((int(i), int(v)) for i, v in starts)]
         for k, (index, version) in enumerate(bounds):
             end = bounds[k + 1][0] if k + 1 < len(bounds) else hi
-            if end <= lo or index >= max(hi, lo + 1):
+            if end <= lo or index >= hi:
                 continue
             at = max(index, lo)
             if at == 0:
