@@ -109,13 +109,13 @@ def test_a_batch_gives_its_rows_lengths():
 
 
 def test_the_gradient_reduction_is_timed_and_put_back():
-    from hybridrl.backends.megatron.engine import _timed_grad_reduce
+    from hybridrl.backends.megatron.step import timed_grad_reduce
 
     calls = []
     config = SimpleNamespace(finalize_model_grads_func=lambda *a, **k: (calls.append(a), time.sleep(0.05)))
     original = config.finalize_model_grads_func
     into: dict = {}
-    with _timed_grad_reduce(config, torch.device("cpu"), into):
+    with timed_grad_reduce(config, torch.device("cpu"), into):
         config.finalize_model_grads_func([1])
         config.finalize_model_grads_func([2])
     assert calls == [([1],), ([2],)] and into["seconds"] >= 0.1

@@ -1,0 +1,158 @@
+"""The training side of `MegatronEngine` (engine.py): its DDP wrapper, optimizer and LR schedule
+(`training_state`), and what one `train_step` computes: each micro-batch's loss with this rank's sums of
+the loss, the metrics and their extremes (`StepLoss`), the gradient reduction's time
+(`timed_grad_reduce`) and the step's scalars from the sums reduced over the data-parallel ranks
+(`step_metrics`); `assemble` puts micro-batch results (logprobs, entropy, values) back in batch order."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from hybridrl.algo.aggregation import Denominators, aggregate
+from hybridrl.backends.megatron.config import MegatronConfig
+from hybridrl.data.batch import Batch
+from hybridrl.training.protocol import LossFn
+
+if TYPE_CHECKING:
+    from hybridrl.backends.megatron.engine import MegatronEngine
+
+
+def training_state(model, tconfig, cfg: MegatronConfig):
+    """Megatron DDP, its optimizer (Adam, clipping by the global norm) and the LR schedule."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from hybridrl.backends.megatron.model import DTYPES
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=cfg.use_distributed_optimizer)
+    ddp = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=model)
+    dtype = DTYPES[cfg.dtype]
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+                        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+                        clip_grad=cfg.clip_grad, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
+                        params_dtype=dtype, use_distributed_optimizer=cfg.use_distributed_optimizer),
+        [ddp])
+    # Our losses are already normalised by global denominators: finalize without Megatron's own
+    # 1/num_tokens scaling (it still all-reduces over DP and syncs tied embeddings over PP).
+    tconfig.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: finalize_model_grads(chunks, None, **kw)
+    tconfig.no_sync_func = ddp.no_sync
+    if dtype is torch.float16:
+        tconfig.grad_scale_func = optimizer.scale_loss
+    constant = cfg.lr_schedule == "constant"
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if cfg.lr_warmup_steps else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.lr_warmup_steps,
+        lr_decay_steps=cfg.lr_warmup_steps + 1 if constant else cfg.lr_decay_steps,
+        lr_decay_style=cfg.lr_schedule, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
+        wd_incr_steps=1, wd_incr_style="constant")
+    return ddp, optimizer, scheduler
+
+
+@contextlib.contextmanager
+def timed_grad_reduce(config: Any, device: torch.device, into: dict[str, float]) -> Iterator[None]:
+    """While a training schedule runs: the seconds of its gradient reduction (Megatron's finalize step:
+    the all-reduce over data-parallel ranks, the tied embeddings' over pipeline stages) into
+    `into["seconds"]`, device-synchronised on CUDA."""
+    import time
+
+    finalize = config.finalize_model_grads_func
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        try:
+            return finalize(*args, **kwargs)
+        finally:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            into["seconds"] = into.get("seconds", 0.0) + time.perf_counter() - started
+
+    config.finalize_model_grads_func = timed if finalize is not None else None
+    try:
+        yield
+    finally:
+        config.finalize_model_grads_func = finalize
+
+
+def _accumulate(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+    sums[key] = sums[key] + value if key in sums else value
+
+
+def assemble(mbs, parts: list[torch.Tensor], num_rows: int, length: int) -> torch.Tensor:
+    """Micro-batch results [b_i, T_i] (rows mb.rows) into one [num_rows, length] float32 tensor
+    (zeros elsewhere)."""
+    out = torch.zeros(num_rows, length, dtype=torch.float32)
+    for mb, part in zip(mbs, parts):
+        out[torch.tensor(mb.rows), : part.shape[1]] = part.float().cpu()
+    return out
+
+
+def check_train_batch(batch: Batch) -> None:
+    from hybridrl.backends.megatron.schedule import check_sequence_batch
+
+    check_sequence_batch(batch)
+    if len(batch) == 0:
+        raise ValueError("train_step got an empty batch: every data-parallel rank needs at least one row "
+                         "(the dispatcher pads with zero-loss rows)")
+    if "loss_mask" not in batch.tensors:
+        raise KeyError(f"train_step needs 'loss_mask' [B, T]; the batch holds {sorted(batch.tensors)}")
+    if batch["loss_mask"].shape != batch["input_ids"].shape:
+        raise ValueError(f"loss_mask {tuple(batch['loss_mask'].shape)} and input_ids "
+                         f"{tuple(batch['input_ids'].shape)} differ in shape")
+
+
+class StepLoss:
+    """The schedule's `on_output` of one training step: each micro-batch's loss, and this rank's sums of the
+    loss and the metrics (`sums`), the extremes' max and -min over masked tokens (`highs`) and, with
+    `capture`, the logprobs the loss saw (`seen`, per micro-batch)."""
+
+    def __init__(self, engine: "MegatronEngine", loss_fn: LossFn, denominators: Denominators, *,
+                 temperature: float, with_entropy: bool, extremes: tuple[str, ...], capture: bool):
+        self.engine, self.loss_fn, self.denominators = engine, loss_fn, denominators
+        self.temperature, self.with_entropy, self.extremes, self.capture = temperature, with_entropy, extremes, capture
+        self.sums: dict[str, torch.Tensor] = {}
+        self.highs: dict[str, torch.Tensor] = {}
+        self.seen: list[torch.Tensor] = []
+
+    def __call__(self, mb: Any, logits: torch.Tensor) -> torch.Tensor:
+        engine = self.engine
+        logprobs, entropy = engine._token_logprobs(mb, logits, self.temperature, self.with_entropy)
+        if self.capture:
+            self.seen.append(logprobs.detach())
+        mask = mb.batch["loss_mask"].to(engine.device).float()
+        token_loss, metrics = self.loss_fn(logprobs, entropy, mb.batch)
+        token_loss = torch.where(mask > 0, token_loss, torch.zeros_like(token_loss))
+        loss = aggregate(token_loss, mask, engine.cfg.loss_aggregation, self.denominators)
+        _accumulate(self.sums, "loss", loss.detach().double())
+        for name, value in metrics.items():
+            if name in self.extremes:
+                self._extremes(name, value.detach().double()[mask > 0])
+            value = torch.where(mask > 0, value.detach().float(), torch.zeros_like(mask))
+            _accumulate(self.sums, f"metric/{name}", value.sum().double())
+        return loss
+
+    def _extremes(self, name: str, on: torch.Tensor) -> None:
+        if on.numel():
+            for key, v in ((f"{name}_max", on.max()), (f"{name}_min", -on.min())):
+                self.highs[key] = torch.maximum(self.highs[key], v) if key in self.highs else v
+
+
+def step_metrics(reduced: dict[str, float], grad_norm: float, lr: float, denominators: Denominators) -> dict[str, Any]:
+    """train_step's scalars from the sums reduced over the data-parallel ranks."""
+    metrics: dict[str, Any] = {"loss": reduced.pop("loss", 0.0), "grad_norm": grad_norm, "lr": lr,
+                               "num_tokens": denominators.num_tokens, "num_sequences": denominators.num_sequences,
+                               "model_tokens": reduced.pop("model_tokens", 0.0)}
+    for key, total in sorted(reduced.items()):
+        if key.startswith("metric/"):
+            metrics[key.removeprefix("metric/")] = total / max(denominators.num_tokens, 1.0)
+        else:       # an extreme: the min travelled negated, so that one MAX reduces both
+            metrics[key] = -total if key.endswith("_min") else total
+    return metrics
