@@ -47,7 +47,7 @@ async def publish(engine, model_dir: Path, version: int) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from hybridrl.backends.vllm.engine import pack_bucket
+    from hybridrl.backends.vllm.transport import pack_bucket
 
     spec = engine.weight_spec()
     items = []

@@ -37,9 +37,9 @@ Memory tags: on CPU nothing is releasable (vLLM has no sleep mode there); on CUD
 "kv_cache" alone is vLLM's release_kv_cache_memory; wake_up maps the tags onto vLLM's. The CUDA paths
 (sleep levels, IPC buckets) are written against vLLM's source and have not run on a GPU yet.
 
-CUDA: each rank's engine processes see the rank's GPU alone (CUDA_VISIBLE_DEVICES, `engine_env`), bucket
+CUDA: each rank's engine processes see the rank's GPU alone (CUDA_VISIBLE_DEVICES, `launch.engine_env`), bucket
 handles name the GPU by UUID (`ipc`), the KV cache is sized by vLLM from `gpu_memory_utilization` unless
-`kv_cache_mb` is set, and CUDA graphs are on unless `enforce_eager` (`engine_args`). Mixture-of-experts
+`kv_cache_mb` is set, and CUDA graphs are on unless `enforce_eager` (`launch.engine_args`). Mixture-of-experts
 models are refused (`config.model_problem`): the worker's read-back map has no place for fused experts.
 """
 
@@ -47,18 +47,18 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-import os
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from hybridrl.backends.vllm.config import PLAIN_CPU_LOAD_FORMAT, VLLMConfig, model_problem
+from hybridrl.backends.vllm.config import VLLMConfig, model_problem
+from hybridrl.backends.vllm.launch import (checkpoint_config, checkpoint_names, device_index, engine_args, engine_env,
+                                            eos_ids, kv_cache_bytes, process_env)
+from hybridrl.backends.vllm.transport import bucket_wire, dtype_name, pack_bucket, raw_bytes
 from hybridrl.distributed.reaper import Reaper, descendants
 from hybridrl.rollout.protocol import (
     KV_CACHE,
@@ -74,58 +74,14 @@ from hybridrl.rollout.weight_spec import WeightMismatch, validate_named_tensors
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "hybridrl.backends.vllm.worker.WeightSync"
 MISSING_VLLM = ("rollout.engine=vllm needs vLLM, which lives in a venv of its own (its transformers range differs "
                 "from the main venv's): run `make vllm-venv` and use .venv-vllm/bin/hybridrl")
-
-
-def checkpoint_config(model_dir: str | Path) -> dict[str, Any]:
-    return json.loads((Path(model_dir) / "config.json").read_text())
-
-
-def checkpoint_names(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes from the safetensors headers (no data read)."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    if not shapes:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    return shapes
-
-
-def eos_ids(model_dir: str | Path) -> list[int]:
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.exists():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-    return sorted(set(ids))
 
 
 def request_seed(engine_seed: int, request_id: str) -> int:
     """The seed of a request that brings none (63 bits: a torch.Generator seed)."""
     digest = hashlib.blake2b(f"{engine_seed}\x00{request_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-@contextmanager
-def _process_env(values: dict[str, str]):
-    """Environment variables the engine's processes read at start (spawned children inherit them)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class _Request:
@@ -192,13 +148,13 @@ class VLLMEngine:
             import hybridrl.backends.vllm.worker  # noqa: F401 - registers the CPU loader (PLAIN_CPU_LOAD_FORMAT)
 
         kwargs = engine_args(self.cfg, self.model_path, dtype=dtype, on_cuda=on_cuda, seed=self.seed)
-        env = engine_env(self.cfg, on_cuda=on_cuda, device_index=_device_index(self.device) if on_cuda else None)
+        env = engine_env(self.cfg, on_cuda=on_cuda, device_index=device_index(self.device) if on_cuda else None)
         restore = torch.set_num_threads
 
         async def build():
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
-        with _process_env(env):
+        with process_env(env):
             try:
                 return self._call(build())
             finally:
@@ -273,7 +229,7 @@ class VLLMEngine:
         if devices and next(iter(devices)).type != "cpu":
             await self.load_bucket(pack_bucket(items), version, digests=digests)
             return
-        wire = [(n, list(t.shape), _dtype_name(t.dtype), _raw_bytes(t)) for n, t in items]
+        wire = [(n, list(t.shape), dtype_name(t.dtype), raw_bytes(t)) for n, t in items]
         await self._on_engine_loop(self._apply("hybridrl_load", (wire,), names, version, digests))
 
     async def load_bucket(self, bucket: Any, version: int, *, names: Sequence[str] | None = None,
@@ -283,7 +239,7 @@ class VLLMEngine:
         names = list(names) if names is not None else list(bucket.views)
         validate_named_tensors(bucket.named(names), self._spec)
         self._check_update(version, names, digests)
-        entries = [(e.name, list(e.shape), _dtype_name(e.dtype), e.start, e.end) for e in bucket.plan.entries]
+        entries = [(e.name, list(e.shape), dtype_name(e.dtype), e.start, e.end) for e in bucket.plan.entries]
         encoding, buffer = bucket_wire(bucket.buffer)
         try:
             await self._on_engine_loop(self._apply("hybridrl_load_bucket", (encoding, buffer, entries, names), names,
@@ -483,80 +439,6 @@ class VLLMEngine:
         return self._call(self._llm.collective_rpc(method, args=args))[0]
 
 
-CPU_KV_CACHE_MB = 64        # rollout.vllm.kv_cache_mb=0 on CPU (vLLM has no memory profile to size it from there)
-
-
-def kv_cache_bytes(cfg: VLLMConfig, on_cuda: bool) -> int | None:
-    """vLLM's kv_cache_memory_bytes: `kv_cache_mb` when set; else 64 MiB on CPU and, on CUDA, None: vLLM then
-    sizes the cache from `gpu_memory_utilization` (a fixed budget there overrides it, vllm 0.32
-    v1/worker/gpu_worker.py:649-672, and a context longer than the budget holds refuses to start,
-    v1/core/kv_cache_utils.py:1021-1040)."""
-    if cfg.kv_cache_mb:
-        return cfg.kv_cache_mb << 20
-    return None if on_cuda else CPU_KV_CACHE_MB << 20
-
-
-def engine_args(cfg: VLLMConfig, model_path: str, *, dtype: str, on_cuda: bool, seed: int) -> dict[str, Any]:
-    """`AsyncEngineArgs(**kwargs)` for one engine (tensor parallel 1: one engine per rank).
-
-    CPU: our plain-weights loader, never chunked prefill (see below), eager (compiling takes minutes).
-    CUDA: `gpu_memory_utilization`, sleep mode when asked, CUDA graphs unless `enforce_eager`: a
-    publication copies into the live parameters in place (the model's weight loaders write into the
-    existing storage), so the addresses the graphs captured stay valid across versions; sleep level 2
-    discards and re-allocates the weights through vLLM's own allocator, which keeps their addresses."""
-    kwargs: dict[str, Any] = dict(
-        model=model_path, dtype=dtype, seed=seed, enforce_eager=cfg.enforce_eager or not on_cuda,
-        skip_tokenizer_init=True, generation_config="vllm", logprobs_mode="processed_logprobs",
-        max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching,
-        worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True, tensor_parallel_size=1)
-    kv_bytes = kv_cache_bytes(cfg, on_cuda)
-    if kv_bytes is not None:
-        kwargs["kv_cache_memory_bytes"] = kv_bytes
-    if cfg.max_num_batched_tokens:
-        kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-    if on_cuda:
-        kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.enable_sleep_mode)
-    else:
-        # Every request here is seeded (a generator of its own); a prompt prefilled in chunks has the
-        # token sampled after a partial chunk thrown away, and vLLM then rewinds that generator's
-        # offset, which a CPU generator does not have ("CPU Generator does not use offset": the
-        # engine core dies). So on CPU prompts are never chunked: the step's token budget holds a
-        # whole context, and a request that does not fit waits for the next step.
-        longest = cfg.max_model_len or int(checkpoint_config(model_path).get("max_position_embeddings", 0))
-        kwargs.update(load_format=PLAIN_CPU_LOAD_FORMAT, enable_chunked_prefill=False,
-                      max_num_batched_tokens=max(cfg.max_num_batched_tokens, longest, 2048))
-    if cfg.max_model_len:
-        kwargs["max_model_len"] = cfg.max_model_len
-    kwargs.update(cfg.engine_args)
-    return kwargs
-
-
-def engine_env(cfg: VLLMConfig, *, on_cuda: bool, device_index: int | None,
-               environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment vLLM's processes start with (spawned children inherit it; ours is put back after).
-
-    CUDA: CUDA_VISIBLE_DEVICES names this rank's GPU alone (`ipc.visible_device`), so the engine core,
-    which takes its first visible GPU, runs on the rank's and not on GPU 0 with every other engine of
-    the node; spawn, as vLLM would force anyway once CUDA is initialised here
-    (vllm/utils/system_utils.py `_maybe_force_spawn`). CPU: the worker's OpenMP threads, unbound."""
-    from hybridrl.backends.vllm.ipc import visible_device
-
-    environ = os.environ if environ is None else environ
-    env = {"VLLM_LOGGING_LEVEL": cfg.log_level, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if on_cuda:
-        if device_index is None:
-            raise ValueError("a vLLM engine on CUDA needs the rank's device index")
-        env.update(CUDA_VISIBLE_DEVICES=visible_device(device_index, environ), VLLM_WORKER_MULTIPROC_METHOD="spawn")
-    else:
-        threads = cfg.threads or torch.get_num_threads()
-        env.update(VLLM_CPU_OMP_THREADS_BIND=environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-                   OMP_NUM_THREADS=str(threads))
-    return env
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _check_spans(spans: Any, version: int, request_id: str) -> None:
@@ -565,48 +447,6 @@ def _check_spans(spans: Any, version: int, request_id: str) -> None:
     if labels - {str(version)}:
         raise RuntimeError(f"request {request_id}: vLLM reports tokens from weight version(s) {sorted(labels)}, "
                            f"expected only v{version}")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _raw_bytes(tensor: torch.Tensor) -> bytes:
-    """A CPU tensor's bytes. Tensors cross vLLM's RPC as bytes: its engine core decodes a utility call's
-    arguments without their types, so a tensor would arrive as a [dtype, shape, buffer index] list whose
-    out-of-band buffer is already gone."""
-    flat = tensor.detach().contiguous().view(-1)
-    return flat.view(torch.uint8).numpy().tobytes()
-
-
-def bucket_wire(buffer: torch.Tensor) -> tuple[str, Any]:
-    """How a flat bucket's buffer crosses vLLM's RPC: ("raw", its bytes) from the CPU, ("cuda_ipc", a pickled
-    IPC handle naming the GPU by UUID, `ipc.share`) from a GPU; a buffer anywhere else is refused (`.numpy()`
-    of a device tensor would fail later, inside the RPC)."""
-    import pickle
-
-    from hybridrl.backends.vllm import ipc
-
-    if buffer.device.type == "cpu":
-        return "raw", _raw_bytes(buffer)
-    if buffer.device.type == "cuda":
-        return "cuda_ipc", pickle.dumps(ipc.share(buffer))
-    raise ValueError(f"a vLLM publication comes from the CPU or a CUDA GPU, not from {buffer.device}")
-
-
-def pack_bucket(items: Sequence[tuple[str, torch.Tensor]]) -> Any:
-    """(name, tensor) pairs copied into one flat bucket on their device (element-aligned offsets)."""
-    from hybridrl.publication.buckets import FlatBucket, plan_buckets
-
-    if not items:
-        raise ValueError("pack_bucket: no tensors")
-    specs = [(n, tuple(t.shape), t.dtype) for n, t in items]
-    total = sum(t.numel() * t.element_size() for _, t in items) + 16 * len(items)
-    plan, = plan_buckets([specs], total)
-    bucket = FlatBucket(plan, torch.empty(plan.nbytes, dtype=torch.uint8, device=items[0][1].device))
-    for name, tensor in items:
-        bucket.views[name].copy_(tensor)
-    return bucket
 
 
 async def _shutdown(llm: Any) -> None:

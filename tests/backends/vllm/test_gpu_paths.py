@@ -17,15 +17,9 @@ import torch
 
 from hybridrl.backends.vllm import ipc
 from hybridrl.backends.vllm.config import VLLMConfig
-from hybridrl.backends.vllm.engine import (
-    VLLMEngine,
-    _device_index,
-    _process_env,
-    bucket_wire,
-    engine_args,
-    engine_env,
-    pack_bucket,
-)
+from hybridrl.backends.vllm.engine import VLLMEngine
+from hybridrl.backends.vllm.launch import device_index, engine_args, engine_env, process_env
+from hybridrl.backends.vllm.transport import bucket_wire, pack_bucket
 from hybridrl.publication.transport_remote import delivery
 from hybridrl.rollout.versions import Publication
 
@@ -53,7 +47,7 @@ def test_each_rank_engine_process_starts_seeing_only_that_rank_gpu():
     env = engine_env(cfg, on_cuda=True, device_index=3, environ={})
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and "OMP_NUM_THREADS" not in env
     assert "CUDA_VISIBLE_DEVICES" not in engine_env(cfg, on_cuda=False, device_index=None, environ={})
-    assert _device_index(torch.device("cuda:5")) == 5
+    assert device_index(torch.device("cuda:5")) == 5
 
 
 def test_the_spawned_child_inherits_the_rank_gpu_and_the_parent_keeps_its_own(monkeypatch):
@@ -63,7 +57,7 @@ def test_the_spawned_child_inherits_the_rank_gpu_and_the_parent_keeps_its_own(mo
     seen = []
     for rank in (1, 3):
         env = engine_env(VLLMConfig(), on_cuda=True, device_index=rank)
-        with _process_env(env):
+        with process_env(env):
             seen.append(subprocess.run([sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"],
                                        capture_output=True, text=True, check=True).stdout.strip())
         assert __import__("os").environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
