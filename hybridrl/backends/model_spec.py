@@ -105,11 +105,7 @@ class ModelSpec:
         if not path.exists():
             raise FileNotFoundError(f"{model_dir} is not an HF model directory: no config.json")
         cfg = json.loads(path.read_text())
-        eos = _as_ids(cfg.get("eos_token_id"))
-        gen_path = model_dir / "generation_config.json"
-        if gen_path.exists():
-            eos += [i for i in _as_ids(json.loads(gen_path.read_text()).get("eos_token_id")) if i not in eos]
-        return cls.from_hf_config(cfg, eos_token_ids=tuple(eos), source=str(path))
+        return cls.from_hf_config(cfg, eos_token_ids=tuple(eos_token_ids(model_dir)), source=str(path))
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any] | Any, *, eos_token_ids: tuple[int, ...] = (),
@@ -221,6 +217,17 @@ def _moe(cfg: dict[str, Any], source: str, num_layers: int, arch: str) -> dict[s
             "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
             "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)), "moe_layers": layers,
             "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.0) or 0.0)}
+
+
+def eos_token_ids(model_dir: str | Path) -> list[int]:
+    """The checkpoint's end-of-sequence ids: config.json's, then generation_config.json's others (either file
+    may be missing)."""
+    eos: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if path.exists():
+            eos += [i for i in _as_ids(json.loads(path.read_text()).get("eos_token_id")) if i not in eos]
+    return eos
 
 
 def _as_ids(value: Any) -> list[int]:

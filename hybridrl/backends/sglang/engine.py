@@ -48,6 +48,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from hybridrl.backends.model_spec import eos_token_ids
 from hybridrl.backends.sglang import convert, launch, requests, routing
 from hybridrl.backends.sglang.config import SGLangConfig
 from hybridrl.publication.manifest import PublicationError
@@ -111,7 +112,7 @@ class SGLangEngine:
         self._in_flight: set[str] = set()
         self._session = False            # a weight-update session is open in the scheduler
         self._paused = False             # the scheduler's loop is paused (sleep), until everything is awake
-        self.eos_token_ids = tuple(self._eos_ids(model_path))
+        self.eos_token_ids = tuple(sorted(eos_token_ids(model_path)))
         self.max_model_len = resolved_max_model_len(max_model_len, self._tm)
 
     # ---------------------------------------------------------------- as a registered rollout engine
@@ -321,18 +322,6 @@ class SGLangEngine:
                 return
             await asyncio.sleep(0.05)   # flush fails while requests are pending
         raise RuntimeError("SGLang flush_cache kept failing after a weight update")
-
-    @staticmethod
-    def _eos_ids(model_path: str) -> list[int]:
-        import json
-
-        ids: list[int] = []
-        for name in ("generation_config.json", "config.json"):
-            path = Path(model_path) / name
-            if path.exists():
-                eos = json.loads(path.read_text()).get("eos_token_id")
-                ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-        return sorted(set(ids))
 
 
 MEMORY_LOG = "HYBRIDRL_SGLANG_MEMORY_LOG"      # a file: one JSON line per release / resume (first contact)

@@ -56,8 +56,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from hybridrl.backends.vllm.config import VLLMConfig, model_problem
+from hybridrl.backends.model_spec import eos_token_ids
 from hybridrl.backends.vllm.launch import (checkpoint_config, checkpoint_names, device_index, engine_args, engine_env,
-                                            eos_ids, kv_cache_bytes, process_env)
+                                            kv_cache_bytes, process_env)
 from hybridrl.backends.vllm.transport import bucket_wire, dtype_name, pack_bucket, raw_bytes
 from hybridrl.distributed.reaper import Reaper, descendants
 from hybridrl.rollout.protocol import (
@@ -110,7 +111,7 @@ class VLLMEngine:
         if problem:
             raise ValueError(problem)
         self.vocab_size = int(hf["vocab_size"])
-        self.eos_token_ids = tuple(eos_ids(self.model_path))
+        self.eos_token_ids = tuple(sorted(eos_token_ids(self.model_path)))
         dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="hybridrl-vllm", daemon=True)

@@ -36,16 +36,6 @@ def checkpoint_names(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def eos_ids(model_dir: str | Path) -> list[int]:
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.exists():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-    return sorted(set(ids))
-
-
 @contextmanager
 def process_env(values: dict[str, str]):
     """Environment variables the engine's processes read at start (spawned children inherit them)."""
