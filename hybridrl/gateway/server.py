@@ -29,7 +29,7 @@ import socket
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hybridrl.gateway.episodes import EpisodeKeys, GatewayError
 from hybridrl.gateway.service import ClientGone, GatewayService, stream_chunks
@@ -37,6 +37,7 @@ from hybridrl.gateway.validate import check_request, parse_body
 
 log = logging.getLogger(__name__)
 
+CLIENT_LOST = "hybridrl.client_lost"     # the ASGI scope extension of the gateway's protocol (http_limits)
 MISSING_STACK = ("the OpenAI-compatible gateway needs starlette and uvicorn (and agents need openai): "
                  "pip install -e .[gateway]")
 
@@ -120,9 +121,8 @@ def build_app(service: GatewayService, keys: EpisodeKeys, limits: Any = None) ->
 
 
 class ClientWatch:
-    """A request's client, for the service (`service.Gone`): whether it has gone, and a wait for the ASGI
-    `http.disconnect` message, which the server sends when the connection closes (the body is read whole
-    before the service runs, so nothing else is received)."""
+    """A request's client, for the service (`service.Gone`): whether it has gone, and a callback for when it
+    goes (the body is read whole before the service runs, so nothing but `http.disconnect` is received)."""
 
     def __init__(self, request: Any):
         self.request = request
@@ -141,6 +141,20 @@ class ClientWatch:
             else:
                 pending.close()
         return self.gone
+
+    def on_lost(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` once the connection closes; returns what unregisters it. Under the gateway's own
+        protocol the connection calls it (`http_limits.ClientLost`, no task per request); under another ASGI
+        server a task waits for `http.disconnect`."""
+        hooks = self.request.scope.get("extensions", {}).get(CLIENT_LOST)
+        if hooks is not None:
+            def lost() -> None:
+                self.gone = True
+                callback()
+            return hooks.add(lost)
+        watch = asyncio.ensure_future(self.wait())
+        watch.add_done_callback(lambda w: None if w.cancelled() else callback())
+        return watch.cancel
 
     async def wait(self) -> None:
         while (await self.request.receive())["type"] != "http.disconnect":

@@ -33,7 +33,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from hybridrl.data.trajectory import ToolCallRecord, Truncation
 from hybridrl.gateway.capture import Prepared, TemplateError
@@ -74,12 +74,12 @@ def on_loop(loop: asyncio.AbstractEventLoop | None, coro: Any) -> asyncio.Future
 
 
 class Gone(Protocol):
-    """The client of one request: `await gone()` says whether it has gone away (at once), `await gone.wait()`
-    returns once it has (an event of the connection, never a clock)."""
+    """The client of one request: `await gone()` says whether it has gone away (at once); `gone.on_lost(cb)`
+    calls `cb` once it goes (an event of the connection, never a clock) and returns what unregisters it."""
 
     def __call__(self) -> Awaitable[bool]: ...
 
-    async def wait(self) -> None: ...
+    def on_lost(self, callback: Callable[[], None]) -> Callable[[], None]: ...
 
 
 class GatewayService:
@@ -310,19 +310,23 @@ async def _unless_gone(work: asyncio.Future, gone: Gone | None, episode: Gateway
     first."""
     if gone is None:
         return await work
-    # Raced against the connection's own disconnect event, not polled on a timer: a poll's wake-ups would
-    # decide, by the clock, on which turn of the loop the answer goes back and so when the agent's next
-    # request reaches the engine (which requests share a batch). The watch cancels the work when it fires;
-    # the answer goes back on the turn the work finishes (no wait for the cancelled watch).
-    watch = asyncio.ensure_future(gone.wait())
-    watch.add_done_callback(lambda _: work.cancel())
+    # Cut by the connection's own disconnect event, not polled on a timer: a poll's wake-ups would decide, by
+    # the clock, on which turn of the loop the answer goes back and so when the agent's next request reaches
+    # the engine (which requests share a batch). The answer goes back on the turn the work finishes.
+    lost = []
+
+    def cut() -> None:
+        lost.append(True)
+        work.cancel()
+
+    forget = gone.on_lost(cut)
     try:
         return await work
     except asyncio.CancelledError:
-        if not watch.done() or watch.cancelled():          # this request itself was cancelled
+        if not lost:                                         # this request itself was cancelled
             raise
     finally:
-        watch.cancel()
+        forget()
     episode.counts["disconnected"] += 1
     raise ClientGone()
 

@@ -213,6 +213,47 @@ def test_asking_whether_the_client_has_gone_never_waits_and_leaves_no_waiter_beh
 
     asyncio.run(main())
 
+def test_a_lost_connection_calls_back_through_the_protocol_or_a_watch_without_it():
+    """on_lost(cb): under the gateway's protocol (the scope's ClientLost) the connection's loss calls cb
+    once, with no task; a callback removed first is not called; one added after the loss runs at once.
+    Under another ASGI server (no extension) a task waits for http.disconnect and calls cb."""
+    from types import SimpleNamespace
+
+    from hybridrl.gateway.http_limits import ClientLost
+    from hybridrl.gateway.server import CLIENT_LOST, ClientWatch
+
+    async def main():
+        hooks, called = ClientLost(), []
+        watch = ClientWatch(SimpleNamespace(scope={"extensions": {CLIENT_LOST: hooks}}))
+        watch.on_lost(lambda: called.append("a"))
+        forget = watch.on_lost(lambda: called.append("b"))
+        forget()
+        tasks = len(asyncio.all_tasks())
+        hooks.fire()
+        assert called == ["a"] and watch.gone and len(asyncio.all_tasks()) == tasks
+        watch.on_lost(lambda: called.append("late"))
+        assert called == ["a", "late"]
+
+        event = asyncio.Event()
+
+        async def receive():
+            await event.wait()
+            return {"type": "http.disconnect"}
+
+        plain = ClientWatch(SimpleNamespace(scope={}, receive=receive))
+        plain.on_lost(lambda: called.append("plain"))
+        forgotten = ClientWatch(SimpleNamespace(scope={}, receive=receive))
+        forgotten.on_lost(lambda: called.append("forgotten"))()
+        await asyncio.sleep(0)
+        assert called == ["a", "late"]
+        event.set()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert called == ["a", "late", "plain"] and plain.gone and not forgotten.gone
+
+    asyncio.run(main())
+
+
 # ------------------------------------------------------------------------------------------------- the model's output
 
 
