@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
+from hybridrl.agent.codec import TokenCodec
+
 _BASE = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
@@ -24,6 +26,7 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 class ChatFormat:
     def __init__(self, tokenizer: Any, *, eos_token_ids: Iterable[int] | None = None):
         self.tokenizer = tokenizer
+        self.codec = TokenCodec(tokenizer)
         eos = set(eos_token_ids or ())
         if tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
@@ -41,7 +44,7 @@ class ChatFormat:
         self._specials = sorted({str(t) for t in tokenizer.get_added_vocab()}, key=len, reverse=True)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.codec.encode(text)
 
     def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool,
                tools: Sequence[Mapping[str, Any]] | None = None) -> str:
@@ -94,7 +97,7 @@ class ChatFormat:
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of generated ids for parsing (EOS ids dropped, tags kept)."""
-        return self.tokenizer.decode([i for i in ids if i not in self.eos_ids], skip_special_tokens=False)
+        return self.codec.decode([i for i in ids if i not in self.eos_ids])
 
     def sanitize(self, text: str, max_chars: int) -> str:
         text = _CONTROL.sub("", text)

@@ -44,6 +44,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+from hybridrl.agent.codec import TokenCodec
+
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 _MARK = "hybridrl-turn-mark"
 
@@ -57,6 +59,7 @@ class Template:
 
     def __init__(self, tokenizer: Any, eos_ids: Iterable[int]):
         self.tokenizer = tokenizer
+        self.codec = TokenCodec(tokenizer)
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         if tokenizer.eos_token_id is not None:
             self.eos_ids |= {int(tokenizer.eos_token_id)}
@@ -78,10 +81,14 @@ class Template:
             raise TemplateError(f"the chat template cannot render these messages: {type(err).__name__}: {err}") from None
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        return self.codec.encode(text)
+
+    def encode_whole(self, text: str) -> list[int]:
+        """`encode(text)` of a whole conversation, from the ids of its pieces seen before (`TokenCodec`)."""
+        return self.codec.encode_whole(text)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        return self.codec.decode(ids)
 
     def defuse(self, text: str) -> str:
         """`text` with every special-token string made plain text (so it cannot forge turn structure)."""
@@ -163,7 +170,10 @@ def message_key(message: Mapping[str, Any]) -> str:
     for name in ("name", "tool_call_id"):
         if message.get(name):
             out[name] = message[name]
-    return json.dumps(out, sort_keys=True, ensure_ascii=False, default=str)
+    return _KEY_JSON.encode(out)
+
+
+_KEY_JSON = json.JSONEncoder(sort_keys=True, ensure_ascii=False, default=str)   # one encoder, not one a message
 
 
 def prefix_digests(keys: Sequence[str]) -> list[str]:
@@ -286,7 +296,7 @@ class EpisodeCapture:
         if text.startswith(parent.text):
             delta = self.template.encode(text[len(parent.text):])
             out = self._extend(parent, delta, text, view, digests[-1], kind="extend")
-            if self.check_tokens and self.template.encode(text) != out.ids:
+            if self.check_tokens and self.template.encode_whole(text) != out.ids:
                 out.token_drift, out.drift = out.token_drift + 1, "tokens"
             return out
         if self.on_drift == "mark":
@@ -319,7 +329,7 @@ class EpisodeCapture:
 
     def _root(self, view, digest, tools, options, *, kind: str, rendered: str | None = None) -> Prepared:
         text = rendered if rendered is not None else self.template.render(view, tools=tools, options=options)
-        ids = self.template.encode(text)
+        ids = self.template.encode_whole(text)
         self._segments += 1
         return Prepared(ids, [0] * len(ids), [0.0] * len(ids), [-1] * len(ids), len(ids), text, view, digest,
                         None, [], kind, self._segments - 1, encoded_tokens=len(ids))
@@ -341,7 +351,7 @@ class EpisodeCapture:
             if parent is None:
                 return self._root_ids(self.template.encode(prompt), prompt)
             out = self._extend(parent, self.template.encode(prompt[len(parent.text):]), prompt, [], "", kind="extend")
-            if self.check_tokens and self.template.encode(prompt) != out.ids:
+            if self.check_tokens and self.template.encode_whole(prompt) != out.ids:
                 out.token_drift, out.drift = out.token_drift + 1, "tokens"
             return out
         ids = [int(i) for i in prompt]
