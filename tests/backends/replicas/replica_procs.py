@@ -22,6 +22,8 @@ class ReplicaProc:
 
     def registration(self) -> dict | None:
         for path in self.registry.glob("*.json"):
+            if path.name.startswith("."):            # not a registration: the publication's word (handoff.py)
+                continue
             entry = json.loads(path.read_text())
             if entry["pid"] == self.proc.pid:
                 return entry
