@@ -131,8 +131,12 @@ class ClientWatch:
     async def __call__(self) -> bool:
         """At once: an ASGI `receive()` returns without waiting when the server holds a message for the app
         (`http.disconnect` once the connection has closed); one that would wait is closed unawaited. Starlette's
-        `is_disconnected` does the same through a cancelled anyio scope, at several times the cost a request."""
-        if not self.gone:
+        `is_disconnected` does the same through a cancelled anyio scope, at several times the cost a request.
+        Under the gateway's own protocol the connection has already said so (`http_limits.ClientLost`)."""
+        hooks = self.request.scope.get("extensions", {}).get(CLIENT_LOST)
+        if hooks is not None:
+            self.gone = self.gone or hooks.lost
+        elif not self.gone:
             pending = self.request.receive()
             try:
                 pending.send(None)

@@ -201,7 +201,7 @@ def test_asking_whether_the_client_has_gone_never_waits_and_leaves_no_waiter_beh
                 await event.wait()
             return {"type": "http.disconnect"}
 
-        watch = ClientWatch(SimpleNamespace(receive=receive))
+        watch = ClientWatch(SimpleNamespace(scope={}, receive=receive))
         assert await watch() is False and len(event._waiters) == 0 and len(asked) == 1
         waiting = asyncio.ensure_future(watch.wait())
         await asyncio.sleep(0)
@@ -209,7 +209,7 @@ def test_asking_whether_the_client_has_gone_never_waits_and_leaves_no_waiter_beh
         event.set()
         await waiting
         assert await watch() is True and len(asked) == 2          # known gone: not asked again
-        assert await ClientWatch(SimpleNamespace(receive=receive))() is True
+        assert await ClientWatch(SimpleNamespace(scope={}, receive=receive))() is True
 
     asyncio.run(main())
 
@@ -225,12 +225,14 @@ def test_a_lost_connection_calls_back_through_the_protocol_or_a_watch_without_it
     async def main():
         hooks, called = ClientLost(), []
         watch = ClientWatch(SimpleNamespace(scope={"extensions": {CLIENT_LOST: hooks}}))
+        assert await watch() is False                        # asked of the connection's record, no receive()
         watch.on_lost(lambda: called.append("a"))
         forget = watch.on_lost(lambda: called.append("b"))
         forget()
         tasks = len(asyncio.all_tasks())
         hooks.fire()
         assert called == ["a"] and watch.gone and len(asyncio.all_tasks()) == tasks
+        assert await ClientWatch(SimpleNamespace(scope={"extensions": {CLIENT_LOST: hooks}}))() is True
         watch.on_lost(lambda: called.append("late"))
         assert called == ["a", "late"]
 
