@@ -18,6 +18,7 @@ import re
 from typing import Any, Iterable, Mapping, Sequence
 
 from hybridrl.agent.codec import TokenCodec
+from hybridrl.agent.render import ChatRenderer
 
 _BASE = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
@@ -27,6 +28,7 @@ class ChatFormat:
     def __init__(self, tokenizer: Any, *, eos_token_ids: Iterable[int] | None = None):
         self.tokenizer = tokenizer
         self.codec = TokenCodec(tokenizer)
+        self.renderer = ChatRenderer(tokenizer)
         eos = set(eos_token_ids or ())
         if tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
@@ -48,9 +50,7 @@ class ChatFormat:
 
     def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool,
                tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-        return self.tokenizer.apply_chat_template([dict(m) for m in messages],
-                                                  tools=list(tools) if tools else None,
-                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.renderer.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
 
     def prompt_ids(self, messages: Sequence[Mapping[str, str]], *,
                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from hybridrl.agent.codec import TokenCodec
+from hybridrl.agent.render import ChatRenderer
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 _MARK = "hybridrl-turn-mark"
@@ -60,6 +61,7 @@ class Template:
     def __init__(self, tokenizer: Any, eos_ids: Iterable[int]):
         self.tokenizer = tokenizer
         self.codec = TokenCodec(tokenizer)
+        self.renderer = ChatRenderer(tokenizer)
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         if tokenizer.eos_token_id is not None:
             self.eos_ids |= {int(tokenizer.eos_token_id)}
@@ -74,9 +76,8 @@ class Template:
     def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = True, options: Mapping[str, Any] | None = None) -> str:
         try:
-            return self.tokenizer.apply_chat_template([dict(m) for m in messages], tools=list(tools) if tools else None,
-                                                      tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                      **dict(options or {}))
+            return self.renderer.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                        options=options)
         except Exception as err:  # noqa: BLE001 - jinja's errors are the request's problem
             raise TemplateError(f"the chat template cannot render these messages: {type(err).__name__}: {err}") from None
 
