@@ -135,10 +135,11 @@ def bench_size(name: str, model_dir: Path, args, shape: dict) -> dict:
 
     from hybridrl.backends.native import NativeEngine, NativeEngineConfig
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     params = sum(p.numel() for p in hf.parameters())
     cfg = NativeEngineConfig(kv_cache_mb=args.kv_cache_mb, max_num_seqs=max(64, shape["batch"]),
-                             max_num_batched_tokens=args.max_num_batched_tokens, kernels=args.kernels)
+                             max_num_batched_tokens=args.max_num_batched_tokens, kernels=args.kernels,
+                             dtype=args.dtype)
     engines = {"engine": NativeEngine.from_pretrained(model_dir, cfg, device="cpu")}
     if args.torch_peer:
         engines["engine_torch"] = NativeEngine.from_pretrained(model_dir, replace(cfg, kernels="torch"), device="cpu")
@@ -232,6 +233,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both")
     parser.add_argument("--kv-cache-mb", type=int, default=256)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights and KV of both the native engine and transformers (the same on both sides; "
+                             "bfloat16 pays on CPUs with AMX or AVX-512 BF16)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--kernels", default="auto", choices=["auto", "c", "torch"],
                         help="the native engine's rollout.native.kernels")
@@ -270,7 +274,7 @@ def main(argv=None) -> int:
         "headline_size": head["size"], "params": head["params"],
         "workload": {"batch": args.batch, "prompt_len": args.prompt_len, "output_len": args.output_len,
                      "temperature": args.temperature, "top_p": args.top_p, "repeats": args.repeats,
-                     "threads": args.threads, "dtype": "float32", "device": "cpu"},
+                     "threads": args.threads, "dtype": args.dtype, "device": "cpu"},
         "peers": ["engine (native)", "hf (transformers generate)", *[v for v in args.vllm.split(",") if v]],
         "sizes": results,
     }
