@@ -124,6 +124,7 @@ def engine_metrics(per_rank: list[dict], run) -> dict[str, float]:
             "engine/steps", "step_time_s",      # the engines' busy time (cost accounting, the planner)
             # weights applied while requests ran (rollout.native.on_weight_update=continue)
             "updates_mid_request", "update_continued_requests", "update_recompute_tokens", "update_hold_s",
+            "update_late_steps",
             # the replica pool (rollout.engine=replicas)
             "replicas_lost", "replicas_joined", "requests_resubmitted", "tokens_resumed")
     out = {k: float(v) for k, v in deltas.items() if any(k.endswith(s) for s in keep)}

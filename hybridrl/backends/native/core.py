@@ -121,7 +121,7 @@ class EngineCore:
                          "weight_tensors_mismatched": 0, "prefix_cache_invalidations": 0,
                          "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "weight_tensors_staged": 0,
                          "updates_mid_request": 0, "update_continued_requests": 0, "update_recompute_tokens": 0,
-                         "update_apply_s": 0.0, "update_hold_s": 0.0}
+                         "update_apply_s": 0.0, "update_hold_s": 0.0, "update_late_steps": 0}
         self.latency = LatencyLog()
 
     @classmethod
@@ -336,9 +336,15 @@ class EngineCore:
 
     def hold_update_at(self, step: int | None) -> None:
         """Apply the next version staged whole exactly at engine step `step` (None: at once). A wait at the
-        step before counts as time held (`update_hold_s`)."""
+        step before counts as time held (`update_hold_s`), and as the engine steps it could have run in that
+        time at its mean step time so far (`update_late_steps`: how much further after the grant the landing
+        step would have had to be for the engine not to wait)."""
         if self._held_since is not None:
-            self.counters["update_hold_s"] += time.perf_counter() - self._held_since
+            held = time.perf_counter() - self._held_since
+            c = self.counters
+            c["update_hold_s"] += held
+            if c["steps"] and c["step_time_s"] > 0:
+                c["update_late_steps"] += math.ceil(held / (c["step_time_s"] / c["steps"]))
         self.hold_at, self._held_since = step, None
         if self.held():                          # the step has come already, without the weights
             self._held_since = time.perf_counter()
