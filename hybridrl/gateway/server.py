@@ -126,22 +126,25 @@ class ClientWatch:
 
     def __init__(self, request: Any):
         self.request = request
-        self.gone = False
+        # under the gateway's own protocol the connection keeps the record (`http_limits.ClientLost`)
+        self.hooks = request.scope.get("extensions", {}).get(CLIENT_LOST)
+        self._gone = False
+
+    @property
+    def gone(self) -> bool:
+        return self._gone or (self.hooks is not None and self.hooks.lost)
 
     async def __call__(self) -> bool:
         """At once: an ASGI `receive()` returns without waiting when the server holds a message for the app
         (`http.disconnect` once the connection has closed); one that would wait is closed unawaited. Starlette's
         `is_disconnected` does the same through a cancelled anyio scope, at several times the cost a request.
         Under the gateway's own protocol the connection has already said so (`http_limits.ClientLost`)."""
-        hooks = self.request.scope.get("extensions", {}).get(CLIENT_LOST)
-        if hooks is not None:
-            self.gone = self.gone or hooks.lost
-        elif not self.gone:
+        if self.hooks is None and not self._gone:
             pending = self.request.receive()
             try:
                 pending.send(None)
             except StopIteration as answered:
-                self.gone = answered.value["type"] == "http.disconnect"
+                self._gone = answered.value["type"] == "http.disconnect"
             else:
                 pending.close()
         return self.gone
@@ -150,12 +153,8 @@ class ClientWatch:
         """Call `callback` once the connection closes; returns what unregisters it. Under the gateway's own
         protocol the connection calls it (`http_limits.ClientLost`, no task per request); under another ASGI
         server a task waits for `http.disconnect`."""
-        hooks = self.request.scope.get("extensions", {}).get(CLIENT_LOST)
-        if hooks is not None:
-            def lost() -> None:
-                self.gone = True
-                callback()
-            return hooks.add(lost)
+        if self.hooks is not None:
+            return self.hooks.add(callback)
         watch = asyncio.ensure_future(self.wait())
         watch.add_done_callback(lambda w: None if w.cancelled() else callback())
         return watch.cancel
@@ -163,7 +162,7 @@ class ClientWatch:
     async def wait(self) -> None:
         while (await self.request.receive())["type"] != "http.disconnect":
             pass
-        self.gone = True
+        self._gone = True
 
 
 def _episode_or_none(keys: EpisodeKeys, request) -> Any:
