@@ -273,7 +273,7 @@ class ReplicasEngine:
         """Configured URLs, then the registered ones (oldest registration first)."""
         urls = list(self.cfg.urls)
         if self.registry is not None and self.registry.is_dir():
-            for path in sorted(self.registry.glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name)):
+            for path in handoff.registrations(self.registry):
                 try:
                     urls.append(json.loads(path.read_text())["url"])
                 except (OSError, ValueError, KeyError):

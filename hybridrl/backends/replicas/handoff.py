@@ -37,6 +37,20 @@ def write_published(registry: Path, version: int, job: str, replicas: list[tuple
     os.replace(tmp, registry / PUBLISHED)
 
 
+def registrations(registry: Path) -> list[Path]:
+    """The replicas' registration files in `registry` (`server.register`: `<instance>.json`), oldest first;
+    dot-files are not registrations (this module's word, files being written)."""
+    found = []
+    for path in registry.glob("*.json"):
+        if path.name.startswith("."):
+            continue
+        try:
+            found.append((path.stat().st_mtime, path.name, path))
+        except FileNotFoundError:           # the replica unregistered meanwhile
+            continue
+    return [path for *_, path in sorted(found)]
+
+
 def read_published(registry: Path) -> dict | None:
     try:
         return json.loads((registry / PUBLISHED).read_text())

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 
+from hybridrl.backends.replicas.handoff import registrations
 from tests.launch import ROOT, env_with_repo
 
 
@@ -21,9 +22,7 @@ class ReplicaProc:
     registry: Path
 
     def registration(self) -> dict | None:
-        for path in self.registry.glob("*.json"):
-            if path.name.startswith("."):            # not a registration: the publication's word (handoff.py)
-                continue
+        for path in registrations(self.registry):
             entry = json.loads(path.read_text())
             if entry["pid"] == self.proc.pid:
                 return entry
