@@ -21,6 +21,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from hybridrl.rollout.protocol import FinishReason, GenerationOutput, GenerationTimings, SamplingParams
+from hybridrl.rollout.weight_spec import dtype_name
 
 # torch dtype -> the safetensors name (those a published model holds)
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
@@ -40,7 +41,7 @@ def _tensor_to_json(t: torch.Tensor | None) -> dict[str, Any] | None:
     if t is None:
         return None
     t = t.detach().cpu().contiguous()
-    return {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+    return {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
             "data": base64.b64encode(t.view(-1).view(torch.uint8).numpy().tobytes()).decode()}
 
 

@@ -59,7 +59,7 @@ from hybridrl.backends.vllm.config import VLLMConfig, model_problem
 from hybridrl.backends.model_spec import eos_token_ids
 from hybridrl.backends.vllm.launch import (checkpoint_config, checkpoint_names, device_index, engine_args, engine_env,
                                             kv_cache_bytes, process_env)
-from hybridrl.backends.vllm.transport import bucket_wire, dtype_name, pack_bucket, raw_bytes
+from hybridrl.backends.vllm.transport import bucket_wire, pack_bucket, raw_bytes
 from hybridrl.distributed.reaper import Reaper, descendants
 from hybridrl.rollout.protocol import (
     KV_CACHE,
@@ -71,7 +71,7 @@ from hybridrl.rollout.protocol import (
     check_tags,
 )
 from hybridrl.rollout.versions import Publication
-from hybridrl.rollout.weight_spec import WeightMismatch, validate_named_tensors
+from hybridrl.rollout.weight_spec import WeightMismatch, dtype_name, validate_named_tensors
 
 log = logging.getLogger(__name__)
 

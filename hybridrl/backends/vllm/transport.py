@@ -28,10 +28,6 @@ class BucketRpcTransport:
         await self.engine.load_bucket(bucket, version, names=names, digests=digests)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def raw_bytes(tensor: torch.Tensor) -> bytes:
     """A CPU tensor's bytes. Tensors cross vLLM's RPC as bytes: its engine core decodes a utility call's
     arguments without their types, so a tensor would arrive as a [dtype, shape, buffer index] list whose
