@@ -219,6 +219,20 @@ def _moe(cfg: dict[str, Any], source: str, num_layers: int, arch: str) -> dict[s
             "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.0) or 0.0)}
 
 
+def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's HF tensor names and shapes, from the safetensors headers (no data read)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    if not shapes:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    return shapes
+
+
 def eos_token_ids(model_dir: str | Path) -> list[int]:
     """The checkpoint's end-of-sequence ids: config.json's, then generation_config.json's others (either file
     may be missing)."""

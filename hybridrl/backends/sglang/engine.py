@@ -48,7 +48,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from hybridrl.backends.model_spec import eos_token_ids
+from hybridrl.backends.model_spec import checkpoint_shapes, eos_token_ids
 from hybridrl.backends.sglang import convert, launch, requests, routing
 from hybridrl.backends.sglang.config import SGLangConfig
 from hybridrl.publication.manifest import PublicationError
@@ -69,16 +69,7 @@ log = logging.getLogger(__name__)
 
 def checkpoint_spec(model_dir: str | Path, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """HF tensor names and shapes from the safetensors headers (no data read), in the engine dtype."""
-    from safetensors import safe_open
-
-    spec = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                spec[name] = (tuple(f.get_slice(name).get_shape()), dtype)
-    if not spec:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    return spec
+    return {name: (shape, dtype) for name, shape in checkpoint_shapes(model_dir).items()}
 
 
 class SGLangEngine:

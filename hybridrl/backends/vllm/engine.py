@@ -56,8 +56,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from hybridrl.backends.vllm.config import VLLMConfig, model_problem
-from hybridrl.backends.model_spec import eos_token_ids
-from hybridrl.backends.vllm.launch import (checkpoint_config, checkpoint_names, device_index, engine_args, engine_env,
+from hybridrl.backends.model_spec import checkpoint_shapes, eos_token_ids
+from hybridrl.backends.vllm.launch import (checkpoint_config, device_index, engine_args, engine_env,
                                             kv_cache_bytes, process_env)
 from hybridrl.backends.vllm.transport import bucket_wire, pack_bucket, raw_bytes
 from hybridrl.distributed.reaper import Reaper, descendants
@@ -124,7 +124,7 @@ class VLLMEngine:
             self._reaper = Reaper([p for p in descendants() if p not in before])
             self.max_model_len = int(self._llm.model_config.max_model_len)
             tied = bool(hf.get("tie_word_embeddings", False))
-            layout = self._rpc("hybridrl_layout", list(checkpoint_names(self.model_path)), tied)
+            layout = self._rpc("hybridrl_layout", list(checkpoint_shapes(self.model_path)), tied)
         except BaseException:
             self.close()
             raise

@@ -22,20 +22,6 @@ def checkpoint_config(model_dir: str | Path) -> dict[str, Any]:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
-def checkpoint_names(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes from the safetensors headers (no data read)."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    if not shapes:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    return shapes
-
-
 @contextmanager
 def process_env(values: dict[str, str]):
     """Environment variables the engine's processes read at start (spawned children inherit them)."""
