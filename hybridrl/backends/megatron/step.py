@@ -73,20 +73,23 @@ def skip_one_rank_gathers() -> None:
 
     for name in ("dist_reduce_scatter_func", "dist_all_gather_func"):
         collective = getattr(buffers, name)
-        if not getattr(collective, "skips_one_rank", False):
-            setattr(buffers, name, _unless_identity(collective))
+        if not isinstance(collective, UnlessIdentity):
+            setattr(buffers, name, UnlessIdentity(collective))
 
 
-def _unless_identity(collective):
-    def call(output: torch.Tensor, input: torch.Tensor, *args: Any, group=None, async_op: bool = False,
-             **kwargs: Any) -> Any:
+class UnlessIdentity:
+    """A reduce-scatter / all-gather function of megatron's signature (output, input, ..., group=,
+    async_op=) that returns without calling `collective` where the call is the identity."""
+
+    def __init__(self, collective):
+        self.collective = collective
+
+    def __call__(self, output: torch.Tensor, input: torch.Tensor, *args: Any, group=None, async_op: bool = False,
+                 **kwargs: Any) -> Any:
         if (not async_op and group is not None and group.size() == 1
                 and output.data_ptr() == input.data_ptr() and output.numel() == input.numel()):
             return None
-        return collective(output, input, *args, group=group, async_op=async_op, **kwargs)
-
-    call.skips_one_rank = True
-    return call
+        return self.collective(output, input, *args, group=group, async_op=async_op, **kwargs)
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridrl.backends.megatron.step import _unless_identity, skip_one_rank_gathers
+from hybridrl.backends.megatron.step import UnlessIdentity, skip_one_rank_gathers
 
 
 class Group:
@@ -25,7 +25,7 @@ def _spied():
         calls.append((output.data_ptr(), input.data_ptr(), group.size(), async_op, kwargs))
         return "work"
 
-    return calls, _unless_identity(collective)
+    return calls, UnlessIdentity(collective)
 
 
 def test_one_rank_in_place_is_skipped_and_everything_else_reaches_the_collective():
@@ -50,4 +50,5 @@ def test_installing_twice_wraps_once():
     first = (buffers.dist_reduce_scatter_func, buffers.dist_all_gather_func)
     skip_one_rank_gathers()
     assert (buffers.dist_reduce_scatter_func, buffers.dist_all_gather_func) == first
-    assert all(getattr(f, "skips_one_rank", False) for f in first)
+    assert all(not isinstance(f.collective, UnlessIdentity) for f in first)
+    assert all(isinstance(f, UnlessIdentity) for f in first)
