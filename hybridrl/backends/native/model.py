@@ -109,8 +109,9 @@ def residual_linear(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias
 class CausalLM:
     """Inference-only Qwen2 / Llama / Qwen3 / Qwen3-MoE. `forward` returns float32 logits of the selected rows.
     With `lora`, each targeted fused linear adds its adapters' scale * B A x (`lora.py`). With `kernels`
-    (CPU, float32), RMSNorm, RoPE with the KV write, and SiLU-and-multiply run as the C kernels of
-    `cpu_kernels.py` instead of torch operators (the same arithmetic, one pass each)."""
+    (CPU, float32), RMSNorm, RoPE with the KV write, SiLU-and-multiply, and the linear layers of steps
+    of few rows (`cpu_kernels.LINEAR_ROWS`: decode steps) run as the C kernels of `cpu_kernels.py`
+    instead of torch operators (the same arithmetic up to the order of sums, one pass each)."""
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, rotary: RotaryTable, lora: LoraWeights | None = None,
                  kernels: cpu_kernels.Kernels | None = None):
@@ -125,6 +126,16 @@ class CausalLM:
         if self.kernels is not None:
             return cpu_kernels.rms_norm(x, weight, self.spec.rms_norm_eps, self.kernels)
         return rms_norm(x, weight, self.spec.rms_norm_eps)
+
+    def linear(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """(residual +) h @ weight.T (+ bias): the C kernel for a decode step's few rows, BLAS otherwise."""
+        if (self.kernels is not None and h.shape[0] <= cpu_kernels.LINEAR_ROWS and h.stride(1) == 1
+                and weight.is_contiguous() and (residual is None or residual.is_contiguous())):
+            return cpu_kernels.linear(h, weight, bias, residual, self.kernels)
+        if residual is not None:
+            return residual_linear(residual, h, weight, bias)
+        return F.linear(h, weight, bias)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_rows: torch.Tensor, routing: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,7 +156,7 @@ class CausalLM:
             ad = self.lora.layers[i] if self.lora is not None else no_adapters
             s = self.lora.scale if self.lora is not None else 0.0
             h = self.norm(x, layer.input_norm)
-            qkv = add_low_rank_(F.linear(h, layer.qkv, layer.qkv_bias), h, ad.get("qkv"), s)   # [N, q + 2 kv]
+            qkv = add_low_rank_(self.linear(h, layer.qkv, layer.qkv_bias), h, ad.get("qkv"), s)   # [N, q + 2 kv]
             qk = qkv[:, : q_size + kv_size].view(n, heads, hd)
             if layer.q_norm is not None:                                       # Qwen3: per-head RMSNorm
                 qk[:, : spec.num_heads] = rms_norm(qk[:, : spec.num_heads], layer.q_norm, spec.rms_norm_eps)
@@ -159,7 +170,7 @@ class CausalLM:
                 apply_rotary_(qk, cos, sin)
                 write_kv(kv_cache[i], kv, meta.slot_mapping)
             attn = paged_attention(q, kv, kv_cache[i], meta, self.scale)          # [N, q_size]
-            x = add_low_rank_(residual_linear(x, attn, layer.o, layer.o_bias), attn, ad.get("o"), s)
+            x = add_low_rank_(self.linear(attn, layer.o, layer.o_bias, residual=x), attn, ad.get("o"), s)
             h = self.norm(x, layer.post_norm)
             if layer.router is not None:
                 weights, ids = route(h, layer.router, spec.num_experts_per_tok, spec.norm_topk_prob)
@@ -168,14 +179,14 @@ class CausalLM:
                 moe += 1
                 x = x + moe_mlp(h, weights, ids, layer.w13, layer.w2)
                 continue
-            gate_up = add_low_rank_(F.linear(h, layer.gate_up, layer.gate_up_bias), h, ad.get("gate_up"), s)
+            gate_up = add_low_rank_(self.linear(h, layer.gate_up, layer.gate_up_bias), h, ad.get("gate_up"), s)
             if kernels is not None:
                 act = cpu_kernels.silu_mul(gate_up, kernels)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = F.silu(gate) * up
-            x = add_low_rank_(residual_linear(x, act, layer.down, layer.down_bias), act, ad.get("down"), s)
+            x = add_low_rank_(self.linear(act, layer.down, layer.down_bias, residual=x), act, ad.get("down"), s)
         if logits_rows.numel() == 0:
             return x.new_empty((0, spec.vocab_size), dtype=torch.float32)
         h = self.norm(x.index_select(0, logits_rows), w.norm)
-        return F.linear(h, w.lm_head).float()
+        return self.linear(h, w.lm_head).float()

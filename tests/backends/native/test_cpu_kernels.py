@@ -114,6 +114,45 @@ def test_silu_mul_equals_torch(kernels):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("rows, k, out_features", [
+    (16, 768, 1024),      # a decode step's qkv at ~100M parameters
+    (5, 3072, 768),       # rows not a multiple of the tile, a long k
+    (1, 37, 13),          # k with a tail of 5 after two vectors, features not a multiple of 4
+    (64, 64, 576),        # the most rows the model sends, a small vocabulary head
+])
+def test_linear_equals_float64_and_a_row_depends_on_its_row_alone(rows, k, out_features, kernels):
+    g = torch.Generator().manual_seed(rows + k)
+    weight = torch.randn(out_features, k, generator=g) * k ** -0.5
+    bias = torch.randn(out_features, generator=g)
+    residual = torch.randn(rows, out_features, generator=g)
+    wide = torch.randn(rows, k + 8, generator=g)
+    x = wide[:, 3: 3 + k]                                    # strided rows, as a view of a wider tensor
+    expected = residual.double() + F.linear(x.double(), weight.double(), bias.double())
+    out = cpu_kernels.linear(x, weight, bias, residual, kernels)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu_kernels.linear(x, weight, kernels=kernels).double(),
+                               F.linear(x.double(), weight.double()), atol=2e-5, rtol=1e-5)
+    alone = torch.cat([cpu_kernels.linear(x[r: r + 1], weight, bias, residual[r: r + 1], kernels)
+                       for r in range(rows)])
+    assert torch.equal(out, alone)                           # the same bits in any batch
+    assert torch.equal(cpu_kernels.linear(x[1:], weight, bias, residual[1:], kernels), out[1:])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(cpu_kernels.linear(x, weight, bias, residual, kernels), out)     # and on any threads
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_linear_refuses_what_it_cannot_read(kernels):
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernels.linear(torch.zeros(2, 8), torch.zeros(8, 4).t(), kernels=kernels)
+    with pytest.raises(ValueError, match=r"bias \(3,\) is not a contiguous \[4\]"):
+        cpu_kernels.linear(torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(3), kernels=kernels)
+    with pytest.raises(TypeError, match="float32"):
+        cpu_kernels.linear(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(4, 8), kernels=kernels)
+
+
 def test_rope_store_equals_rotary_then_cache_write(kernels, tiny_models):
     from hybridrl.backends.model_spec import ModelSpec
     from hybridrl.backends.native.model import RotaryTable
