@@ -36,10 +36,13 @@ OPENMP_RUNTIMES = ("libgomp", "libomp", "libiomp")
 # The most rows `linear` is used for: a decode step's (one per running sequence). Measured on a 2-core
 # AMD EPYC with AVX-512 against torch's linear (MKL), the 12 layers of a ~100M-parameter model: 1.8x at 1
 # row, 1.4x at 16, 1.3x at 32, 1.1-1.2x at 64; prefill chunks and training-sized products (hundreds of
-# rows) stay with BLAS, which is faster there.
+# rows) stay with BLAS, which is faster there. Weights of fewer than LINEAR_MIN_WEIGHTS elements (1 MiB of
+# float32; the demo model's, hidden 192, are all under it) stay with BLAS too: they sit in cache, and
+# there the kernel was 0.84-1.08x of torch's (8-64 rows).
 LINEAR_ROWS = 64
+LINEAR_MIN_WEIGHTS = 1 << 18
 
-__all__ = ["KernelUnavailable", "Kernels", "LINEAR_ROWS", "build", "linear", "load", "paged_decode", "rms_norm", "rope_store",
+__all__ = ["KernelUnavailable", "Kernels", "LINEAR_MIN_WEIGHTS", "LINEAR_ROWS", "build", "linear", "load", "paged_decode", "rms_norm", "rope_store",
            "silu_mul"]
 
 

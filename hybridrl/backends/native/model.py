@@ -110,7 +110,7 @@ class CausalLM:
     """Inference-only Qwen2 / Llama / Qwen3 / Qwen3-MoE. `forward` returns float32 logits of the selected rows.
     With `lora`, each targeted fused linear adds its adapters' scale * B A x (`lora.py`). With `kernels`
     (CPU, float32), RMSNorm, RoPE with the KV write, SiLU-and-multiply, and the linear layers of steps
-    of few rows (`cpu_kernels.LINEAR_ROWS`: decode steps) run as the C kernels of `cpu_kernels.py`
+    of few rows (decode steps; `linear`) run as the C kernels of `cpu_kernels.py`
     instead of torch operators (the same arithmetic up to the order of sums, one pass each)."""
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, rotary: RotaryTable, lora: LoraWeights | None = None,
@@ -129,8 +129,10 @@ class CausalLM:
 
     def linear(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """(residual +) h @ weight.T (+ bias): the C kernel for a decode step's few rows, BLAS otherwise."""
-        if (self.kernels is not None and h.shape[0] <= cpu_kernels.LINEAR_ROWS and h.stride(1) == 1
+        """(residual +) h @ weight.T (+ bias): the C kernel for a decode step's few rows times a weight too large
+        for the cache (`cpu_kernels.LINEAR_ROWS`, `LINEAR_MIN_WEIGHTS`), BLAS otherwise."""
+        if (self.kernels is not None and h.shape[0] <= cpu_kernels.LINEAR_ROWS
+                and weight.numel() >= cpu_kernels.LINEAR_MIN_WEIGHTS and h.stride(1) == 1
                 and weight.is_contiguous() and (residual is None or residual.is_contiguous())):
             return cpu_kernels.linear(h, weight, bias, residual, self.kernels)
         if residual is not None:
