@@ -262,6 +262,16 @@ static inline float fold16(vf16 a)
     return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
+/* The end of one output's dot product, the same for every output: the 16 lanes accumulated over
+   k < k_vec folded, then the k % 16 tail of row xr against row wr. */
+static inline float finish_dot(vf16 acc, const float *xr, const float *wr, int64_t k_vec, int64_t k_len)
+{
+    float tail = 0.0f;
+    for (int64_t k = k_vec; k < k_len; k++)
+        tail += xr[k] * wr[k];
+    return fold16(acc) + tail;
+}
+
 #define NB 4
 
 /* Keeps the four loaded w vectors and the x vector of a k-step in registers: without it gcc 12
@@ -301,12 +311,8 @@ static inline __attribute__((always_inline)) void tile(
     }
     const vf16 acc[4][NB] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}, {a30, a31, a32, a33}};
     for (int i = 0; i < mb; i++)
-        for (int j = 0; j < NB; j++) {
-            float tail = 0.0f;
-            for (int64_t k = k_vec; k < k_len; k++)
-                tail += x[i * ldx + k] * w[j * k_len + k];
-            out[i][j] = fold16(acc[i][j]) + tail;
-        }
+        for (int j = 0; j < NB; j++)
+            out[i][j] = finish_dot(acc[i][j], x + i * ldx, w + j * k_len, k_vec, k_len);
 }
 
 static void tile_of_rows(const float *x, int64_t ldx, const float *w, int64_t k_len, int64_t k_vec, int mb,
@@ -344,10 +350,7 @@ void hybridrl_linear_f32(const float *x, int64_t ldx, const float *w, const floa
                         vf16 acc = (vf16){0};
                         for (int64_t k = 0; k < k_vec; k += 16)
                             acc += load16(xr + k) * load16(wr + k);
-                        float tail = 0.0f;
-                        for (int64_t k = k_vec; k < k_len; k++)
-                            tail += xr[k] * wr[k];
-                        out[i][j] = fold16(acc) + tail;
+                        out[i][j] = finish_dot(acc, xr, wr, k_vec, k_len);
                     }
             }
             for (int i = 0; i < mb; i++)

@@ -42,8 +42,8 @@ OPENMP_RUNTIMES = ("libgomp", "libomp", "libiomp")
 LINEAR_ROWS = 64
 LINEAR_MIN_WEIGHTS = 1 << 18
 
-__all__ = ["KernelUnavailable", "Kernels", "LINEAR_MIN_WEIGHTS", "LINEAR_ROWS", "build", "linear", "load", "paged_decode", "rms_norm", "rope_store",
-           "silu_mul"]
+__all__ = ["KernelUnavailable", "Kernels", "LINEAR_MIN_WEIGHTS", "LINEAR_ROWS", "build", "linear", "load",
+           "paged_decode", "rms_norm", "rope_store", "silu_mul"]
 
 
 @dataclass(frozen=True)
