@@ -17,6 +17,12 @@ TORCH_SPEC ?= torch==2.13.0
 endif
 
 PYTEST_ARGS ?=
+# `make test`, `test-loaded` and `test-fast` run pytest in TEST_WORKERS worker processes (pytest-xdist), a
+# test module per worker at a time (--dist loadfile: a module's shared fixtures, e.g. its one torchrun job, are
+# made once). Most of the suite's time is spent waiting on the processes its tests start, so two workers overlap
+# on two cores; TEST_WORKERS=0 runs everything in this process (one test after another).
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: install demo test docs test-fast test-loaded test-slow test-gpu gpu-wheels gpu-check gpu-first-contact sglang-types vllm-venv test-vllm slurm-install slurm-up slurm-down test-slurm test-slurm-2node clean
 
@@ -39,7 +45,7 @@ demo: install
 # The CPU test suite (slow and GPU tests skip with a reason).
 test: install
 	-@$(MAKE) --no-print-directory sglang-types >/dev/null 2>&1 || echo "(sglang types not installed: their test skips)"
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # The documentation site (mkdocs.yml, pages in docs/) into site/, strict: a broken link or a page missing from the
 # nav fails it (`make test` builds it too: tests/docs/test_site.py). `$(BIN)/mkdocs serve` to browse while editing.
@@ -51,12 +57,12 @@ docs: install
 # killed at exit): a test that fails here depends on an idle machine, which is a defect.
 test-loaded: install
 	-@$(MAKE) --no-print-directory sglang-types >/dev/null 2>&1 || echo "(sglang types not installed: their test skips)"
-	$(BIN)/python tests/run_loaded.py $(PYTEST_ARGS)
+	$(BIN)/python tests/run_loaded.py $(XDIST) $(PYTEST_ARGS)
 
 # The inner loop (a few minutes): the default suite without the modules that start processes (tests/conftest.py
 # tells them from their text). Not a substitute for `make test`.
 test-fast: install
-	HYBRIDRL_FAST=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+	HYBRIDRL_FAST=1 $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-slow: install
 	HYBRIDRL_SLOW=1 $(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -62,7 +62,9 @@ def test_the_memory_cgroup_stops_the_whole_sandbox_and_the_tool_says_so():
 
 
 def test_sandbox_cgroups_are_removed_when_the_pool_closes():
-    before = set(glob.glob("/sys/fs/cgroup/**/" + cgroups.PREFIX + "*", recursive=True))
+    # this process's cgroups only (their names carry its pid): another process's pools may come and go meanwhile
+    pattern = f"/sys/fs/cgroup/**/{cgroups.PREFIX}{os.getpid()}-*"
+    before = set(glob.glob(pattern, recursive=True))
 
     async def go():
         async with SandboxPool(config(warm=1)) as pool:
@@ -71,7 +73,7 @@ def test_sandbox_cgroups_are_removed_when_the_pool_closes():
 
     if asyncio.run(go()) == "rlimit":
         pytest.skip("no cgroup can be made here")
-    assert set(glob.glob("/sys/fs/cgroup/**/" + cgroups.PREFIX + "*", recursive=True)) <= before
+    assert set(glob.glob(pattern, recursive=True)) <= before
 
 
 def test_without_a_cgroup_the_pool_says_so_refuses_memfd_and_require_isolation_refuses(monkeypatch, caplog):
