@@ -25,6 +25,11 @@ A second, long-prompt shape runs on the headline size (`long_prompt` in the JSON
 prefilled in chunks while the running rows keep decoding. `--torch-peer` adds the native engine with
 `rollout.native.kernels=torch` (torch operators only, no C kernels) as a peer, so the kernels' share of
 the ratio is measured in the same run (`ratio_native_engine_torch`).
+
+`roofline` (per size and per repeat): the native engine's seconds per engine step against the
+memory-bandwidth floor of a step, the weights' bytes read once at the copy bandwidth of a buffer of
+that size measured right after the repeat (`x_roofline` = step time / floor; every step, decode or
+prefill chunk, reads every weight once).
 """
 
 from __future__ import annotations
@@ -119,6 +124,18 @@ def run_engine(engine, prompts, olens, temperature, top_p, seed, tag) -> tuple[i
     return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0
 
 
+def roofline(seconds: float, steps: int, weight_bytes: int) -> dict[str, float]:
+    """The engine's time per step (every step reads every weight once: prefill chunks ride along with
+    the decodes) against the memory-bandwidth floor: the weights' bytes at the copy bandwidth measured
+    now, beside the run, the way the mode-switch benchmark measures its floor."""
+    from hybridrl.bench.mode_switch import copy_bandwidth
+
+    bandwidth = copy_bandwidth(weight_bytes, torch.device("cpu"))["copy"]
+    floor = weight_bytes / bandwidth
+    return {"copy_gb_s": round(bandwidth / 1e9, 2), "step_s": round(seconds / steps, 7),
+            "floor_step_s": round(floor, 7), "x_roofline": round(seconds / steps / floor, 3)}
+
+
 VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)    # vLLM's CPU attention kernel
 
 
@@ -174,13 +191,18 @@ def bench_size(name: str, model_dir: Path, args, shape: dict) -> dict:
     names = list(runners)
     rates = {k: [] for k in names}
     rows = []
+    weight_bytes = params * torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     for r in range(args.repeats):
         order = names[r % len(names):] + names[: r % len(names)]
         row = {}
         for key in order:
+            steps = engines["engine"].stats()["steps"]
             n, seconds = runners[key](r, olens)
             rates[key].append(n / seconds)
             row[f"{key}_tokens"], row[f"{key}_s"] = n, round(seconds, 3)
+            if key == "engine":
+                row["engine_steps"] = engines["engine"].stats()["steps"] - steps
+        row.update(roofline(row["engine_s"], row["engine_steps"], weight_bytes))
         row["ratio"] = round(rates["engine"][-1] / rates["hf"][-1], 3)
         rows.append(row)
         print(f"  [{name} {shape['name']}] repeat {r}: " + " | ".join(f"{k} {rates[k][-1]:.0f} tok/s" for k in names),
@@ -198,6 +220,8 @@ def bench_size(name: str, model_dir: Path, args, shape: dict) -> dict:
         "runs": rows, "engine_driver": engines["engine"].driver, "engine_kernels": stats["kernels"],
         "engine_steps": stats["steps"], "engine_preemptions": stats["preemptions"], "skipped": skipped,
     }
+    out["roofline"] = {"weight_bytes": weight_bytes, **{key: round(statistics.median(r[key] for r in rows), 4)
+                                                        for key in ("copy_gb_s", "step_s", "floor_step_s", "x_roofline")}}
     if "engine_torch" in rates:
         paired = [a / b for a, b in zip(rates["engine"], rates["engine_torch"])]
         out["engine_torch_tokens_per_s"] = round(statistics.median(rates["engine_torch"]), 1)

@@ -31,6 +31,32 @@ from hybridrl.workers.switch import ModeSwitch
 from hybridrl.workers.train_side import TrainSide
 
 
+def copy_bandwidth(nbytes: int, device: torch.device, repeats: int = 5) -> dict[str, float]:
+    """Median bytes/s on `device` of `nbytes`: copied between two preallocated buffers (the floor's
+    bandwidth), and zero-filled into a buffer allocated just before (first touch: what re-creating a
+    released buffer costs, page faults included; reported, not in the floor)."""
+    n = max(1, nbytes // 4)
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)                      # first touch: page faults are not bandwidth
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return n * 4 / statistics.median(times)
+
+    copy = timed(lambda: dst.copy_(src))
+    del dst
+    return {"copy": copy, "first_touch": timed(lambda: torch.empty_like(src).zero_())}
+
+
 class BenchProbe(Part):
     """What the benchmark measures on each rank beside the colocated sides."""
 
@@ -39,29 +65,8 @@ class BenchProbe(Part):
 
     @register(dispatch=ONE_TO_ALL)
     def copy_bandwidth(self, nbytes: int, repeats: int = 5) -> dict[str, float]:
-        """Median bytes/s on this rank's device of `nbytes`: copied between two preallocated buffers
-        (the floor's bandwidth), and zero-filled into a buffer allocated just before (first touch:
-        what re-creating a released buffer costs, page faults included; reported, not in the floor)."""
-        n = max(1, nbytes // 4)
-        src = torch.randn(n, device=self.ctx.device)
-        dst = torch.empty_like(src)
-        dst.copy_(src)                      # first touch: page faults are not bandwidth
-
-        def timed(fn) -> float:
-            times = []
-            for _ in range(repeats):
-                if self.ctx.device.type == "cuda":
-                    torch.cuda.synchronize()
-                t = time.perf_counter()
-                fn()
-                if self.ctx.device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            return n * 4 / statistics.median(times)
-
-        copy = timed(lambda: dst.copy_(src))
-        del dst
-        return {"copy": copy, "first_touch": timed(lambda: torch.empty_like(src).zero_())}
+        """`copy_bandwidth` of `nbytes` on this rank's device."""
+        return copy_bandwidth(nbytes, self.ctx.device, repeats)
 
     @register(dispatch=ONE_TO_ALL)
     def sizes(self) -> dict:

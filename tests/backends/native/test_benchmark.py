@@ -31,6 +31,12 @@ def test_generation_benchmark_writes_its_json(tmp_path):
     assert all(r["engine_tokens"] > 0 and r["hf_tokens"] > 0 for r in size["runs"])
     assert size["engine_kernels"] in ("c", "torch") and size["ratio_native_engine_torch"] > 0
     assert all(r["engine_torch_tokens"] > 0 for r in size["runs"])
+    # the roofline: each repeat's engine steps and seconds against the weights' bytes at the copy bandwidth
+    roof = size["roofline"]
+    assert roof["weight_bytes"] == 4 * size["params"] and roof["copy_gb_s"] > 0
+    for r in size["runs"]:
+        assert 0 < r["engine_steps"] and r["step_s"] == pytest.approx(r["engine_s"] / r["engine_steps"], rel=0.02)
+        assert r["x_roofline"] == pytest.approx(r["step_s"] / r["floor_step_s"], rel=0.05)
     long = result["long_prompt"]
     assert long["shape"]["name"] == "long_prompt" and long["ratio"] > 0
     assert long["engine_steps"] > 0 and all(r["engine_tokens"] > 0 for r in long["runs"])
