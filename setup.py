@@ -62,8 +62,8 @@ setup(
     ],
     extras_require={
         # pytest-xdist: `make test` runs the suite in two worker processes (Makefile: TEST_WORKERS)
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "matplotlib>=3.8", "pyseccomp>=0.1.2", "peft>=0.17",
-                 "openai>=1.40", "starlette>=0.37", "uvicorn>=0.30", *ENVS, *METRICS, *OTEL,
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "matplotlib>=3.8", "pyseccomp>=0.1.2",
+                 "peft>=0.17", "openai>=1.40", "starlette>=0.37", "uvicorn>=0.30", *ENVS, *METRICS, *OTEL,
                  # the dead-name check of `make test` (tests/test_dead_code.py)
                  "vulture>=2.14",
                  # the documentation site (mkdocs.yml; `make docs`), built with --strict by tests/docs/test_site.py;
