@@ -36,7 +36,9 @@ LAYOUT = {"moe": ["--nproc", "2", "train.ep=2"]}
 
 def build(name: str, cache: Path) -> Path:
     arch, args = SIZES[name]
-    out = cache / f"{arch}-{name}"
+    # the shape in the name: other benchmarks keep models of the same size name but another shape in the same
+    # cache (benchmarks/vs_trl.py's qwen2-100m has 12 layers, this one 14)
+    out = cache / f"{arch}-{name}-{'-'.join(args[1::2])}"
     if not (out / "config.json").exists():
         subprocess.run([sys.executable, "-m", "hybridrl", "assets", "tiny-model", "--arch", arch, "--out",
                         str(out), *args], check=True)
