@@ -130,7 +130,7 @@ def roofline(seconds: float, steps: int, weight_bytes: int) -> dict[str, float]:
     now, beside the run, the way the mode-switch benchmark measures its floor."""
     from hybridrl.bench.mode_switch import copy_bandwidth
 
-    bandwidth = copy_bandwidth(weight_bytes, torch.device("cpu"))["copy"]
+    bandwidth = copy_bandwidth(weight_bytes, torch.device("cpu"))
     floor = weight_bytes / bandwidth
     return {"copy_gb_s": round(bandwidth / 1e9, 2), "step_s": round(seconds / steps, 7),
             "floor_step_s": round(floor, 7), "x_roofline": round(seconds / steps / floor, 3)}
@@ -196,7 +196,7 @@ def bench_size(name: str, model_dir: Path, args, shape: dict) -> dict:
         order = names[r % len(names):] + names[: r % len(names)]
         row = {}
         for key in order:
-            steps = engines["engine"].stats()["steps"]
+            steps = engines["engine"].stats()["steps"] if key == "engine" else 0
             n, seconds = runners[key](r, olens)
             rates[key].append(n / seconds)
             row[f"{key}_tokens"], row[f"{key}_s"] = n, round(seconds, 3)

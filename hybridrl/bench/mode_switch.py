@@ -31,30 +31,35 @@ from hybridrl.workers.switch import ModeSwitch
 from hybridrl.workers.train_side import TrainSide
 
 
-def copy_bandwidth(nbytes: int, device: torch.device, repeats: int = 5) -> dict[str, float]:
-    """Median bytes/s on `device` of `nbytes`: copied between two preallocated buffers (the floor's
-    bandwidth), and zero-filled into a buffer allocated just before (first touch: what re-creating a
-    released buffer costs, page faults included; reported, not in the floor)."""
+def _bytes_per_s(fn, nbytes: int, device: torch.device, repeats: int) -> float:
+    """Median bytes/s of `repeats` calls of fn handling `nbytes` (device-synchronised on CUDA)."""
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int, device: torch.device, repeats: int = 5) -> float:
+    """Median bytes/s on `device` of `nbytes` copied between two preallocated buffers (the floor's
+    bandwidth)."""
     n = max(1, nbytes // 4)
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)                      # first touch: page faults are not bandwidth
+    return _bytes_per_s(lambda: dst.copy_(src), n * 4, device, repeats)
 
-    def timed(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        return n * 4 / statistics.median(times)
 
-    copy = timed(lambda: dst.copy_(src))
-    del dst
-    return {"copy": copy, "first_touch": timed(lambda: torch.empty_like(src).zero_())}
+def first_touch_bandwidth(nbytes: int, device: torch.device, repeats: int = 5) -> float:
+    """Median bytes/s on `device` of `nbytes` zero-filled into a buffer allocated just before: what
+    re-creating a released buffer costs, page faults included (reported, not in the floor)."""
+    n = max(1, nbytes // 4)
+    return _bytes_per_s(lambda: torch.empty(n, device=device).zero_(), n * 4, device, repeats)
 
 
 class BenchProbe(Part):
@@ -65,8 +70,9 @@ class BenchProbe(Part):
 
     @register(dispatch=ONE_TO_ALL)
     def copy_bandwidth(self, nbytes: int, repeats: int = 5) -> dict[str, float]:
-        """`copy_bandwidth` of `nbytes` on this rank's device."""
-        return copy_bandwidth(nbytes, self.ctx.device, repeats)
+        """`copy_bandwidth` and `first_touch_bandwidth` of `nbytes` on this rank's device."""
+        return {"copy": copy_bandwidth(nbytes, self.ctx.device, repeats),
+                "first_touch": first_touch_bandwidth(nbytes, self.ctx.device, repeats)}
 
     @register(dispatch=ONE_TO_ALL)
     def sizes(self) -> dict:
