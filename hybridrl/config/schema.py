@@ -93,6 +93,7 @@ def check_across(self) -> None:
         raise ConfigValueError("model.path", f"run.job={self.run.job} needs an HF model directory: set "
                                              "model.path in the recipe or pass model.path=DIR")
     self.placement.resolve().validate(self)
+    self.rollout.engine_row.check_run(self)
     rolling_back = self.incidents.rolling_back()
     if rolling_back and (self.placement.mode != "colocated" or self.trainer.rollout_mode != "sync"):
         raise ConfigValueError(f"incidents.{rolling_back[0]}", "rollback restores a checkpoint inside the running "

@@ -21,6 +21,10 @@ def never(cfg: Any) -> bool:
     return False
 
 
+def no_check(cfg: Any) -> None:
+    return None
+
+
 def no_clock(engine: Any) -> None:
     return None
 
@@ -60,6 +64,8 @@ class RolloutEngineSpec:
     summary: str = ""                  # what `rollout.engine`'s help says of it
     section_help: str = ""             # the help of its sub-section
     single_rank: str = ""              # why it needs rollout.tp=1 (empty: any tensor-parallel size)
+    # what its section needs of the rest of the run (cfg): raises ConfigValueError naming the key, at load
+    check_run: Callable[[Any], None] = no_check
 
 
 ENGINES: Registry[RolloutEngineSpec] = Registry("rollout engine", key="engine", row=RolloutEngineSpec, shipped={

@@ -117,6 +117,17 @@ def test_kill_9_then_resume_auto_continues_to_the_same_numbers(tmp_path, model, 
     kill_9_then_resume(straight, tmp_path / "killed", [f"model.path={model}", *STRAIGHT])
 
 
+def test_releasing_the_engines_weights_while_training_changes_nothing_trained(tmp_path, model, straight):
+    """`rollout.native.release_weights`: each rank's engine frees its weights at every switch to training and
+    takes every tensor again at the next publication; the run is the straight one, number for number."""
+    proc = hybridrl_train(RECIPE, f"model.path={model}", *STRAIGHT, f"run.dir={tmp_path}",
+                          "rollout.native.release_weights=true")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_run(straight, tmp_path, from_step=0)
+    rows = read_metrics(tmp_path)
+    assert all(r["parity/max_abs"] < 1e-4 for r in rows[1:] if r.get("parity/probed") == 1.0)
+
+
 def test_sft_demonstrations_follow_the_task_seed_not_the_run_seed(model):
     from transformers import AutoTokenizer
 

@@ -47,6 +47,12 @@ class NativeEngineConfig:
             "late, or as soon as they are staged once no group runs), so which tokens each version samples "
             "does not depend on when the weights arrived; 0 = at the first step after they arrive "
             "(timing-dependent)")
+    release_weights: bool = knob(
+        False, "free the engine's copy of the weights while the trainer trains (colocated placement): the "
+               "process's peak memory drops by the model's size in the engine's dtype, and every switch to "
+               "rollout allocates it again and publishes every tensor into fresh pages (a slower switch: their "
+               "first touch). Not with LoRA (a publication carries the adapters only) nor with the roles apart "
+               "(a rollout rank never trains)")
     watermark_blocks: int = knob(1, "free blocks kept in reserve when admitting a request (fewer preemptions)")
     keep_kv_cache: bool = knob(
         False, "keep the KV cache allocated while the engine sleeps (a mode switch then neither frees nor re-zeroes "
@@ -92,6 +98,27 @@ class NativeEngineConfig:
                 "max_num_batched_tokens",
                 f"must be >= max_num_seqs ({self.max_num_seqs}) so that every running sequence can decode "
                 f"each step, got {self.max_num_batched_tokens}")
+
+
+    def releasable_tags(self) -> frozenset[str]:
+        """What the engine releases between modes: its KV cache, and its weights with `release_weights`."""
+        from hybridrl.rollout.protocol import KV_CACHE, WEIGHTS
+
+        return frozenset({KV_CACHE, WEIGHTS}) if self.release_weights else frozenset({KV_CACHE})
+
+
+def check_run(cfg: Any) -> None:
+    """What `rollout.native` needs of the other sections."""
+    if not cfg.rollout.native.release_weights:
+        return
+    if cfg.train.lora.rank > 0:
+        raise ConfigValueError("rollout.native.release_weights", "a LoRA run publishes its adapters only, so the "
+                                                                 "engine's base weights could not be made again after "
+                                                                 "a release: set it to false, or train.lora.rank=0")
+    if cfg.placement.resolve().split_roles:
+        raise ConfigValueError("rollout.native.release_weights", f"with placement.mode={cfg.placement.mode} a "
+                                                                 "rollout rank never trains, so there is no phase to "
+                                                                 "release its weights in: set it to false")
 
 
 def updates_in_flight(cfg: Any) -> bool:

@@ -30,7 +30,7 @@ from hybridrl.backends.model_spec import ModelSpec
 from hybridrl.backends.native.weights import ModelWeights, hf_views, load_checkpoint
 from hybridrl.publication.digest import tensor_digests
 from hybridrl.rollout.protocol import FinishReason, GenerationOutput, GenerationTimings, SamplingParams
-from hybridrl.rollout.versions import Publication
+from hybridrl.rollout.versions import NO_WEIGHTS, Publication
 from hybridrl.rollout.weight_spec import WeightMismatch
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ class EngineCore:
         self.hold_at: int | None = None            # a staged version is applied exactly at this step count
         self._held_since: float | None = None
         self.asleep = False
+        self.weights_released = False              # `release_weights`: the storage is freed until restored
         self.counters = {"steps": 0, "step_time_s": 0.0, "requests_finished": 0, "requests_aborted": 0,
                          "weight_updates": 0, "weight_tensors_copied": 0, "weight_tensors_in_place": 0,
                          "weight_tensors_mismatched": 0, "prefix_cache_invalidations": 0,
@@ -426,8 +427,42 @@ class EngineCore:
         return freed
 
     def wake_up(self) -> None:
+        if self.weights_released or self.policy_version == NO_WEIGHTS:
+            raise RuntimeError("the native engine's weights were released: wake_up(['weights']) and publish a "
+                               "whole version before serving")
         self.runner.allocate_kv()
         self.asleep = False
+
+    def release_weights(self) -> int:
+        """Free the weights' storage while asleep (tag "weights", `rollout.native.release_weights`); the
+        version is forgotten, so the next publication must bring every tensor. Every tensor of the model
+        is a view of one flat buffer (`weights.py`), so resizing that buffer's storage to nothing frees it
+        and the views stay valid for `restore_weights`. Returns the bytes released."""
+        if not self.asleep:
+            raise RuntimeError("release the KV cache (sleep) before the weights: requests may be reading them")
+        if self.lora is not None:
+            raise RuntimeError("a LoRA engine's base weights are never published: they cannot be released")
+        if self.weights_released:
+            return 0
+        storage = self.weights.flat.untyped_storage()
+        if not storage.resizable():
+            raise RuntimeError("the engine's weights cannot be released: their buffer was exported (a numpy() or "
+                               "buffer view of it was taken), which makes its storage fixed in size")
+        freed = storage.nbytes()
+        storage.resize_(0)
+        self.weights_released = True
+        self.publication.forget()
+        self.scheduler.version = self.policy_version
+        self.pool.invalidate()
+        release_host_memory()
+        return freed
+
+    def restore_weights(self) -> None:
+        """Allocate the weights' storage again (its contents undefined until a whole version is published)."""
+        if self.weights_released:
+            flat = self.weights.flat
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            self.weights_released = False
 
     def fail_all(self, error: BaseException) -> list[Sequence]:
         """A step raised: end every request (their callers see the error) and reset the cache."""

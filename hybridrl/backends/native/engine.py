@@ -50,7 +50,7 @@ from hybridrl.backends.native.config import NativeEngineConfig
 from hybridrl.backends.native.core import EngineCore
 from hybridrl.backends.native.lora import LoraSpec, lora_spec_of
 from hybridrl.backends.native.scheduler import Sequence
-from hybridrl.rollout.protocol import KV_CACHE, FinishReason, GenerationOutput, SamplingParams, check_tags
+from hybridrl.rollout.protocol import KV_CACHE, WEIGHTS, FinishReason, GenerationOutput, SamplingParams, check_tags
 from hybridrl.rollout.weight_spec import validate_named_tensors
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,8 @@ class NativeEngine:
         self._inflight: set[str] = set()                # request ids between generate() and its answer
         self._inflight_lock = threading.Lock()
         self._asleep = False
+        # "weights" too with `release_weights`: freed while the trainer trains, published whole on return
+        self.releasable_tags = core.cfg.releasable_tags()
         self._closed = False
         self._task: asyncio.Task | None = None          # the loop driver
         self._thread: threading.Thread | None = None
@@ -127,7 +129,6 @@ class NativeEngine:
 
     # -- as a registered rollout engine (`rollout.registry`) -------------------------------------
 
-    releasable_tags = frozenset({KV_CACHE})     # weights stay (on a CPU there is nowhere else to put them)
     serves_before_publication = True            # loaded from the model directory: it serves version 0
 
     @classmethod
@@ -146,7 +147,7 @@ class NativeEngine:
 
     @classmethod
     def releasable_tags_for(cls, cfg: Any) -> frozenset[str]:
-        return cls.releasable_tags
+        return cfg.rollout.native.releasable_tags()
 
     @classmethod
     def colocated_transport(cls, engine: Any, ranks: Seq[int], group: Any) -> Any:
@@ -305,14 +306,22 @@ class NativeEngine:
 
     async def sleep(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
         """Release the tagged memory: "kv_cache" aborts every request in flight (FinishReason.ABORT)
-        and frees the KV cache; the weights stay."""
-        if KV_CACHE in check_tags(self, tags):
+        and frees the KV cache; "weights" (with `release_weights`, after the KV cache or with it) frees
+        the weights and forgets their version: the next publication brings every tensor."""
+        tags = check_tags(self, tags)
+        if KV_CACHE in tags:
             await self._call("sleep")
             self._asleep = True
+        if WEIGHTS in tags:
+            await self._call("release_weights")
 
     async def wake_up(self, tags: Iterable[str] = (KV_CACHE,)) -> None:
-        """Re-allocate the KV cache and serve again."""
-        if KV_CACHE in check_tags(self, tags) and self._asleep:
+        """Allocate what `tags` name again: "weights" (to publish into; no version until one arrives
+        whole), "kv_cache" (then serve; refused while the weights are released)."""
+        tags = check_tags(self, tags)
+        if WEIGHTS in tags:
+            await self._call("restore_weights")
+        if KV_CACHE in tags and self._asleep:
             await self._call("wake_up")
             self._asleep = False
 
@@ -471,6 +480,13 @@ class NativeEngine:
                 waiter.settle(freed)
             elif kind == "wake_up":
                 core.wake_up()
+                waiter.settle(None)
+            elif kind == "release_weights":
+                freed = core.release_weights()
+                log.debug("native engine: released %.1f MiB of weights", freed / 2**20)
+                waiter.settle(freed)
+            elif kind == "restore_weights":
+                core.restore_weights()
                 waiter.settle(None)
             elif kind == "call":
                 waiter.settle(args[0](core, *args[1]))

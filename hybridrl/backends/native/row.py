@@ -35,6 +35,7 @@ ENGINE = RolloutEngineSpec(
     serves_before_publication=True, reads_back_weights=True, remote_publication=True,
     adapter_publication=Lazy(f"{_ENGINE}.adapter_publication"), step_clock=step_clock,
     updates_in_flight=Lazy("hybridrl.backends.native.config:updates_in_flight"),
+    check_run=Lazy("hybridrl.backends.native.config:check_run"),
     summary="pure torch, CPU or GPU; the CPU default",
     section_help="the native engine: KV cache, batching, prefix reuse",
 )

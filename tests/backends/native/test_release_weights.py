@@ -1,0 +1,80 @@
+"""`rollout.native.release_weights`: the engine frees its weights while the trainer trains and takes a whole
+publication on return; the memory goes back to the OS, what it serves afterwards is what it served before."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hybridrl.config import ConfigError, load_config
+from hybridrl.rollout.protocol import SamplingParams
+from tests.backends.native.conftest import generate_all, prompts_of
+from tests.controller.test_rl_e2e import RECIPE
+
+# ~13M parameters (53 MiB in float32): large enough that its buffer is its own mapping, which a free unmaps
+SHAPE = {"hidden": 384, "layers": 6, "heads": 6, "kv_heads": 2, "intermediate": 1536}
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_released_weights_go_back_to_the_os_and_a_whole_publication_serves_the_same_tokens(tiny_models,
+                                                                                        make_engine):
+    model = tiny_models("qwen2", **SHAPE)
+    engine = make_engine(model, release_weights=True)
+    assert engine.releasable_tags == {"kv_cache", "weights"}
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = prompts_of([5, 9, 13])
+    before = generate_all(engine, prompts, greedy)
+    nbytes = engine.core.weights.flat.numel() * 4
+
+    rss = resident_bytes()
+    asyncio.run(engine.sleep(engine.releasable_tags))
+    assert engine.core.weights.flat.untyped_storage().nbytes() == 0 and engine.policy_version == -1
+    assert rss - resident_bytes() > 0.8 * nbytes
+    with pytest.raises(RuntimeError, match="released"):
+        asyncio.run(engine.wake_up(["kv_cache"]))         # nothing to serve until a whole version arrives
+
+    asyncio.run(engine.wake_up(["weights"]))
+    with pytest.raises(RuntimeError, match="released"):
+        asyncio.run(engine.wake_up(["kv_cache"]))         # allocated again, not yet published
+    names = engine.weight_spec()
+    tensors = load_file(str(model / "model.safetensors"))
+    asyncio.run(engine.update_weights([(n, tensors[n]) for n in names], version=1))
+    assert engine.policy_version == 1
+    asyncio.run(engine.wake_up(["kv_cache"]))
+    after = generate_all(engine, prompts, greedy, tag="again")
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
+    assert [o.logprobs for o in after] == [o.logprobs for o in before]
+    assert all(o.policy_version == 1 for o in after)
+
+
+def test_an_engine_without_the_knob_keeps_its_weights(tiny_models, make_engine):
+    engine = make_engine(tiny_models("qwen2"))
+    assert engine.releasable_tags == {"kv_cache"}
+    with pytest.raises(ValueError, match="cannot release"):
+        asyncio.run(engine.sleep(["kv_cache", "weights"]))
+
+
+def test_weights_are_released_only_after_the_kv_cache(tiny_models, make_engine):
+    engine = make_engine(tiny_models("qwen2"), release_weights=True)
+    with pytest.raises(RuntimeError, match="KV cache"):
+        asyncio.run(engine.sleep(["weights"]))
+    assert engine.core.weights.flat.untyped_storage().nbytes() > 0 and engine.policy_version == 0
+
+
+@pytest.mark.parametrize("overrides,why", [
+    (["train.lora.rank=4"], "LoRA"),
+    (["placement.mode=disaggregated", "placement.rollout_ranks=1", "algo.max_policy_lag=1"], "never trains"),
+])
+def test_the_knob_is_refused_at_load_where_nothing_could_publish_the_weights_back(overrides, why):
+    with pytest.raises(ConfigError) as err:
+        load_config(str(RECIPE), ["model.path=/m", "rollout.native.release_weights=true", *overrides])
+    assert "rollout.native.release_weights" in str(err.value) and why in str(err.value)
+    load_config(str(RECIPE), ["model.path=/m", *overrides])      # the same run without it loads
