@@ -9,6 +9,7 @@ sends, the receiver hashes its own storage after the copy: the two differ if the
 
 from __future__ import annotations
 
+import ctypes
 from typing import Mapping, Sequence
 
 import torch
@@ -73,8 +74,15 @@ def _digest(name: str, t: torch.Tensor, checksum: bytes | None) -> str:
         h.update(b"device_checksum|" + checksum)
     else:
         t = t.detach().contiguous()
-        h.update(memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else b"")
+        h.update(_host_bytes(t) if t.numel() else b"")
     return h.hexdigest()
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, read in place (valid while `t` lives). Not `t.numpy()`: exporting a
+    tensor's buffer marks its storage as never resizable again, and the native engine resizes its weights'
+    storage to release them (`rollout.native.release_weights`)."""
+    return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr()))
 
 
 def checkpoint_hash(digests: Mapping[str, str]) -> str:

@@ -101,3 +101,14 @@ def test_digests_of_a_bucket_equal_each_tensors_digest():
         assert tensor_digests(named, on_device=on_device) == {n: tensor_digest(n, t, on_device=on_device)
                                                               for n, t in named}
     assert tensor_digests(named)["a"] == tensor_digest("a", named[0][1])
+
+
+def test_hashing_reads_the_bytes_in_place_and_leaves_the_storage_resizable():
+    """The digest reads the tensor's own bytes (the same digest as a copy's), without exporting its buffer: an
+    export would fix the storage's size, and the native engine frees its weights by resizing theirs."""
+    t = torch.arange(1000, dtype=torch.float32)
+    view = t[10:500]
+    assert tensor_digest("w", view) == tensor_digest("w", view.clone())
+    assert tensor_digest("w", view) != tensor_digest("w", t[11:501].clone())
+    assert t.untyped_storage().resizable()
+    t.untyped_storage().resize_(0)
