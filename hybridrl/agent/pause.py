@@ -111,6 +111,8 @@ class PauseGate:
                 if every is not None:
                     asks.append(every)
             wait = min(asks, default=1.0)
+            log.debug("keep-alive pass: %d paused episode(s), %d session(s) renewed, next in %.2f s",
+                      len(self.running), len(asks), wait)
             if self._keeper_stop.wait(wait):
                 return
 

@@ -81,7 +81,8 @@ def test_pause_does_not_spend_the_wall_clock_budget(tokenizer):
     assert out2[0].status == S.COMPLETED and out2[0].metadata["interruptions"] == 1
 
 
-def test_a_paused_episode_keeps_its_leased_environment_through_a_long_update(tokenizer, tmp_path):
+def test_a_paused_episode_keeps_its_leased_environment_through_a_long_update(tokenizer, tmp_path, caplog):
+    import logging
     import re
 
     from hybridrl.envs.client import LeasedEnvProvider
@@ -109,6 +110,7 @@ def test_a_paused_episode_keeps_its_leased_environment_through_a_long_update(tok
     loop = asyncio.new_event_loop()
     collector = PartialCollector(runner, task, loop, group_size=1, sum_over_ranks=lambda v: v)
     [inst] = task.train_split(1, seed=0)
+    caplog.set_level(logging.DEBUG, logger="hybridrl.agent.pause")
     try:
         out, stats = collector.collect([(inst, 0, "g@1")], quorum=1, deadline_s=0.05, poll_s=0.01)
         assert out == [] and stats.live == 1
@@ -118,7 +120,11 @@ def test_a_paused_episode_keeps_its_leased_environment_through_a_long_update(tok
         collector.close()
         loop.close()
     [t] = out
-    assert t.status == S.COMPLETED and t.reward == 1.0, t.metadata
+    # if this fails, the keeper's passes (when, how many sessions it renewed) and the service's renewals say why
+    renewals = svc.db.execute("SELECT time, detail FROM events WHERE kind = 'renew'").fetchall()
+    why = {"metadata": t.metadata, "keeper": [f"{r.relativeCreated:.0f} ms {r.getMessage()}" for r in caplog.records],
+           "renewals": [tuple(r) for r in renewals]}
+    assert t.status == S.COMPLETED and t.reward == 1.0, why
     assert collector.gate.renewals >= 2
     assert [s for (s,) in svc.db.execute("SELECT status FROM episodes").fetchall()] == ["closed"]
 
