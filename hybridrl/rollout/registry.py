@@ -66,6 +66,9 @@ class RolloutEngineSpec:
     single_rank: str = ""              # why it needs rollout.tp=1 (empty: any tensor-parallel size)
     # what its section needs of the rest of the run (cfg): raises ConfigValueError naming the key, at load
     check_run: Callable[[Any], None] = no_check
+    # an engine of this run (cfg) serves a colocated trainer's parameters in place: the mode switch lends it
+    # `actor.hf_views()` once (`engine.share_weights`)
+    shares_trainer_weights: Callable[[Any], bool] = never
 
 
 ENGINES: Registry[RolloutEngineSpec] = Registry("rollout engine", key="engine", row=RolloutEngineSpec, shipped={

@@ -49,6 +49,19 @@ class ModeSwitch(Part):
         self.publisher = Publisher(cfg, ctx, train.actor, rollout.tokenizer)
         self.everyone = Reducer.over_peers(ctx.control_peers)
         rollout.run(self.engine.sleep(self.engine.releasable_tags))     # start in TRAIN: the engine holds nothing
+        if rollout.owns_engine and rollout.row.shares_trainer_weights(cfg):
+            self._lend_parameters(train.actor)
+
+    def _lend_parameters(self, actor: Any) -> None:
+        """`rollout.native.share_trainer_weights`: the engine serves the trainer's parameters where their layout
+        is its own. Only where they stay put: a device that moves them out during rollout would leave it
+        serving a stale copy."""
+        if self.ctx.device.type != "cpu":
+            raise ValueError(f"rollout.native.share_trainer_weights: the trainer's parameters move off "
+                             f"{self.ctx.device} between modes; it needs distributed.device=cpu")
+        shared = self.rollout.run(self.engine.share_weights(actor.hf_views()))
+        log.info("rank %d: the rollout engine serves %.1f MiB of the trainer's parameters in place",
+                 self.ctx.rank, shared / 2**20)
 
     @register(dispatch=OneToAll("rank0"))
     def mode(self) -> str:

@@ -462,6 +462,26 @@ class MegatronEngine:
             self._group_specs = group_specs(self.adapter, DTYPES[self.cfg.dtype])
         return self._group_specs
 
+    def hf_views(self) -> dict[str, torch.Tensor]:
+        """HF name -> a view of this rank's own parameter, for every exported tensor whose HF layout is its
+        Megatron parameter's (at TP = PP = EP = 1 everything but the fused q/k/v, which Megatron interleaves
+        per KV group; a padded vocabulary's first rows): what an engine in this process may serve in place
+        (`rollout.native.share_trainer_weights`). Empty where another rank holds part of a tensor or where
+        LoRA adapters are merged into what is published."""
+        from megatron.core import parallel_state as ps
+
+        from hybridrl.backends.megatron.adapters.base import Split
+
+        self._policy_only("hf_views")
+        if self.lora is not None or ps.get_pipeline_model_parallel_world_size() > 1:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for slot, param in self.params.items():
+            if (slot.exported and slot.split is not Split.QKV and self.adapter.tp_of(slot) == 1
+                    and (slot.expert is None or self.adapter.ep == 1)):
+                out.update(self.adapter.to_hf(slot, [param.detach()]))
+        return out
+
     def write_hf_group(self, index: int, out: dict[str, torch.Tensor]) -> None:
         """Write group `index` of `hf_group_specs()` into `out[name]` (contiguous tensors of those
         shapes), un-fusing in place. Every rank of the model-parallel group calls it, in order.

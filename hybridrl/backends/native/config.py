@@ -53,6 +53,12 @@ class NativeEngineConfig:
                "rollout allocates it again and publishes every tensor into fresh pages (a slower switch: their "
                "first touch). Not with LoRA (a publication carries the adapters only) nor with the roles apart "
                "(a rollout rank never trains)")
+    share_trainer_weights: bool = knob(
+        False, "colocated placement: serve the trainer's own parameters in place wherever their layout is the "
+               "engine's (at train.tp = pp = 1 every tensor but the fused q/k/v projections, which Megatron "
+               "interleaves per KV group): the engine holds no second copy of them and a publication copies only "
+               "the rest (it still hashes every tensor). Needs train.engine=megatron without LoRA, the same dtype "
+               "on both sides (train.dtype, rollout.native.dtype), and release_weights off")
     watermark_blocks: int = knob(1, "free blocks kept in reserve when admitting a request (fewer preemptions)")
     keep_kv_cache: bool = knob(
         False, "keep the KV cache allocated while the engine sleeps (a mode switch then neither frees nor re-zeroes "
@@ -109,6 +115,8 @@ class NativeEngineConfig:
 
 def check_run(cfg: Any) -> None:
     """What `rollout.native` needs of the other sections."""
+    if cfg.rollout.native.share_trainer_weights:
+        check_sharing(cfg)
     if not cfg.rollout.native.release_weights:
         return
     if cfg.train.lora.rank > 0:
@@ -119,6 +127,27 @@ def check_run(cfg: Any) -> None:
         raise ConfigValueError("rollout.native.release_weights", f"with placement.mode={cfg.placement.mode} a "
                                                                  "rollout rank never trains, so there is no phase to "
                                                                  "release its weights in: set it to false")
+
+
+def check_sharing(cfg: Any) -> None:
+    """What `rollout.native.share_trainer_weights` needs of the other sections."""
+    key, train = "rollout.native.share_trainer_weights", cfg.train
+    if cfg.rollout.native.release_weights:
+        raise ConfigValueError(key, "the trainer's parameters cannot be released between modes: set "
+                                    "rollout.native.release_weights=false or this to false")
+    if train.engine != "megatron" or train.lora.rank > 0 or cfg.placement.resolve().split_roles:
+        raise ConfigValueError(key, "it lends a Megatron trainer's parameters to the engine of the same process: "
+                                    "it needs train.engine=megatron, train.lora.rank=0 and placement.mode=colocated")
+    dtype = cfg.rollout.native.dtype
+    if train.tp != 1 or train.pp != 1 or dtype not in ("auto", train.dtype):
+        raise ConfigValueError(key, f"the engine serves whole tensors in its own dtype: it needs train.tp=1, "
+                                    f"train.pp=1 and rollout.native.dtype=auto or {train.dtype} (train.dtype), got "
+                                    f"tp={train.tp}, pp={train.pp}, dtype={dtype}")
+
+
+def shares_trainer_weights(cfg: Any) -> bool:
+    """Whether this run's native engines serve the colocated trainer's parameters in place."""
+    return cfg.rollout.native.share_trainer_weights
 
 
 def updates_in_flight(cfg: Any) -> bool:

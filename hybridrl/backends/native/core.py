@@ -122,7 +122,8 @@ class EngineCore:
                          "weight_tensors_mismatched": 0, "prefix_cache_invalidations": 0,
                          "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "weight_tensors_staged": 0,
                          "updates_mid_request": 0, "update_continued_requests": 0, "update_recompute_tokens": 0,
-                         "update_apply_s": 0.0, "update_hold_s": 0.0, "update_late_steps": 0}
+                         "update_apply_s": 0.0, "update_hold_s": 0.0, "update_late_steps": 0,
+                         "weight_bytes_shared": 0}
         self.latency = LatencyLog()
 
     @classmethod
@@ -456,6 +457,23 @@ class EngineCore:
         self.pool.invalidate()
         release_host_memory()
         return freed
+
+    def share_weights(self, source: Mapping[str, torch.Tensor]) -> int:
+        """Serve `source`'s tensors where they are laid out as this engine stores them (`ModelWeights.share_from`):
+        a trainer's parameters in this process, which a publication then writes onto themselves (torch skips
+        a copy onto the same memory) and hashes. Call while no request runs; the prefix cache is dropped.
+        Returns the bytes shared."""
+        if self.scheduler.num_started():
+            raise RuntimeError("share_weights: requests are running on the weights")
+        if self.lora is not None or self.cfg.release_weights:
+            raise RuntimeError("share_weights: not with LoRA adapters nor with release_weights")
+        shared = self.weights.share_from(self.spec, source)
+        self.base_views.clear()
+        self.base_views.update(hf_views(self.weights, self.spec))
+        self.pool.invalidate()
+        self.counters["weight_bytes_shared"] = shared
+        release_host_memory()
+        return shared
 
     def restore_weights(self) -> None:
         """Allocate the weights' storage again (its contents undefined until a whole version is published)."""

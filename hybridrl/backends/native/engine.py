@@ -325,6 +325,11 @@ class NativeEngine:
             await self._call("wake_up")
             self._asleep = False
 
+    async def share_weights(self, source: Mapping[str, torch.Tensor]) -> int:
+        """Serve a colocated trainer's parameters in place where their layout is the engine's (HF name -> a
+        view of the trainer's storage; `EngineCore.share_weights`); returns the bytes shared."""
+        return await self._call("share", dict(source))
+
     async def run_in_engine(self, fn, *args) -> Any:
         """Run fn(core, *args) on the engine thread between steps (tests, diagnostics)."""
         return await self._call("call", fn, args)
@@ -485,6 +490,8 @@ class NativeEngine:
                 freed = core.release_weights()
                 log.debug("native engine: released %.1f MiB of weights", freed / 2**20)
                 waiter.settle(freed)
+            elif kind == "share":
+                waiter.settle(core.share_weights(args[0]))
             elif kind == "restore_weights":
                 core.restore_weights()
                 waiter.settle(None)

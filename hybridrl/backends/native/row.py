@@ -36,6 +36,7 @@ ENGINE = RolloutEngineSpec(
     adapter_publication=Lazy(f"{_ENGINE}.adapter_publication"), step_clock=step_clock,
     updates_in_flight=Lazy("hybridrl.backends.native.config:updates_in_flight"),
     check_run=Lazy("hybridrl.backends.native.config:check_run"),
+    shares_trainer_weights=Lazy("hybridrl.backends.native.config:shares_trainer_weights"),
     summary="pure torch, CPU or GPU; the CPU default",
     section_help="the native engine: KV cache, batching, prefix reuse",
 )

@@ -10,9 +10,10 @@ the existing storage: there is never a second full copy of the model.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
@@ -95,6 +96,55 @@ class ModelWeights:
         norm, lm_head = views[-2], views[-1]
         return cls(embed=embed, layers=layers, norm=norm, lm_head=embed if lm_head is None else lm_head, flat=flat)
 
+    def fields(self) -> list[tuple[object, str]]:
+        """(holder, attribute) of every stored tensor: the model's, then each layer's (the expert views
+        `w13` / `w2` are derived from `experts`, and a tied head is the embedding)."""
+        out: list[tuple[object, str]] = [(self, "embed"), (self, "norm")]
+        if self.lm_head is not self.embed:
+            out.append((self, "lm_head"))
+        for layer in self.layers:
+            out += [(layer, name) for name, value in vars(layer).items() if value is not None and name not in ("w13", "w2")]
+        return out
+
+    def share_from(self, spec: ModelSpec, source: Mapping[str, torch.Tensor]) -> int:
+        """Make every stored tensor whose HF tensors `source` holds, laid out exactly as here (same dtype,
+        device and shapes, back to back in one storage in this tensor's order), a view of `source`'s storage
+        instead of this buffer; the rest move into a new buffer of their own, and the old one is freed once
+        nothing else holds it. Returns the bytes now shared. What a trainer in the same process lends
+        (`rollout.native.share_trainer_weights`): its parameters are then the served weights."""
+        views = hf_views(self, spec)
+        fields = self.fields()
+        starts = sorted((getattr(h, a).data_ptr(), i) for i, (h, a) in enumerate(fields))
+        members: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for name, view in views.items():
+            i = starts[bisect.bisect_right(starts, (view.data_ptr(), len(fields))) - 1][1]
+            members.setdefault(i, []).append((name, view))
+        shared, own = {}, []
+        for i, (holder, attr) in enumerate(fields):
+            adopted = _lent(getattr(holder, attr), members.get(i, []), source)
+            if adopted is None:
+                own.append((holder, attr))
+            else:
+                shared[i] = adopted
+        if not shared:
+            return 0
+        for i, adopted in shared.items():
+            holder, attr = fields[i]
+            setattr(holder, attr, adopted)
+        flat = torch.empty(sum(getattr(h, a).numel() for h, a in own), dtype=self.norm.dtype, device=self.norm.device)
+        offset = 0
+        for holder, attr in own:
+            old = getattr(holder, attr)
+            setattr(holder, attr, flat[offset: offset + old.numel()].view(old.shape).copy_(old))
+            offset += old.numel()
+        if self.lm_head is not self.embed and spec.tie_word_embeddings:
+            self.lm_head = self.embed
+        for layer in self.layers:
+            if layer.experts is not None:
+                layer.w13, layer.w2 = expert_views(layer.experts, spec)
+        self.flat = flat
+        return sum(t.numel() * t.element_size() for t in shared.values())
+
     def num_bytes(self) -> int:
         seen: dict[int, int] = {}
         for t in self.tensors():
@@ -109,6 +159,30 @@ class ModelWeights:
             for name, value in vars(layer).items():
                 if value is not None and name not in ("w13", "w2"):
                     yield value
+
+
+def _lent(field: torch.Tensor, members: list[tuple[str, torch.Tensor]],
+          source: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """`field` as a view of `source`'s storage, where the source's tensors of the field's HF names (`members`:
+    name, this engine's view of it) tile it exactly as the engine's views do; else None."""
+    if not members or sum(v.numel() for _, v in members) != field.numel() or not field.is_contiguous():
+        return None
+    size = field.element_size()
+    first, base = None, None
+    for name, view in members:
+        src = source.get(name)
+        if (src is None or src.dtype != field.dtype or src.device != field.device or src.shape != view.shape
+                or not src.is_contiguous() or not view.is_contiguous()):
+            return None
+        offset = (view.data_ptr() - field.data_ptr()) // size
+        if first is None:
+            first, base = src, src.storage_offset() - offset
+        elif (src.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+              or src.storage_offset() - offset != base):
+            return None
+    if base < 0:
+        return None
+    return first.detach().as_strided(field.shape, field.stride(), base)
 
 
 def expert_views(experts: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:

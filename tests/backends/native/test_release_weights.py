@@ -78,3 +78,43 @@ def test_the_knob_is_refused_at_load_where_nothing_could_publish_the_weights_bac
         load_config(str(RECIPE), ["model.path=/m", "rollout.native.release_weights=true", *overrides])
     assert "rollout.native.release_weights" in str(err.value) and why in str(err.value)
     load_config(str(RECIPE), ["model.path=/m", *overrides])      # the same run without it loads
+
+
+def test_an_engine_serving_a_lenders_tensors_in_place_follows_them_and_frees_its_own(tiny_models, make_engine):
+    """`share_weights`: what a colocated trainer lends (here a second copy of the model laid out like the
+    engine, less q/k/v, as Megatron's fused q/k/v is not) is served in place; the engine keeps only the rest."""
+    from hybridrl.backends.native.weights import ModelWeights, hf_views, load_checkpoint
+
+    model = tiny_models("qwen2", **SHAPE)
+    engine = make_engine(model)
+    core = engine.core
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = prompts_of([5, 9, 13])
+    before = generate_all(engine, prompts, greedy)
+
+    lender = ModelWeights.empty(core.spec, dtype=torch.float32, device=torch.device("cpu"))
+    lent = hf_views(lender, core.spec)
+    load_checkpoint(model, lent, core.spec)
+    lent = {n: t for n, t in lent.items() if not n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                                             "q_proj.bias", "k_proj.bias", "v_proj.bias"))}
+    total = core.weights.flat.numel() * 4
+    rss = resident_bytes()
+    shared = asyncio.run(engine.share_weights(lent))
+    own = core.weights.flat.numel() * 4
+    assert shared + own == total and own == sum(l.qkv.numel() + l.qkv_bias.numel() for l in core.weights.layers) * 4
+    assert rss - resident_bytes() > 0.8 * shared                     # the engine's own copy of them is gone
+    lo, hi = lender.flat.data_ptr(), lender.flat.data_ptr() + total
+    assert all(lo <= core.views[n].data_ptr() < hi for n in lent)   # served from the lender's memory
+    after = generate_all(engine, prompts, greedy, tag="shared")
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
+    assert [o.logprobs for o in after] == [o.logprobs for o in before]
+
+    with torch.no_grad():                                            # the lender's update is what is served
+        lender.layers[0].down.mul_(3.0)
+    asyncio.run(engine.sleep())                                      # as between two modes: no stale prefix KV
+    asyncio.run(engine.wake_up())
+    reference = make_engine(model)
+    asyncio.run(reference.update_weights([(n, t) for n, t in hf_views(lender, core.spec).items()], version=1))
+    moved = generate_all(engine, prompts, greedy, tag="moved")
+    assert [o.logprobs for o in moved] == [o.logprobs for o in generate_all(reference, prompts, greedy)]
+    assert [o.logprobs for o in moved] != [o.logprobs for o in before]
