@@ -49,19 +49,23 @@ class ModeSwitch(Part):
         self.publisher = Publisher(cfg, ctx, train.actor, rollout.tokenizer)
         self.everyone = Reducer.over_peers(ctx.control_peers)
         rollout.run(self.engine.sleep(self.engine.releasable_tags))     # start in TRAIN: the engine holds nothing
+        self._lent: dict[str, int] | None = None        # what the engine serves in place: name -> address
         if rollout.owns_engine and rollout.row.shares_trainer_weights(cfg):
             self._lend_parameters(train.actor)
 
+    def _moved(self) -> bool:
+        views = self.train.actor.hf_views()
+        return any(views[name].data_ptr() != address for name, address in self._lent.items())
+
     def _lend_parameters(self, actor: Any) -> None:
-        """`rollout.native.share_trainer_weights`: the engine serves the trainer's parameters where their layout
-        is its own. Only where they stay put: a device that moves them out during rollout would leave it
-        serving a stale copy."""
-        if self.ctx.device.type != "cpu":
-            raise ValueError(f"rollout.native.share_trainer_weights: the trainer's parameters move off "
-                             f"{self.ctx.device} between modes; it needs distributed.device=cpu")
-        shared = self.rollout.run(self.engine.share_weights(actor.hf_views()))
-        log.info("rank %d: the rollout engine serves %.1f MiB of the trainer's parameters in place",
-                 self.ctx.rank, shared / 2**20)
+        """The engine serves the trainer's parameters where their layout is its own (its row says whether this
+        run's engines do: `rollout.native.trainer_weights`)."""
+        views = actor.hf_views()
+        shared = self.rollout.run(self.engine.share_weights(views))
+        self._lent = {name: t.data_ptr() for name, t in views.items()} if shared else None
+        if shared:
+            log.info("rank %d: the rollout engine serves %.1f MiB of the trainer's parameters in place",
+                     self.ctx.rank, shared / 2**20)
 
     @register(dispatch=OneToAll("rank0"))
     def mode(self) -> str:
@@ -87,6 +91,8 @@ class ModeSwitch(Part):
                 "refusal": self.publisher.refusal(self.engine)})
             published = any(v["stale"] for v in votes.values())
             self.train.offload()
+            if self._lent is not None and self._moved():     # a parameter lent to the engine was re-allocated
+                self._lend_parameters(self.train.actor)
             with self.modes.phase("publish", waits_for="the weights to reach the rollout engine") as rec:
                 if published:
                     if tags & {WEIGHTS}:

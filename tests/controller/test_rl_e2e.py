@@ -129,10 +129,10 @@ def test_releasing_the_engines_weights_while_training_changes_nothing_trained(tm
 
 
 def test_an_engine_serving_the_trainers_parameters_in_place_trains_the_same_run(tmp_path, model, straight):
-    """`rollout.native.share_trainer_weights`: each rank's engine serves its Megatron parameters in place
+    """`rollout.native.trainer_weights`: each rank's engine serves its Megatron parameters in place
     (all but q/k/v); the run is the straight one, number for number and in its weights."""
     proc = hybridrl_train(RECIPE, f"model.path={model}", *STRAIGHT, f"run.dir={tmp_path}",
-                          "rollout.native.share_trainer_weights=true")
+                          "rollout.native.trainer_weights=share")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "of the trainer's parameters in place" in proc.stderr
     assert_same_run(straight, tmp_path, from_step=0)

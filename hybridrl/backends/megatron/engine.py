@@ -466,7 +466,7 @@ class MegatronEngine:
         """HF name -> a view of this rank's own parameter, for every exported tensor whose HF layout is its
         Megatron parameter's (at TP = PP = EP = 1 everything but the fused q/k/v, which Megatron interleaves
         per KV group; a padded vocabulary's first rows): what an engine in this process may serve in place
-        (`rollout.native.share_trainer_weights`). Empty where another rank holds part of a tensor or where
+        (`rollout.native.trainer_weights`). Empty where another rank holds part of a tensor or where
         LoRA adapters are merged into what is published."""
         from megatron.core import parallel_state as ps
 

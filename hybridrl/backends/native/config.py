@@ -14,6 +14,7 @@ IN_FLIGHT_POLICIES = ("drain", "abort", "continue")
 DRIVERS = ("auto", "loop", "thread")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNELS = ("auto", "c", "torch")
+SHARING = ("copy", "share", "auto")
 
 
 @dataclass(kw_only=True)
@@ -53,12 +54,14 @@ class NativeEngineConfig:
                "rollout allocates it again and publishes every tensor into fresh pages (a slower switch: their "
                "first touch). Not with LoRA (a publication carries the adapters only) nor with the roles apart "
                "(a rollout rank never trains)")
-    share_trainer_weights: bool = knob(
-        False, "colocated placement: serve the trainer's own parameters in place wherever their layout is the "
-               "engine's (at train.tp = pp = 1 every tensor but the fused q/k/v projections, which Megatron "
-               "interleaves per KV group): the engine holds no second copy of them and a publication copies only "
-               "the rest (it still hashes every tensor). Needs train.engine=megatron without LoRA, the same dtype "
-               "on both sides (train.dtype, rollout.native.dtype), and release_weights off")
+    trainer_weights: str = knob(
+        "copy", "colocated placement: how the engine holds what the trainer publishes. copy (its own copy of every "
+                "tensor) | share (serve the trainer's own parameters in place wherever their layout is the engine's: "
+                "at train.tp = pp = 1 every tensor but the fused q/k/v projections, which Megatron interleaves per "
+                "KV group; no second copy of them, and a publication copies only the rest, hashing every tensor; "
+                "needs train.engine=megatron without LoRA, colocated, train.tp = pp = 1, one dtype on both sides, "
+                "release_weights off and a CPU device, refused at load or on the device otherwise) | auto (share "
+                "where it applies, copy elsewhere)")
     watermark_blocks: int = knob(1, "free blocks kept in reserve when admitting a request (fewer preemptions)")
     keep_kv_cache: bool = knob(
         False, "keep the KV cache allocated while the engine sleeps (a mode switch then neither frees nor re-zeroes "
@@ -93,6 +96,7 @@ class NativeEngineConfig:
         check_choice("driver", self.driver, DRIVERS)
         check_positive("update_after_steps", self.update_after_steps, allow_zero=True)
         check_choice("kernels", self.kernels, KERNELS)
+        check_choice("trainer_weights", self.trainer_weights, SHARING)
         check_positive("speculative_tokens", self.speculative_tokens, allow_zero=True)
         check_positive("speculative_ngram_min", self.speculative_ngram_min)
         if self.speculative_ngram_max < self.speculative_ngram_min:
@@ -115,8 +119,9 @@ class NativeEngineConfig:
 
 def check_run(cfg: Any) -> None:
     """What `rollout.native` needs of the other sections."""
-    if cfg.rollout.native.share_trainer_weights:
-        check_sharing(cfg)
+    problem = sharing_problem(cfg) if cfg.rollout.native.trainer_weights == "share" else None
+    if problem is not None:
+        raise ConfigValueError("rollout.native.trainer_weights", f"share: {problem}; or set it to auto or copy")
     if not cfg.rollout.native.release_weights:
         return
     if cfg.train.lora.rank > 0:
@@ -129,25 +134,26 @@ def check_run(cfg: Any) -> None:
                                                                  "release its weights in: set it to false")
 
 
-def check_sharing(cfg: Any) -> None:
-    """What `rollout.native.share_trainer_weights` needs of the other sections."""
-    key, train = "rollout.native.share_trainer_weights", cfg.train
-    if cfg.rollout.native.release_weights:
-        raise ConfigValueError(key, "the trainer's parameters cannot be released between modes: set "
-                                    "rollout.native.release_weights=false or this to false")
+def sharing_problem(cfg: Any) -> str | None:
+    """Why the engines of this run cannot serve the trainer's parameters in place (None: they can)."""
+    train, native = cfg.train, cfg.rollout.native
+    if native.release_weights:
+        return "the trainer's parameters cannot be released between modes: set rollout.native.release_weights=false"
     if train.engine != "megatron" or train.lora.rank > 0 or cfg.placement.resolve().split_roles:
-        raise ConfigValueError(key, "it lends a Megatron trainer's parameters to the engine of the same process: "
-                                    "it needs train.engine=megatron, train.lora.rank=0 and placement.mode=colocated")
-    dtype = cfg.rollout.native.dtype
-    if train.tp != 1 or train.pp != 1 or dtype not in ("auto", train.dtype):
-        raise ConfigValueError(key, f"the engine serves whole tensors in its own dtype: it needs train.tp=1, "
-                                    f"train.pp=1 and rollout.native.dtype=auto or {train.dtype} (train.dtype), got "
-                                    f"tp={train.tp}, pp={train.pp}, dtype={dtype}")
+        return ("it lends a Megatron trainer's parameters to the engine of the same process: it needs "
+                "train.engine=megatron, train.lora.rank=0 and placement.mode=colocated")
+    if train.tp != 1 or train.pp != 1 or native.dtype not in ("auto", train.dtype):
+        return (f"the engine serves whole tensors in its own dtype: it needs train.tp=1, train.pp=1 and "
+                f"rollout.native.dtype=auto or {train.dtype} (train.dtype), got tp={train.tp}, pp={train.pp}, "
+                f"dtype={native.dtype}")
+    return None
 
 
 def shares_trainer_weights(cfg: Any) -> bool:
-    """Whether this run's native engines serve the colocated trainer's parameters in place."""
-    return cfg.rollout.native.share_trainer_weights
+    """Whether this run's native engines serve the colocated trainer's parameters in place (`on`, or `auto` where
+    the run allows it; the device is checked where the ranks know it)."""
+    mode = cfg.rollout.native.trainer_weights
+    return mode == "share" or (mode == "auto" and sharing_problem(cfg) is None)
 
 
 def updates_in_flight(cfg: Any) -> bool:

@@ -467,6 +467,12 @@ class EngineCore:
             raise RuntimeError("share_weights: requests are running on the weights")
         if self.lora is not None or self.cfg.release_weights:
             raise RuntimeError("share_weights: not with LoRA adapters nor with release_weights")
+        if self.device.type != "cpu":     # a trainer may move its parameters off a GPU between modes
+            if self.cfg.trainer_weights == "share":
+                raise ValueError(f"rollout.native.trainer_weights=share: a trainer's parameters may move off "
+                                 f"{self.device} between modes, which would leave the engine serving a stale copy; "
+                                 f"it needs distributed.device=cpu (auto copies them there)")
+            return 0
         shared = self.weights.share_from(self.spec, source)
         self.base_views.clear()
         self.base_views.update(hf_views(self.weights, self.spec))

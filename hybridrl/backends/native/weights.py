@@ -111,7 +111,7 @@ class ModelWeights:
         device and shapes, back to back in one storage in this tensor's order), a view of `source`'s storage
         instead of this buffer; the rest move into a new buffer of their own, and the old one is freed once
         nothing else holds it. Returns the bytes now shared. What a trainer in the same process lends
-        (`rollout.native.share_trainer_weights`): its parameters are then the served weights."""
+        (`rollout.native.trainer_weights`): its parameters are then the served weights."""
         views = hf_views(self, spec)
         fields = self.fields()
         starts = sorted((getattr(h, a).data_ptr(), i) for i, (h, a) in enumerate(fields))

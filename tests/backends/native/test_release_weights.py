@@ -69,9 +69,12 @@ def test_weights_are_released_only_after_the_kv_cache(tiny_models, make_engine):
     assert engine.core.weights.flat.untyped_storage().nbytes() > 0 and engine.policy_version == 0
 
 
+DISAGGREGATED = ["placement.mode=disaggregated", "placement.rollout_ranks=1", "algo.max_policy_lag=1"]
+
+
 @pytest.mark.parametrize("overrides,why", [
     (["train.lora.rank=4"], "LoRA"),
-    (["placement.mode=disaggregated", "placement.rollout_ranks=1", "algo.max_policy_lag=1"], "never trains"),
+    (DISAGGREGATED, "never trains"),
 ])
 def test_the_knob_is_refused_at_load_where_nothing_could_publish_the_weights_back(overrides, why):
     with pytest.raises(ConfigError) as err:
@@ -118,3 +121,33 @@ def test_an_engine_serving_a_lenders_tensors_in_place_follows_them_and_frees_its
     moved = generate_all(engine, prompts, greedy, tag="moved")
     assert [o.logprobs for o in moved] == [o.logprobs for o in generate_all(reference, prompts, greedy)]
     assert [o.logprobs for o in moved] != [o.logprobs for o in before]
+
+    # lent again from elsewhere (a trainer that re-allocated its parameters): the engine follows the new storage
+    again = ModelWeights.empty(core.spec, dtype=torch.float32, device=torch.device("cpu"))
+    load_checkpoint(model, hf_views(again, core.spec), core.spec)
+    assert asyncio.run(engine.share_weights({n: v for n, v in hf_views(again, core.spec).items() if n in lent})) == shared
+    lo = again.flat.data_ptr()
+    assert all(lo <= core.views[n].data_ptr() < lo + total for n in lent)
+    assert core.weights.flat.numel() * 4 == own
+    asyncio.run(engine.sleep())
+    asyncio.run(engine.wake_up())
+    assert [o.logprobs for o in generate_all(engine, prompts, greedy, tag="again")] == [o.logprobs for o in before]
+
+
+@pytest.mark.parametrize("overrides,why", [
+    (["train.lora.rank=4"], "train.lora.rank=0"),
+    (DISAGGREGATED, "placement.mode=colocated"),
+    (["train.tp=2"], "tp=2"),
+    (["rollout.native.dtype=bfloat16"], "dtype=bfloat16"),
+    (["rollout.native.release_weights=true"], "release_weights=false"),
+])
+def test_serving_the_trainers_parameters_is_refused_where_it_cannot_apply_and_auto_copies_there(overrides, why):
+    from hybridrl.backends.native.config import shares_trainer_weights
+
+    with pytest.raises(ConfigError) as err:
+        load_config(str(RECIPE), ["model.path=/m", "rollout.native.trainer_weights=share", *overrides])
+    assert "rollout.native.trainer_weights" in str(err.value) and why in str(err.value)
+    if "release_weights" not in why:                    # auto never refuses; it shares where it applies
+        assert not shares_trainer_weights(load_config(str(RECIPE), ["model.path=/m",
+                                                                   "rollout.native.trainer_weights=auto", *overrides]))
+    assert shares_trainer_weights(load_config(str(RECIPE), ["model.path=/m", "rollout.native.trainer_weights=auto"]))
