@@ -146,7 +146,7 @@ PINNED_KEYS = [
     "train.use_distributed_optimizer", "train.loss_aggregation", "train.attention", "train.recompute_activations",
     "train.make_vocab_size_divisible_by", "train.seed",
     "train.lora.rank", "train.lora.alpha", "train.lora.dropout", "train.lora.target_modules",
-    "rollout.engine", "rollout.tp", "rollout.native.block_size", "rollout.native.kv_cache_mb", "rollout.native.num_blocks", "rollout.native.max_num_seqs", "rollout.native.keep_kv_cache",
+    "rollout.engine", "rollout.tp", "rollout.native.block_size", "rollout.native.kv_cache_mb", "rollout.native.num_blocks", "rollout.native.max_num_seqs", "rollout.native.keep_kv_cache", "rollout.native.release_weights", "rollout.native.trainer_weights",
     "rollout.native.max_num_batched_tokens", "rollout.native.max_model_len", "rollout.native.enable_prefix_caching", "rollout.native.dtype",
     "rollout.native.seed", "rollout.native.on_weight_update", "rollout.native.update_after_steps", "rollout.native.watermark_blocks", "rollout.native.driver", "rollout.native.kernels",
     "rollout.native.speculative_tokens", "rollout.native.speculative_ngram_min", "rollout.native.speculative_ngram_max",
