@@ -48,3 +48,22 @@ def test_an_openai_client_agents_moe_run_replays_the_rollouts_routing(tmp_path, 
     for r in rows:
         assert r["moe/recorded_fraction"] >= 0.9 and r["moe/replay_agreement"] == 1.0, r
         assert r["mismatch/max_abs"] < 1e-4, r
+
+
+@pytest.mark.slow
+def test_a_moe_engine_serving_the_trainers_parameters_in_place_trains_the_same_run(tmp_path, tiny_models):
+    """`rollout.native.trainer_weights=share` with experts split over the ranks: the engine serves the trainer's
+    dense tensors and router in place and copies the rest (q/k/v, the experts); number for number the run that
+    copies everything."""
+    from tests.controller.test_rl_e2e import assert_same_run
+
+    model = tiny_models("qwen3_moe", experts=8, experts_per_tok=2, init_std=0.05)
+    runs, logs = {}, {}
+    for mode in ("copy", "share"):
+        runs[mode] = tmp_path / mode
+        proc = hybridrl_train(RECIPE, f"model.path={model}", "trainer.total_steps=3", *MOE, f"run.dir={runs[mode]}",
+                              f"rollout.native.trainer_weights={mode}")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        logs[mode] = proc.stderr
+    assert "of the trainer's parameters in place" in logs["share"] and "in place" not in logs["copy"]
+    assert_same_run(runs["copy"], runs["share"], from_step=0)
