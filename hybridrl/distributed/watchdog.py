@@ -90,6 +90,7 @@ class Watchdog(threading.Thread):
         self.call_seq: int | None = None   # the call whose end the controller's main thread waits for
         self.blocked = False            # main thread inside a section where it cannot wait on the store
         self.idle_in_serve = False      # worker main thread waiting for commands (exits by itself)
+        self.leaving = False            # worker: SHUTDOWN acknowledged; the controller may exit before this rank
         self.finished = 0               # worker: the newest command it finished (sent with the heartbeat)
         self._count = 0
         self._woken: int | None = None
@@ -269,6 +270,8 @@ class Watchdog(threading.Thread):
         return ErrorReport(min(named), self.method, "silent", "; ".join(parts))
 
     def _watch_controller(self) -> None:
+        if self.leaving:         # the run ended: the controller exits as soon as every rank acknowledged it
+            return
         reason = self.control.aborted()
         if reason is not None:
             if not self.idle_in_serve:

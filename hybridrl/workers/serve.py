@@ -37,6 +37,7 @@ def serve(worker: Worker, ctx: DistContext, watchdog: Watchdog) -> int:
         if cmd is None:
             return EXIT_ABORTED
         if cmd.method == SHUTDOWN:
+            watchdog.leaving = True        # first: once acknowledged, the controller's exit is no failure
             control.complete(seq)
             return 0
         posted = _run(worker, ctx, cmd)
