@@ -50,10 +50,11 @@ class NativeEngineConfig:
             "(timing-dependent)")
     release_weights: bool = knob(
         False, "free the engine's copy of the weights while the trainer trains (colocated placement): the "
-               "process's peak memory drops by the model's size in the engine's dtype, and every switch to "
-               "rollout allocates it again and publishes every tensor into fresh pages (a slower switch: their "
-               "first touch). Not with LoRA (a publication carries the adapters only) nor with the roles apart "
-               "(a rollout rank never trains)")
+               "training phase holds the model's size less (the process's peak only where training holds it; "
+               "on a CPU, where optimizer state stays through rollout, the rollout phase usually does), and "
+               "every switch to rollout allocates it again and publishes every tensor into fresh pages (a "
+               "slower switch: their first touch). Not with LoRA (a publication carries the adapters only) nor "
+               "with the roles apart (a rollout rank never trains)")
     trainer_weights: str = knob(
         "copy", "colocated placement: how the engine holds what the trainer publishes. copy (its own copy of every "
                 "tensor) | share (serve the trainer's own parameters in place wherever their layout is the engine's: "
@@ -109,7 +110,6 @@ class NativeEngineConfig:
                 f"must be >= max_num_seqs ({self.max_num_seqs}) so that every running sequence can decode "
                 f"each step, got {self.max_num_batched_tokens}")
 
-
     def releasable_tags(self) -> frozenset[str]:
         """What the engine releases between modes: its KV cache, and its weights with `release_weights`."""
         from hybridrl.rollout.protocol import KV_CACHE, WEIGHTS
@@ -150,8 +150,8 @@ def sharing_problem(cfg: Any) -> str | None:
 
 
 def shares_trainer_weights(cfg: Any) -> bool:
-    """Whether this run's native engines serve the colocated trainer's parameters in place (`on`, or `auto` where
-    the run allows it; the device is checked where the ranks know it)."""
+    """Whether this run's native engines serve the colocated trainer's parameters in place (`share`, or `auto`
+    where the run allows it; the device is checked where the ranks know it)."""
     mode = cfg.rollout.native.trainer_weights
     return mode == "share" or (mode == "auto" and sharing_problem(cfg) is None)
 
