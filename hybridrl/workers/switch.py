@@ -51,16 +51,17 @@ class ModeSwitch(Part):
         rollout.run(self.engine.sleep(self.engine.releasable_tags))     # start in TRAIN: the engine holds nothing
         self._lent: dict[str, int] | None = None        # what the engine serves in place: name -> address
         if rollout.owns_engine and rollout.row.shares_trainer_weights(cfg):
-            self._lend_parameters(train.actor)
+            self._lend(train.actor.hf_views())
 
-    def _moved(self) -> bool:
+    def _lend_again_if_moved(self) -> None:
+        """Lend the parameters again where the trainer re-allocated one since they were lent."""
         views = self.train.actor.hf_views()
-        return any(views[name].data_ptr() != address for name, address in self._lent.items())
+        if any(views[name].data_ptr() != address for name, address in self._lent.items()):
+            self._lend(views)
 
-    def _lend_parameters(self, actor: Any) -> None:
-        """The engine serves the trainer's parameters where their layout is its own (its row says whether this
-        run's engines do: `rollout.native.trainer_weights`)."""
-        views = actor.hf_views()
+    def _lend(self, views: dict) -> None:
+        """The engine serves the trainer's parameters (`actor.hf_views()`) where their layout is its own (its row
+        says whether this run's engines do: `rollout.native.trainer_weights`)."""
         shared = self.rollout.run(self.engine.share_weights(views))
         self._lent = {name: t.data_ptr() for name, t in views.items()} if shared else None
         if shared:
@@ -91,8 +92,8 @@ class ModeSwitch(Part):
                 "refusal": self.publisher.refusal(self.engine)})
             published = any(v["stale"] for v in votes.values())
             self.train.offload()
-            if self._lent is not None and self._moved():     # a parameter lent to the engine was re-allocated
-                self._lend_parameters(self.train.actor)
+            if self._lent is not None:
+                self._lend_again_if_moved()
             with self.modes.phase("publish", waits_for="the weights to reach the rollout engine") as rec:
                 if published:
                     if tags & {WEIGHTS}:

@@ -463,24 +463,18 @@ class MegatronEngine:
         return self._group_specs
 
     def hf_views(self) -> dict[str, torch.Tensor]:
-        """HF name -> a view of this rank's own parameter, for every exported tensor whose HF layout is its
-        Megatron parameter's (at TP = PP = EP = 1 everything but the fused q/k/v, which Megatron interleaves
-        per KV group; a padded vocabulary's first rows): what an engine in this process may serve in place
-        (`rollout.native.trainer_weights`). Empty where another rank holds part of a tensor or where
-        LoRA adapters are merged into what is published."""
+        """HF name -> a view of this rank's own parameter wherever Megatron's layout is the HF one
+        (`weights.lendable_views`): what an engine in this process may serve in place
+        (`rollout.native.trainer_weights`). Empty where another stage holds part of the model or where LoRA
+        adapters are merged into what is published."""
         from megatron.core import parallel_state as ps
 
-        from hybridrl.backends.megatron.adapters.base import Split
+        from hybridrl.backends.megatron.weights import lendable_views
 
         self._policy_only("hf_views")
         if self.lora is not None or ps.get_pipeline_model_parallel_world_size() > 1:
             return {}
-        out: dict[str, torch.Tensor] = {}
-        for slot, param in self.params.items():
-            if (slot.exported and slot.split is not Split.QKV and self.adapter.tp_of(slot) == 1
-                    and (slot.expert is None or self.adapter.ep == 1)):
-                out.update(self.adapter.to_hf(slot, [param.detach()]))
-        return out
+        return lendable_views(self.adapter, self.params)
 
     def write_hf_group(self, index: int, out: dict[str, torch.Tensor]) -> None:
         """Write group `index` of `hf_group_specs()` into `out[name]` (contiguous tensors of those

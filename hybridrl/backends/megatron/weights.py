@@ -201,6 +201,18 @@ def group_specs(adapter: DecoderAdapter, dtype: torch.dtype) -> list[list[tuple[
             for group in adapter.groups()]
 
 
+def lendable_views(adapter: DecoderAdapter, params: Mapping[Slot, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    """HF name -> a view of this rank's own parameter, for every exported slot held whole here whose HF layout is
+    the parameter's own (`adapter.to_hf` of its one shard is a view: everything but the fused q/k/v, which
+    Megatron interleaves per KV group; a padded vocabulary's first rows). Call at PP = 1."""
+    out: dict[str, torch.Tensor] = {}
+    for slot, param in params.items():
+        if (slot.exported and slot.split is not Split.QKV and adapter.tp_of(slot) == 1
+                and (slot.expert is None or adapter.ep == 1)):
+            out.update(adapter.to_hf(slot, [param.detach()]))
+    return out
+
+
 def write_group(adapter: DecoderAdapter, index: int, params: Mapping[Slot, torch.nn.Parameter],
                 owners: Mapping[Slot, int], out: Mapping[str, torch.Tensor]) -> None:
     """Publication group `index` of `adapter.groups()` written into `out[name]` on every rank."""
