@@ -68,7 +68,7 @@ def main() -> int:
     batch = w["prompts_per_step"] * w["group_size"]
     micro = w["micro_batch_size"]
     config = GRPOConfig(
-        output_dir=args.out_dir, use_cpu=True, bf16=False, fp16=False, seed=w["seed"], report_to=[],
+        output_dir=args.out_dir, use_cpu=True, bf16=w.get("dtype") == "bfloat16", fp16=False, seed=w["seed"], report_to=[],
         save_strategy="no", logging_steps=1, max_steps=w["steps"], dataloader_num_workers=0,
         per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
         num_generations=w["group_size"], max_completion_length=w["max_new_tokens"],

@@ -7,10 +7,16 @@
 The workload (both sides): the calculator task's training questions, 16 prompts x 8 samples per
 step, one turn of at most 32 new tokens at temperature 1, lr 5e-5 constant, no KL term, group-mean
 advantages without the standard deviation, every sample trained in one optimizer step, gradient
-clipping at 1.0, float32 on CPU. hybridrl runs its CPU demo recipe with those settings
+clipping at 1.0, float32 on CPU (`--dtype bfloat16`: both in mixed precision). hybridrl runs its CPU demo recipe with those settings
 (`hybridrl train`, 2 ranks, as `benchmarks/e2e.py` does); TRL runs `GRPOTrainer` in one process
 (`benchmarks/trl_side.py`) with the same micro-batch of rows. Both use every core of the machine:
 hybridrl as two ranks of one thread each, TRL as one process of as many threads as torch gives it.
+
+`--dtype bfloat16` runs both sides in mixed precision instead (TRL's own default, `GRPOConfig(bf16=True)`):
+TRL autocasts its float32 model's products to bfloat16; hybridrl trains bfloat16 parameters with float32
+master weights and gradients in Megatron's optimizer (`train.dtype=bfloat16`) and generates in bfloat16
+(`rollout.native.dtype=bfloat16`, serving the trainer's parameters in place). It needs a CPU with bfloat16
+matrix instructions (AVX512-BF16 or AMX); elsewhere hybridrl refuses the dtype, naming why.
 
 `--model-size 100m,500m` runs the comparison at size instead, on randomly initialised Qwen2 models
 that `hybridrl assets tiny-model` writes (kept under --models-dir; random weights time like trained
@@ -238,8 +244,14 @@ def _order(i: int, sides: list[str]) -> list[str]:
     return sides if i % 2 == 0 else sides[::-1]
 
 
+# hybridrl's side in mixed precision (--dtype bfloat16); its parity probe's tolerance is bfloat16's
+BF16 = ["train.dtype=bfloat16", "rollout.native.dtype=bfloat16", "publish.parity_tolerance=0.1"]
+
+
 def compare(model: str, args: argparse.Namespace, settings: dict, extra: list[str]) -> dict:
     """The interleaved pairs (or rounds of three with --base) on one model; the summary over them."""
+    settings = {**settings, "dtype": args.dtype}
+    extra = [*(BF16 if args.dtype == "bfloat16" else []), *extra]
     venv, base = Path(args.trl_venv), Path(args.base).resolve() if args.base else None
     sides = ["hybridrl"] + ([] if args.no_trl else ["trl"]) + (["base"] if base else [])
     runs: dict[str, list[dict]] = {side: [] for side in sides}
@@ -268,7 +280,7 @@ def summarize(runs: dict[str, list[dict]], work: dict, args: argparse.Namespace,
               base: Path | None) -> dict:
     med = lambda side, key: statistics.median(r[key] for r in runs[side])  # noqa: E731
     t_sync = lambda side: statistics.median(r["stage_times"]["T_sync"] / r["step_s"] for r in runs[side])  # noqa: E731
-    result = {"model": work["model"], "workload": {k: work[k] for k in (*WORKLOAD, "micro_batch_size")},
+    result = {"model": work["model"], "workload": {k: work[k] for k in (*WORKLOAD, "micro_batch_size", "dtype")},
               "prompt_tokens_mean": work["prompt_tokens_mean"], "hybridrl_overrides": [*OVERRIDES, *extra],
               "steps": args.steps, "warmup_steps": WARMUP, "pairs": args.pairs,
               "median_step_s": {side: med(side, "step_s") for side in runs}, "hybridrl_T_sync_share": t_sync("hybridrl"),
@@ -307,6 +319,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--base", default=None, help="another hybridrl checkout to run beside this one (same interpreter)")
     ap.add_argument("--no-trl", action="store_true", help="hybridrl alone (with --base: this checkout against that one)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="both sides' precision: float32, or bfloat16 mixed precision (TRL's default)")
     ap.add_argument("overrides", nargs="*", help="recipe overrides for hybridrl's sides (KEY=VALUE)")
     args = ap.parse_args()
     sizes = [s for s in (args.model_size or "").split(",") if s]

@@ -9,7 +9,8 @@
                 attention heads, KV heads and FFN size, tp * pp dividing the world size (the
                 training ranks' number with a disaggregated placement, which must leave at least one)
     dtypes      the rollout engine's dtype is train.dtype (an RL run publishes the trained weights
-                as they are), and publish.parity_tolerance is one that dtype can pass
+                as they are), publish.parity_tolerance is one that dtype can pass, and a CPU run in
+                bfloat16 / float16 has that dtype's matrix instructions (AVX512-BF16 or AMX...)
     engine      the rollout engine can serve the model (vLLM: no mixture-of-experts models)
     task        importable (loading the config did that) and able to give what the run asks of
                 it: the train and validation splits at their configured sizes (data files are read
@@ -291,10 +292,32 @@ def rollout_dtype(cfg: Any) -> tuple[str, str]:
     key = f"rollout.{engine}.dtype"
     if dtype != "auto":
         return dtype, key
-    device = cfg.distributed.device
-    if device == "auto":
-        device = "cuda" if _torch_sees_cuda() else "cpu"
+    device = _device(cfg)
     return ("bfloat16" if device == "cuda" else "float32"), f"{key}=auto on {device}"
+
+
+# the /proc/cpuinfo flags of the instructions that multiply each reduced dtype natively (one suffices)
+CPU_MATRIX_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+def cpu_lacks_matrix_units(dtype: str, cpuinfo: str | None = None) -> str | None:
+    """Why this CPU cannot multiply `dtype` matrices natively (none of CPU_MATRIX_FLAGS[dtype] among its
+    /proc/cpuinfo flags), or None where it can or the flags cannot be read (not Linux: the training rank
+    checks again with oneDNN's own answer)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), None)
+    if flags is None or any(flag in flags for flag in CPU_MATRIX_FLAGS[dtype]):
+        return None
+    return "no " + " or ".join(CPU_MATRIX_FLAGS[dtype]) + " among /proc/cpuinfo's flags"
+
+
+def _device(cfg: Any) -> str:
+    device = cfg.distributed.device
+    return ("cuda" if _torch_sees_cuda() else "cpu") if device == "auto" else device
 
 
 def _torch_sees_cuda() -> bool:
@@ -327,6 +350,10 @@ def check_dtypes(cfg: Any) -> None:
         raise PreflightError(f"train.dtype={train} but the rollout engine runs in {engine} ({key}): the weights are "
                              f"published as they are, without conversion; set {setting}={train} or "
                              f"train.dtype={engine}")
+    if train != "float32" and _device(cfg) == "cpu" and (missing := cpu_lacks_matrix_units(train)):
+        raise PreflightError(f"train.dtype={train} on this CPU: it has no {train} matrix instructions ({missing}), "
+                             f"so {train} products would run emulated, many times slower than float32: set "
+                             "train.dtype=float32 (and the rollout engine's dtype with it)")
     tolerance = cfg.publish.parity_tolerance
     if cfg.publish.parity_prompts and tolerance < parity_tolerance_floor(train, engine):
         raise PreflightError(f"publish.parity_tolerance={tolerance:g} cannot pass in {engine} (one {engine} rounding "

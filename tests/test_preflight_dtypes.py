@@ -82,3 +82,29 @@ def test_native_kernels_are_built_before_the_ranks_start_or_refused_when_insiste
     with pytest.raises(preflight.PreflightError, match=r"rollout.native.kernels=c: C compiler .*no-such-cc.* "
                                                        r"does not run.*Install a C compiler.*kernels=auto"):
         preflight.check_native_kernels(cfg("distributed.device=cpu", "rollout.native.kernels=c"))
+
+
+def test_a_reduced_train_dtype_on_a_cpu_without_its_matrix_instructions():
+    """bfloat16 training on a CPU runs at its matrix instructions' rate where it has them (AVX512-BF16, AMX) and
+    emulated, many times slower than float32, where it has not: refused there before any process starts."""
+    zen4 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
+    icelake = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni\n"
+    sapphire = "processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8 avx512_fp16\n"
+    assert preflight.cpu_lacks_matrix_units("bfloat16", zen4) is None
+    assert preflight.cpu_lacks_matrix_units("bfloat16", sapphire) is None
+    assert preflight.cpu_lacks_matrix_units("float16", sapphire) is None
+    assert preflight.cpu_lacks_matrix_units("bfloat16", icelake) == "no avx512_bf16 or amx_bf16 among /proc/cpuinfo's flags"
+    assert preflight.cpu_lacks_matrix_units("float16", zen4) == "no avx512_fp16 or amx_fp16 among /proc/cpuinfo's flags"
+    assert preflight.cpu_lacks_matrix_units("bfloat16", "processor\t: 0\n") is None      # no flags line: the rank checks
+
+
+def test_preflight_refuses_bfloat16_on_such_a_cpu_naming_the_fix(monkeypatch):
+    bf16 = ("train.dtype=bfloat16", "rollout.native.dtype=bfloat16", "publish.parity_tolerance=0.1",
+            "distributed.device=cpu")
+    monkeypatch.setattr(preflight, "cpu_lacks_matrix_units", lambda dtype: "no avx512_bf16 or amx_bf16 among ...")
+    err = refusal(*bf16)
+    assert err.startswith("train.dtype=bfloat16 on this CPU: it has no bfloat16 matrix instructions (no avx512_bf16") \
+        and "set train.dtype=float32" in err, err
+    preflight.check_dtypes(cfg(*bf16[:3], "distributed.device=cuda"))   # a GPU run: the CPU's flags do not matter
+    monkeypatch.setattr(preflight, "cpu_lacks_matrix_units", lambda dtype: None)
+    preflight.check_dtypes(cfg(*bf16))

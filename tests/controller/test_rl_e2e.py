@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from hybridrl import preflight
 from hybridrl.telemetry.metrics import read_metrics
 from tests.controller.conftest import STRAIGHT
 from tests.launch import ROOT, env_with_repo, processes_mentioning
@@ -150,3 +151,26 @@ def test_sft_demonstrations_follow_the_task_seed_not_the_run_seed(model):
                                          tok)
     assert rows() == rows("run.seed=5")              # run.seed: init and data order, not the data
     assert rows() != rows("task.seed=7")
+
+
+@pytest.mark.skipif(bool(preflight.cpu_lacks_matrix_units("bfloat16")),
+                    reason="this CPU has no bfloat16 matrix instructions (hybridrl refuses bfloat16 training on it)")
+def test_bfloat16_training_on_a_cpu_with_bfloat16_matrix_instructions(tmp_path, model):
+    """train.dtype=bfloat16 on a CPU that multiplies bfloat16 natively (AVX512-BF16, AMX): Megatron trains bfloat16
+    parameters with float32 master weights, the engine serves them in place in bfloat16, and every check holds
+    at bfloat16's precision (the parity probe, the engine's logprobs against the trainer's)."""
+    proc = hybridrl_train(RECIPE, f"model.path={model}", f"run.dir={tmp_path}", "train.dtype=bfloat16",
+                          "rollout.native.dtype=bfloat16", "publish.parity_tolerance=0.1",
+                          "rollout.native.trainer_weights=share")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "of the trainer's parameters in place" in proc.stderr
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows[1:]:
+        assert r["episodes"] == 16 and r["mismatch/max_abs"] < 0.25, r["mismatch/max_abs"]   # bfloat16, not 1e-4
+    assert rows[2]["parity/probed"] == 1.0 and rows[2]["parity/max_abs"] < 0.1
+    from safetensors.torch import load_file
+
+    trained, initial = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(model / "model.safetensors"))
+    assert {t.dtype for t in trained.values()} == {torch.bfloat16}
+    assert max((trained[k].float() - initial[k].float()).abs().max().item() for k in trained) > 0    # it trained

@@ -72,7 +72,7 @@ class MegatronConfig:
                                      "> 0; not for mixture-of-experts models")
     logprob_chunk_tokens: int = knob(0, "tokens per chunk of the logprob/entropy computation (float32 copies of the "
                                         "vocabulary-wide logits exist for one chunk at a time); 0 = ~64 MiB per copy")
-    dtype: str = knob("float32", "parameter/compute dtype: float32 | bfloat16 | float16 (bf16/fp16 on GPUs)")
+    dtype: str = knob("float32", "parameter/compute dtype: float32 | bfloat16 | float16 (the reduced ones with float32 master weights and gradients in the optimizer; on a CPU only where it multiplies them natively: AVX512-BF16 or AMX for bfloat16, AVX512-FP16 or AMX for float16, refused elsewhere)")
     lr: float = knob(1e-6, "peak learning rate")
     min_lr: float = knob(0.0, "final learning rate of the decay")
     lr_warmup_steps: int = knob(0, "linear warm-up steps from 0 to lr")

@@ -37,13 +37,25 @@ from hybridrl.backends.megatron.moe import moe_config
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def cpu_has_matrix_units(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` matrices natively (AVX512-BF16 / AMX for bfloat16, AVX512-FP16 / AMX
+    for float16), as oneDNN, which runs torch's CPU matrix products in those dtypes, reports it."""
+    if dtype is torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype is torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return True
+
+
 def transformer_config(spec: ModelSpec, cfg: MegatronConfig, *, device: torch.device) -> TransformerConfig:
     """Megatron's TransformerConfig for the model `spec` under the layout and precision of `cfg`."""
     stages = pipeline_stage_layers(spec.num_layers, cfg.pp)
     uneven = len(set(stages)) > 1
     dtype = DTYPES[cfg.dtype]
-    if device.type == "cpu" and dtype is not torch.float32:
-        raise ValueError(f"train.dtype={cfg.dtype} on CPU: use float32 (bf16 matmuls are ~30x slower here)")
+    if device.type == "cpu" and dtype is not torch.float32 and not cpu_has_matrix_units(dtype):
+        raise ValueError(f"train.dtype={cfg.dtype} on this CPU: it has no {cfg.dtype} matrix instructions (oneDNN "
+                         f"reports none), so {cfg.dtype} products run emulated, many times slower than float32: "
+                         "use train.dtype=float32")
     return TransformerConfig(
         qk_layernorm=spec.qk_norm,
         **moe_config(spec, cfg),
