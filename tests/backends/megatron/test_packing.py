@@ -134,6 +134,26 @@ def test_packed_attention_stays_inside_each_sequence(monkeypatch):
     assert torch.equal(out2[9:], out[9:])
 
 
+def test_bfloat16_attention_on_a_cpu_is_computed_in_float32_with_gradients():
+    """On a CPU, a bfloat16 model's attention runs in float32 (torch's bfloat16 CPU kernel is the slower one):
+    the output is bfloat16, the float32 result rounded once, and the gradients reach q, k and v in bfloat16."""
+    import torch.nn.functional as F
+
+    from hybridrl.backends.megatron.attention import SDPAttention
+
+    attn = SDPAttention.__new__(SDPAttention)
+    torch.nn.Module.__init__(attn)
+    attn.heads, attn.groups, attn.head_dim, attn.scale, attn.dropout = 4, 2, 8, 8 ** -0.5, 0.0
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 5, 8, generator=gen).bfloat16().requires_grad_() for n in (4, 2, 2))
+    out = attn._sdpa(q, k, v)
+    want = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1),
+                                          is_causal=True, scale=8 ** -0.5)
+    assert out.dtype is torch.bfloat16 and torch.equal(out, want.bfloat16())
+    out.float().square().sum().backward()
+    assert all(x.grad is not None and x.grad.dtype is torch.bfloat16 and x.grad.abs().sum() > 0 for x in (q, k, v))
+
+
 def _rows_batch(seqs):
     width = max(map(len, seqs))
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
