@@ -24,6 +24,8 @@ torch.cuda.Stream / current_stream / stream -> a stream that does nothing (CPU w
 transformer/moe/token_dispatcher.py: maybe_move_tensor_to_cpu(as_numpy=True) -> numpy also for a CPU
     tensor (upstream converts only device tensors, and all_to_all_single then rejects the tensor
     split sizes of a CPU run).
+optimizer/clip_grads.py and optimizer/optimizer.py: multi_tensor_scale_impl (megatron's local stand-in
+    for Apex's) -> `multi_tensor_scale`, the same values without a temporary per tensor.
 torch.cuda.synchronize -> no-op
     pipeline_parallel/p2p_communication.py: _communicate_shapes, _communicate;
     distributed/distributed_data_parallel.py: offload_grad_buffers / restore_grad_buffers;
@@ -78,7 +80,37 @@ def activate() -> None:
         mrandom._get_cuda_rng_state = _get_cuda_rng_state
         mrandom._set_cuda_rng_state = _set_cuda_rng_state
         token_dispatcher.maybe_move_tensor_to_cpu = _to_host
+        _scale_without_temporaries()
         _active = True
+
+
+def _scale_without_temporaries() -> None:
+    """megatron-core's stand-in for Apex's `multi_tensor_scale` (utils.local_multi_tensor_scale, what
+    optimizer/clip_grads.py and optimizer/optimizer.py use without Apex) writes `dst.copy_(src * scale)`: a
+    parameter-sized temporary per tensor, also where it scales the gradients in place (clip_grads.py:
+    clip_grad_by_total_norm_fp32, src is dst) and where it only copies (optimizer.py:
+    _multi_tensor_copy_this_to_that, scale 1.0). `multi_tensor_scale` computes the same values without it."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    for module in (clip_grads, optimizer):
+        if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = multi_tensor_scale
+
+
+def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale) -> None:
+    """`dst = src * scale` for each pair of tensor_lists[0], tensor_lists[1], the values of megatron-core's
+    local_multi_tensor_scale: in place where src is dst, a plain copy at scale 1.0, written straight into dst
+    where the dtypes agree."""
+    for src, dst in zip(tensor_lists[0], tensor_lists[1]):
+        if src is dst:
+            dst.mul_(scale)
+        elif scale == 1.0:
+            dst.copy_(src)
+        elif src.dtype == dst.dtype:
+            torch.mul(src, scale, out=dst)
+        else:
+            dst.copy_(src * scale)
 
 
 def _current_device() -> str:
