@@ -300,17 +300,14 @@ def rollout_dtype(cfg: Any) -> tuple[str, str]:
 CPU_MATRIX_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
 
 
-def cpu_lacks_matrix_units(dtype: str, cpuinfo: str | None = None) -> str | None:
+def cpu_lacks_matrix_units(dtype: str, flags: set[str] | None = None) -> str | None:
     """Why this CPU cannot multiply `dtype` matrices natively (none of CPU_MATRIX_FLAGS[dtype] among its
-    /proc/cpuinfo flags), or None where it can or the flags cannot be read (not Linux: the training rank
-    checks again with oneDNN's own answer)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), None)
-    if flags is None or any(flag in flags for flag in CPU_MATRIX_FLAGS[dtype]):
+    /proc/cpuinfo flags, `flags` when given), or None where it can or the flags cannot be read (not Linux:
+    the training rank checks again with oneDNN's own answer)."""
+    from hybridrl.host_memory import cpu_flags
+
+    flags = cpu_flags()[1] if flags is None else flags
+    if not flags or any(flag in flags for flag in CPU_MATRIX_FLAGS[dtype]):
         return None
     return "no " + " or ".join(CPU_MATRIX_FLAGS[dtype]) + " among /proc/cpuinfo's flags"
 

@@ -98,7 +98,7 @@ def _scale_without_temporaries() -> None:
             module.multi_tensor_scale_impl = multi_tensor_scale
 
 
-def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale) -> None:
+def multi_tensor_scale(_chunk_size, _noop_flag, tensor_lists, scale) -> None:
     """`dst = src * scale` for each pair of tensor_lists[0], tensor_lists[1], the values of megatron-core's
     local_multi_tensor_scale: in place where src is dst, a plain copy at scale 1.0, written straight into dst
     where the dtypes agree."""
