@@ -26,11 +26,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from hybridrl.algo.aggregation import Denominators, count
 from hybridrl.backends.megatron import cpu_compat
 from hybridrl.backends.megatron.config import MegatronConfig
-from hybridrl.backends.megatron.step import (StepLoss, assemble, check_train_batch, step_metrics, timed_grad_reduce,
-                                             training_state)
+from hybridrl.backends.megatron.step import (StepLoss, assemble, check_train_batch, global_denominators, reduce_sums,
+                                             step_metrics, timed_grad_reduce, training_state)
 from hybridrl.data.batch import Batch
 from hybridrl.distributed.collectives import collective_device
 from hybridrl.distributed.mesh import Mesh
@@ -349,7 +348,7 @@ class MegatronEngine:
         if batch.num_valid == 0:
             rows.tensors["loss_mask"] = torch.zeros_like(rows["loss_mask"])
         dp_group = ps.get_data_parallel_group()
-        step = StepLoss(self, loss_fn, self._denominators(rows, dp_group), temperature=temperature,
+        step = StepLoss(self, loss_fn, global_denominators(self, rows, dp_group), temperature=temperature,
                          with_entropy=with_entropy, extremes=tuple(extremes), capture=capture)
         self.passes["train"] += 1
         self.model.train()
@@ -371,7 +370,7 @@ class MegatronEngine:
             for name in step.extremes:
                 for key in (f"{name}_max", f"{name}_min"):
                     step.highs.setdefault(key, torch.tensor(-float("inf"), dtype=torch.float64, device=self.device))
-            reduced = self._reduce_sums(step.sums, dp_group, step.highs)
+            reduced = reduce_sums(self, step.sums, dp_group, step.highs)
         self.num_steps += 1
         metrics = step_metrics(reduced, float(grad_norm or 0.0), lr, step.denominators)
         metrics["grad_reduce_s"] = comm.get("seconds", 0.0)      # this rank's, not reduced
@@ -384,38 +383,6 @@ class MegatronEngine:
             num_rows, length = batch["input_ids"].shape
             metrics["logprobs"] = assemble(mbs, step.seen, num_rows, length) if self.is_loss_rank else None
         return metrics
-
-    def _denominators(self, rows: Batch, dp_group: Any) -> Denominators:
-        """The loss's denominators: tokens and sequences of the global batch (every data-parallel rank's)."""
-        local = count(rows["loss_mask"])
-        # on the engine's device: on a GPU the data-parallel group is NCCL, which reduces no CPU tensor
-        totals = torch.tensor([local.num_tokens, local.num_sequences], dtype=torch.float64, device=self.device)
-        with self._scope():
-            dist.all_reduce(totals, group=dp_group)
-        return Denominators(float(totals[0]), float(totals[1]))
-
-    def _reduce_sums(self, sums: dict[str, torch.Tensor], dp_group,
-                     highs: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
-        """Sum over DP on the last stage (`highs`: a max over DP), then share with every stage: {name: value}."""
-        from megatron.core import parallel_state as ps
-
-        names = sorted(sums)
-        top = sorted(highs or {})
-        if self.is_loss_rank:
-            values = (torch.stack([sums[n].to(self.device) for n in names]) if names
-                      else torch.zeros(0, dtype=torch.float64, device=self.device))
-            dist.all_reduce(values, group=dp_group)
-            payload = [dict(zip(names, values.tolist()))]
-            if top:
-                maxima = torch.stack([highs[n].to(self.device).double() for n in top])
-                dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=dp_group)
-                payload[0].update(zip(top, maxima.tolist()))
-        else:
-            payload = [None]
-        pp_group = ps.get_pipeline_model_parallel_group()
-        if dist.get_world_size(pp_group) > 1:
-            dist.broadcast_object_list(payload, src=ps.get_pipeline_model_parallel_last_rank(), group=pp_group)
-        return payload[0]
 
     # ------------------------------------------------------------------------------ weights
 

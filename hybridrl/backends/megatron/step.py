@@ -1,17 +1,19 @@
 """The training side of `MegatronEngine` (engine.py): its DDP wrapper, optimizer and LR schedule
 (`training_state`), and what one `train_step` computes: each micro-batch's loss with this rank's sums of
 the loss, the metrics and their extremes (`StepLoss`), the gradient reduction's time
-(`timed_grad_reduce`) and the step's scalars from the sums reduced over the data-parallel ranks
-(`step_metrics`); `assemble` puts micro-batch results (logprobs, entropy, values) back in batch order."""
+(`timed_grad_reduce`), the global batch's denominators (`global_denominators`) and the step's scalars from
+the sums reduced over the data-parallel ranks (`reduce_sums`, `step_metrics`); `assemble` puts micro-batch
+results (logprobs, entropy, values) back in batch order."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 
-from hybridrl.algo.aggregation import Denominators, aggregate
+from hybridrl.algo.aggregation import Denominators, aggregate, count
 from hybridrl.backends.megatron.config import MegatronConfig
 from hybridrl.data.batch import Batch
 from hybridrl.training.protocol import LossFn
@@ -58,12 +60,12 @@ def training_state(model, tconfig, cfg: MegatronConfig):
 
 
 def fuse_cpu_adam(optimizer) -> int:
-    """Switch the torch Adam that megatron-core builds for `optimizer="adam"` where neither Transformer Engine nor Apex is installed
-    (`torch.optim.AdamW` with torch's defaults: on CPU tensors its per-tensor loop) to torch's fused CPU kernel
-    (`fused=True`, torch >= 2.4): one pass over each parameter, its gradient and both moments, where the loop
-    makes five and allocates two parameter-sized temporaries per tensor (the square root and the quotient). At
-    ~100M parameters on a 2-core CPU: 0.04 s a step against 0.28 s, and no temporaries at the step. Only the
-    groups whose parameters are all float32 or bfloat16 CPU tensors (the fused kernel's dtypes) change; the
+    """Switch the torch Adam that megatron-core builds for `optimizer="adam"` where neither Transformer Engine nor
+    Apex is installed (`torch.optim.AdamW` with torch's defaults: on CPU tensors its per-tensor loop) to torch's
+    fused CPU kernel (`fused=True`, torch >= 2.4): one pass over each parameter, its gradient and both moments,
+    where the loop makes five and allocates two parameter-sized temporaries per tensor (the square root and the
+    quotient). At ~100M parameters on a 2-core CPU: 0.04 s a step against 0.28 s, and no temporaries at the step.
+    Only the groups whose parameters are all float32 or bfloat16 CPU tensors (the fused kernel's dtypes) change; the
     update is Adam's all the same (its last bits may differ: the fused kernel orders the arithmetic its own way).
     Returns the number of groups switched."""
     switched = 0
@@ -200,6 +202,40 @@ class StepLoss:
         if on.numel():
             for key, v in ((f"{name}_max", on.max()), (f"{name}_min", -on.min())):
                 self.highs[key] = torch.maximum(self.highs[key], v) if key in self.highs else v
+
+
+def global_denominators(engine: "MegatronEngine", rows: Batch, dp_group: Any) -> Denominators:
+    """The loss's denominators: tokens and sequences of the global batch (every data-parallel rank's)."""
+    local = count(rows["loss_mask"])
+    # on the engine's device: on a GPU the data-parallel group is NCCL, which reduces no CPU tensor
+    totals = torch.tensor([local.num_tokens, local.num_sequences], dtype=torch.float64, device=engine.device)
+    with engine._scope():
+        dist.all_reduce(totals, group=dp_group)
+    return Denominators(float(totals[0]), float(totals[1]))
+
+
+def reduce_sums(engine: "MegatronEngine", sums: dict[str, torch.Tensor], dp_group,
+                highs: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
+    """Sum over DP on the last stage (`highs`: a max over DP), then share with every stage: {name: value}."""
+    from megatron.core import parallel_state as ps
+
+    names = sorted(sums)
+    top = sorted(highs or {})
+    if engine.is_loss_rank:
+        values = (torch.stack([sums[n].to(engine.device) for n in names]) if names
+                  else torch.zeros(0, dtype=torch.float64, device=engine.device))
+        dist.all_reduce(values, group=dp_group)
+        payload = [dict(zip(names, values.tolist()))]
+        if top:
+            maxima = torch.stack([highs[n].to(engine.device).double() for n in top])
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=dp_group)
+            payload[0].update(zip(top, maxima.tolist()))
+    else:
+        payload = [None]
+    pp_group = ps.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp_group) > 1:
+        dist.broadcast_object_list(payload, src=ps.get_pipeline_model_parallel_last_rank(), group=pp_group)
+    return payload[0]
 
 
 def step_metrics(reduced: dict[str, float], grad_norm: float, lr: float, denominators: Denominators) -> dict[str, Any]:
