@@ -74,6 +74,9 @@ _.maybe_move_tensor_to_cpu  # unused attribute (hybridrl/backends/megatron/cpu_c
 _.wait_stream  # unused method (hybridrl/backends/megatron/cpu_compat.py:114)
 _.wait_event  # unused method (hybridrl/backends/megatron/cpu_compat.py:117)
 _.record_event  # unused method (hybridrl/backends/megatron/cpu_compat.py:120)
+_.fused_weight_gradient_mlp_cuda  # unused attribute (hybridrl/backends/megatron/cpu_compat.py): read by megatron tensor_parallel/layers.py
+_._grad_accum_fusion_available  # unused attribute (hybridrl/backends/megatron/cpu_compat.py): read by megatron tensor_parallel/layers.py
+wgrad_gemm_accum_fp16  # unused variable (hybridrl/backends/megatron/cpu_compat.py): called by megatron tensor_parallel/layers.py for 16-bit main_grad
 _.sequence_parallel  # unused attribute (hybridrl/backends/megatron/critic.py:33)
 _.finalize_model_grads_func  # unused attribute (hybridrl/backends/megatron/engine.py:633)
 _.no_sync_func  # unused attribute (hybridrl/backends/megatron/engine.py:634)

@@ -26,6 +26,11 @@ transformer/moe/token_dispatcher.py: maybe_move_tensor_to_cpu(as_numpy=True) -> 
     split sizes of a CPU run).
 optimizer/clip_grads.py and optimizer/optimizer.py: multi_tensor_scale_impl (megatron's local stand-in
     for Apex's) -> `multi_tensor_scale`, the same values without a temporary per tensor.
+tensor_parallel/layers.py: fused_weight_gradient_mlp_cuda (Apex's CUDA extension, absent on a CPU) ->
+    `WgradAccumulation`: LinearWithGradAccumulationAndAsyncCommunication.backward accumulates the weight
+    gradient into `main_grad` inside the product (`addmm_`) when the config's gradient_accumulation_fusion
+    is on (model.transformer_config turns it on for CPU training), instead of a parameter-sized gradient
+    per micro-batch that the DDP hook then adds.
 torch.cuda.synchronize -> no-op
     pipeline_parallel/p2p_communication.py: _communicate_shapes, _communicate;
     distributed/distributed_data_parallel.py: offload_grad_buffers / restore_grad_buffers;
@@ -81,6 +86,7 @@ def activate() -> None:
         mrandom._set_cuda_rng_state = _set_cuda_rng_state
         token_dispatcher.maybe_move_tensor_to_cpu = _to_host
         _scale_without_temporaries()
+        _accumulate_wgrad_in_place()
         _active = True
 
 
@@ -96,6 +102,34 @@ def _scale_without_temporaries() -> None:
     for module in (clip_grads, optimizer):
         if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
             module.multi_tensor_scale_impl = multi_tensor_scale
+
+
+def _accumulate_wgrad_in_place() -> None:
+    """Give megatron-core's linears a CPU `fused_weight_gradient_mlp_cuda` (see `WgradAccumulation`)."""
+    from megatron.core.tensor_parallel import layers
+
+    layers.fused_weight_gradient_mlp_cuda = WgradAccumulation
+    layers._grad_accum_fusion_available = True
+
+
+class WgradAccumulation:
+    """The two entry points of Apex's `fused_weight_gradient_mlp_cuda` on a CPU: `main_grad += grad_output^T @
+    input` for a linear's 2-D input [tokens, in] and output gradient [tokens, out].
+
+    Unfused, Megatron computes each micro-batch's weight gradient into a fresh parameter-sized tensor and the
+    DDP hook adds it to the float32 `main_grad`: a second pass over every gradient per micro-batch. Here the
+    product accumulates into `main_grad` (BLAS's beta = 1). Where the input's dtype is the gradient's, that is
+    one `addmm_`; bfloat16 activations with float32 gradients (torch has no mixed-precision CPU `mm`) take the
+    bfloat16 product, rounded once, and add it, the unfused path's values."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        if total_input.dtype == main_grad.dtype:
+            main_grad.addmm_(grad_output.t(), total_input)
+        else:
+            main_grad.add_(grad_output.t().mm(total_input))
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
 
 
 def multi_tensor_scale(_chunk_size, _noop_flag, tensor_lists, scale) -> None:

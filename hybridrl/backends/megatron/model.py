@@ -96,7 +96,10 @@ def transformer_config(spec: ModelSpec, cfg: MegatronConfig, *, device: torch.de
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        # CPU: each linear's weight gradient accumulates into main_grad inside its product (cpu_compat's
+        # WgradAccumulation). Not under LoRA: Megatron's fused path assumes every weight has a main_grad,
+        # and the frozen base has none. GPU: needs Apex, which the image does not ship.
+        gradient_accumulation_fusion=device.type == "cpu" and not cfg.lora.enabled,
         # our loss_func returns globally normalised losses: no per-micro-batch / per-DP averaging
         calculate_per_token_loss=True,
         recompute_granularity="full" if cfg.recompute_activations else None,
