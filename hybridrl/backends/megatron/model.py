@@ -97,9 +97,9 @@ def transformer_config(spec: ModelSpec, cfg: MegatronConfig, *, device: torch.de
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         # CPU: each linear's weight gradient accumulates into main_grad inside its product (cpu_compat's
-        # WgradAccumulation). Not under LoRA: Megatron's fused path assumes every weight has a main_grad,
-        # and the frozen base has none. GPU: needs Apex, which the image does not ship.
-        gradient_accumulation_fusion=device.type == "cpu" and not cfg.lora.enabled,
+        # WgradAccumulation); a frozen weight (LoRA's base) takes Megatron's linear_with_frozen_weight, which
+        # computes no weight gradient at all. GPU: needs Apex, which the image does not ship.
+        gradient_accumulation_fusion=device.type == "cpu",
         # our loss_func returns globally normalised losses: no per-micro-batch / per-DP averaging
         calculate_per_token_loss=True,
         recompute_granularity="full" if cfg.recompute_activations else None,

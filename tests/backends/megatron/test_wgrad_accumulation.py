@@ -46,12 +46,23 @@ def test_bfloat16_products_are_rounded_once_then_added_as_unfused():
     assert torch.equal(weight.main_grad, expected)
 
 
-@pytest.mark.parametrize("lora_rank, fused", [(0, True), (4, False)])
-def test_cpu_training_fuses_unless_a_frozen_base_has_no_main_grad(lora_rank, fused, tiny_models):
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_cpu_training_fuses_and_a_frozen_base_computes_no_weight_gradient(lora_rank, tiny_models):
+    from megatron.core.tensor_parallel import layers
+
     from hybridrl.backends.megatron.config import LoraConfig, MegatronConfig
     from hybridrl.backends.megatron.model import transformer_config
     from hybridrl.backends.model_spec import ModelSpec
 
     spec = ModelSpec.from_dir(tiny_models())
     cfg = MegatronConfig(lora=LoraConfig(rank=lora_rank))
-    assert transformer_config(spec, cfg, device=torch.device("cpu")).gradient_accumulation_fusion is fused
+    assert transformer_config(spec, cfg, device=torch.device("cpu")).gradient_accumulation_fusion
+    # LoRA's frozen base weights never reach the fused path (which needs a main_grad): Megatron routes a
+    # weight without requires_grad to linear_with_frozen_weight, input gradient only.
+    frozen = torch.randn(6, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    out = layers.linear_with_frozen_weight(x, frozen, None, gradient_accumulation_fusion=True,
+                                           allreduce_dgrad=False, sequence_parallel=False, tp_group=None)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(3, 6) @ frozen)
+    assert frozen.grad is None
