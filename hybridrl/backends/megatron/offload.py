@@ -13,12 +13,12 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from hybridrl.backends.heap import release_host_memory
 
 if TYPE_CHECKING:
     from hybridrl.backends.megatron.engine import MegatronEngine
@@ -58,19 +58,6 @@ def _optimizer_tensors(engine: "MegatronEngine"):
                         yield inner.state[p], key, value
 
 
-def _return_freed_memory() -> bool:
-    """Hand the memory freed tensors leave in the C allocator's heap back to the system (glibc's
-    `malloc_trim(0)`): tensors below glibc's mmap threshold (which rises to the size of the largest block
-    freed, up to 32 MiB) live in the heap, and freeing them lowers no resident size until the heap is
-    trimmed. Returns whether anything was returned; False where the C library has no malloc_trim."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
-    return bool(trim(0)) if trim is not None else False
-
-
 def offload(engine: "MegatronEngine", *, optimizer: bool, grads: bool, params: bool,
             spill_dir: Path | None = None) -> int:
     state = engine._offloaded
@@ -90,7 +77,7 @@ def offload(engine: "MegatronEngine", *, optimizer: bool, grads: bool, params: b
                 holder[key] = placeholder
         state["spilled"] = (path, [(holder, key) for holder, key, _ in records])
         records = tensor = None          # the last references to the spilled tensors
-        _return_freed_memory()           # the freed state out of the process, not only back to its heap
+        release_host_memory()            # the freed state out of the process, not only back to its heap
     if optimizer and on_device and "optimizer" not in state:
         records = []
         for holder, key, tensor in list(_optimizer_tensors(engine)):

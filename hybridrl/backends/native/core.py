@@ -6,7 +6,6 @@ tests can also drive it directly, step by step.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import time
@@ -26,6 +25,7 @@ from hybridrl.backends.native.runner import ModelRunner
 from hybridrl.backends.native.sampler import request_seed
 from hybridrl.backends.native.scheduler import Scheduler, Sequence, SeqStatus
 from hybridrl.backends.native.staging import StagedWeights
+from hybridrl.backends.heap import release_host_memory
 from hybridrl.backends.model_spec import ModelSpec
 from hybridrl.backends.native.weights import ModelWeights, hf_views, load_checkpoint
 from hybridrl.publication.digest import tensor_digests
@@ -42,16 +42,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
-
-
-def release_host_memory() -> None:
-    """Return freed heap pages to the OS (glibc keeps them otherwise); a no-op elsewhere. (No
-    gc.collect: the KV tensors are freed by reference count, and a full collection costs
-    hundreds of milliseconds in a trainer process full of Python objects.)"""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def choose_kernels(choice: str, device: torch.device, dtype: torch.dtype) -> cpu_kernels.Kernels | None:
