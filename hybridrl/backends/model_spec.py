@@ -93,6 +93,14 @@ class ModelSpec:
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def qkv_by_group(self, fused: Any) -> tuple[Any, Any, Any]:
+        """q, k, v of a fused q/k/v weight [rows, hidden] or bias [rows] whose rows run per KV group (each
+        group's query heads, then its key head, then its value head: Megatron's layout) as views [groups, rows
+        of each per group, *rest]: each the HF tensor's elements in their order, in a shape a view can have."""
+        q_rows, hd = self.heads_per_group * self.head_dim, self.head_dim
+        grouped = fused.view(self.num_kv_heads, q_rows + 2 * hd, *fused.shape[1:])
+        return grouped[:, :q_rows], grouped[:, q_rows: q_rows + hd], grouped[:, q_rows + hd:]
+
     def padded_vocab_size(self, tp: int, divisible_by: int) -> int:
         """The vocabulary padded to a multiple of `divisible_by * tp` (Megatron's embedding layout)."""
         multiple = divisible_by * tp

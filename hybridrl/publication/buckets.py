@@ -90,7 +90,10 @@ class _Views:
         return [(n, self.views[n]) for n in (names if names is not None else self.views)]
 
     def digests(self, names: Sequence[str] | None = None) -> dict[str, str]:
-        return tensor_digests(self.named(names))
+        """The sender's digests, of each tensor in its entry's shape (an engine's view may have another:
+        q/k/v it serves in a trainer's per-group layout)."""
+        shapes = {e.name: e.shape for e in self.plan.entries}
+        return tensor_digests([(n, t.reshape(shapes[n])) for n, t in self.named(names)])
 
 
 class FlatBucket(_Views):

@@ -131,11 +131,18 @@ def test_releasing_the_engines_weights_while_training_changes_nothing_trained(tm
 
 def test_an_engine_serving_the_trainers_parameters_in_place_trains_the_same_run(tmp_path, model, straight):
     """`rollout.native.trainer_weights`: each rank's engine serves its Megatron parameters in place
-    (all but q/k/v); the run is the straight one, number for number and in its weights."""
+    (all of them: q/k/v in Megatron's per-group layout); the run is the straight one, number for number and
+    in its weights."""
+    import re
+
+    from safetensors.torch import load_file
+
     proc = hybridrl_train(RECIPE, f"model.path={model}", *STRAIGHT, f"run.dir={tmp_path}",
                           "rollout.native.trainer_weights=share")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "of the trainer's parameters in place" in proc.stderr
+    model_mib = sum(t.numel() * 4 for t in load_file(str(model / "model.safetensors")).values()) / 2**20
+    served = [float(m) for m in re.findall(r"serves ([0-9.]+) MiB of the trainer's parameters in place", proc.stderr)]
+    assert served and all(mib == round(model_mib, 1) for mib in served), (served, model_mib)
     assert_same_run(straight, tmp_path, from_step=0)
 
 

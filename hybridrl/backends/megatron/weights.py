@@ -202,13 +202,18 @@ def group_specs(adapter: DecoderAdapter, dtype: torch.dtype) -> list[list[tuple[
 
 
 def lendable_views(adapter: DecoderAdapter, params: Mapping[Slot, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
-    """HF name -> a view of this rank's own parameter, for every exported slot held whole here whose HF layout is
-    the parameter's own (`adapter.to_hf` of its one shard is a view: everything but the fused q/k/v, which
-    Megatron interleaves per KV group; a padded vocabulary's first rows). Call at PP = 1."""
+    """HF name -> a view of this rank's own parameter, for every exported slot held whole here: where the HF
+    layout is the parameter's own, in the HF shape (`adapter.to_hf` of its one shard is a view; a padded
+    vocabulary's first rows); the fused q/k/v, which Megatron interleaves per KV group, as views [groups,
+    rows per group, *rest] whose elements are the HF tensor's in its order (`adapter.grouped_qkv`), which an
+    engine that keeps that layout serves as they are. Call at PP = 1."""
     out: dict[str, torch.Tensor] = {}
     for slot, param in params.items():
-        if (slot.exported and slot.split is not Split.QKV and adapter.tp_of(slot) == 1
-                and (slot.expert is None or adapter.ep == 1)):
+        if not slot.exported or adapter.tp_of(slot) != 1 or (slot.expert is not None and adapter.ep != 1):
+            continue
+        if slot.split is Split.QKV:
+            out.update(zip(slot.hf_names, adapter.grouped_qkv(param.detach())))
+        else:
             out.update(adapter.to_hf(slot, [param.detach()]))
     return out
 

@@ -81,6 +81,8 @@ class EngineCore:
         self.base_views = hf_views(self.weights, spec)
         self.lora = LoraWeights(spec, lora, dtype=dtype, device=device) if lora is not None else None
         self.views = self.lora.views if self.lora is not None else self.base_views
+        # what `update_weights` takes: the HF shapes (a view of q/k/v served in a trainer's layout has another)
+        self.spec_shapes = {name: (tuple(t.shape), t.dtype) for name, t in self.views.items()}
         self.num_blocks, self.max_model_len = self._size_cache(spec, cfg, dtype)
         kernels = choose_kernels(cfg.kernels, device, dtype)
         self.kernels = "c" if kernels is not None else "torch"
@@ -287,7 +289,11 @@ class EngineCore:
     # -- weights ------------------------------------------------------------------------------
 
     def weight_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {name: (tuple(t.shape), t.dtype) for name, t in self.views.items()}
+        return dict(self.spec_shapes)
+
+    def held_tensor(self, name: str) -> torch.Tensor:
+        """The engine's tensor `name` in its HF shape (a copy where its view cannot have that shape)."""
+        return self.views[name].reshape(self.spec_shapes[name][0])
 
     @property
     def policy_version(self) -> int:
@@ -305,7 +311,7 @@ class EngineCore:
         self.counters["weight_tensors_copied"] += len(items)
         bad = []
         if digests is not None:
-            held = tensor_digests([(name, self.views[name]) for name, _ in items])
+            held = tensor_digests([(name, self.held_tensor(name)) for name, _ in items])
             bad = [name for name, _ in items if held[name] != digests.get(name)]
         self._arrived([name for name, _ in items if name not in bad], version)
         if bad:
@@ -398,7 +404,7 @@ class EngineCore:
         into the flat weight buffer) go as one copy."""
         with torch.no_grad():
             for dst, src in _runs([(self.views[name], t) for name, t in items]):
-                dst.copy_(src)
+                dst.copy_(src.view(dst.shape) if src.shape != dst.shape else src)
 
     # -- memory -------------------------------------------------------------------------------
 

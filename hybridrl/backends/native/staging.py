@@ -37,7 +37,7 @@ class StagedWeights:
         self._arrivals.check(version)
         if self._arrivals.pending != version:
             self._tensors, self._digests = {}, {}
-        copies = {name: self._views[name].new_empty(self._views[name].shape).copy_(t) for name, t in items}
+        copies = {name: self._views[name].new_empty(t.shape).copy_(t) for name, t in items}
         bad: list[str] = []
         if digests is not None:
             held = tensor_digests(list(copies.items()))

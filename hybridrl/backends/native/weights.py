@@ -1,7 +1,10 @@
 """The engine's weights: fused buffers, their HF-named views, loading and validated in-place updates.
 
 q/k/v projections live in one fused `qkv` matrix per layer and gate/up in one `gate_up` matrix,
-so a layer runs two matmuls where HF runs five; a sparse layer's experts live in one block, each
+so a layer runs two matmuls where HF runs five. `qkv` is [q; k; v] as loaded, or, once it serves a trainer's
+fused q/k/v in place (`share_from`), that trainer's layout: for each KV group in turn its query heads, its key
+head, its value head (Megatron's), `ModelWeights.qkv_groups` saying which; the model then reorders the
+product's columns (`qkv_columns`), never the weights. a sparse layer's experts live in one block, each
 expert's gate, up and down matrices side by side (the order a publication sends them), seen as
 `w13` [experts, 2I, hidden] and `w2` [experts, hidden, I]. Every HF tensor name maps to a *view* into
 those buffers (`hf_views`), so loading a checkpoint and `update_weights` both copy straight into
@@ -64,6 +67,7 @@ class ModelWeights:
     norm: torch.Tensor                  # [hidden]
     lm_head: torch.Tensor               # [vocab, hidden]; the embedding itself when tied
     flat: torch.Tensor | None = None    # [total]: the one buffer every tensor above is a view of
+    qkv_groups: int = 1                 # q/k/v rows as this many groups of [q heads; k heads; v heads]
 
     @classmethod
     def empty(cls, spec: ModelSpec, *, dtype: torch.dtype, device: torch.device) -> "ModelWeights":
@@ -112,22 +116,17 @@ class ModelWeights:
         instead of this buffer; the rest move into a new buffer of their own, and the old one is freed once
         nothing else holds it. Returns the bytes now shared. What a trainer in the same process lends
         (`rollout.native.trainer_weights`): its parameters are then the served weights."""
-        views = hf_views(self, spec)
         fields = self.fields()
-        starts = sorted((getattr(h, a).data_ptr(), i) for i, (h, a) in enumerate(fields))
-        members: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        for name, view in views.items():
-            i = starts[bisect.bisect_right(starts, (view.data_ptr(), len(fields))) - 1][1]
-            members.setdefault(i, []).append((name, view))
-        shared, own = {}, []
-        for i, (holder, attr) in enumerate(fields):
-            adopted = _lent(getattr(holder, attr), members.get(i, []), source)
-            if adopted is None:
-                own.append((holder, attr))
-            else:
-                shared[i] = adopted
+        groups = spec.num_kv_heads if grouped_qkv_offered(spec, source) else 1
+        shared = _adoptions(fields, hf_views(self, spec, qkv_groups=groups), source)
+        qkv = [i for i, (_, attr) in enumerate(fields) if attr in ("qkv", "qkv_bias")]
+        if groups != self.qkv_groups and not all(i in shared for i in qkv):
+            groups = self.qkv_groups                      # q/k/v change layout only all together
+            shared = _adoptions(fields, hf_views(self, spec), source)
         if not shared:
             return 0
+        own = [field for i, field in enumerate(fields) if i not in shared]
+        self.qkv_groups = groups
         for i, adopted in shared.items():
             holder, attr = fields[i]
             setattr(holder, attr, adopted)
@@ -161,10 +160,24 @@ class ModelWeights:
                     yield value
 
 
+def _adoptions(fields: list[tuple[object, str]], views: Mapping[str, torch.Tensor],
+               source: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Index in `fields` -> that stored tensor as a view of `source`'s storage, for every field whose HF views
+    (`views`, this engine's) `source` lends laid out exactly as they lie in the field (`_lent`)."""
+    starts = sorted((getattr(h, a).data_ptr(), i) for i, (h, a) in enumerate(fields))
+    members: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, view in views.items():
+        i = starts[bisect.bisect_right(starts, (view.data_ptr(), len(fields))) - 1][1]
+        members.setdefault(i, []).append((name, view))
+    adopted = {i: _lent(getattr(holder, attr), members.get(i, []), source) for i, (holder, attr) in enumerate(fields)}
+    return {i: t for i, t in adopted.items() if t is not None}
+
+
 def _lent(field: torch.Tensor, members: list[tuple[str, torch.Tensor]],
           source: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """`field` as a view of `source`'s storage, where the source's tensors of the field's HF names (`members`:
-    name, this engine's view of it) tile it exactly as the engine's views do; else None."""
+    name, this engine's view of it) tile it exactly as the engine's views do (same shapes and strides, at the
+    same offsets from one base in one storage); else None."""
     if not members or sum(v.numel() for _, v in members) != field.numel() or not field.is_contiguous():
         return None
     size = field.element_size()
@@ -172,7 +185,7 @@ def _lent(field: torch.Tensor, members: list[tuple[str, torch.Tensor]],
     for name, view in members:
         src = source.get(name)
         if (src is None or src.dtype != field.dtype or src.device != field.device or src.shape != view.shape
-                or not src.is_contiguous() or not view.is_contiguous()):
+                or src.stride() != view.stride()):
             return None
         offset = (view.data_ptr() - field.data_ptr()) // size
         if first is None:
@@ -185,6 +198,22 @@ def _lent(field: torch.Tensor, members: list[tuple[str, torch.Tensor]],
     return first.detach().as_strided(field.shape, field.stride(), base)
 
 
+def grouped_qkv_offered(spec: ModelSpec, source: Mapping[str, torch.Tensor]) -> bool:
+    """Whether `source` lends q/k/v in the per-group layout (`ModelSpec.qkv_by_group`'s views; a Megatron
+    trainer's)."""
+    q = source.get("model.layers.0.self_attn.q_proj.weight")
+    return (spec.num_kv_heads > 1 and q is not None and q.dim() == 3
+            and tuple(q.shape[:2]) == (spec.num_kv_heads, spec.heads_per_group * spec.head_dim))
+
+
+def qkv_columns(spec: ModelSpec, groups: int) -> torch.Tensor:
+    """Column indices that reorder a product with q/k/v rows in `groups` groups into [q; k; v]."""
+    q_rows, hd = spec.q_size // groups, spec.kv_size // groups
+    per = torch.arange(groups * (q_rows + 2 * hd)).view(groups, q_rows + 2 * hd)
+    return torch.cat([per[:, :q_rows].reshape(-1), per[:, q_rows: q_rows + hd].reshape(-1),
+                      per[:, q_rows + hd:].reshape(-1)])
+
+
 def expert_views(experts: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """The [experts, 3 * I * hidden] block as w13 [experts, 2I, hidden] (gate rows, then up rows) and
     w2 [experts, hidden, I] (down): strided views, each expert's matrices contiguous."""
@@ -195,9 +224,12 @@ def expert_views(experts: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, 
     return w13, w2
 
 
-def hf_views(weights: ModelWeights, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """HF parameter name -> a view into the engine's storage with the HF shape."""
+def hf_views(weights: ModelWeights, spec: ModelSpec, *, qkv_groups: int | None = None) -> dict[str, torch.Tensor]:
+    """HF parameter name -> a view into the engine's storage with the HF shape; q/k/v stored per KV group
+    (`qkv_groups` > 1, by default the weights' own) are [groups, rows per group, *rest] views instead, their
+    elements in the HF tensor's order (`ModelSpec.qkv_by_group`)."""
     q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
+    groups = weights.qkv_groups if qkv_groups is None else qkv_groups
     views = {"model.embed_tokens.weight": weights.embed, "model.norm.weight": weights.norm}
     if not spec.tie_word_embeddings:
         views["lm_head.weight"] = weights.lm_head
@@ -205,10 +237,13 @@ def hf_views(weights: ModelWeights, spec: ModelSpec) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         views[p + "input_layernorm.weight"] = layer.input_norm
         views[p + "post_attention_layernorm.weight"] = layer.post_norm
-        for name, rows in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, q + 2 * kv))):
-            views[p + f"self_attn.{name}.weight"] = layer.qkv[rows]
-            if layer.qkv_bias is not None:
-                views[p + f"self_attn.{name}.bias"] = layer.qkv_bias[rows]
+        for kind, fused in (("weight", layer.qkv), ("bias", layer.qkv_bias)):
+            if fused is None:
+                continue
+            parts = (spec.qkv_by_group(fused) if groups > 1
+                     else (fused[:q], fused[q: q + kv], fused[q + kv: q + 2 * kv]))
+            for name, part in zip(("q_proj", "k_proj", "v_proj"), parts):
+                views[p + f"self_attn.{name}.{kind}"] = part
         if layer.q_norm is not None:
             views[p + "self_attn.q_norm.weight"] = layer.q_norm
             views[p + "self_attn.k_norm.weight"] = layer.k_norm

@@ -134,6 +134,66 @@ def test_an_engine_serving_a_lenders_tensors_in_place_follows_them_and_frees_its
     assert [o.logprobs for o in generate_all(engine, prompts, greedy, tag="again")] == [o.logprobs for o in before]
 
 
+def test_q_k_v_lent_per_kv_group_are_served_in_place_in_that_layout(tiny_models, make_engine):
+    """A lender whose fused q/k/v rows run per KV group (Megatron's linear_qkv: each group's query heads, key
+    head, value head) lends them as views in that order (`ModelSpec.qkv_by_group`): the engine serves every
+    tensor in place, q/k/v included, reorders its product's columns, and still takes HF-shaped updates
+    (copied into the lender's layout, read back against the sender's digests)."""
+    from hybridrl.backends.native.weights import ModelWeights, hf_views
+    from hybridrl.publication.digest import tensor_digests
+
+    model = tiny_models("qwen2", **SHAPE)
+    engine = make_engine(model)
+    core = engine.core
+    spec = core.spec
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = prompts_of([5, 9, 13, 40])
+    before = generate_all(engine, prompts, greedy)
+    sampled = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
+    before_sampled = generate_all(engine, prompts, sampled, tag="s")
+
+    lender = ModelWeights.empty(spec, dtype=torch.float32, device=torch.device("cpu"))
+    lender.qkv_groups = spec.num_kv_heads             # its q/k/v rows per group, as Megatron lays them out
+    lent = hf_views(lender, spec)
+    assert lent["model.layers.0.self_attn.q_proj.weight"].shape == (2, 3 * spec.head_dim, spec.hidden_size)
+    hf = load_file(str(model / "model.safetensors"))
+    with torch.no_grad():
+        for name, view in lent.items():
+            view.copy_(hf[name].view(view.shape))
+    total = core.weights.flat.numel() * 4
+    assert asyncio.run(engine.share_weights(lent)) == total      # every tensor, q/k/v included
+    assert core.weights.flat.numel() == 0 and core.weights.qkv_groups == spec.num_kv_heads
+    layer = lender.layers[1]
+    assert core.weights.layers[1].qkv.data_ptr() == layer.qkv.data_ptr()
+    assert core.weight_spec()["model.layers.1.self_attn.q_proj.weight"] == ((spec.q_size, spec.hidden_size),
+                                                                          torch.float32)
+    after = generate_all(engine, prompts, greedy, tag="shared")
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
+    assert torch.allclose(torch.tensor([o.logprobs for o in after]), torch.tensor([o.logprobs for o in before]),
+                          atol=1e-5, rtol=0)
+    assert ([o.token_ids for o in generate_all(engine, prompts, sampled, tag="s2")]
+            == [o.token_ids for o in before_sampled])
+
+    # an HF-shaped update lands in the lender's layout and reads back against the sender's digests
+    k_name, bias_name = "model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.bias"
+    new_k, new_bias = hf[k_name] * 2.0, hf[bias_name] - 1.0
+    asyncio.run(engine.sleep())
+    asyncio.run(engine.wake_up())
+    update = [(n, {k_name: new_k, bias_name: new_bias}.get(n, t)) for n, t in hf.items()]    # a whole version
+    asyncio.run(engine.update_weights(update, version=1, digests=tensor_digests(update)))
+    assert engine.policy_version == 1
+    rows = spec.heads_per_group * spec.head_dim
+    grouped = layer.qkv.view(spec.num_kv_heads, rows + 2 * spec.head_dim, -1)
+    assert torch.equal(grouped[:, rows: rows + spec.head_dim].reshape(new_k.shape), new_k)
+    assert torch.equal(layer.qkv_bias.view(spec.num_kv_heads, -1)[:, rows + spec.head_dim:].reshape(-1), new_bias)
+    assert torch.equal(core.held_tensor(k_name), new_k)
+
+    reference = make_engine(model)                    # its own [q; k; v] storage, the same update
+    asyncio.run(reference.update_weights(update, version=1))
+    changed = generate_all(engine, prompts, greedy, tag="changed")
+    assert [o.token_ids for o in changed] == [o.token_ids for o in generate_all(reference, prompts, greedy, tag="ref")]
+
+
 @pytest.mark.parametrize("overrides,why", [
     (["train.lora.rank=4"], "train.lora.rank=0"),
     (DISAGGREGATED, "placement.mode=colocated"),

@@ -346,15 +346,15 @@ class DecoderAdapter:
         v = v.reshape(s.num_kv_heads, s.head_dim, *tail)
         return torch.cat([q, k, v], dim=1).reshape(-1, *tail)    # [groups * (qpg + 2) * head_dim, ...]
 
+    def grouped_qkv(self, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v of a whole fused q/k/v weight or bias as views of it (`ModelSpec.qkv_by_group`); with one KV
+        group, views in the HF shape."""
+        parts = self.spec.qkv_by_group(fused)
+        return tuple(p[0] for p in parts) if self.spec.num_kv_heads == 1 else parts
+
     def _unfuse_qkv(self, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        s = self.spec
         tail = fused.shape[1:]
-        grouped = fused.reshape(s.num_kv_heads, (s.heads_per_group + 2) * s.head_dim, *tail)
-        q_rows = s.heads_per_group * s.head_dim
-        q = grouped[:, :q_rows].reshape(-1, *tail)
-        k = grouped[:, q_rows: q_rows + s.head_dim].reshape(-1, *tail)
-        v = grouped[:, q_rows + s.head_dim:].reshape(-1, *tail)
-        return q, k, v
+        return tuple(p.reshape(-1, *tail) for p in self.spec.qkv_by_group(fused.contiguous()))
 
     # ----------------------------------------------------------------- whole state dicts (offline)
 
