@@ -138,12 +138,14 @@ def test_an_engine_serving_the_trainers_parameters_in_place_trains_the_same_run(
     from safetensors.torch import load_file
 
     proc = hybridrl_train(RECIPE, f"model.path={model}", *STRAIGHT, f"run.dir={tmp_path}",
-                          "rollout.native.trainer_weights=share")
+                          "rollout.native.trainer_weights=share", "publish.verify=structure")   # written in place
     assert proc.returncode == 0, proc.stderr[-4000:]
     model_mib = sum(t.numel() * 4 for t in load_file(str(model / "model.safetensors")).values()) / 2**20
     served = [float(m) for m in re.findall(r"serves ([0-9.]+) MiB of the trainer's parameters in place", proc.stderr)]
     assert served and all(mib == round(model_mib, 1) for mib in served), (served, model_mib)
-    assert_same_run(straight, tmp_path, from_step=0)
+    in_place = [r["publish/in_place"] for r in read_metrics(tmp_path) if "publish/in_place" in r]
+    assert in_place and set(in_place) == {1.0}                      # every publication wrote in place
+    assert_same_run(straight, tmp_path, from_step=0, ignore=("publish/in_place",))
 
 
 def test_sft_demonstrations_follow_the_task_seed_not_the_run_seed(model):

@@ -58,8 +58,9 @@ class NativeEngineConfig:
     trainer_weights: str = knob(
         "copy", "colocated placement: how the engine holds what the trainer publishes. copy (its own copy of every "
                 "tensor) | share (serve the trainer's own parameters in place wherever their layout is the engine's: "
-                "at train.tp = pp = 1 every tensor but the fused q/k/v projections, which Megatron interleaves per "
-                "KV group; no second copy of them, and a publication copies only the rest, hashing every tensor; "
+                "at train.tp = pp = 1 every tensor, the fused q/k/v projections in Megatron's per-KV-group layout; "
+                "no second copy of the model, and a publication hashes every tensor and copies none (but under "
+                "publish.verify=post_copy, which compares a copy with what was sent); "
                 "needs train.engine=megatron without LoRA, colocated, train.tp = pp = 1, one dtype on both sides, "
                 "release_weights off and a CPU device, refused at load or on the device otherwise) | auto (share "
                 "where it applies, copy elsewhere)")

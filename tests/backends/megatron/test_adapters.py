@@ -47,6 +47,35 @@ def test_qkv_fused_per_query_group_and_split_by_whole_groups():
     assert rank1 == [4, 5, 6, 7, 102, 103, 202, 203]
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_lent_qkv_views_are_the_fused_parameter_holding_the_hf_tensors_in_order(kv_heads):
+    """`lendable_views` lends the fused q/k/v as views of the parameter itself ([groups, rows per group,
+    *rest]; with one group in the HF shape): reshaped to the HF shape each is the HF tensor, and a publication
+    un-fusing the parameter onto those views (`write_hf`) leaves the parameter as it was."""
+    from hybridrl.backends.megatron.weights import lendable_views
+
+    adapter = Qwen2Adapter(ModelSpec.from_hf_config(Qwen2Config(**_spec_config(num_key_value_heads=kv_heads))))
+    s = adapter.spec
+    slots = [x for x in adapter.layer_slots(0) if x.role in (Role.QKV_WEIGHT, Role.QKV_BIAS)]
+    g = torch.Generator().manual_seed(0)
+    params = {}
+    for slot in slots:
+        hf = {n: torch.randn(shape, generator=g) for n, shape in adapter.hf_shapes().items() if n in slot.hf_names}
+        params[slot] = torch.nn.Parameter(adapter.from_hf(slot, hf, 0))
+        lent = lendable_views(adapter, {slot: params[slot]})
+        before = params[slot].detach().clone()
+        for name in slot.hf_names:
+            view = lent[name]
+            assert view.untyped_storage().data_ptr() == params[slot].untyped_storage().data_ptr()
+            assert torch.equal(view.reshape(hf[name].shape), hf[name]), name
+            if kv_heads == 1:
+                assert view.shape == hf[name].shape
+            else:
+                assert view.dim() == hf[name].dim() + 1 and view.shape[0] == s.num_kv_heads
+        adapter.write_hf(slot, [params[slot].detach()], lent)
+        assert torch.equal(params[slot].detach(), before)
+
+
 def test_fc1_is_gate_then_up_per_tp_rank():
     adapter = LlamaAdapter(ModelSpec.from_hf_config(LlamaConfig(**_spec_config())), tp=2)
     gate = torch.arange(12.0).unsqueeze(1).expand(12, 8)

@@ -318,15 +318,15 @@ class DecoderAdapter:
                 col += shard.shape[1]
         elif split is Split.QKV:                          # each shard holds whole KV groups: [q..., k, v] each
             q_rows = s.heads_per_group * s.head_dim
-            tail = out[names[0]].shape[1:]
+            tail = shards[0].shape[1:]                  # (hidden,) or (): out[name] may be a [groups, rows, ...] view
             q, k, v = (out[n].view(s.num_kv_heads, -1, *tail) for n in names)
             group = 0
             for shard in shards:
                 grouped = shard.reshape(-1, q_rows + 2 * s.head_dim, *tail)
                 g = slice(group, group + grouped.shape[0])
-                q[g].copy_(grouped[:, :q_rows])
-                k[g].copy_(grouped[:, q_rows: q_rows + s.head_dim])
-                v[g].copy_(grouped[:, q_rows + s.head_dim:])
+                _copy(q[g], grouped[:, :q_rows])
+                _copy(k[g], grouped[:, q_rows: q_rows + s.head_dim])
+                _copy(v[g], grouped[:, q_rows + s.head_dim:])
                 group += grouped.shape[0]
         elif split is Split.GATE_UP:                      # each shard is [gate_r; up_r]
             row = 0
@@ -390,6 +390,18 @@ class DecoderAdapter:
     def slot_of_hf_name(self) -> dict[str, Slot]:
         """HF name -> the exported slot that holds it."""
         return {n: s for s in self.slots() if s.exported for n in s.hf_names}
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src), nothing where both are the same elements of one storage (an engine serving the
+    parameter in place lends views of it: un-fusing it onto them writes nothing), which torch would take
+    for an overlapping copy where a dimension of one element has another stride."""
+    if (dst.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() and dst.shape == src.shape
+            and dst.dtype == src.dtype
+            and dst.storage_offset() == src.storage_offset()
+            and all(a == b for a, b, n in zip(dst.stride(), src.stride(), dst.shape) if n > 1)):
+        return
+    dst.copy_(src)
 
 
 def _join(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
