@@ -252,7 +252,7 @@ def compare(model: str, args: argparse.Namespace, settings: dict, extra: list[st
     """The interleaved pairs (or rounds of three with --base) on one model; the summary over them."""
     settings = {**settings, "dtype": args.dtype}
     extra = [*(BF16 if args.dtype == "bfloat16" else []), *extra]
-    venv, base = Path(args.trl_venv), Path(args.base).resolve() if args.base else None
+    venv, base = Path(args.trl_venv).resolve(), Path(args.base).resolve() if args.base else None
     sides = ["hybridrl"] + ([] if args.no_trl else ["trl"]) + (["base"] if base else [])
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     with tempfile.TemporaryDirectory(prefix="hybridrl-vs-trl-") as tmp:
@@ -330,7 +330,7 @@ def main() -> int:
         raise SystemExit(f"--model-size: unknown {unknown}; the sizes are {sorted(SIZES)}")
     if args.steps <= WARMUP:
         raise SystemExit(f"--steps must exceed the {WARMUP} warm-up steps")
-    venv = Path(args.trl_venv)
+    venv = Path(args.trl_venv).resolve()
     if not args.no_trl and not (venv / "bin" / "python").exists():
         if not args.install_trl:
             raise SystemExit(f"no TRL environment at {venv}: pass --install-trl to create it (pip, a few minutes), "
