@@ -89,11 +89,14 @@ class _Views:
     def named(self, names: Sequence[str] | None = None) -> list[tuple[str, torch.Tensor]]:
         return [(n, self.views[n]) for n in (names if names is not None else self.views)]
 
+    @functools.cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {e.name: tuple(e.shape) for e in self.plan.entries}
+
     def digests(self, names: Sequence[str] | None = None) -> dict[str, str]:
         """The sender's digests, of each tensor in its entry's shape (an engine's view may have another:
         q/k/v it serves in a trainer's per-group layout)."""
-        shapes = {e.name: e.shape for e in self.plan.entries}
-        return tensor_digests([(n, t.reshape(shapes[n])) for n, t in self.named(names)])
+        return tensor_digests([(n, t.reshape(self.shapes[n])) for n, t in self.named(names)])
 
 
 class FlatBucket(_Views):

@@ -121,7 +121,7 @@ class CausalLM:
         self.lora = lora
         self.kernels = kernels
         self.scale = spec.head_dim ** -0.5
-        self._columns: dict[int, torch.Tensor] = {}     # qkv_groups -> `qkv_columns`
+        self._columns: torch.Tensor | None = None      # `qkv_columns`, once the weights are per KV group
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
@@ -140,10 +140,10 @@ class CausalLM:
             return residual_linear(residual, h, weight, bias)
         return F.linear(h, weight, bias)
 
-    def qkv_columns(self, groups: int, device: torch.device) -> torch.Tensor:
-        if groups not in self._columns:
-            self._columns[groups] = qkv_columns(self.spec, groups).to(device)
-        return self._columns[groups]
+    def qkv_columns(self, device: torch.device) -> torch.Tensor:
+        if self._columns is None:
+            self._columns = qkv_columns(self.spec).to(device)
+        return self._columns
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_rows: torch.Tensor, routing: torch.Tensor | None = None) -> torch.Tensor:
@@ -166,7 +166,7 @@ class CausalLM:
             h = self.norm(x, layer.input_norm)
             qkv = add_low_rank_(self.linear(h, layer.qkv, layer.qkv_bias), h, ad.get("qkv"), s)   # [N, q + 2 kv]
             if w.qkv_groups > 1:             # rows a trainer lends per KV group: its product's columns to [q; k; v]
-                qkv = qkv.index_select(1, self.qkv_columns(w.qkv_groups, qkv.device))
+                qkv = qkv.index_select(1, self.qkv_columns(qkv.device))
             qk = qkv[:, : q_size + kv_size].view(n, heads, hd)
             if layer.q_norm is not None:                                       # Qwen3: per-head RMSNorm
                 qk[:, : spec.num_heads] = rms_norm(qk[:, : spec.num_heads], layer.q_norm, spec.rms_norm_eps)

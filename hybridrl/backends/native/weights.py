@@ -4,7 +4,7 @@ q/k/v projections live in one fused `qkv` matrix per layer and gate/up in one `g
 so a layer runs two matmuls where HF runs five. `qkv` is [q; k; v] as loaded, or, once it serves a trainer's
 fused q/k/v in place (`share_from`), that trainer's layout: for each KV group in turn its query heads, its key
 head, its value head (Megatron's), `ModelWeights.qkv_groups` saying which; the model then reorders the
-product's columns (`qkv_columns`), never the weights. a sparse layer's experts live in one block, each
+product's columns (`qkv_columns`), never the weights. A sparse layer's experts live in one block, each
 expert's gate, up and down matrices side by side (the order a publication sends them), seen as
 `w13` [experts, 2I, hidden] and `w2` [experts, hidden, I]. Every HF tensor name maps to a *view* into
 those buffers (`hf_views`), so loading a checkpoint and `update_weights` both copy straight into
@@ -112,7 +112,7 @@ class ModelWeights:
 
     def share_from(self, spec: ModelSpec, source: Mapping[str, torch.Tensor]) -> int:
         """Make every stored tensor whose HF tensors `source` holds, laid out exactly as here (same dtype,
-        device and shapes, back to back in one storage in this tensor's order), a view of `source`'s storage
+        device, shapes and strides, at this tensor's offsets in one storage), a view of `source`'s storage
         instead of this buffer; the rest move into a new buffer of their own, and the old one is freed once
         nothing else holds it. Returns the bytes now shared. What a trainer in the same process lends
         (`rollout.native.trainer_weights`): its parameters are then the served weights."""
@@ -206,12 +206,11 @@ def grouped_qkv_offered(spec: ModelSpec, source: Mapping[str, torch.Tensor]) -> 
             and tuple(q.shape[:2]) == (spec.num_kv_heads, spec.heads_per_group * spec.head_dim))
 
 
-def qkv_columns(spec: ModelSpec, groups: int) -> torch.Tensor:
-    """Column indices that reorder a product with q/k/v rows in `groups` groups into [q; k; v]."""
-    q_rows, hd = spec.q_size // groups, spec.kv_size // groups
-    per = torch.arange(groups * (q_rows + 2 * hd)).view(groups, q_rows + 2 * hd)
-    return torch.cat([per[:, :q_rows].reshape(-1), per[:, q_rows: q_rows + hd].reshape(-1),
-                      per[:, q_rows + hd:].reshape(-1)])
+def qkv_columns(spec: ModelSpec) -> torch.Tensor:
+    """Column indices that reorder a product whose q/k/v rows run per KV group (`ModelSpec.qkv_by_group`)
+    into [q; k; v]: that layout's q, k and v read off the row numbers."""
+    rows = torch.arange(spec.q_size + 2 * spec.kv_size)
+    return torch.cat([part.reshape(-1) for part in spec.qkv_by_group(rows)])
 
 
 def expert_views(experts: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
