@@ -113,12 +113,16 @@ def server_of(cfg: Any, tool: str) -> tuple[dict[str, Any], str] | None:
     return None
 
 
+# the temporary directories the tool sandbox replaces with its own (empty) ones: a server's files there are not seen
+SANDBOX_OWN_TEMP = ("/tmp/", "/var/tmp/", "/dev/shm/")
+
+
 def launch(server: McpServerConfig, python: str) -> tuple[list[str], dict[str, str], list[str]]:
     """(argv, environment, paths to bind read-only) of a server: `python` is the tools' interpreter, files of
     the command are made absolute and visible, and this interpreter's site-packages are on PYTHONPATH."""
     argv = [python if c == "python" else c for c in server.command]
     for c in argv[1:]:
-        if os.path.exists(c) and os.path.abspath(c).startswith(("/tmp/", "/var/tmp/", "/dev/shm/")):
+        if os.path.exists(c) and os.path.abspath(c).startswith(SANDBOX_OWN_TEMP):
             raise ValueError(f"MCP server {server.name!r}: {c} is under a temporary directory, which the sandbox "
                              "replaces with its own: put the server's files elsewhere")
     argv = [os.path.abspath(c) if os.path.exists(c) and c != python else c for c in argv]

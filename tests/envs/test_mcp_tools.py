@@ -20,6 +20,7 @@ import pytest
 from hybridrl.agent.actions import ToolCall
 from hybridrl.agent.config import AgentConfig, ToolsConfig
 from hybridrl.agent.loop import AgentRunner
+from hybridrl.agent.mcp import SANDBOX_OWN_TEMP
 from hybridrl.agent.tools.base import ToolBox
 from hybridrl.config import ConfigError, load_config
 from hybridrl.data.episode import TaskInstance
@@ -30,6 +31,10 @@ from tests.envs.episodes import RecordingEngine, check_tokens
 from tests.launch import ROOT
 
 pytest.importorskip("fastmcp", reason="pip install -e .[mcp]")
+if f"{ROOT}/".startswith(SANDBOX_OWN_TEMP):        # the servers below are files of the checkout
+    pytest.skip(f"the checkout {ROOT} is under a temporary directory, which the tool sandbox replaces with its own, "
+                "so its MCP servers cannot start (hybridrl refuses them, saying so): run from a checkout elsewhere",
+                allow_module_level=True)
 
 SERVERS = [{"name": "arith", "command": ["python", f"{ROOT}/recipes/envs/mcp_arith_server.py"]},
            {"name": "bad", "command": ["python", f"{ROOT}/tests/envs/servers/mcp_hostile_server.py"], "timeout_s": 4}]
