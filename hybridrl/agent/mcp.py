@@ -45,6 +45,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from hybridrl.agent.actions import ToolSpec
+from hybridrl.agent.sandbox.pool import SANDBOX_WORKDIR
 from hybridrl.agent.tools.base import ToolResult
 from hybridrl.config.fields import ConfigValueError
 from hybridrl.envs.config import check_loopback_url
@@ -113,8 +114,9 @@ def server_of(cfg: Any, tool: str) -> tuple[dict[str, Any], str] | None:
     return None
 
 
-# the temporary directories the tool sandbox replaces with its own (empty) ones: a server's files there are not seen
-SANDBOX_OWN_TEMP = ("/tmp/", "/var/tmp/", "/dev/shm/")
+# temporary directories a server's files may not live in: inside the sandbox /tmp is the tool's own tmpfs
+# (SANDBOX_WORKDIR) and /dev a minimal one of its own, so files there are not seen; /var/tmp is refused alike
+SANDBOX_OWN_TEMP = (f"{SANDBOX_WORKDIR}/", "/var/tmp/", "/dev/shm/")
 
 
 def launch(server: McpServerConfig, python: str) -> tuple[list[str], dict[str, str], list[str]]:
