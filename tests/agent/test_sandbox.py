@@ -475,9 +475,17 @@ def test_pools_in_one_host_never_share_a_uid():
 
 
 KILLED_PARENT = """
-import asyncio, json, sys
+import asyncio, json, sys, tempfile
 from hybridrl.agent.config import ToolsConfig
 from hybridrl.agent.sandbox.pool import SandboxPool
+
+_mkdtemp = tempfile.mkdtemp
+def mkdtemp(*args, **kwargs):        # each directory this pool makes, named in sys.argv[1] as it is made
+    path = _mkdtemp(*args, **kwargs)
+    with open(sys.argv[1], "a") as made:
+        made.write(path + "\\n")
+    return path
+tempfile.mkdtemp = mkdtemp
 
 async def main():
     pool = await SandboxPool(ToolsConfig(pool_size=2, warm=2, timeout_s=600)).start()
@@ -489,7 +497,7 @@ asyncio.run(main())
 """
 
 
-def test_a_killed_parent_leaves_no_sandbox_behind():
+def test_a_killed_parent_leaves_no_sandbox_behind(tmp_path):
     import json
     import signal
     import subprocess
@@ -497,8 +505,8 @@ def test_a_killed_parent_leaves_no_sandbox_behind():
 
     from tests.launch import env_with_repo
 
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "hybridrl-sbx-*")))
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_PARENT], cwd=ROOT, env=env_with_repo(),
+    made = tmp_path / "made"        # the pool's own directories: other tests' sandboxes come and go beside it
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_PARENT, str(made)], cwd=ROOT, env=env_with_repo(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     info = json.loads(proc.stdout.readline())
     if info["mode"] != "root":
@@ -513,4 +521,6 @@ def test_a_killed_parent_leaves_no_sandbox_behind():
         time.sleep(0.1)
     assert processes_of(info["uids"]) == []
     time.sleep(0.3)
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "hybridrl-sbx-*"))) <= before
+    stages = made.read_text().split()
+    assert stages and all(os.path.basename(p).startswith("hybridrl-sbx-") for p in stages), stages
+    assert [p for p in stages if os.path.exists(p)] == []
